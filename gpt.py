@@ -1,0 +1,408 @@
+"""gpt.py — the reference decoder-only transformer (GPT-2 and Llama families), tensor- and sequence-parallel.
+
+Mirrors Megatron-LM's `megatron/core/models/gpt/gpt_model.py`, `transformer/transformer_layer.py`,
+`transformer/attention.py`, `transformer/mlp.py` and `models/common/embeddings/` — with the same parameter names and
+tensor layouts, so a Megatron-core checkpoint loads by name (fused QKV grouped per query group, SwiGLU fc1 as
+[gate; up]). The shared transformer pieces (Attention, MLP, TransformerLayer, norms, RoPE) live here once; bert.py,
+t5.py, retro.py and mamba.py import them.
+Papers: Radford et al. 2019 (GPT-2); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU, RoPE); Ainslie et al. 2023 (GQA);
+        Shoeybi et al. 2019 (Megatron-LM tensor parallelism).
+
+Run:    make train MODEL=gpt        (or: .venv/bin/python train.py --model gpt ...; see README)
+
+Dimension glossary
+  b batch    s sequence (s/tp under sequence parallelism)    h hidden    V vocabulary (padded, V/tp per rank)
+  n attention heads (local: n/tp)   g query groups = key/value heads (local: g/tp)   d head dim (kv_channels)
+  f ffn hidden size (f/tp per rank)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+import parallel as P
+
+
+@dataclass
+class Config:
+    """Megatron's TransformerConfig field names. Derived fields are filled in __post_init__."""
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 8
+    num_query_groups: int | None = None  # None = multi-head; 1 = multi-query; else grouped-query attention
+    kv_channels: int | None = None  # head dim d; None = hidden_size / num_attention_heads
+    ffn_hidden_size: int | None = None  # None = 4·h
+    vocab_size: int = 8192
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 1024
+    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope" | "none"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu"  # "gelu" (erf) | "gelu_tanh" (GPT-2's) | "silu" | "relu"
+    gated_linear_unit: bool = False  # True + silu = SwiGLU
+    add_bias_linear: bool = True
+    add_qkv_bias: bool | None = None  # None = add_bias_linear
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    share_embeddings_and_output_weights: bool = True
+    init_method_std: float = 0.02
+    sequence_parallel: bool = False
+    params_dtype: torch.dtype = torch.float32
+    label_smoothing: float = 0.0
+    seed: int = 1234
+
+    def __post_init__(self):
+        h, n = self.hidden_size, self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = n
+        if self.kv_channels is None:
+            if h % n:
+                raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={n}")
+            self.kv_channels = h // n
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * h
+        if self.add_qkv_bias is None:
+            self.add_qkv_bias = self.add_bias_linear
+        if n % self.num_query_groups:
+            raise ValueError(f"num_attention_heads={n} is not divisible by num_query_groups={self.num_query_groups}")
+        for field, allowed in [("position_embedding_type", ("learned_absolute", "rope", "none")),
+                               ("normalization", ("LayerNorm", "RMSNorm")),
+                               ("activation", tuple(ACTIVATIONS))]:
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
+        self.padded_vocab_size = P.pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by)
+        self.output_std = self.init_method_std / math.sqrt(2.0 * self.num_layers)  # scaled init of proj and fc2
+
+    def check_layout(self, tp: int = 1, pp: int = 1):
+        """Refuse a parallel layout this model cannot take, naming the values — before any process group exists."""
+        for what, v in [("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups),
+                        ("ffn_hidden_size", self.ffn_hidden_size), ("padded vocabulary", self.padded_vocab_size)]:
+            if v % tp:
+                raise ValueError(f"{what}={v} is not divisible by tensor-model-parallel size {tp}")
+        if self.num_layers % pp:
+            raise ValueError(f"num_layers={self.num_layers} is not divisible by pipeline-model-parallel size {pp}")
+
+
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
+
+
+def Norm(c: Config, h: int | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm; under sequence parallelism its weights see s/tp tokens, so their grads are partial."""
+    h = h or c.hidden_size
+    cls = nn.LayerNorm if c.normalization == "LayerNorm" else nn.RMSNorm
+    m = cls(h, eps=c.layernorm_epsilon, dtype=c.params_dtype)
+    for name, p in m.named_parameters():
+        P.mark(p, ("ones",) if name == "weight" else ("zeros",), sequence_parallel=c.sequence_parallel)
+    return m
+
+
+# ---------------------------------------------------------------------------------------------- rotary positions
+def rope_cos_sin(s: int, d: int, base: float, device=None):
+    """RoPE angles as Megatron computes them (float32, rotate-half layout): cos and sin [s, 1, 1, d]."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))  # [d/2]
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32, device=device), inv_freq)  # [s, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos_sin):  # x [s, b, n, d]
+    cos, sin = (t[: x.shape[0]].to(x.dtype) for t in cos_sin)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ---------------------------------------------------------------------------------------------- attention and MLP
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention, heads split over TP. Self-attention uses one fused `linear_qkv` whose
+    output is grouped per query group, [q heads of the group; k; v] (Megatron's layout); cross-attention uses
+    `linear_q` and `linear_kv` ([k; v] per group) on a separate key/value input."""
+
+    def __init__(self, c: Config, grid=None, cross: bool = False, rng=None):
+        super().__init__()
+        tp = grid.tp.size if grid is not None else 1
+        h, d, n, g = c.hidden_size, c.kv_channels, c.num_attention_heads, c.num_query_groups
+        self.n, self.g, self.d, self.rng, self.p = n // tp, g // tp, d, rng, c.attention_dropout
+        self.scale = 1.0 / math.sqrt(d)
+        kw = dict(grid=grid, bias=c.add_qkv_bias, std=c.init_method_std, sequence_parallel=c.sequence_parallel,
+                  dtype=c.params_dtype)
+        if cross:
+            self.linear_q = P.ColumnParallelLinear(h, n * d, **kw)
+            self.linear_kv = P.ColumnParallelLinear(h, 2 * g * d, **kw)
+        else:
+            self.linear_qkv = P.ColumnParallelLinear(h, (n + 2 * g) * d, **kw)
+        self.linear_proj = P.RowParallelLinear(n * d, h, grid, bias=c.add_bias_linear, std=c.output_std,
+                                               sequence_parallel=c.sequence_parallel, dtype=c.params_dtype)
+
+    def forward(self, x, rope=None, mask=None, kv_input=None, causal=True):
+        """x [s(/tp), b, h] -> [s(/tp), b, h]. mask: bool [b|1, n|1, sq, sk] True = attend, or a float bias."""
+        if kv_input is None:
+            qkv = rearrange(self.linear_qkv(x), "s b (g m d) -> s b g m d", g=self.g, d=self.d)  # m = n/g + 2
+            q = rearrange(qkv[:, :, :, :-2], "s b g m d -> s b (g m) d")  # [s, b, n, d]
+            k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, g, d]
+        else:
+            q = rearrange(self.linear_q(x), "s b (n d) -> s b n d", d=self.d)
+            k, v = rearrange(self.linear_kv(kv_input), "s b (g two d) -> two s b g d", two=2, d=self.d)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
+        p = self.p if self.training else 0.0
+        ctx = self.rng.fork(device=x.device) if (p > 0 and self.rng is not None) else _null()
+        with ctx:  # attention dropout acts on heads, which are TP shards: the model-parallel RNG stream
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale,
+                                               is_causal=causal and mask is None, enable_gqa=self.g != self.n)
+        return self.linear_proj(rearrange(o, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class MLP(nn.Module):
+    """h -> f -> h. Gated (SwiGLU): fc1 holds [gate; up] fused, sharded with stride 2 so rank r has [gate_r; up_r]."""
+
+    def __init__(self, c: Config, grid=None, ffn_hidden_size: int | None = None):
+        super().__init__()
+        f = ffn_hidden_size or c.ffn_hidden_size
+        self.gated, self.act = c.gated_linear_unit, ACTIVATIONS[c.activation]
+        self.linear_fc1 = P.ColumnParallelLinear(c.hidden_size, f * (2 if self.gated else 1), grid,
+                                                 bias=c.add_bias_linear, std=c.init_method_std,
+                                                 sequence_parallel=c.sequence_parallel,
+                                                 stride=2 if self.gated else 1, dtype=c.params_dtype)
+        self.linear_fc2 = P.RowParallelLinear(f, c.hidden_size, grid, bias=c.add_bias_linear, std=c.output_std,
+                                              sequence_parallel=c.sequence_parallel, dtype=c.params_dtype)
+
+    def forward(self, x):  # [s(/tp), b, h]
+        y = self.linear_fc1(x)  # [s, b, f/tp] or [s, b, 2f/tp]
+        if self.gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = self.act(gate) * up
+        else:
+            y = self.act(y)
+        return self.linear_fc2(y)  # [s(/tp), b, h]
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x)))."""
+
+    def __init__(self, c: Config, grid=None, rng=None):
+        super().__init__()
+        self.c, self.rng = c, rng
+        self.input_layernorm = Norm(c)
+        self.self_attention = Attention(c, grid, rng=rng)
+        self.pre_mlp_layernorm = Norm(c)
+        self.mlp = MLP(c, grid)
+
+    def drop(self, x):  # hidden dropout; under SP the activations are sequence shards -> model-parallel stream
+        return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
+
+    def forward(self, x, rope=None, mask=None):  # [s(/tp), b, h]
+        x = x + self.drop(self.self_attention(self.input_layernorm(x), rope=rope, mask=mask))
+        return x + self.drop(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+# ---------------------------------------------------------------------------------------------- the GPT model
+class Embedding(nn.Module):
+    """Word embeddings (vocab-parallel) + optional learned positions; output [s(/tp), b, h]."""
+
+    def __init__(self, c: Config, grid=None, rng=None):
+        super().__init__()
+        self.c, self.grid, self.rng = c, grid, rng
+        self.word_embeddings = P.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, grid,
+                                                        std=c.init_method_std, dtype=c.params_dtype)
+        if c.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=c.params_dtype)
+            P.mark(self.position_embeddings.weight, ("normal", c.init_method_std))
+
+    def forward(self, input_ids, position_ids=None):  # [b, s]
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if hasattr(self, "position_embeddings"):
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.position_embeddings(position_ids)
+        x = rearrange(x, "b s h -> s b h").contiguous()
+        if self.c.sequence_parallel:
+            x = P.scatter_to_sp(x, P.tp_of(self.grid))  # [s/tp, b, h]
+        return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
+
+
+class Decoder(nn.Module):
+    def __init__(self, c: Config, grid, rng, num_layers: int, post_process: bool):
+        super().__init__()
+        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng) for _ in range(num_layers)])
+        self.final_layernorm = Norm(c) if post_process else None
+
+    def forward(self, x, rope=None, mask=None):
+        for layer in self.layers:
+            x = layer(x, rope=rope, mask=mask)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
+
+
+class Model(nn.Module):
+    """GPT. forward(input_ids [b, s], labels=None) -> logits [b, s, vocab_size], or per-token loss [b, s].
+
+    Pipeline stages: `pre_process` owns the embedding, `post_process` the final norm and output layer;
+    `layer_offset`/`num_layers` pick this stage's layers (global layer numbers keep initialization layout-free).
+    """
+
+    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
+                 num_layers=None):
+        super().__init__()
+        c = self.config = config
+        c.check_layout(grid.tp_size if grid is not None else 1)
+        if c.sequence_parallel and (grid is None or grid.tp_size == 1):
+            c = self.config = _replace(c, sequence_parallel=False)  # SP is a TP feature: a no-op without TP
+        self.grid, self.pre_process, self.post_process = grid, pre_process, post_process
+        self.layer_offset = layer_offset
+        self.rng = P.RNGTracker(c.seed, grid)
+        self.input_tensor = None  # pipeline stages > 0 receive hidden states instead of ids
+        if pre_process:
+            self.embedding = Embedding(c, grid, self.rng)
+        self.decoder = Decoder(c, grid, self.rng, c.num_layers if num_layers is None else num_layers, post_process)
+        if post_process:
+            tied_here = c.share_embeddings_and_output_weights and pre_process
+            self.output_layer = P.ColumnParallelLinear(c.hidden_size, c.padded_vocab_size, grid, bias=False,
+                                                       std=c.init_method_std, sequence_parallel=c.sequence_parallel,
+                                                       dtype=c.params_dtype, skip_weight=tied_here)
+        P.init_params(self, c.seed, grid, rename=self.global_name)
+
+    def global_name(self, name: str) -> str:
+        """Local parameter name -> the name it has in the whole (unsplit) model."""
+        if name.startswith("decoder.layers."):
+            i, rest = name[len("decoder.layers."):].split(".", 1)
+            return f"decoder.layers.{int(i) + self.layer_offset}.{rest}"
+        if name == "output_layer.weight" and self.config.share_embeddings_and_output_weights:
+            return "embedding.word_embeddings.weight"  # a last stage's copy of the tied embedding
+        return name
+
+    def rope(self, s, device):
+        c = self.config
+        return rope_cos_sin(s, c.kv_channels, c.rotary_base, device) if c.position_embedding_type == "rope" else None
+
+    def check_input(self, input_ids):
+        c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)
+        b, s = input_ids.shape
+        if c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
+            raise ValueError(f"sequence length {s} > max_position_embeddings={c.max_position_embeddings}")
+        if c.sequence_parallel and s % tp:
+            raise ValueError(f"sequence parallelism needs the sequence length {s} divisible by tp={tp}")
+
+    def forward(self, input_ids, labels=None, position_ids=None, mask=None):
+        self.check_input(input_ids)
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor  # [s(/tp), b, h]
+        x = self.decoder(x, rope=self.rope(input_ids.shape[1], input_ids.device), mask=mask)
+        return self.postprocess(x, labels) if self.post_process else x
+
+    def postprocess(self, x, labels=None):
+        """Final hidden states [s(/tp), b, h] -> logits [b, s, vocab_size] or per-token loss [b, s]."""
+        tied = self.pre_process and self.config.share_embeddings_and_output_weights
+        w = self.embedding.word_embeddings.weight if tied else None
+        logits = self.output_layer(x, weight=w)  # [s, b, V/tp]
+        if labels is None:
+            logits = P.gather_from_tp(logits, P.tp_of(self.grid))  # [s, b, V]
+            return rearrange(logits, "s b v -> b s v")[..., : self.config.vocab_size]
+        loss = P.vocab_parallel_cross_entropy(logits, labels.t(), self.grid, self.config.label_smoothing)  # [s, b]
+        return loss.t()  # [b, s]
+
+
+def _replace(c, **kw):
+    import dataclasses
+    return dataclasses.replace(c, **kw)
+
+
+@torch.no_grad()
+def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, eod: int | None = None) -> torch.Tensor:
+    """Sample `max_new_tokens` tokens after `ids` [b, s] (full recompute each step: short and obviously right)."""
+    was_training = model.training
+    model.eval()
+    window = model.config.max_position_embeddings
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -window:])[:, -1, :].float()  # [b, V]
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1)  # [b, 1]
+        ids = torch.cat([ids, nxt], dim=1)
+        if eod is not None and bool((nxt == eod).all()):
+            break
+    model.train(was_training)
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def from_hf(hf, grid=None, dtype=None) -> Model:
+    """A Model with the weights of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
+    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
+    dtype = dtype or next(hf.parameters()).dtype
+    common = dict(vocab_size=hc.vocab_size, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)
+    if hc.model_type == "gpt2":
+        c = Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
+                   ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
+                   layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", **common)
+        full = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
+                "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
+                "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
+                "decoder.final_layernorm.bias": sd["transformer.ln_f.bias"]}
+        names = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv", "ln_2": "pre_mlp_layernorm",
+                 "attn.c_proj": "self_attention.linear_proj", "mlp.c_fc": "mlp.linear_fc1", "mlp.c_proj": "mlp.linear_fc2"}
+        for i in range(c.num_layers):
+            for src, dst in names.items():
+                for kind in ("weight", "bias"):
+                    t = sd[f"transformer.h.{i}.{src}.{kind}"]
+                    if kind == "weight" and not src.startswith("ln"):
+                        t = t.t()  # HF's Conv1D stores [in, out]
+                    if src == "attn.c_attn":  # [q; k; v] of all heads -> Megatron's per-head [q_h; k_h; v_h]
+                        t = rearrange(t, "(three n d) ... -> (n three d) ...", three=3, n=c.num_attention_heads)
+                    full[f"decoder.layers.{i}.{dst}.{kind}"] = t
+    elif hc.model_type == "llama":
+        c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size,
+                   num_attention_heads=hc.num_attention_heads, num_query_groups=hc.num_key_value_heads,
+                   kv_channels=getattr(hc, "head_dim", None),
+                   ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
+                   position_embedding_type="rope", rotary_base=_rope_theta(hc), normalization="RMSNorm",
+                   layernorm_epsilon=hc.rms_norm_eps, activation="silu", gated_linear_unit=True,
+                   add_bias_linear=False, add_qkv_bias=bool(getattr(hc, "attention_bias", False)),
+                   share_embeddings_and_output_weights=hc.tie_word_embeddings, **common)
+        g = c.num_query_groups
+        full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+                "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+        if not c.share_embeddings_and_output_weights:
+            full["output_layer.weight"] = sd["lm_head.weight"]
+        for i in range(c.num_layers):
+            h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+            q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.weight"], "(g r) h -> g r h", g=g) for t in "qkv")
+            full.update({o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
+                         o + "self_attention.linear_qkv.weight": rearrange(torch.cat([q, k, v], 1), "g r h -> (g r) h"),
+                         o + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
+                         o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
+                         o + "mlp.linear_fc1.weight": torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]]),
+                         o + "mlp.linear_fc2.weight": sd[h + "mlp.down_proj.weight"]})
+            if c.add_qkv_bias:
+                q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.bias"], "(g r) -> g r", g=g) for t in "qkv")
+                full[o + "self_attention.linear_qkv.bias"] = torch.cat([q, k, v], 1).flatten()
+    else:
+        raise ValueError(f"from_hf: unsupported model_type {hc.model_type!r} (gpt2 and llama are)")
+    model = Model(c, grid)
+    for k in [k for k in full if k.endswith("word_embeddings.weight") or k == "output_layer.weight"]:
+        full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
+    P.load_full_state_dict(model, full, grid)
+    return model
+
+
+def _rope_theta(hc) -> float:
+    rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
+    return float(rp.get("rope_theta", getattr(hc, "rope_theta", 10000.0)))

@@ -1,0 +1,581 @@
+"""parallel.py — every way mini-megatron splits a model across processes, in one file, one fenced section each.
+
+Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
+layers, cross-entropy, random), and the sequence-parallel parts of `megatron/core/transformer/`.
+Papers: Shoeybi et al. 2019, "Megatron-LM" (tensor parallelism, the f and g operators);
+        Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence parallelism).
+
+Run its tests:  make test   (or: .venv/bin/python -m pytest -q tests/test_tensor_parallel.py)
+
+Sections
+  1. Grid                 — the process grid (tp, cp, dp, pp), TP innermost.            ~ parallel_state.py
+  2. Mappings             — f, g, scatter/gather, the sequence-parallel trio.           ~ tensor_parallel/mappings.py
+  3. Initialization       — full master weights from the seed, sliced per rank.         ~ tensor_parallel/layers.py
+  4. Tensor-parallel layers and vocab-parallel cross-entropy.                            ~ layers.py, cross_entropy.py
+  5. RNG tracker and dropout.                                                             ~ tensor_parallel/random.py
+  6. Gradient finalization (sequence-parallel LayerNorm grads) and shard gathering.      ~ distributed/finalize_model_grads.py
+
+Dimension glossary (used in every shape comment of the project)
+  b  micro-batch size          s  sequence length (s/tp under sequence parallelism)
+  h  hidden size               V  vocabulary size (padded; V/tp per TP rank)
+  tp tensor-parallel size      pp pipeline-parallel size     dp data-parallel size     cp context-parallel size
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+# ============================================================================================================
+# 1. Grid — mirrors megatron/core/parallel_state.py (initialize_model_parallel, order="tp-cp-ep-dp-pp")
+# ============================================================================================================
+_GROUPS: dict[tuple[int, ...], object] = {}  # process groups are expensive: one per rank tuple, made once
+
+
+def _group(ranks: list[int]):
+    """The process group over `ranks`. Like Megatron, every rank of the world creates every group, in one order."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key)) if len(key) > 1 else None
+    return _GROUPS[key]
+
+
+class Group:
+    """One communicator: its size, this rank's index in it, the global ranks, and the torch process group.
+
+    size 1 means "no communication": every collective below returns its input untouched.
+    """
+
+    def __init__(self, ranks: list[int], me: int, pg=None):
+        self.ranks, self.size, self.rank, self.pg = ranks, len(ranks), ranks.index(me), pg
+
+    def __repr__(self):
+        return f"Group(ranks={self.ranks}, rank={self.rank})"
+
+
+class Grid:
+    """The process grid: the world's ranks laid out as a [pp, dp, cp, tp] array, TP innermost.
+
+        world 8, tp 2, pp 2, dp 2:      pp stage 0        pp stage 1
+                                      dp0: [0, 1]       dp0: [4, 5]     <- a TP group is a row
+                                      dp1: [2, 3]       dp1: [6, 7]     <- a DP group is a column within a stage
+    Ranks next to each other share a TP group: TP talks most, so it gets the fastest links (same node).
+    A Grid is a plain object passed to every layer, never a module global. Every rank of the world must build it
+    (collectively, like Megatron's initialize_model_parallel), with the same degrees.
+    """
+
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        for name, v in dict(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp).items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Grid: {name}={v!r} must be a positive integer")
+        if tp * pp * dp * cp != world:
+            raise ValueError(f"Grid: world size {world} != tp*pp*dp*cp = {tp}*{pp}*{dp}*{cp} = {tp * pp * dp * cp}")
+        if dp % ep:
+            raise ValueError(f"Grid: expert-parallel size ep={ep} must divide dp={dp} (experts are carved from DP)")
+        self.tp_size, self.pp_size, self.dp_size, self.ep_size, self.cp_size = tp, pp, dp, ep, cp
+        me = dist.get_rank() if dist.is_initialized() else 0
+        g = torch.arange(world).view(pp, dp, cp, tp)  # g[p, d, c, t] = global rank
+        layouts = {  # name -> every group of that kind, one per row (the innermost dims are the group)
+            "tp": g.reshape(-1, tp),
+            "cp": g.permute(0, 1, 3, 2).reshape(-1, cp),
+            "dp": g.permute(0, 2, 3, 1).reshape(-1, dp),
+            "dp_cp": g.permute(0, 3, 1, 2).reshape(-1, dp * cp),  # gradients are averaged over dp x cp
+            "pp": g.permute(1, 2, 3, 0).reshape(-1, pp),
+            "mp": g.permute(1, 2, 0, 3).reshape(-1, pp * tp),  # one model replica (tp x pp)
+        }
+        ends = [sorted({int(r[0]), int(r[-1])}) for r in layouts["pp"]]  # first & last stage: tied embeddings
+        for name, rows in list(layouts.items()) + [("embedding", ends)]:
+            for row in rows:  # every rank creates every group, in the same order
+                row = [int(r) for r in row]
+                pg = _group(row)
+                if me in row:
+                    setattr(self, name, Group(row, me, pg))
+        if not hasattr(self, "embedding"):
+            self.embedding = None  # middle pipeline stages hold no embedding
+
+    def __repr__(self):
+        return (f"Grid(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, cp={self.cp_size}, "
+                f"ep={self.ep_size}; tp_rank={self.tp.rank}, pp_rank={self.pp.rank}, dp_rank={self.dp.rank})")
+
+
+def tp_of(grid: Grid | None) -> Group | None:
+    """The TP group, or None when there is nothing to communicate with."""
+    return grid.tp if grid is not None and grid.tp.size > 1 else None
+
+
+# ============================================================================================================
+# 2. Mappings — mirrors megatron/core/tensor_parallel/mappings.py
+#
+#  Each mapping is an autograd function whose backward is the conjugate collective of its forward:
+#       name                     forward                    backward            paper
+#       copy_to_tp               identity                   all-reduce          f
+#       reduce_from_tp           all-reduce                 identity            g
+#       scatter_to_tp            split last dim             all-gather last     (Megatron: scatter_to_tensor_...)
+#       gather_from_tp           all-gather last dim        split last dim
+#       scatter_to_sp            split dim 0 (sequence)     all-gather dim 0    (SP entry)
+#       gather_from_sp           all-gather dim 0           reduce-scatter      ḡ (g-bar, Korthikanti et al.)
+#       reduce_scatter_to_sp     reduce-scatter dim 0       all-gather dim 0    ḡ's partner: replaces g under SP
+# ============================================================================================================
+def _all_reduce(x, g: Group | None):
+    if g is None or g.size == 1:
+        return x
+    x = x.clone(memory_format=torch.contiguous_format)  # never reduce a caller's tensor (e.g. a grad) in place
+    dist.all_reduce(x, group=g.pg)
+    return x
+
+
+def _split(x, g: Group | None, dim: int):
+    if g is None or g.size == 1:
+        return x
+    if x.shape[dim] % g.size:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} into {g.size} equal parts")
+    return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+
+def _gather(x, g: Group | None, dim: int):
+    if g is None or g.size == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x, group=g.pg)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x, g: Group | None):  # along dim 0
+    if g is None or g.size == 1:
+        return x
+    if x.shape[0] % g.size:
+        raise ValueError(f"cannot reduce-scatter dim 0 of size {x.shape[0]} over {g.size} ranks")
+    out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
+    dist.reduce_scatter_single(out, x.contiguous(), group=g.pg)
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):  # f
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_reduce(dy, ctx.g), None
+
+
+class _ReduceFromTP(torch.autograd.Function):  # g
+    @staticmethod
+    def forward(ctx, x, g):
+        return _all_reduce(x, g)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _split(x, g, -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather(dy, ctx.g, -1), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _gather(x, g, -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _split(dy, ctx.g, -1), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _split(x, g, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather(dy, ctx.g, 0), None
+
+
+class _GatherFromSP(torch.autograd.Function):  # ḡ
+    @staticmethod
+    def forward(ctx, x, g, tp_output_grad):
+        ctx.g, ctx.tp_output_grad = g, tp_output_grad
+        return _gather(x, g, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        # The consumer is a TP-sharded op (a column-parallel linear): each rank holds a partial gradient -> sum it.
+        # Otherwise every rank already holds the full gradient and just keeps its own slice.
+        return (_reduce_scatter(dy, ctx.g) if ctx.tp_output_grad else _split(dy, ctx.g, 0)), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _reduce_scatter(x, g)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather(dy, ctx.g, 0), None
+
+
+def copy_to_tp(x, g):
+    return _CopyToTP.apply(x, g) if g is not None else x
+
+
+def reduce_from_tp(x, g):
+    return _ReduceFromTP.apply(x, g) if g is not None else x
+
+
+def scatter_to_tp(x, g):
+    return _ScatterToTP.apply(x, g) if g is not None else x
+
+
+def gather_from_tp(x, g):
+    return _GatherFromTP.apply(x, g) if g is not None else x
+
+
+def scatter_to_sp(x, g):
+    return _ScatterToSP.apply(x, g) if g is not None else x
+
+
+def gather_from_sp(x, g, tp_output_grad: bool = True):
+    return _GatherFromSP.apply(x, g, tp_output_grad) if g is not None else x
+
+
+def reduce_scatter_to_sp(x, g):
+    return _ReduceScatterToSP.apply(x, g) if g is not None else x
+
+
+# ============================================================================================================
+# 3. Initialization — mirrors Megatron's `use_cpu_initialization` path (_initialize_affine_weight_cpu)
+#
+#  Every parameter is a slice of a full "master" tensor generated from (seed, the parameter's global name), so a
+#  TP=4 model, a TP=1 model and a pipeline stage that owns only layers 6..11 all hold the same numbers.
+#  A parameter carries Megatron's attributes: `tensor_model_parallel`, `partition_dim`, `partition_stride`,
+#  `sequence_parallel` (a replicated param whose grad is partial under SP), and our `init` recipe.
+# ============================================================================================================
+def mark(p: nn.Parameter, init: tuple, partition_dim: int = -1, stride: int = 1, sequence_parallel: bool = False):
+    """Attach the sharding and init attributes to a parameter (partition_dim -1 = replicated)."""
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = partition_dim >= 0, partition_dim, stride
+    p.sequence_parallel, p.init = sequence_parallel, init
+    return p
+
+
+def shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's slice of `full` along `dim`. stride > 1 interleaves: SwiGLU fc1 [gate; up] -> [gate_r; up_r]."""
+    if dim < 0 or size == 1:
+        return full
+    parts = full.chunk(stride * size, dim=dim)  # stride blocks, each cut into `size` pieces
+    return torch.cat([parts[i * size + rank] for i in range(stride)], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every rank's slice, in rank order."""
+    if dim < 0 or len(shards) == 1:
+        return shards[0]
+    pieces = [s.chunk(stride, dim=dim) for s in shards]  # [rank][stride block]
+    return torch.cat([pieces[r][i] for i in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_params(module: nn.Module, seed: int, grid: Grid | None, rename=lambda name: name):
+    """Fill every marked parameter: build its full master tensor from (seed, global name), keep this rank's slice.
+
+    `rename` maps a local parameter name to its layout-independent global name (pipeline stages offset the
+    layer numbers). Shared parameters (tied embeddings) are filled once, from their first name.
+    """
+    tp = grid.tp if grid is not None else None
+    seen = set()
+    for name, p in module.named_parameters():
+        if id(p) in seen or not hasattr(p, "init"):
+            continue
+        seen.add(id(p))
+        size = tp.size if (tp is not None and p.tensor_model_parallel) else 1
+        full_shape = list(p.shape)
+        if p.tensor_model_parallel:
+            full_shape[p.partition_dim] *= size
+        kind, *args = p.init
+        if kind == "normal":
+            gen = torch.Generator().manual_seed(_seed_for(seed, rename(name)))
+            full = torch.randn(full_shape, generator=gen, dtype=torch.float64) * args[0]
+        elif kind in ("zeros", "ones"):
+            full = torch.zeros(full_shape) if kind == "zeros" else torch.ones(full_shape)
+        else:
+            raise ValueError(f"unknown init {p.init} for {name}")
+        rank = tp.rank if size > 1 else 0
+        p.copy_(shard(full, p.partition_dim, p.partition_stride, rank, size).to(p.dtype))
+
+
+# ============================================================================================================
+# 4. Tensor-parallel layers — mirrors megatron/core/tensor_parallel/layers.py and cross_entropy.py
+#
+#   ColumnParallelLinear  Y = X·Aᵀ,  A split by rows (output features):   X ─f─> [X·A₁ᵀ | X·A₂ᵀ]   (no comm after)
+#   RowParallelLinear     Y = X·Aᵀ,  A split by columns (input features): [X₁ | X₂] -> X₁·A₁ᵀ + X₂·A₂ᵀ ─g─> Y
+#   Under sequence parallelism f becomes an all-gather of the sequence (gather_from_sp) and g a reduce-scatter
+#   (reduce_scatter_to_sp), so activations between the layers stay split along s.
+# ============================================================================================================
+class ColumnParallelLinear(nn.Module):
+    """Linear layer with the weight [out/tp, in] split along the output dim; bias [out/tp] split too."""
+
+    def __init__(self, in_features, out_features, grid=None, bias=True, std=0.02, gather_output=False,
+                 sequence_parallel=False, stride=1, dtype=None, skip_weight=False):
+        super().__init__()
+        self.tp, self.gather_output, self.sequence_parallel = tp_of(grid), gather_output, sequence_parallel
+        n = self.tp.size if self.tp else 1
+        if out_features % n:
+            raise ValueError(f"ColumnParallelLinear: out_features={out_features} not divisible by tp={n}")
+        self.weight = None  # skip_weight: the weight is passed to forward (a tied output layer uses the embedding's)
+        if not skip_weight:
+            self.weight = mark(nn.Parameter(torch.empty(out_features // n, in_features, dtype=dtype)),
+                               ("normal", std), partition_dim=0, stride=stride)
+        self.bias = mark(nn.Parameter(torch.empty(out_features // n, dtype=dtype)), ("zeros",), 0, stride) if bias else None
+
+    def forward(self, x, weight=None):  # x [s(/tp), b, in] -> [s, b, out/tp]
+        w = weight if weight is not None else self.weight
+        x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
+        y = F.linear(x, w, self.bias)  # [s, b, out/tp]
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer with the weight [out, in/tp] split along the input dim; the bias is added after the reduction."""
+
+    def __init__(self, in_features, out_features, grid=None, bias=True, std=0.02, sequence_parallel=False, dtype=None):
+        super().__init__()
+        self.tp, self.sequence_parallel = tp_of(grid), sequence_parallel
+        n = self.tp.size if self.tp else 1
+        if in_features % n:
+            raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={n}")
+        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // n, dtype=dtype)), ("normal", std), 1)
+        self.bias = mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), ("zeros",),
+                         sequence_parallel=sequence_parallel) if bias else None
+
+    def forward(self, x):  # x [s, b, in/tp] -> [s(/tp), b, out]
+        y = F.linear(x, self.weight)  # partial sums [s, b, out]
+        y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows are split over TP: rank r owns ids [r·V/tp, (r+1)·V/tp); others contribute zeros, then g."""
+
+    def __init__(self, num_embeddings, embedding_dim, grid=None, std=0.02, dtype=None):
+        super().__init__()
+        self.tp = tp_of(grid)
+        n, r = (self.tp.size, self.tp.rank) if self.tp else (1, 0)
+        if num_embeddings % n:
+            raise ValueError(f"VocabParallelEmbedding: vocabulary {num_embeddings} not divisible by tp={n}")
+        self.per_rank = num_embeddings // n
+        self.start = r * self.per_rank
+        self.weight = mark(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype)), ("normal", std), 0)
+
+    def forward(self, ids):  # ids [b, s] -> [b, s, h]
+        if self.tp is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)  # ids owned by another rank contribute nothing here
+        return reduce_from_tp(y, self.tp)  # g
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """loss = log Σⱼ exp(zⱼ) − z_target, with z split over TP along V; three all-reduces (max, target, sum-exp).
+
+    With label smoothing ε (as torch.nn.functional.cross_entropy defines it): loss = (1−ε)·nll + ε·mean_j(−log pⱼ),
+    which needs one more sum, Σⱼ zⱼ, packed into the same all-reduce as the target logit.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, g, eps):  # logits [s, b, V/tp], target [s, b]
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        n, r = (g.size, g.rank) if g is not None else (1, 0)
+        vp = logits.shape[-1]
+        zmax = logits.max(dim=-1).values
+        if g is not None:
+            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=g.pg)  # 1: global max for stability
+        z = logits - zmax.unsqueeze(-1)
+        local = target - r * vp
+        outside = (local < 0) | (local >= vp)
+        idx = local.masked_fill(outside, 0).unsqueeze(-1)
+        z_target = z.gather(-1, idx).squeeze(-1).masked_fill(outside, 0.0)
+        sums = torch.stack([z_target, z.sum(-1)]) if eps > 0 else z_target.unsqueeze(0)
+        sum_exp = z.exp().sum(-1)
+        sums = _all_reduce(sums, g)  # 2: the target logit (owned by one rank) [and Σ z]
+        sum_exp = _all_reduce(sum_exp, g)  # 3: the softmax denominator
+        log_z = sum_exp.log()
+        loss = log_z - sums[0]
+        if eps > 0:
+            V = vp * n
+            loss = (1 - eps) * loss + eps * (log_z - sums[1] / V)
+        softmax = z.exp() / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, idx, outside)
+        ctx.eps, ctx.V = eps, vp * n
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):  # d loss / d z = softmax − (1−ε)·onehot − ε/V
+        softmax, idx, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        if ctx.eps > 0:
+            grad -= ctx.eps / ctx.V
+        grad.scatter_add_(-1, idx, -(1 - ctx.eps) * (~outside).unsqueeze(-1).to(grad.dtype))
+        return grad * dloss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, grid_or_group=None, label_smoothing: float = 0.0):
+    """Per-token loss [s, b] from vocabulary-sharded logits [s, b, V/tp] without gathering the vocabulary."""
+    g = tp_of(grid_or_group) if isinstance(grid_or_group, Grid) else grid_or_group
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    return _VocabParallelCrossEntropy.apply(logits, target, g, float(label_smoothing))
+
+
+# ============================================================================================================
+# 5. RNG tracker and dropout — mirrors megatron/core/tensor_parallel/random.py
+#
+#  Two streams: the default one, seeded identically on every TP rank (dropout in replicated regions must agree),
+#  and "model-parallel-rng" = seed + 2718 + tp_rank (dropout on sharded activations: attention heads, and everything
+#  under sequence parallelism, must differ across ranks or the shards would share one mask).
+# ============================================================================================================
+class RNGTracker:
+    """Named RNG streams that `fork(name)` swaps in and out of torch's default generator (CPU, or CUDA for CUDA x).
+
+    Creating the tracker seeds the default stream (seed + 100·pp_rank, as Megatron's _set_random_seed does).
+    """
+
+    def __init__(self, seed: int, grid: Grid | None = None):
+        tp_rank = grid.tp.rank if grid is not None else 0
+        pp_rank = grid.pp.rank if grid is not None else 0
+        self.seed = seed + 100 * pp_rank  # pipeline stages differ; TP and DP ranks agree
+        torch.manual_seed(self.seed)  # the default stream (seeds CUDA too)
+        self.seeds = {"model-parallel-rng": self.seed + 2718 + tp_rank}
+        self.states: dict[tuple[str, str], torch.Tensor] = {}
+        self._active: set[str] = set()
+
+    @staticmethod
+    def _get(dev):
+        return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+
+    @staticmethod
+    def _set(state, dev):
+        torch.cuda.set_rng_state(state, dev) if dev.type == "cuda" else torch.set_rng_state(state)
+
+    def add(self, name: str, seed: int):
+        self.seeds[name] = seed
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng", device="cpu"):
+        dev = torch.device(device)
+        if name in self._active:  # re-entrant: already drawing from this stream
+            yield
+            return
+        orig = self._get(dev)
+        key = (name, dev.type)
+        if key not in self.states:  # first use on this device type: a fresh generator state from the seed
+            torch.cuda.manual_seed(self.seeds[name]) if dev.type == "cuda" else torch.manual_seed(self.seeds[name])
+            self.states[key] = self._get(dev)
+        self._set(self.states[key], dev)
+        self._active.add(name)
+        try:
+            yield
+        finally:
+            self._active.discard(name)
+            self.states[key] = self._get(dev)
+            self._set(orig, dev)
+
+
+def dropout(x, p: float, training: bool, rng: RNGTracker | None = None, sharded: bool = False):
+    """F.dropout drawn from the model-parallel stream when `x` is a TP/SP shard, else from the default stream."""
+    if p == 0.0 or not training:
+        return x
+    if sharded and rng is not None:
+        with rng.fork(device=x.device):
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+# ============================================================================================================
+# 6. Gradient finalization and shard gathering — mirrors megatron/core/distributed/finalize_model_grads.py
+# ============================================================================================================
+def finalize_grads(model: nn.Module, grid: Grid | None):
+    """Reductions that backward alone cannot do, called once per step after the last micro-batch's backward.
+
+    1. Sequence parallelism: each TP rank saw only s/tp tokens, so replicated parameters used on sharded
+       activations (LayerNorm weights, RowParallel biases, ...) hold partial gradients: sum them over TP.
+    2. Data parallelism (plain, unbucketed): sum every gradient over the DP x CP group. No 1/dp here: the loss is
+       already divided by the *global* token count (design.md §2), so the sum is the exact global gradient.
+    """
+    if grid is None:
+        return
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grid.tp.size > 1:
+        _sum_grads([p for p in params if getattr(p, "sequence_parallel", False)], grid.tp)
+    if grid.dp_cp.size > 1:
+        _sum_grads(params, grid.dp_cp)
+
+
+def _sum_grads(params, g: Group):
+    """All-reduce (sum) the grads of `params` over `g` as one flat buffer: one collective, not one per tensor."""
+    if not params:
+        return
+    flat = _all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), g)
+    for p, new in zip(params, flat.split([p.grad.numel() for p in params])):
+        p.grad.copy_(new.view_as(p.grad))
+
+
+def gather_full(t: torch.Tensor, p: nn.Parameter, grid: Grid | None) -> torch.Tensor:
+    """The full (unsharded) tensor of parameter `p`'s shard `t` (the parameter itself or its gradient)."""
+    tp = tp_of(grid)
+    if tp is None or not getattr(p, "tensor_model_parallel", False):
+        return t
+    out = [torch.empty_like(t) for _ in range(tp.size)]
+    dist.all_gather(out, t.contiguous(), group=tp.pg)
+    return unshard(out, p.partition_dim, p.partition_stride)
+
+
+def pad_vocab(vocab_size: int, divisible_by: int = 128) -> int:
+    """Vocabulary padded to a multiple of `divisible_by` — NOT of divisible_by·tp as in Megatron (its issue #1754),
+    so every TP size trains the same model."""
+    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], grid: Grid | None, strict: bool = True):
+    """Copy full (unsharded) tensors into `module`, each rank keeping its slice — the inverse of `gather_full`."""
+    tp = tp_of(grid)
+    own = dict(module.named_parameters(remove_duplicate=False))
+    missing = [k for k in own if k not in full]
+    unexpected = [k for k in full if k not in own]
+    if strict and (missing or unexpected):
+        raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, p in own.items():
+        if name not in full:
+            continue
+        t = full[name]
+        if getattr(p, "tensor_model_parallel", False) and tp is not None:
+            t = shard(t, p.partition_dim, p.partition_stride, tp.rank, tp.size)
+        if t.shape != p.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
+        p.copy_(t)

@@ -1,0 +1,132 @@
+"""Pools of gloo worker ranks, started once per test session, that run test functions on every rank of a world.
+
+Starting ranks is slow on 2 cores (8 ranks ≈ 11 s), so a world of n ranks is made once (on first use) and every
+n-rank test case is sent to it: `pools.run(fn, n, **kwargs)` calls `fn(rank, n, **kwargs)` on ranks 0..n-1 and
+returns their results in rank order; n = 1 runs in this process. `fn` must be a module-level function of an
+importable module (a test file); it builds its own `parallel.Grid(...)` over the world, as Megatron's
+initialize_model_parallel does, so one world serves e.g. tp=4 and tp=2 x dp=2 cases alike. Results travel as
+torch.save bytes. If a case fails or hangs on any rank, the pool is torn down and started again (a rank stuck in a collective
+cannot be trusted), and the first rank's traceback is raised in the parent.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, inq, outq):
+    sys.path[:0] = [ROOT, HERE]
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=timedelta(seconds=90))
+    while True:
+        job = inq.get()
+        if job is None:
+            break
+        module, name, n, kwargs = job
+        try:
+            result = getattr(importlib.import_module(module), name)(rank, n, **kwargs)
+            buf = io.BytesIO()
+            torch.save(result, buf)
+            outq.put((rank, "ok", buf.getvalue()))
+        except BaseException:  # noqa: BLE001 — report everything to the parent
+            outq.put((rank, "error", traceback.format_exc()))
+
+
+class CaseFailed(AssertionError):
+    pass
+
+
+class Pool:
+    def __init__(self, world: int = 4, timeout: float = 300.0):
+        self.world, self.timeout, self.procs = world, timeout, []
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.inqs = [ctx.Queue() for _ in range(self.world)]
+        self.outq = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world, port, self.inqs[r], self.outq), daemon=True)
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def close(self):
+        for q in self.inqs:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self.procs = []
+
+    def restart(self):
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.join()
+        self._start()
+
+    def run(self, fn, n: int, **kwargs):
+        """fn(rank, n, **kwargs) on ranks 0..n-1 (n = the pool's world); returns the list of their results."""
+        import torch
+
+        if n != self.world:
+            raise ValueError(f"case needs {n} ranks, pool has {self.world}")
+        for r in range(n):
+            self.inqs[r].put((fn.__module__, fn.__name__, n, kwargs))
+        results, errors = {}, {}
+        try:
+            for _ in range(n):
+                rank, status, payload = self.outq.get(timeout=self.timeout)
+                (results if status == "ok" else errors)[rank] = payload
+                if errors:  # other ranks may now hang in a collective: do not wait for them
+                    break
+        except queue.Empty:
+            errors[-1] = f"timeout after {self.timeout}s; ranks that answered: {sorted(results)}"
+        if errors:
+            self.restart()
+            rank = min(errors)
+            raise CaseFailed(f"{fn.__name__} failed on rank {rank} of {n}:\n{errors[rank]}")
+        return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(n)]
+
+
+class Pools:
+    """One Pool per world size, started on first use and kept for the session."""
+
+    def __init__(self):
+        self.pools: dict[int, Pool] = {}
+
+    def run(self, fn, n: int, **kwargs):
+        if n == 1:
+            return [fn(0, 1, **kwargs)]
+        if n not in self.pools:
+            self.pools[n] = Pool(n)
+        return self.pools[n].run(fn, n, **kwargs)
+
+    def close(self):
+        for p in self.pools.values():
+            p.close()

@@ -579,3 +579,23 @@ def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], grid:
         if t.shape != p.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
         p.copy_(t)
+
+
+# ============================================================================================================
+# 7. Schedules — mirrors megatron/core/pipeline_parallel/schedules.py (get_forward_backward_func)
+#
+#  A schedule runs forward and backward over the micro-batches of one step. Every schedule applies the one
+#  loss-normalization rule (design.md §2): each micro-batch contributes (sum of its token losses) / num_tokens,
+#  where num_tokens counts the loss tokens of the whole global batch (all micro-batches, all DP ranks).
+# ============================================================================================================
+def forward_backward_no_pipelining(model: nn.Module, micro_batches, loss_func, num_tokens: int | float):
+    """Gradient accumulation: forward + backward each micro-batch in turn. Returns this rank's loss contribution.
+
+    `loss_func(model, micro_batch)` returns the *sum* of the micro-batch's per-token losses (a scalar tensor).
+    """
+    total = 0.0
+    for mb in micro_batches:
+        loss_sum = loss_func(model, mb)
+        (loss_sum / num_tokens).backward()
+        total = total + loss_sum.detach() / num_tokens
+    return total

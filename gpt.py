@@ -273,6 +273,8 @@ class Model(nn.Module):
             self.output_layer = P.ColumnParallelLinear(c.hidden_size, c.padded_vocab_size, grid, bias=False,
                                                        std=c.init_method_std, sequence_parallel=c.sequence_parallel,
                                                        dtype=c.params_dtype, skip_weight=tied_here)
+        if c.share_embeddings_and_output_weights and pre_process != post_process:  # a pipeline end: one copy of two
+            (self.embedding.word_embeddings if pre_process else self.output_layer).weight.shared_embedding = True
         P.init_params(self, c.seed, grid, rename=self.global_name)
 
     def global_name(self, name: str) -> str:

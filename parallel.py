@@ -278,18 +278,27 @@ def mark(p: nn.Parameter, init: tuple, partition_dim: int = -1, stride: int = 1,
     return p
 
 
-def shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
-    """This rank's slice of `full` along `dim`. stride > 1 interleaves: SwiGLU fc1 [gate; up] -> [gate_r; up_r]."""
+def shard(full: torch.Tensor, dim: int, stride, rank: int, size: int) -> torch.Tensor:
+    """This rank's slice of `full` along `dim`. stride > 1 interleaves: SwiGLU fc1 [gate; up] -> [gate_r; up_r].
+
+    `stride` may also be a list of (full) segment sizes, each split over the ranks on its own: Mamba's in_proj
+    [z, x, B, C, dt] -> [z_r, x_r, B_r, C_r, dt_r] (Megatron's per-segment split of unequal blocks).
+    """
     if dim < 0 or size == 1:
         return full
+    if isinstance(stride, (list, tuple)):
+        return torch.cat([seg.chunk(size, dim=dim)[rank] for seg in full.split(list(stride), dim=dim)], dim=dim)
     parts = full.chunk(stride * size, dim=dim)  # stride blocks, each cut into `size` pieces
     return torch.cat([parts[i * size + rank] for i in range(stride)], dim=dim)
 
 
-def unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+def unshard(shards: list[torch.Tensor], dim: int, stride) -> torch.Tensor:
     """Inverse of `shard`: the full tensor from every rank's slice, in rank order."""
     if dim < 0 or len(shards) == 1:
         return shards[0]
+    if isinstance(stride, (list, tuple)):  # segment sizes: each rank holds 1/n of every segment
+        pieces = [s.split([n // len(shards) for n in stride], dim=dim) for s in shards]
+        return torch.cat([pieces[r][i] for i in range(len(stride)) for r in range(len(shards))], dim=dim)
     pieces = [s.chunk(stride, dim=dim) for s in shards]  # [rank][stride block]
     return torch.cat([pieces[r][i] for i in range(stride) for r in range(len(shards))], dim=dim)
 
@@ -519,19 +528,25 @@ def dropout(x, p: float, training: bool, rng: RNGTracker | None = None, sharded:
 # ============================================================================================================
 # 6. Gradient finalization and shard gathering — mirrors megatron/core/distributed/finalize_model_grads.py
 # ============================================================================================================
-def finalize_grads(model: nn.Module, grid: Grid | None):
+def finalize_grads(model: nn.Module | list[nn.Module], grid: Grid | None):
     """Reductions that backward alone cannot do, called once per step after the last micro-batch's backward.
 
     1. Sequence parallelism: each TP rank saw only s/tp tokens, so replicated parameters used on sharded
        activations (LayerNorm weights, RowParallel biases, ...) hold partial gradients: sum them over TP.
-    2. Data parallelism (plain, unbucketed): sum every gradient over the DP x CP group. No 1/dp here: the loss is
+    2. Tied embeddings under pipelining: the first stage's word embedding and the last stage's output layer are
+       two copies of one weight; sum their grads over the embedding group so both take the same step.
+    3. Data parallelism (plain, unbucketed): sum every gradient over the DP x CP group. No 1/dp here: the loss is
        already divided by the *global* token count (design.md §2), so the sum is the exact global gradient.
+    `model` may be a list of virtual-pipeline chunks.
     """
     if grid is None:
         return
-    params = [p for p in model.parameters() if p.grad is not None]
+    chunks = model if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
+    params = [p for m in chunks for p in m.parameters() if p.grad is not None]
     if grid.tp.size > 1:
         _sum_grads([p for p in params if getattr(p, "sequence_parallel", False)], grid.tp)
+    if grid.embedding is not None and grid.embedding.size > 1:
+        _sum_grads([p for p in params if getattr(p, "shared_embedding", False)], grid.embedding)
     if grid.dp_cp.size > 1:
         _sum_grads(params, grid.dp_cp)
 
@@ -599,3 +614,141 @@ def forward_backward_no_pipelining(model: nn.Module, micro_batches, loss_func, n
         (loss_sum / num_tokens).backward()
         total = total + loss_sum.detach() / num_tokens
     return total
+
+
+# ============================================================================================================
+# 8. Pipeline parallelism — mirrors megatron/core/pipeline_parallel/schedules.py and p2p_communication.py
+#
+#  The layers are cut into pp stages (pp·v chunks with the interleaved schedule: rank r holds chunks
+#  r, r+pp, r+2pp, ... of the model, so activations travel 0 -> 1 -> ... -> pp-1 -> 0 -> ... v times).
+#  A schedule is just the ordered list of what one rank does: ("F", micro-batch, chunk) and ("B", ...).
+#  `run_schedule` executes such a list: a forward receives its input from the previous stage (unless it is the
+#  first), a backward receives the output gradient from the next stage (unless it is the last). Sends are
+#  asynchronous and every message is tagged (micro-batch, chunk, direction), so the only waits are real data
+#  dependencies — the schedule's order alone decides the timetable.
+#
+#  1F1B, pp = 4, M = 6 micro-batches (F = forward, B = backward, . = bubble):
+#      rank 0: F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 .  B3 .  B4 .  B5
+#      rank 1:    F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5
+#      rank 2:       F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 .  B5
+#      rank 3:          F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5
+#  warmup = min(pp − rank − 1, M) forwards, then one-forward-one-backward, then the cooldown backwards. A rank
+#  never holds more than warmup + 1 micro-batches' activations (vs M for all-forward-then-all-backward).
+# ============================================================================================================
+def stage_layers(num_layers: int, grid: Grid | None, vp: int = 1, chunk: int = 0) -> tuple[int, int]:
+    """(first global layer, layer count) of virtual chunk `chunk` on this rank, as Megatron's get_transformer_layer_offset."""
+    pp, r = (grid.pp_size, grid.pp.rank) if grid is not None else (1, 0)
+    if num_layers % (pp * vp):
+        raise ValueError(f"num_layers={num_layers} is not divisible by pipeline size {pp} x virtual stages {vp}")
+    per_chunk = num_layers // (pp * vp)
+    return chunk * (num_layers // vp) + r * per_chunk, per_chunk
+
+
+def build_chunks(make, num_layers: int, grid: Grid | None, vp: int = 1) -> list[nn.Module]:
+    """This rank's model chunks: make(pre_process, post_process, layer_offset, num_layers) for each virtual stage."""
+    pp, r = (grid.pp_size, grid.pp.rank) if grid is not None else (1, 0)
+    if vp > 1 and pp == 1:
+        raise ValueError(f"virtual pipeline stages (vp={vp}) need pipeline parallelism (pp > 1)")
+    chunks = []
+    for v in range(vp):
+        offset, n = stage_layers(num_layers, grid, vp, v)
+        chunks.append(make(r == 0 and v == 0, r == pp - 1 and v == vp - 1, offset, n))
+    return chunks
+
+
+def schedule_1f1b(pp: int, rank: int, M: int) -> list[tuple[str, int, int]]:
+    """Megatron's forward_backward_pipelining_without_interleaving, as a list of actions."""
+    warmup = min(pp - rank - 1, M)
+    actions = [("F", i, 0) for i in range(warmup)]
+    for i in range(M - warmup):  # steady state: the forward of i + warmup, then the backward of i
+        actions += [("F", i + warmup, 0), ("B", i, 0)]
+    return actions + [("B", i, 0) for i in range(M - warmup, M)]  # cooldown
+
+
+def schedule_interleaved(pp: int, rank: int, M: int, vp: int) -> list[tuple[str, int, int]]:
+    """Megatron's forward_backward_pipelining_with_interleaving, as a list of actions.
+
+    Virtual micro-batch k (0 ≤ k < M·v) runs micro-batches in groups of pp: chunk 0 takes micro-batches 0..pp-1,
+    then chunk 1 takes the same pp, ..., then chunk 0 takes pp..2pp-1, and so on. Backward walks chunks in reverse.
+    Warmup = (pp − rank − 1)·2 + (v − 1)·pp: the first chunk's pp forwards must reach the last rank and come back
+    round to this rank's later chunks (the "·2": a rank r must wait for pp−r−1 stages ahead of it on both the way
+    out and the way back) before the first backward can start; every forward of the v − 1 earlier chunks of the
+    first group is in flight by then. With M == pp every forward runs first (Megatron's all-warmup case).
+    """
+    if M % pp:
+        raise ValueError(f"interleaved schedule: number of micro-batches {M} must be a multiple of pp={pp}")
+    total = M * vp
+
+    def chunk_and_mb(k, forward):
+        chunk = (k % (pp * vp)) // pp
+        return (chunk if forward else vp - 1 - chunk), (k // (pp * vp)) * pp + k % pp
+
+    warmup = total if M == pp else min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
+    F_ = lambda k: ("F", *reversed(chunk_and_mb(k, True)))  # ("F", mb, chunk)
+    B_ = lambda k: ("B", *reversed(chunk_and_mb(k, False)))
+    actions = [F_(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [F_(k + warmup), B_(k)]
+    return actions + [B_(k) for k in range(total - warmup, total)]
+
+
+def run_schedule(actions, chunks: list[nn.Module], micro_batches, forward_step, num_tokens, grid: Grid,
+                 shape: tuple, dtype, trace: list | None = None):
+    """Execute a schedule on this rank. forward_step(model, mb) returns the chunk's output: hidden states
+    [s(/tp), b, h] on inner stages, the sum of per-token losses (a scalar) on the last stage.
+    Returns this rank's loss contribution (0 unless it holds the last stage)."""
+    pp, r, vp = grid.pp_size, grid.pp.rank, len(chunks)
+    ranks = grid.pp.ranks
+    tag = lambda mb, chunk, backward: (mb * vp + chunk) * 2 + int(backward)
+    inputs, outputs, sends, total, in_flight, peak = {}, {}, [], 0.0, 0, 0
+    for kind, mb, v in actions:
+        model = chunks[v]
+        if trace is not None:
+            trace.append((kind, mb, v))
+        if kind == "F":
+            x = None
+            if not model.pre_process:  # from (r−1, v), or from (pp−1, v−1) when the ring wraps round
+                x = torch.empty(shape, dtype=dtype)
+                dist.irecv(x, ranks[(r - 1) % pp], group=grid.pp.pg, tag=tag(mb, v, False)).wait()
+                x.requires_grad_()
+            model.input_tensor = x
+            out = forward_step(model, micro_batches[mb])
+            if model.post_process:
+                total = total + out.detach() / num_tokens
+            else:
+                if tuple(out.shape) != tuple(shape):
+                    raise ValueError(f"pipeline: stage {r} chunk {v} sends {tuple(out.shape)}, expected {tuple(shape)}")
+                dst_chunk = v if r < pp - 1 else v + 1
+                sends.append(dist.isend(out.detach().contiguous(), ranks[(r + 1) % pp], group=grid.pp.pg,
+                                        tag=tag(mb, dst_chunk, False)))
+            inputs[mb, v], outputs[mb, v] = x, out
+            in_flight += 1
+            peak = max(peak, in_flight)
+        else:
+            x, out = inputs.pop((mb, v)), outputs.pop((mb, v))
+            if model.post_process:
+                (out / num_tokens).backward()
+            else:
+                dy = torch.empty(shape, dtype=dtype)
+                dist.irecv(dy, ranks[(r + 1) % pp], group=grid.pp.pg, tag=tag(mb, v, True)).wait()
+                torch.autograd.backward(out, dy)
+            if x is not None:
+                src_chunk = v if r > 0 else v - 1
+                sends.append(dist.isend(x.grad.contiguous(), ranks[(r - 1) % pp], group=grid.pp.pg,
+                                        tag=tag(mb, src_chunk, True)))
+            in_flight -= 1
+    for s in sends:
+        s.wait()
+    run_schedule.peak_in_flight = peak
+    return total
+
+
+def forward_backward(chunks, micro_batches, forward_step, num_tokens, grid: Grid | None, shape=None, dtype=None,
+                     trace=None):
+    """Pick the schedule: no pipelining, 1F1B, or interleaved 1F1B (len(chunks) > 1)."""
+    chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
+    if grid is None or grid.pp_size == 1:
+        return forward_backward_no_pipelining(chunks[0], micro_batches, forward_step, num_tokens)
+    M, pp, r = len(micro_batches), grid.pp_size, grid.pp.rank
+    actions = schedule_1f1b(pp, r, M) if len(chunks) == 1 else schedule_interleaved(pp, r, M, len(chunks))
+    return run_schedule(actions, chunks, micro_batches, forward_step, num_tokens, grid, shape, dtype, trace)

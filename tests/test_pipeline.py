@@ -1,0 +1,247 @@
+"""Pipeline parallelism: schedules against Megatron's order, and pipelined training against the single process.
+
+Tolerances: float64 1e-10 relative (reduction order only: TP/DP sums). With pp alone in float32 the forward loss is
+bit-exact: every stage runs the same ops on the same micro-batch as the single process, and the last stage adds the
+micro-batch losses in the same order.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpt
+import parallel as P
+from equivalence import assert_same, make_batch
+
+
+# --------------------------------------------------------------------------------------- the training driver
+def train_pipelined(grid, cfg, tp_sp, vp, M, b, s, steps=2, seed=7):
+    """`steps` AdamW steps of GPT with the global batch [b, s+1] cut into M micro-batches (per DP rank)."""
+    c = gpt.Config(**cfg, sequence_parallel=tp_sp)
+    chunks = P.build_chunks(lambda pre, post, off, n: gpt.Model(c, grid, pre, post, off, n), c.num_layers, grid, vp)
+    params = [p for m in chunks for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    batch = make_batch(cfg["vocab_size"], b, s, seed)  # the global batch, identical on every rank
+    dp, d = (grid.dp_size, grid.dp.rank) if grid is not None else (1, 0)
+    local = batch.chunk(dp)[d]
+    micro = list(local.chunk(M))
+    tp = grid.tp_size if grid is not None else 1
+    shape = (s // tp if chunks[0].config.sequence_parallel else s, local.shape[0] // M, c.hidden_size)
+
+    def forward_step(model, mb):
+        out = model(mb[:, :-1], labels=mb[:, 1:])
+        return out.sum() if model.post_process else out
+
+    losses, grads, trace = [], None, []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = P.forward_backward(chunks, micro, forward_step, batch[:, 1:].numel(), grid, shape, c.params_dtype,
+                                  trace=trace if step == 0 else None)
+        P.finalize_grads(chunks, grid)
+        if grid is not None:  # each DP rank holds its share of the global loss
+            loss = P._all_reduce(torch.as_tensor(loss, dtype=c.params_dtype), grid.dp_cp)
+        losses.append(torch.as_tensor(loss).detach().clone())
+        if step == 0:
+            grads = _named(chunks, grid, True)
+        opt.step()
+    return dict(losses=torch.stack(losses), grads=grads, params=_named(chunks, grid, False),
+                last=bool(chunks[-1].post_process), trace=trace, peak=getattr(P.run_schedule, "peak_in_flight", 0))
+
+
+def _named(chunks, grid, grads):
+    out = {}
+    for m in chunks:
+        for name, p in m.named_parameters():
+            t = p.grad if grads else p.data
+            key = m.global_name(name)
+            if key != name and not name.startswith("decoder."):  # a last stage's copy of the tied embedding
+                key += "#copy"
+            out[key] = P.gather_full(t, p, grid).clone()
+    return out
+
+
+def pipeline_case(rank, n, cfg, tp, pp, vp, M, sp, b, s, dtype):
+    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
+    rec = train_pipelined(grid, dict(cfg, params_dtype=dtype), sp, vp, M, b, s)
+    return rec if grid.tp.rank == 0 and grid.dp.rank == 0 else None
+
+
+def merge(results):
+    """One record from the pipeline's ranks: every stage's params and grads, the last stage's losses."""
+    merged = dict(grads={}, params={})
+    for r in results:
+        if r is None:
+            continue
+        for key in ("grads", "params"):
+            for name, t in r[key].items():
+                if name.endswith("#copy"):  # tied embedding copy on the last stage: identical to the first's
+                    merged.setdefault("copies", []).append((key, name[:-5], t))
+                else:
+                    merged[key][name] = t
+        if r["last"]:
+            merged["losses"] = r["losses"]
+    for key, name, t in merged.get("copies", []):
+        assert torch.equal(t, merged[key][name]), f"tied embedding copies differ ({key} {name})"
+    return merged
+
+
+GPT = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=211,
+           max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+LLAMA = dict(GPT, position_embedding_type="rope", normalization="RMSNorm", activation="silu", gated_linear_unit=True,
+             add_bias_linear=False, share_embeddings_and_output_weights=False)
+
+
+# --------------------------------------------------------------------------------------- 1. exactness
+@st.composite
+def pipeline_layouts(draw):
+    pp = draw(st.sampled_from([2, 4]))
+    tp = 1 if pp == 4 else draw(st.sampled_from([1, 2]))
+    vp = draw(st.sampled_from([1, 2]))
+    M = pp * draw(st.sampled_from([1, 2])) if vp > 1 else draw(st.sampled_from([1, 2, 3, 4]))
+    cfg = dict(draw(st.sampled_from([GPT, LLAMA])), num_layers=pp * vp * draw(st.sampled_from([1, 2])))
+    return cfg, tp, pp, vp, M, tp > 1 and draw(st.booleans())
+
+
+@given(pipeline_layouts())
+def test_pipeline_equals_single_process_float64(pool, layout):
+    cfg, tp, pp, vp, M, sp = layout
+    b = M * 2
+    got = merge(pool.run(pipeline_case, tp * pp, cfg=cfg, tp=tp, pp=pp, vp=vp, M=M, sp=sp, b=b, s=8,
+                         dtype=torch.float64))
+    ref = train_pipelined(None, dict(cfg, params_dtype=torch.float64), False, 1, M, b, 8)
+    assert_same(got, ref, rtol=1e-10, what=f"tp={tp} pp={pp} vp={vp} M={M} sp={sp}")
+
+
+@pytest.mark.parametrize("pp,vp,M", [(2, 1, 4), (4, 1, 3), (2, 2, 4)])
+def test_pipeline_alone_float32_forward_loss_is_bit_exact(pool, pp, vp, M):
+    cfg = dict(GPT, num_layers=4)
+    got = merge(pool.run(pipeline_case, pp, cfg=cfg, tp=1, pp=pp, vp=vp, M=M, sp=False, b=M, s=8,
+                         dtype=torch.float32))
+    ref = train_pipelined(None, dict(cfg, params_dtype=torch.float32), False, 1, M, M, 8)
+    assert torch.equal(got["losses"][0], ref["losses"][0]), (got["losses"], ref["losses"])
+
+
+def test_pipeline_with_data_parallel(pool):
+    cfg = dict(LLAMA, num_layers=4)
+    got = merge(pool.run(pipeline_case, 4, cfg=cfg, tp=1, pp=2, vp=2, M=2, sp=False, b=8, s=8, dtype=torch.float64))
+    ref = train_pipelined(None, dict(cfg, params_dtype=torch.float64), False, 1, 4, 8, 8)
+    assert_same(got, ref, rtol=1e-10, what="pp=2 vp=2 dp=2")
+
+
+def forget_embedding_sync_case(rank, n):
+    grid = P.Grid(pp=2)
+    grid.embedding = None  # negative control: the tied embedding copies are no longer summed
+    return train_pipelined(grid, dict(GPT, params_dtype=torch.float64), False, 1, 2, 4, 8)
+
+
+def test_missing_tied_embedding_reduction_is_caught(pool):
+    with pytest.raises(AssertionError, match="tied embedding copies differ"):
+        merge(pool.run(forget_embedding_sync_case, 2))
+
+
+# --------------------------------------------------------------------------------------- 2. schedule order
+def megatron_order(pp, rank, M, vp):
+    """A plain transcription of Megatron's schedules (schedules.py): the reference enumeration."""
+    if vp == 1:
+        warmup = min(pp - rank - 1, M)
+        remaining = M - warmup
+        order, f, bwd = [], 0, 0
+        for _ in range(warmup):
+            order.append(("F", f, 0))
+            f += 1
+        for _ in range(remaining):
+            order.append(("F", f, 0))
+            f += 1
+            order.append(("B", bwd, 0))
+            bwd += 1
+        while bwd < M:
+            order.append(("B", bwd, 0))
+            bwd += 1
+        return order
+    total = M * vp
+
+    def get_model_chunk_id(k, forward):
+        chunk = (k % (pp * vp)) // pp
+        return chunk if forward else vp - chunk - 1
+
+    def get_microbatch_id_in_model_chunk(k):
+        return (k // (pp * vp)) * pp + (k % pp)
+
+    if M == pp:
+        warmup = total
+    else:
+        warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
+    order = []
+    for k in range(warmup):
+        order.append(("F", get_microbatch_id_in_model_chunk(k), get_model_chunk_id(k, True)))
+    for k in range(total - warmup):
+        fk = k + warmup
+        order.append(("F", get_microbatch_id_in_model_chunk(fk), get_model_chunk_id(fk, True)))
+        order.append(("B", get_microbatch_id_in_model_chunk(k), get_model_chunk_id(k, False)))
+    for k in range(total - warmup, total):
+        order.append(("B", get_microbatch_id_in_model_chunk(k), get_model_chunk_id(k, False)))
+    return order
+
+
+def simulate(orders, pp, vp):
+    """Run every rank's order with real data dependencies; return the steps taken (fails on a deadlock)."""
+    done, pos, t = set(), [0] * pp, 0
+    stage = lambda r, v: v * pp + r  # global stage index of chunk v on rank r
+    while any(pos[r] < len(orders[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            if pos[r] == len(orders[r]):
+                continue
+            kind, mb, v = orders[r][pos[r]]
+            st_ = stage(r, v)
+            prev = (("F", mb, st_ - 1),) if kind == "F" and st_ > 0 else ()
+            if kind == "B":
+                prev = (("F", mb, st_),) + ((("B", mb, st_ + 1),) if st_ < pp * vp - 1 else ())
+            if all(p in done for p in prev):
+                done.add((kind, mb, st_))
+                pos[r] += 1
+                progressed = True
+        assert progressed, f"deadlock at step {t}: positions {pos}"
+        t += 1
+    return t
+
+
+@pytest.mark.parametrize("pp,vp,M", [(2, 1, 1), (2, 1, 5), (4, 1, 2), (4, 1, 8), (2, 2, 2), (2, 2, 6), (4, 2, 4),
+                                      (4, 2, 8), (4, 3, 12)])
+def test_schedules_follow_megatron_and_cannot_deadlock(pp, vp, M):
+    orders = []
+    for r in range(pp):
+        ours = P.schedule_1f1b(pp, r, M) if vp == 1 else P.schedule_interleaved(pp, r, M, vp)
+        assert ours == megatron_order(pp, r, M, vp), f"rank {r}"
+        assert sorted(ours) == sorted([(k, m, v) for k in "FB" for m in range(M) for v in range(vp)])
+        orders.append(ours)
+    simulate(orders, pp, vp)
+
+
+def trace_case(rank, n, vp, M):
+    grid = P.Grid(pp=n)
+    rec = train_pipelined(grid, dict(GPT, params_dtype=torch.float64, num_layers=n * vp), False, vp, M, M, 8, steps=1)
+    return rec["trace"], rec["peak"]
+
+
+@pytest.mark.parametrize("vp,M", [(1, 5), (2, 4)])
+def test_executed_trace_and_peak_activations(pool, vp, M):
+    pp = 2
+    for r, (trace, peak) in enumerate(pool.run(trace_case, pp, vp=vp, M=M)):
+        assert trace == megatron_order(pp, r, M, vp)
+        warmup = min(pp - r - 1, M) if vp == 1 else min((pp - r - 1) * 2 + (vp - 1) * pp, M * vp)
+        assert peak <= warmup + 1, (r, peak, warmup)
+
+
+# --------------------------------------------------------------------------------------- 5. bad layouts
+def test_bad_pipeline_layouts_are_refused():
+    with pytest.raises(ValueError, match="num_layers=6 is not divisible by pipeline-model-parallel size 4"):
+        gpt.Config(num_layers=6).check_layout(tp=1, pp=4)
+    with pytest.raises(ValueError, match="num_layers=2 is not divisible by pipeline size 1 x virtual stages 4"):
+        P.stage_layers(2, None, vp=4)
+    with pytest.raises(ValueError, match="number of micro-batches 3 must be a multiple of pp=2"):
+        P.schedule_interleaved(2, 0, 3, 2)
+    with pytest.raises(ValueError, match="need pipeline parallelism"):
+        P.build_chunks(lambda *a: None, 4, None, vp=2)

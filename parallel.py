@@ -752,3 +752,211 @@ def forward_backward(chunks, micro_batches, forward_step, num_tokens, grid: Grid
     M, pp, r = len(micro_batches), grid.pp_size, grid.pp.rank
     actions = schedule_1f1b(pp, r, M) if len(chunks) == 1 else schedule_interleaved(pp, r, M, len(chunks))
     return run_schedule(actions, chunks, micro_batches, forward_step, num_tokens, grid, shape, dtype, trace)
+
+
+# ============================================================================================================
+# 9. Data parallelism and the distributed optimizer — mirrors megatron/core/distributed/
+#    (distributed_data_parallel.py, param_and_grad_buffer.py, finalize_model_grads.py) and
+#    megatron/core/optimizer/distrib_optimizer.py. Paper: Rajbhandari et al. 2020, "ZeRO" (stage 1).
+#
+#  Gradients live in one contiguous fp32 buffer, parameters laid out in reverse order (≈ the order backward
+#  produces their grads) and cut into buckets. When the last micro-batch's backward has filled a bucket, its
+#  reduction is launched asynchronously while backward goes on with earlier layers (overlap).
+#     plain DP:              all-reduce each bucket             -> every rank holds the whole summed gradient
+#     distributed optimizer: reduce-scatter each bucket         -> rank d holds the sum for its 1/dp slice,
+#                            AdamW on that slice (fp32 master),    so optimizer state is sharded dp ways,
+#                            all-gather the updated parameters     then every rank has the whole model again.
+#  No 1/dp scaling: the loss is already divided by the global token count (design.md §2), so sums are exact.
+# ============================================================================================================
+def decays(p: nn.Parameter) -> bool:
+    """Megatron's rule: no weight decay for biases and norm weights (1-D parameters)."""
+    return p.dim() > 1
+
+
+class _Bucket:
+    def __init__(self, params, start, end):
+        self.params, self.start, self.end = params, start, end
+        self.ready, self.handle, self.launched = 0, None, False
+
+
+class DDP:
+    """Bucketed, overlapped gradient reduction over the DP x CP group for a list of model chunks."""
+
+    def __init__(self, chunks, grid: Grid, bucket_size: int = 4_000_000, overlap: bool = True,
+                 distributed_optimizer: bool = False):
+        chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
+        self.grid, self.dp, self.overlap, self.distopt = grid, grid.dp_cp, overlap, distributed_optimizer
+        seen, params = set(), []
+        for m in reversed(chunks):  # reverse order: the last layers' grads are ready first
+            for p in reversed(list(m.parameters())):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        shared = [p for p in params if getattr(p, "shared_embedding", False)]  # synced over stages before DP
+        rest = [p for p in params if not getattr(p, "shared_embedding", False)]
+        groups, cur, n = [], [], 0
+        for p in rest:
+            cur.append(p)
+            n += p.numel()
+            if n >= bucket_size:
+                groups, cur, n = groups + [cur], [], 0
+        groups += [g for g in (cur, shared) if g]
+        D = self.dp.size
+        self.buckets, off = [], 0
+        for g in groups:  # each bucket padded to a multiple of dp, so a reduce-scatter splits it evenly
+            size = sum(p.numel() for p in g)
+            self.buckets.append(_Bucket(g, off, off + -(-size // D) * D))
+            off = self.buckets[-1].end
+        dtype = params[0].dtype
+        self.grad_buffer = torch.zeros(off, dtype=torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
+        self.param_buffer = torch.zeros(off, dtype=dtype)  # params become views into it (all-gathered in place)
+        self.bucket_of = {}
+        for b in self.buckets:
+            o = b.start
+            for p in b.params:
+                self.param_buffer[o:o + p.numel()].copy_(p.data.reshape(-1))
+                p.data = self.param_buffer[o:o + p.numel()].view_as(p)
+                p.main_grad = self.grad_buffer[o:o + p.numel()].view_as(p)
+                p.register_post_accumulate_grad_hook(self._hook)
+                self.bucket_of[p] = b
+                o += p.numel()
+        self.launch_log: list[tuple[int, int]] = []  # (bucket, hooks fired so far): the overlap test reads it
+        self.zero_grad()
+
+    def zero_grad(self, num_micro_batches: int = 1):
+        """Start a step: zero the buffer; a bucket is complete once each of its params has seen M backwards."""
+        self.grad_buffer.zero_()
+        self.M, self.hooks_fired = num_micro_batches, 0
+        for b in self.buckets:
+            b.ready, b.handle, b.launched = 0, None, False
+            for p in b.params:
+                p.grad = None  # autograd must start a fresh .grad, not add into the buffer view
+        self.launch_log.clear()
+
+    def _hook(self, p):
+        p.main_grad.add_(p.grad)  # accumulate micro-batches in the (fp32) buffer
+        p.grad = None
+        self.hooks_fired += 1
+        b = self.bucket_of[p]
+        b.ready += 1
+        if self.overlap and b.ready == self.M * len(b.params) and not getattr(p, "shared_embedding", False):
+            self._launch(b)  # the bucket's last grad of the step: reduce it while backward goes on
+
+    def _launch(self, b: _Bucket):
+        b.launched = True
+        self.launch_log.append((self.buckets.index(b), self.hooks_fired))
+        if self.dp.size == 1:
+            return
+        buf = self.grad_buffer[b.start:b.end]
+        if self.distopt:
+            b.shard = buf.new_empty(buf.numel() // self.dp.size)
+            b.handle = dist.reduce_scatter_single(b.shard, buf, group=self.dp.pg, async_op=True)
+        else:
+            b.handle = dist.all_reduce(buf, group=self.dp.pg, async_op=True)
+
+    def finish_grad_sync(self):
+        """Wait for every bucket's reduction (launching the ones backward did not), then the TP and stage sums."""
+        emb = self.grid.embedding
+        for b in self.buckets:
+            if b.launched:
+                continue
+            if emb is not None and emb.size > 1 and any(getattr(p, "shared_embedding", False) for p in b.params):
+                for p in b.params:  # tied embedding: first + last stage's local sums, before the DP sum
+                    p.main_grad.copy_(_all_reduce(p.main_grad, emb))
+            self._launch(b)
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+            if self.distopt and self.dp.size > 1:  # this rank's slice of the bucket now holds the summed grads
+                n = b.shard.numel()
+                self.grad_buffer[b.start + self.dp.rank * n: b.start + (self.dp.rank + 1) * n].copy_(b.shard)
+        if self.grid.tp.size > 1:  # SP partial grads: sum over TP (same buffer layout on every TP rank)
+            sp = [p for b in self.buckets for p in b.params if getattr(p, "sequence_parallel", False)]
+            _sum_main_grads(sp, self.grid.tp)
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = p.main_grad  # plain DP: the whole grad; distributed optimizer: valid on the own slice only
+
+    def owned(self, b: _Bucket) -> slice:
+        """The slice of the flat buffers this DP rank steps (the whole bucket without the distributed optimizer)."""
+        if not self.distopt:
+            return slice(b.start, b.end)
+        n = (b.end - b.start) // self.dp.size
+        return slice(b.start + self.dp.rank * n, b.start + (self.dp.rank + 1) * n)
+
+
+def _sum_main_grads(params, g: Group):
+    if params:
+        flat = _all_reduce(torch.cat([p.main_grad.reshape(-1) for p in params]), g)
+        for p, new in zip(params, flat.split([p.numel() for p in params])):
+            p.main_grad.copy_(new.view_as(p.main_grad))
+
+
+class DistributedOptimizer:
+    """AdamW over flat buffer slices (torch.optim.AdamW's arithmetic, element for element), sharded over DP when
+    ddp.distopt: each rank keeps fp32 master weights and Adam moments for its slice only, steps it, and all-gathers
+    the parameters. With fp32 parameters the master weights are the parameter buffer itself (no copy)."""
+
+    def __init__(self, ddp: DDP, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        self.ddp, self.lr, self.betas, self.eps, self.wd, self.step_count = ddp, lr, betas, eps, weight_decay, 0
+        wd_mask = torch.zeros_like(ddp.grad_buffer)
+        for b in ddp.buckets:
+            o = b.start
+            for p in b.params:
+                wd_mask[o:o + p.numel()] = float(decays(p))
+                o += p.numel()
+        self.slices = [ddp.owned(b) for b in ddp.buckets]
+        fp32 = ddp.param_buffer.dtype == ddp.grad_buffer.dtype
+        self.master = [ddp.param_buffer[s] if fp32 else ddp.param_buffer[s].float() for s in self.slices]
+        self.exp_avg = [torch.zeros_like(m) for m in self.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.wd_mask = [wd_mask[s] for s in self.slices]
+        count = torch.zeros_like(ddp.grad_buffer)  # 1 where an element counts toward the global grad norm
+        for b in ddp.buckets:
+            o = b.start
+            for p in b.params:
+                dup = (not getattr(p, "tensor_model_parallel", False) and ddp.grid.tp.rank > 0) or (
+                    getattr(p, "shared_embedding", False) and ddp.grid.pp.rank > 0)
+                count[o:o + p.numel()] = 0.0 if dup else 1.0
+                o += p.numel()
+        self.norm_mask = [count[s] for s in self.slices]
+
+    @torch.no_grad()
+    def step(self):
+        self.step_count += 1
+        (b1, b2), t, lr = self.betas, self.step_count, self.lr
+        for s, m, ea, eas, mask, b in zip(self.slices, self.master, self.exp_avg, self.exp_avg_sq, self.wd_mask,
+                                          self.ddp.buckets):
+            g = self.ddp.grad_buffer[s]
+            m.mul_(1 - lr * self.wd * mask)  # decoupled weight decay
+            ea.lerp_(g, 1 - b1)
+            eas.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (eas.sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps)
+            m.addcdiv_(ea, denom, value=-lr / (1 - b1 ** t))
+            if self.ddp.distopt and self.ddp.dp.size > 1:
+                self.ddp.param_buffer[s].copy_(m)
+                dist.all_gather_single(self.ddp.param_buffer[b.start:b.end], self.ddp.param_buffer[s].clone(),
+                                       group=self.ddp.dp.pg)
+            elif m.data_ptr() != self.ddp.param_buffer[s].data_ptr():
+                self.ddp.param_buffer[s].copy_(m)
+
+    def zero_grad(self, num_micro_batches: int = 1):
+        self.ddp.zero_grad(num_micro_batches)
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Global L2 norm of the gradient, each parameter counted once: TP shards summed, TP-replicated params
+        only on TP rank 0, the tied embedding only on the first stage, DP slices summed (distributed optimizer).
+        Scales the gradients by max_norm / norm when above max_norm; returns the norm before clipping."""
+        grid = self.ddp.grid
+        sq = sum(((self.ddp.grad_buffer[s].double() ** 2) * m).sum() for s, m in zip(self.slices, self.norm_mask))
+        sq = torch.as_tensor(sq, dtype=torch.float64)
+        sq = _all_reduce(sq, grid.mp)  # over TP and PP
+        if self.ddp.distopt:
+            sq = _all_reduce(sq, grid.dp_cp)
+        norm = sq.sqrt()
+        if max_norm is not None and max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for s in self.slices:
+                self.ddp.grad_buffer[s].mul_(coef.to(self.ddp.grad_buffer.dtype))
+        return norm

@@ -408,3 +408,43 @@ def from_hf(hf, grid=None, dtype=None) -> Model:
 def _rope_theta(hc) -> float:
     rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
     return float(rp.get("rope_theta", getattr(hc, "rope_theta", 10000.0)))
+
+
+# ---------------------------------------------------------------------------------------------- Megatron-core
+def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
+    """A Model holding the weights of a Megatron-core GPTModel: its full (unsharded) state dict — `state_dict()` of
+    a TP=1 model, or a distributed checkpoint loaded whole. `config` describes the same architecture.
+
+    Our parameter names and tensor layouts are Megatron's local-spec ones, so this is a rename, not a reshuffle:
+    fused QKV grouped per query group [q heads of the group; k; v], SwiGLU linear_fc1 as [gate; up] (whose TP shards
+    are [gate_r; up_r]). Handled on the way in:
+      - "module." prefixes (DDP / Float16Module wrappers) and `_extra_state` entries (Transformer Engine metadata);
+      - the Transformer Engine spec's fused norms: linear_qkv.layer_norm_{weight,bias} is our input_layernorm,
+        linear_fc1.layer_norm_{weight,bias} our pre_mlp_layernorm;
+      - vocabulary padding: Megatron pads to a multiple of make_vocab_size_divisible_by·tp, we pad independently of
+        TP, so the embedding and output rows are cut or zero-padded to our padded_vocab_size. Rows past vocab_size
+        are padding; the logits of real tokens are unchanged, the loss only when the padded sizes differ.
+    """
+    c = config
+    te_norms = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
+                ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
+    full = {}
+    for name, t in state_dict.items():
+        while name.startswith("module."):
+            name = name[len("module."):]
+        if name.endswith("_extra_state") or t is None:
+            continue
+        for te, ours in te_norms.items():
+            name = name.replace(te, ours)
+        if name == "output_layer.weight" and c.share_embeddings_and_output_weights:
+            continue  # a tied checkpoint may still carry the output layer's copy of the embedding
+        full[name] = t.detach()
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in full:
+            rows = full[name].shape[0]
+            if rows < c.vocab_size:
+                raise ValueError(f"{name} has {rows} rows, fewer than vocab_size={c.vocab_size}")
+            full[name] = F.pad(full[name][: c.padded_vocab_size], (0, 0, 0, max(0, c.padded_vocab_size - rows)))
+    model = Model(c, grid)
+    P.load_full_state_dict(model, full, grid)
+    return model

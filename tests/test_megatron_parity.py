@@ -20,6 +20,8 @@ Differences that are Megatron's or deliberate, and how the test handles them:
     distributed checkpoint splits them so: apply_swiglu_sharded_factory); the full layout is [gate; up], stride 2.
   - Megatron's local norms (torch.nn.LayerNorm / RMSNorm) ignore params_dtype; the test casts them to float64.
   - Multi-query attention runs at TP=1 only: Megatron (and we) need num_query_groups divisible by tp.
+  - Sequence parallelism: compared as ours (TP=2 + SP) against Megatron's TP=2 without SP, which its local
+    LayerNorm / RMSNorm refuse; SP moves activations, not numbers.
   - Masks: Megatron gets an explicit causal boolean mask (True = masked; None would allocate on CUDA).
 
 Adding a model (BERT, T5, Retro, MoE): write `megatron_<model>(config)` and a worker beside `gpt_case` that uses the
@@ -208,13 +210,14 @@ def megatron_gpt(c: gpt.Config, tp: int):
 def grouped_to_plain_qkv(t: torch.Tensor, c: gpt.Config) -> torch.Tensor:
     """Negative control: read Megatron's grouped QKV as if it were [all q; all k; all v] (a plausible wrong guess)."""
     n, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
-    per = t.view(g, n // g + 2, d, *t.shape[1:])  # [g, q heads of the group + k + v, d, ...]
-    q, k, v = per[:, :-2].reshape(n * d, *t.shape[1:]), per[:, -2].reshape(g * d, *t.shape[1:]), per[:, -1]
-    return torch.cat([q, k, v.reshape(g * d, *t.shape[1:])])
+    per = t.view(g, n // g + 2, d, *t.shape[1:])  # [g, q heads of the group + k + v, d, (h)]
+    return torch.cat([x.reshape(-1, *t.shape[1:]) for x in (per[:, :-2], per[:, -2], per[:, -1])])
 
 
-def gpt_case(rank, n, tp, cfg, b=2, s=12, seed=7, wrong_qkv=False):
+def gpt_case(rank, n, tp, cfg, b=2, s=12, seed=7, wrong_qkv=False, sp=False):
     c = gpt.Config(**cfg, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
+    ours_c = gpt.Config(**cfg, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64,
+                        sequence_parallel=sp)  # Megatron always runs without SP (its local norms refuse it)
     grid = P.Grid(tp=tp, dp=n // tp)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab_size, (b, s + 1), generator=gen)
@@ -226,7 +229,7 @@ def gpt_case(rank, n, tp, cfg, b=2, s=12, seed=7, wrong_qkv=False):
         load_into_megatron(mc, full, tp, c.gated_linear_unit)
         if wrong_qkv:
             full = {k: grouped_to_plain_qkv(v, c) if "linear_qkv" in k else v for k, v in full.items()}
-        ours = gpt.from_megatron(full, c, grid)
+        ours = gpt.from_megatron(full, ours_c, grid)
 
         position_ids = torch.arange(s).expand(b, s)
         logits = gather_logits(mc(inputs, position_ids, causal_mask(s)), tp)  # [b, s, padded V]
@@ -238,7 +241,8 @@ def gpt_case(rank, n, tp, cfg, b=2, s=12, seed=7, wrong_qkv=False):
         got = {"logits": ours(inputs).detach()}
         loss = ours(inputs, labels=labels)
         (loss * weights).sum().backward()
-        # no P.finalize_grads: without SP it has nothing to do over TP, and it would sum the TP=1 case's DP copies
+        if sp:  # SP leaves partial norm/bias grads to sum over TP (tp = world here: no DP copies to add up)
+            P.finalize_grads(ours, grid)  # (not without SP: it would sum the TP=1 cases' two DP copies)
         got |= {"loss": loss.detach(), "grads": named_full(ours, grid, grads=True)}
     return (got, ref) if rank == 0 else None
 
@@ -264,6 +268,14 @@ def test_gpt_matches_megatron(pool, name, tp):
     got, ref = pool.run(gpt_case, WORLD, tp=tp, cfg=GPT_CASES[name])[0]
     assert got["logits"].shape == ref["logits"].shape and got["loss"].shape == ref["loss"].shape
     assert_parity(compare(got, ref), f"{name} tp={tp}")
+
+
+@pytest.mark.parametrize("name", ["gpt2-like", "llama-gqa"])
+def test_gpt_with_sequence_parallelism_matches_megatron(pool, name):
+    """Ours at TP=2 with sequence parallelism against Megatron at TP=2 without it (Megatron's local LayerNorm
+    refuses SP; SP changes where activations live, not the numbers)."""
+    got, ref = pool.run(gpt_case, WORLD, tp=2, cfg=GPT_CASES[name], sp=True)[0]
+    assert_parity(compare(got, ref), f"{name} tp=2 sp")
 
 
 def test_wrong_qkv_layout_is_caught(pool):

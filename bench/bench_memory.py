@@ -1,0 +1,56 @@
+"""Memory audit of the distributed optimizer: bytes per parameter held by one DP rank vs the ZeRO-1 formula.
+
+Run:  .venv/bin/python bench/bench_memory.py        (spawns d = 1, 2, 4 gloo ranks on this CPU; ~30 s)
+
+Counted on rank 0 from the real buffers: model parameters, the fp32 gradient buffer, fp32 master weights (a
+separate copy only when the parameters are bf16) and the two Adam moments. Formula (design.md §4, d = DP size):
+fp32 parameters 4 + 4 + (4+4)/d = 8 + 8/d;  bf16 parameters + fp32 grads 2 + 4 + (4+4+4)/d = 6 + 12/d.
+Buckets are padded to a multiple of d, so the measured value may exceed the formula by a few elements per bucket.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpt  # noqa: E402
+import parallel as P  # noqa: E402
+
+
+def worker(rank, d, dtype, port, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=d, init_method=f"tcp://127.0.0.1:{port}")
+    grid = P.Grid(dp=d)
+    model = gpt.Model(gpt.Config(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192,
+                                 params_dtype=dtype), grid)
+    ddp = P.DDP([model], grid, distributed_optimizer=True)
+    opt = P.DistributedOptimizer(ddp)
+    n = sum(p.numel() for p in model.parameters())
+    el = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+    separate_master = [m for m in opt.master if m.data_ptr() != ddp.param_buffer.data_ptr() and m.dtype != dtype]
+    total = el([ddp.param_buffer, ddp.grad_buffer]) + el(separate_master) + el(opt.exp_avg) + el(opt.exp_avg_sq)
+    if rank == 0:
+        out.put(total / n)
+    dist.destroy_process_group()
+
+
+def main():
+    ctx = mp.get_context("spawn")
+    print("| params | d | bytes/param measured | formula |\n|---|---|---|---|")
+    for dtype, formula in [(torch.float32, lambda d: 8 + 8 / d), (torch.bfloat16, lambda d: 6 + 12 / d)]:
+        for d in (1, 2, 4):
+            q = ctx.Queue()
+            port = 29600 + d + (10 if dtype == torch.bfloat16 else 0)
+            procs = [ctx.Process(target=worker, args=(r, d, dtype, port, q)) for r in range(d)]
+            for p in procs:
+                p.start()
+            measured = q.get()
+            for p in procs:
+                p.join()
+            print(f"| {str(dtype).split('.')[1]} | {d} | {measured:.4f} | {formula(d):.4f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,432 @@
+"""mamba.py — Mamba-2 (the SSD mixer) and Megatron's hybrid Mamba / attention / MLP stacks, tensor- and sequence-parallel.
+
+Mirrors Megatron-LM's megatron/core/ssm/mamba_mixer.py (MambaMixer), mamba_layer.py (MambaLayer), mlp_layer.py,
+mamba_block.py (MambaStack), mamba_hybrid_layer_allocation.py (the pattern symbols) and models/mamba/mamba_model.py,
+with the same parameter names and tensor layouts. Megatron runs the scan in CUDA/Triton kernels (mamba_ssm's
+mamba_chunk_scan_combined); here it is the chunked SSD algorithm in einsums (`ssd_chunked`), checked against the
+sequential recurrence (`ssd_sequential`, which is also the generation step), so it runs wherever torch does.
+Papers: Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces";
+        Dao & Gu 2024, "Transformers are SSMs" (Mamba-2 and SSD; `ssd_chunked` follows its Listing 1, ssd_minimal).
+Official implementation: github.com/state-spaces/mamba (mamba_ssm/modules/mamba2.py, modules/ssd_minimal.py).
+
+Run:    make train MODEL=mamba        (a small hybrid: --hybrid-layer-pattern "M-M*-M"; see README)
+
+Dimension glossary (the paper's letters in brackets)
+  b batch   s = l sequence [T]   h hidden (d_model)   V vocabulary
+  H heads (mamba_num_heads)   P head dim (mamba_head_dim) [P]   N state size (mamba_state_dim) [N]
+  d_inner = H·P (= expand·h)   the mixer's width; the SSM runs independently on each head's P channels
+  G groups (mamba_num_groups): heads of a group share B and C (like GQA's key/value heads); R = H/G heads per group
+  k conv kernel (4)   conv_dim = d_inner + 2·G·N, the channels [x, B, C] that go through the causal conv
+  c chunks of q positions (mamba_chunk_size Q); z, s index chunks / positions as sources in the einsums
+  Under TP every rank holds H/tp heads and G/tp groups: all a head needs (its x, z, dt, its group's B and C, its
+  A, D, dt_bias and norm channels) lives on one rank, so the mixer needs no communication inside.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from torch import nn
+
+import gpt
+import parallel as P
+
+SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}  # and "|": a pipeline-stage boundary. ("E" MoE: not yet.)
+
+
+@dataclass
+class Config(gpt.Config):
+    """gpt.Config plus Megatron's Mamba fields; defaults follow Megatron's MambaModel (no positions, RMSNorm)."""
+    num_layers: int | None = None  # None = the pattern's length
+    hybrid_layer_pattern: str | None = None  # e.g. "M-M*-M", "MM*|M-M-"; None = "M" * num_layers
+    mamba_state_dim: int = 128  # N
+    mamba_head_dim: int = 64  # P
+    mamba_num_groups: int = 8  # G
+    mamba_num_heads: int | None = None  # H; None = 2·hidden_size / mamba_head_dim (expand 2)
+    mamba_chunk_size: int = 128  # Q
+    mamba_conv_kernel: int = 4  # k
+    mamba_scan: str = "chunked"  # "chunked" (SSD) | "sequential" (the oracle: one recurrence step per position)
+    position_embedding_type: str = "none"
+    normalization: str = "RMSNorm"
+    add_bias_linear: bool = False
+    share_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    def __post_init__(self):
+        p = self.hybrid_layer_pattern if self.hybrid_layer_pattern is not None else "M" * (self.num_layers or 4)
+        bad = sorted(set(p) - set(SYMBOLS) - {"|"})
+        if bad:
+            raise ValueError(f"hybrid_layer_pattern={p!r}: unknown symbols {bad}; allowed are M (Mamba), * (attention),"
+                             f" - (MLP), | (pipeline boundary){' (E, MoE, is not implemented yet)' if 'E' in bad else ''}")
+        layers = p.replace("|", "")
+        if not layers or (self.num_layers is not None and self.num_layers != len(layers)):
+            raise ValueError(f"num_layers={self.num_layers} != the {len(layers)} layers of hybrid_layer_pattern={p!r}")
+        self.hybrid_layer_pattern, self.layer_types, self.num_layers = p, layers, len(layers)
+        super().__post_init__()
+        h, Pd, G = self.hidden_size, self.mamba_head_dim, self.mamba_num_groups
+        if self.mamba_num_heads is None:
+            if 2 * h % Pd:
+                raise ValueError(f"2·hidden_size={2 * h} is not divisible by mamba_head_dim={Pd}")
+            self.mamba_num_heads = 2 * h // Pd
+        if self.mamba_num_heads % G:
+            raise ValueError(f"mamba_num_heads={self.mamba_num_heads} is not divisible by mamba_num_groups={G}")
+        if self.mamba_scan not in ("chunked", "sequential"):
+            raise ValueError(f"mamba_scan={self.mamba_scan!r} is not one of ('chunked', 'sequential')")
+        self.d_inner = self.mamba_num_heads * Pd
+        self.mamba_output_std = self.init_method_std / math.sqrt(self.num_layers)  # MambaStack's out_proj rescale
+
+    def check_layout(self, tp: int = 1, pp: int = 1):
+        """Refuse a layout this model cannot take, naming the values (only the layer kinds the pattern uses)."""
+        checks = [("padded vocabulary", self.padded_vocab_size)]
+        if "M" in self.layer_types:
+            checks += [("mamba_num_heads", self.mamba_num_heads), ("mamba_num_groups", self.mamba_num_groups)]
+        if "*" in self.layer_types:
+            checks += [("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups)]
+        if "-" in self.layer_types:
+            checks += [("ffn_hidden_size", self.ffn_hidden_size)]
+        for what, v in checks:
+            if v % tp:
+                raise ValueError(f"{what}={v} is not divisible by tensor-model-parallel size {tp}")
+        self.stages(pp)
+
+    def stages(self, pp: int = 1) -> list[tuple[int, str]]:
+        """Each pipeline stage's (first global layer, layer symbols): cut at '|', else evenly (Megatron's MambaStack)."""
+        p, L = self.hybrid_layer_pattern, self.num_layers
+        if pp == 1:
+            parts = [self.layer_types]
+        elif "|" in p:
+            parts = p.split("|")
+            if len(parts) != pp:
+                raise ValueError(f"hybrid_layer_pattern={p!r} has {len(parts)} stages, pipeline-model-parallel size is {pp}")
+        elif L % pp:
+            raise ValueError(f"num_layers={L} is not divisible by pipeline-model-parallel size {pp}")
+        else:
+            parts = [self.layer_types[i * L // pp:(i + 1) * L // pp] for i in range(pp)]
+        offsets = [sum(len(q) for q in parts[:i]) for i in range(len(parts))]
+        return list(zip(offsets, parts))
+
+
+# ---------------------------------------------------------------------------------------------- the SSD scan
+def segsum(a):
+    """a [..., q] -> [..., q, q]: out[i, j] = a[j+1] + ... + a[i] for j <= i, and -inf above the diagonal, so that
+    exp(out[i, j]) is the decay from step j to step i (1 on the diagonal, 0 towards the future).
+
+    The naive version, cs = a.cumsum(-1); cs[..., :, None] - cs[..., None, :], subtracts two long sums that are
+    nearly equal (catastrophic cancellation). The stable one sums only the masked terms."""
+    q = a.shape[-1]
+    a = repeat(a, "... d -> ... d e", e=q)  # a[..., d, e] = a[d]
+    a = a.masked_fill(~torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device), -1), 0)  # keep d > e
+    out = a.cumsum(-2)  # out[i, j] = Σ_{j < d <= i} a[d]
+    return out.masked_fill(~torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device)), -torch.inf)
+
+
+def ssd_chunked(x, dt, A, B, C, chunk: int, state=None):
+    """The SSD algorithm (Dao & Gu 2024, Listing 1): the scan as matmuls within chunks plus a short recurrence across.
+
+    x [b, l, H, P], dt [b, l, H] (> 0, discretized), A [H] (< 0), B, C [b, l, G, N], state [b, H, P, N] or None.
+    Returns y [b, l, H, P] and the final state [b, H, P, N]. Lengths that are not a multiple of `chunk` are padded
+    with dt = 0: a padded step neither decays the state (exp(0·A) = 1) nor adds to it (dt·x = 0).
+    """
+    b, l, H, _ = x.shape
+    G = B.shape[2]
+    pad = -l % chunk
+    x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
+    X = rearrange(x * dt[..., None], "b (c q) (g r) p -> b c q g r p", q=chunk, g=G)  # dt·x, the input term
+    a = rearrange(dt * A, "b (c q) (g r) -> b g r c q", q=chunk, g=G)  # log-decay of each step (A·dt <= 0)
+    B, C = (rearrange(t, "b (c q) g n -> b c q g n", q=chunk) for t in (B, C))
+    a_cum = a.cumsum(-1)  # [b, g, r, c, q]
+    # 1. Diagonal blocks: the output of each chunk from its own inputs (a causal "attention" C·Bᵀ masked by decay)
+    L = torch.exp(segsum(a))  # [b, g, r, c, q, s]
+    Y_diag = torch.einsum("bcqgn,bcsgn,bgrcqs,bcsgrp->bcqgrp", C, B, L, X)
+    # 2. Intra-chunk states: each chunk's final state from its own inputs (B terms, decayed to the chunk's end)
+    decay_states = torch.exp(a_cum[..., -1:] - a_cum)  # [b, g, r, c, q]
+    states = torch.einsum("bcqgn,bgrcq,bcqgrp->bcgrpn", B, decay_states, X)  # [b, c, g, r, p, n]
+    # 3. Inter-chunk recurrence: the state entering each chunk (a c-step scan, written as one small matmul)
+    if state is None:
+        state = x.new_zeros(b, H, x.shape[-1], B.shape[-1])
+    states = torch.cat([rearrange(state, "b (g r) p n -> b 1 g r p n", g=G), states], dim=1)  # [b, c+1, ...]
+    decay_chunk = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # [b, g, r, z, c]: chunk c's state -> chunk z
+    states = torch.einsum("bgrzc,bcgrpn->bzgrpn", decay_chunk, states)
+    states, final = states[:, :-1], states[:, -1]  # entering chunk 0..c-1; leaving the last chunk
+    # 4. State -> output: the entering state read out by C and decayed to each position (off-diagonal blocks)
+    Y_off = torch.einsum("bcqgn,bcgrpn,bgrcq->bcqgrp", C, states, torch.exp(a_cum))
+    y = rearrange(Y_diag + Y_off, "b c q g r p -> b (c q) (g r) p")[:, :l]
+    return y, rearrange(final, "b g r p n -> b (g r) p n")
+
+
+def ssd_sequential(x, dt, A, B, C, chunk: int | None = None, state=None):
+    """The oracle: the recurrence one position at a time (Gu & Dao 2023, eq. 2a-2b, with scalar A per head):
+        state_t = exp(dt_t·A)·state_{t-1} + dt_t·x_t ⊗ B_t        y_t = state_t · C_t
+    Same signature and result as `ssd_chunked` (`chunk` is ignored). One step of it is the generation step."""
+    b, l, H, Pd = x.shape
+    R = H // B.shape[2]
+    B, C = (repeat(t, "b l g n -> b l (g r) n", r=R) for t in (B, C))
+    state = x.new_zeros(b, H, Pd, B.shape[-1]) if state is None else state
+    ys = []
+    for t in range(l):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]  # [b, H, 1, 1]
+        state = decay * state + torch.einsum("bh,bhp,bhn->bhpn", dt[:, t], x[:, t], B[:, t])  # [b, H, P, N]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    return torch.stack(ys, dim=1), state
+
+
+# ---------------------------------------------------------------------------------------------- the mixer
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(y·silu(z))·w over groups of d_inner/G channels (mamba_ssm's RMSNormGated, norm_before_gate=False).
+    A group never straddles two TP ranks, so the norm is local; its weight is sharded with the heads."""
+
+    def __init__(self, d_local: int, group_size: int, eps: float, dtype=None):
+        super().__init__()
+        self.group_size, self.eps = group_size, eps
+        self.weight = P.mark(nn.Parameter(torch.empty(d_local, dtype=dtype)), ("ones",), partition_dim=0)
+
+    def forward(self, y, z):  # [..., d_inner/tp]
+        y = rearrange(y * F.silu(z), "... (g e) -> ... g e", e=self.group_size)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return rearrange(y, "... g e -> ... (g e)") * self.weight
+
+
+def _uniform_init(p, fn):
+    """Megatron's non-Gaussian inits, as a function of a U[0,1) draw of the full tensor (see init_ssm_params)."""
+    p.ssm_init, p._no_weight_decay = fn, True
+    return p
+
+
+class MambaMixer(nn.Module):
+    """in_proj -> [z, x, B, C, dt]; causal depthwise conv + SiLU on [x, B, C]; SSD scan; + D·x; gated norm; out_proj.
+
+    in_proj is column-parallel *per segment*: rank r holds [z_r, x_r, B_r, C_r, dt_r] (its heads' and groups'
+    rows of each segment), conv1d the matching [x_r, B_r, C_r] channels; out_proj is row-parallel."""
+
+    def __init__(self, c: Config, grid=None):
+        super().__init__()
+        tp = grid.tp_size if grid is not None else 1
+        self.c, self.H, self.G = c, c.mamba_num_heads // tp, c.mamba_num_groups // tp  # local heads and groups
+        self.Pd, self.N, self.k, self.d = c.mamba_head_dim, c.mamba_state_dim, c.mamba_conv_kernel, c.d_inner // tp
+        GN, dt_ = c.mamba_num_groups * c.mamba_state_dim, c.params_dtype
+        segments = [c.d_inner, c.d_inner, GN, GN, c.mamba_num_heads]  # z, x, B, C, dt (full sizes)
+        self.in_proj = P.ColumnParallelLinear(c.hidden_size, sum(segments), grid, bias=False, std=c.init_method_std,
+                                              sequence_parallel=c.sequence_parallel, stride=segments, dtype=dt_)
+        conv_dim = self.d + 2 * self.G * self.N
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.k, groups=conv_dim, padding=self.k - 1, dtype=dt_)
+        bound = 1 / math.sqrt(self.k)  # kaiming_uniform(a=√5) on [conv_dim, 1, k], and torch's conv bias default
+        for p in self.conv1d.parameters():
+            _uniform_init(P.mark(p, ("zeros",), 0, stride=[c.d_inner, GN, GN]), lambda u: (2 * u - 1) * bound)
+        self.A_log = _uniform_init(P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("zeros",), 0),
+                                   lambda u: torch.log(1 + 15 * u))  # A ~ U(1, 16)
+        self.D = P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("ones",), 0)
+        self.D._no_weight_decay = True
+        self.dt_bias = _uniform_init(P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("zeros",), 0), _dt_bias)
+        self.norm = GatedRMSNorm(self.d, c.d_inner // c.mamba_num_groups, c.layernorm_epsilon, dt_)
+        self.out_proj = P.RowParallelLinear(c.d_inner, c.hidden_size, grid, bias=False, std=c.mamba_output_std,
+                                            sequence_parallel=c.sequence_parallel, dtype=dt_)
+
+    def split(self, zxbcdt):  # [..., e] -> z [..., d], xBC [..., conv_dim], dt [..., H]
+        return zxbcdt.split([self.d, self.d + 2 * self.G * self.N, self.H], dim=-1)
+
+    def ssm(self, xBC, dt, z, scan, state=None):
+        """Conv output xBC [b, l, conv_dim], raw dt [b, l, H], gate z [b, l, d] -> gated y [b, l, d], final state."""
+        x, B, C = xBC.split([self.d, self.G * self.N, self.G * self.N], dim=-1)
+        x = rearrange(x, "b l (h p) -> b l h p", p=self.Pd)
+        B, C = (rearrange(t, "b l (g n) -> b l g n", n=self.N) for t in (B, C))
+        A = -torch.exp(self.A_log)  # [H]
+        y, state = scan(x, F.softplus(dt + self.dt_bias), A, B, C, self.c.mamba_chunk_size, state=state)
+        y = y + self.D[:, None] * x  # the D skip
+        return self.norm(rearrange(y, "b l h p -> b l (h p)"), z), state
+
+    def forward(self, hidden):  # [s(/tp), b, h] -> [s(/tp), b, h]
+        z, xBC, dt = self.split(rearrange(self.in_proj(hidden), "s b e -> b s e"))  # all-gathers s under SP
+        s = xBC.shape[1]
+        xBC = F.silu(self.conv1d(xBC.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal: keep the first s outputs
+        y, _ = self.ssm(xBC, dt, z, ssd_chunked if self.c.mamba_scan == "chunked" else ssd_sequential)
+        return self.out_proj(rearrange(y, "b s d -> s b d"))  # [s(/tp), b, h]
+
+    def step(self, hidden, state=None):
+        """One new position: hidden [1, b, h]; state = (conv [b, conv_dim, k] the last k conv inputs,
+        ssm [b, H, P, N]) or None at the start. Returns the output [1, b, h] and the new state."""
+        z, xBC, dt = self.split(self.in_proj(hidden)[0])  # [b, ·]
+        conv, ssm = state if state is not None else (xBC.new_zeros(*xBC.shape, self.k), None)
+        conv = torch.cat([conv[..., 1:], xBC[..., None]], dim=-1)  # shift in the newest input
+        xBC = F.silu(torch.einsum("bek,ek->be", conv, self.conv1d.weight[:, 0]) + self.conv1d.bias)
+        y, ssm = self.ssm(xBC[:, None], dt[:, None], z[:, None], ssd_sequential, state=ssm)
+        return self.out_proj(rearrange(y, "b 1 d -> 1 b d")), (conv, ssm)
+
+
+def _dt_bias(u, dt_min=1e-3, dt_max=0.1, floor=1e-4):
+    """softplus⁻¹ of dt ~ logU(dt_min, dt_max), so that softplus(dt_bias) starts in [dt_min, dt_max] (Megatron's)."""
+    dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+@torch.no_grad()
+def init_ssm_params(module: nn.Module, seed: int, grid, rename=lambda n: n):
+    """Fill the parameters marked by `_uniform_init` as P.init_params fills the rest: a full U[0,1) draw from
+    (seed, global name), transformed, then this rank's slice — so every layout holds the same numbers."""
+    tp = P.tp_of(grid)
+    n, r = (tp.size, tp.rank) if tp is not None else (1, 0)
+    for name, p in module.named_parameters():
+        if hasattr(p, "ssm_init"):
+            shape = [d * (n if i == p.partition_dim else 1) for i, d in enumerate(p.shape)]
+            u = torch.rand(shape, generator=torch.Generator().manual_seed(P._seed_for(seed, rename(name))),
+                           dtype=torch.float64)
+            p.copy_(P.shard(p.ssm_init(u), p.partition_dim, p.partition_stride, r, n).to(p.dtype))
+
+
+# ---------------------------------------------------------------------------------------------- the hybrid stack
+class Layer(nn.Module):
+    """One pre-norm residual layer, x + dropout(f(norm(x))), named as Megatron's MambaStack names it:
+        M  MambaLayer                          norm, mixer                       (ssm/mamba_layer.py)
+        *  TransformerLayer, attention only    input_layernorm, self_attention   (gpt.Attention)
+        -  MLPLayer, MLP only                  pre_mlp_layernorm, mlp            (ssm/mlp_layer.py, gpt.MLP)"""
+    NAMES = {"M": ("norm", "mixer"), "*": ("input_layernorm", "self_attention"), "-": ("pre_mlp_layernorm", "mlp")}
+
+    def __init__(self, symbol: str, c: Config, grid=None, rng=None):
+        super().__init__()
+        self.symbol, self.c, self.rng = symbol, c, rng
+        norm, f = self.NAMES[symbol]
+        setattr(self, norm, gpt.Norm(c))
+        setattr(self, f, {"M": lambda: MambaMixer(c, grid), "*": lambda: gpt.Attention(c, grid, rng=rng),
+                          "-": lambda: gpt.MLP(c, grid)}[symbol]())
+
+    def parts(self):
+        return (getattr(self, n) for n in self.NAMES[self.symbol])
+
+    def forward(self, x, rope=None, mask=None):  # [s(/tp), b, h]
+        norm, f = self.parts()
+        y = f(norm(x), rope=rope, mask=mask) if self.symbol == "*" else f(norm(x))
+        return x + P.dropout(y, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
+
+    def step(self, x, cache, rope=None):
+        """x [1, b, h], one new position. Cache: Mamba (conv, ssm) states; attention the normed inputs so far
+        (recomputed each step: short and obviously right, O(t) per token); MLP none."""
+        norm, f = self.parts()
+        if self.symbol == "M":
+            y, cache = f.step(norm(x), cache)
+        elif self.symbol == "*":
+            cache = norm(x) if cache is None else torch.cat([cache, norm(x)])
+            y = f(cache, rope=rope)[-1:]
+        else:
+            y = f(norm(x))
+        return x + y, cache
+
+
+class Stack(nn.Module):
+    """Megatron's MambaStack: this stage's layers, then `final_norm` on the last stage."""
+
+    def __init__(self, c: Config, grid, rng, symbols: str, post_process: bool):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(s, c, grid, rng) for s in symbols])
+        self.final_norm = gpt.Norm(c) if post_process else None
+
+    def forward(self, x, rope=None, mask=None):
+        for layer in self.layers:
+            x = layer(x, rope=rope, mask=mask)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Model(gpt.Model):
+    """Megatron's MambaModel: gpt.Model's embedding, output layer, loss, global names and forward around the hybrid
+    Stack. forward(input_ids [b, s], labels=None) -> logits [b, s, vocab_size] or per-token loss [b, s].
+
+    The pipeline stage's layers: `layer_offset`/`num_layers` when given, else this grid's stage of the pattern."""
+
+    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=None,
+                 num_layers=None):
+        nn.Module.__init__(self)  # gpt.Model's __init__ would build transformer layers; the rest is shared
+        c = self.config = config
+        tp, pp = (grid.tp_size, grid.pp_size) if grid is not None else (1, 1)
+        c.check_layout(tp, pp)
+        if c.sequence_parallel and tp == 1:
+            c = self.config = dataclasses.replace(c, sequence_parallel=False)
+        if layer_offset is None:
+            layer_offset, symbols = c.stages(pp)[grid.pp.rank if grid is not None else 0]
+        else:
+            symbols = c.layer_types[layer_offset:layer_offset + (c.num_layers if num_layers is None else num_layers)]
+        self.grid, self.pre_process, self.post_process, self.layer_offset = grid, pre_process, post_process, layer_offset
+        self.rng = P.RNGTracker(c.seed, grid)
+        self.input_tensor = None
+        if pre_process:
+            self.embedding = gpt.Embedding(c, grid, self.rng)
+        self.decoder = Stack(c, grid, self.rng, symbols, post_process)
+        if post_process:
+            self.output_layer = P.ColumnParallelLinear(
+                c.hidden_size, c.padded_vocab_size, grid, bias=False, std=c.init_method_std, dtype=c.params_dtype,
+                sequence_parallel=c.sequence_parallel, skip_weight=c.share_embeddings_and_output_weights and pre_process)
+        P.init_params(self, c.seed, grid, rename=self.global_name)
+        init_ssm_params(self, c.seed, grid, rename=self.global_name)
+
+    @torch.no_grad()
+    def step(self, ids, cache: dict):
+        """Logits [b, V] for the newest tokens ids [b], given `cache` (start with {}), which it updates."""
+        if self.config.sequence_parallel or not (self.pre_process and self.post_process):
+            raise ValueError("step() runs a whole model without sequence parallelism")
+        t = cache.get("t", 0)
+        layers = cache.setdefault("layers", [None] * len(self.decoder.layers))
+        x = self.embedding(ids[:, None], torch.tensor([t], device=ids.device))  # [1, b, h]
+        rope = self.rope(t + 1, ids.device)
+        for i, layer in enumerate(self.decoder.layers):
+            x, layers[i] = layer.step(x, layers[i], rope=rope)
+        cache["t"] = t + 1
+        return self.postprocess(self.decoder.final_norm(x))[:, 0]  # [b, V]
+
+
+@torch.no_grad()
+def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+             eod: int | None = None):
+    """Sample `max_new_tokens` after `ids` [b, s] with the recurrent step: O(1) work per token for Mamba layers."""
+    was_training, cache = model.training, {}
+    model.eval()
+    for t in range(ids.shape[1] - 1):  # the prompt, position by position (states only)
+        model.step(ids[:, t], cache)
+    for _ in range(max_new_tokens):
+        logits = model.step(ids[:, -1], cache).float()  # [b, V]
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1)  # [b, 1]
+        ids = torch.cat([ids, nxt], dim=1)
+        if eod is not None and bool((nxt == eod).all()):
+            break
+    model.train(was_training)
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def from_hf(hf, grid=None, dtype=None) -> Model:
+    """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path). HF's names and
+    layouts are Megatron's ([z, x, B, C, dt] in_proj, [x, B, C] conv), so this is a rename plus vocabulary padding."""
+    hc = hf.config
+    if hc.model_type != "mamba2":
+        raise ValueError(f"from_hf: model_type {hc.model_type!r} is not 'mamba2'")
+    limit = tuple(getattr(hc, "time_step_limit", (0.0, float("inf"))))
+    if hc.use_bias or not hc.use_conv_bias or hc.hidden_act != "silu" or limit != (0.0, float("inf")):
+        raise ValueError(f"from_hf: Megatron's mixer has no in/out_proj bias, a conv bias, SiLU and no dt limit; got "
+                         f"use_bias={hc.use_bias}, use_conv_bias={hc.use_conv_bias}, hidden_act={hc.hidden_act!r}, "
+                         f"time_step_limit={limit}")
+    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=1,
+               vocab_size=hc.vocab_size, mamba_state_dim=hc.state_size, mamba_head_dim=hc.head_dim,
+               mamba_num_groups=hc.n_groups, mamba_num_heads=hc.num_heads, mamba_chunk_size=hc.chunk_size,
+               mamba_conv_kernel=hc.conv_kernel, layernorm_epsilon=hc.layer_norm_epsilon,
+               share_embeddings_and_output_weights=hc.tie_word_embeddings,
+               params_dtype=dtype or next(hf.parameters()).dtype)
+    full = {}
+    for k, v in hf.state_dict().items():
+        k = {"backbone.embeddings.weight": "embedding.word_embeddings.weight", "lm_head.weight": "output_layer.weight",
+             "backbone.norm_f.weight": "decoder.final_norm.weight"}.get(k, k.replace("backbone.layers.", "decoder.layers."))
+        if k == "output_layer.weight" and c.share_embeddings_and_output_weights:
+            continue
+        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            v = F.pad(v, (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
+        full[k] = v.detach()
+    model = Model(c, grid)
+    P.load_full_state_dict(model, full, grid)
+    return model

@@ -1,4 +1,7 @@
 # mini-megatron — the two commands a fresh machine needs: `make train MODEL=gpt` and `make test`.
+#   make train MODEL=gpt [NPROC=2 TP=2 PP=1 ARGS="--train-iters 100"]   -> runs/$(MODEL)/
+#   make sample [PROMPT="def "]     make test     make lint     make bench
+PYTHON  ?= python3
 PY      := .venv/bin/python
 STAMP   := .venv/.stamp
 MODEL   ?= gpt
@@ -6,14 +9,19 @@ NPROC   ?= 1
 TP      ?= 1
 PP      ?= 1
 ARGS    ?=
+MINUTES ?= 8
+PROMPT  ?= def
+RUN     ?= runs/$(MODEL)
+# No NVIDIA driver: take torch's CPU wheel (PyPI's Linux torch pulls several GB of CUDA libraries).
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+LAUNCH  := $(if $(filter 1,$(NPROC)),$(PY),OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 
 .PHONY: setup test lint train sample bench clean
 
-# A virtualenv with pinned dependencies; idempotent (the stamp records the requirements it was built from).
+# A virtualenv with pinned dependencies; idempotent (the stamp is newer than the requirements it was built from).
 $(STAMP): requirements.txt requirements-test.txt
-	python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-test.txt
+	$(PYTHON) -m venv .venv
+	$(PY) -m pip install -q -r requirements-test.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,3 +31,20 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+
+# The default run (train.py's defaults): a 4-layer llama-style GPT on the Python stdlib sources. The time guard stops
+# (and saves) early on a slow or busy machine so the command always ends within ~$(MINUTES)+1 minutes.
+train: $(STAMP)
+	$(LAUNCH) train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --pipeline-model-parallel-size $(PP) \
+		--save $(RUN) --exit-duration-in-mins $(MINUTES) $(ARGS)
+
+sample: $(STAMP)
+	$(PY) train.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)
+
+# Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s.
+bench: $(STAMP)
+	$(LAUNCH) train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --train-iters 30 --log-interval 10 \
+		--eval-iters 0 $(ARGS)
+
+clean:
+	rm -rf runs data_cache

@@ -79,12 +79,12 @@ def parse_args(argv):
     a("--vocab-size", type=int, default=None, help="the BPE to train (default 8192), or the model's vocabulary")
     a("--data-cache-dir", default="data_cache")
     # training
-    a("--micro-batch-size", type=int, default=32)
-    a("--global-batch-size", type=int, default=32)
-    a("--train-iters", type=int, default=1000)
+    a("--micro-batch-size", type=int, default=16)
+    a("--global-batch-size", type=int, default=16)
+    a("--train-iters", type=int, default=500)
     a("--lr", type=float, default=3e-3)
     a("--min-lr", type=float, default=3e-4)
-    a("--lr-warmup-iters", type=int, default=50)
+    a("--lr-warmup-iters", type=int, default=30)
     a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
     a("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     a("--weight-decay", type=float, default=0.1)
@@ -108,7 +108,8 @@ def parse_args(argv):
     a("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     a("--save-interval", type=int, default=0, help="0 = only at the end")
     a("--exit-interval", type=int, default=None, help="save and exit after this iteration number")
-    a("--eval-interval", type=int, default=250)
+    a("--exit-duration-in-mins", type=float, default=None, help="save and exit after this many minutes of training")
+    a("--eval-interval", type=int, default=100)
     a("--eval-iters", type=int, default=10)
     a("--log-interval", type=int, default=10)
     return p.parse_args(argv)
@@ -540,7 +541,7 @@ def train(args):
         print(f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
     if rank == 0:
         print_config(args, s)
-    run_dir = args.save or f"runs/{args.model}"
+    run_dir = args.save or time.strftime(f"runs/{args.model}-%Y%m%d-%H%M%S")  # no --save: a fresh directory
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         s["tok"].save(str(Path(args.save) / "tokenizer.json"))
@@ -554,8 +555,8 @@ def train(args):
             return recipe(model, mb) * scaler.scale  # fp16: backward runs on loss x scale
     num_tokens = args.global_batch_size * args.seq_length  # loss tokens of the whole global batch
     params = list(model.parameters())
-    window = dict(loss=0.0, n=0, t=time.time(), skipped=0)
-    it = start
+    t0 = time.time()
+    window, it = dict(loss=0.0, n=0, t=t0, skipped=0), start
     for it in range(start, args.train_iters):
         # ---- one global batch; this DP rank's rows; micro-batches (data.global_batch is layout-free)
         batch = data.global_batch(s["train"], it, args.global_batch_size)  # [gbs, s+1]
@@ -588,16 +589,28 @@ def train(args):
                 rec["loss_scale"] = scaler.scale
             log.log(rec)
             window = dict(loss=0.0, n=0, t=time.time(), skipped=0)
-        if s["valid"] is not None and args.eval_iters > 0 and (
-                (args.eval_interval and n % args.eval_interval == 0) or n == args.train_iters):
-            log.log(dict(iteration=n, val_loss=evaluate(model, s["valid"], args, grid, device, autocast, recipe)))
         stop = args.exit_interval is not None and n % args.exit_interval == 0
+        if args.exit_duration_in_mins is not None:  # every rank must agree, or some would wait in a collective
+            late = torch.tensor([float(time.time() - t0 > 60 * args.exit_duration_in_mins)])
+            if dist.is_initialized():
+                dist.all_reduce(late, op=dist.ReduceOp.MAX)
+            if late.item() > 0 and n < args.train_iters:
+                stop = True
+                if rank == 0:
+                    log.bar.write(f"--exit-duration-in-mins={args.exit_duration_in_mins} reached: stopping at {n}")
+        if s["valid"] is not None and args.eval_iters > 0 and (
+                (args.eval_interval and n % args.eval_interval == 0) or n == args.train_iters or stop):
+            log.log(dict(iteration=n, val_loss=evaluate(model, s["valid"], args, grid, device, autocast, recipe)))
         if args.save and ((args.save_interval and n % args.save_interval == 0) or n == args.train_iters or stop):
             save_checkpoint(args, n, model, optimizer, scaler, s["mesh"])
         if stop:
             break
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
     log.close()
+    if rank == 0:
+        secs = time.time() - t0
+        print(f"done: {it + 1 - start} iterations in {secs:.0f} s ({(it + 1 - start) * num_tokens / secs:.0f} "
+              f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {run_dir}", flush=True)
     return s
 
 

@@ -119,10 +119,10 @@ def segsum(a):
     The naive version, cs = a.cumsum(-1); cs[..., :, None] - cs[..., None, :], subtracts two long sums that are
     nearly equal (catastrophic cancellation). The stable one sums only the masked terms."""
     q = a.shape[-1]
-    a = repeat(a, "... d -> ... d e", e=q)  # a[..., d, e] = a[d]
-    a = a.masked_fill(~torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device), -1), 0)  # keep d > e
-    out = a.cumsum(-2)  # out[i, j] = Σ_{j < d <= i} a[d]
-    return out.masked_fill(~torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device)), -torch.inf)
+    ones = torch.ones(q, q, dtype=torch.bool, device=a.device)
+    a = repeat(a, "... d -> ... e d", e=q).masked_fill(~ones.triu(1), 0)  # a[..., e, d] = a[d] where d > e, else 0
+    out = a.cumsum(-1)  # out[..., j, i] = Σ_{j < d <= i} a[d]  (the sum runs along the contiguous last dim: fast)
+    return out.masked_fill(~ones.triu(), -torch.inf).transpose(-1, -2)  # [..., i, j]
 
 
 def ssd_chunked(x, dt, A, B, C, chunk: int, state=None):
@@ -145,7 +145,7 @@ def ssd_chunked(x, dt, A, B, C, chunk: int, state=None):
     Y_diag = torch.einsum("bcqgn,bcsgn,bgrcqs,bcsgrp->bcqgrp", C, B, L, X)
     # 2. Intra-chunk states: each chunk's final state from its own inputs (B terms, decayed to the chunk's end)
     decay_states = torch.exp(a_cum[..., -1:] - a_cum)  # [b, g, r, c, q]
-    states = torch.einsum("bcqgn,bgrcq,bcqgrp->bcgrpn", B, decay_states, X)  # [b, c, g, r, p, n]
+    states = torch.einsum("bcqgn,bcqgrp->bcgrpn", B, X * rearrange(decay_states, "b g r c q -> b c q g r 1"))
     # 3. Inter-chunk recurrence: the state entering each chunk (a c-step scan, written as one small matmul)
     if state is None:
         state = x.new_zeros(b, H, x.shape[-1], B.shape[-1])

@@ -51,6 +51,8 @@ class Config:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     share_embeddings_and_output_weights: bool = True
+    num_tokentypes: int = 0  # token-type (segment) embeddings: BERT's 2 with the binary head
+    apply_residual_connection_post_layernorm: bool = False  # residual from the norm's output (original BERT)
     init_method_std: float = 0.02
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
@@ -192,7 +194,12 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm layer: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x)))."""
+    """Pre-norm layer: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x))).
+
+    apply_residual_connection_post_layernorm (legacy Megatron's flag): the residual branch starts from norm(x), not x.
+    With it, a stack of these layers plus the final norm is exactly the post-LN transformer of original BERT with its
+    norms shifted by one (layer i's input_layernorm = BERT's embedding LayerNorm for i = 0, else layer i−1's output
+    LayerNorm) — see bert.from_hf."""
 
     def __init__(self, c: Config, grid=None, rng=None):
         super().__init__()
@@ -206,13 +213,16 @@ class TransformerLayer(nn.Module):
         return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
 
     def forward(self, x, rope=None, mask=None):  # [s(/tp), b, h]
-        x = x + self.drop(self.self_attention(self.input_layernorm(x), rope=rope, mask=mask))
-        return x + self.drop(self.mlp(self.pre_mlp_layernorm(x)))
+        post = self.c.apply_residual_connection_post_layernorm
+        ln = self.input_layernorm(x)
+        x = (ln if post else x) + self.drop(self.self_attention(ln, rope=rope, mask=mask))
+        ln = self.pre_mlp_layernorm(x)
+        return (ln if post else x) + self.drop(self.mlp(ln))
 
 
 # ---------------------------------------------------------------------------------------------- the GPT model
 class Embedding(nn.Module):
-    """Word embeddings (vocab-parallel) + optional learned positions; output [s(/tp), b, h]."""
+    """Word embeddings (vocab-parallel) + optional learned positions + optional token types; output [s(/tp), b, h]."""
 
     def __init__(self, c: Config, grid=None, rng=None):
         super().__init__()
@@ -222,13 +232,18 @@ class Embedding(nn.Module):
         if c.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=c.params_dtype)
             P.mark(self.position_embeddings.weight, ("normal", c.init_method_std))
+        if c.num_tokentypes > 0:
+            self.tokentype_embeddings = nn.Embedding(c.num_tokentypes, c.hidden_size, dtype=c.params_dtype)
+            P.mark(self.tokentype_embeddings.weight, ("normal", c.init_method_std))
 
-    def forward(self, input_ids, position_ids=None):  # [b, s]
+    def forward(self, input_ids, position_ids=None, tokentype_ids=None):  # [b, s]
         x = self.word_embeddings(input_ids)  # [b, s, h]
         if hasattr(self, "position_embeddings"):
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             x = x + self.position_embeddings(position_ids)
+        if tokentype_ids is not None:
+            x = x + self.tokentype_embeddings(tokentype_ids)
         x = rearrange(x, "b s h -> s b h").contiguous()
         if self.c.sequence_parallel:
             x = P.scatter_to_sp(x, P.tp_of(self.grid))  # [s/tp, b, h]

@@ -1,0 +1,332 @@
+"""bert.py — BERT: only what it adds to the transformer of gpt.py.
+
+  token-type embeddings (gpt.Embedding with num_tokentypes), bidirectional attention with a padding mask,
+  the masked-LM head (dense -> GeLU -> LayerNorm -> output layer tied to the word embeddings, with a bias),
+  the pooler + binary head (next-sentence / sentence-order prediction), and the MLM + SOP data recipe.
+Mirrors Megatron-LM's megatron/core/models/bert/bert_model.py, bert_lm_head.py, pooler.py and
+megatron/core/datasets/bert_dataset.py, masked_dataset.py (same parameter names: embedding.tokentype_embeddings,
+lm_head.dense, lm_head.layer_norm, output_layer.bias, pooler.dense, binary_head).
+Papers: Devlin et al. 2018, "BERT" (MLM, NSP); Lan et al. 2019, "ALBERT" (SOP: sentence order instead of NSP).
+
+Run:    make train MODEL=bert        (or: .venv/bin/python train.py --model bert ...)
+
+Pre-LN or post-LN. Megatron-core's BERT is pre-LN with no embedding LayerNorm (the default here). Original BERT
+(Hugging Face) is post-LN with an embedding LayerNorm: that is the same stack with gpt.Config's
+apply_residual_connection_post_layernorm=True, its norms shifted by one layer (see from_hf).
+
+Dimension glossary: gpt.py's (b batch, s sequence, h hidden, V vocabulary).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+import data
+import gpt
+import parallel as P
+
+
+@dataclass
+class Config(gpt.Config):
+    """gpt.Config + BERT's fields. The inherited defaults (learned positions, LayerNorm, GeLU, tied output) are BERT's."""
+    add_binary_head: bool = True  # False = Megatron's --bert-no-binary-head
+    num_tokentypes: int | None = None  # None = 2 with the binary head, else 0 (Megatron's rule)
+
+    def __post_init__(self):
+        if self.num_tokentypes is None:
+            self.num_tokentypes = 2 if self.add_binary_head else 0
+        if self.add_binary_head and self.num_tokentypes < 2:
+            raise ValueError(f"the binary head needs num_tokentypes >= 2 (segments A and B), got {self.num_tokentypes}")
+        super().__post_init__()
+
+
+def _linear(c: Config, i: int, o: int, sequence_parallel=False) -> nn.Linear:
+    """A replicated Linear (Megatron's get_linear_layer). Under SP, one that sees s/tp tokens has partial grads."""
+    m = nn.Linear(i, o, dtype=c.params_dtype)
+    P.mark(m.weight, ("normal", c.init_method_std), sequence_parallel=sequence_parallel)
+    P.mark(m.bias, ("zeros",), sequence_parallel=sequence_parallel)
+    return m
+
+
+class BertLMHead(nn.Module):
+    """[s(/tp), b, h] -> dense -> GeLU -> LayerNorm -> [s(/tp), b, h]; the output layer follows."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.dense = _linear(c, c.hidden_size, c.hidden_size, sequence_parallel=c.sequence_parallel)
+        self.layer_norm = gpt.Norm(c)
+
+    def forward(self, x):
+        return self.layer_norm(F.gelu(self.dense(x)))
+
+
+class Pooler(nn.Module):
+    """tanh(dense(h[CLS])): [s(/tp), b, h] -> [b, h]. Under SP every rank gathers the sequence, then pools the same."""
+
+    def __init__(self, c: Config, grid=None):
+        super().__init__()
+        self.dense, self.tp, self.sp = _linear(c, c.hidden_size, c.hidden_size), P.tp_of(grid), c.sequence_parallel
+
+    def forward(self, x):
+        if self.sp:  # every rank goes on with the same full tensor: backward keeps this rank's slice of the grad
+            x = P.gather_from_sp(x, self.tp, tp_output_grad=False)
+        return torch.tanh(self.dense(x[0]))
+
+
+class Model(gpt.Model):
+    """BERT. forward(input_ids [b, s], attention_mask [b, s] (1 = real token), tokentype_ids [b, s], lm_labels [b, s])
+    -> (lm_logits [b, s, vocab_size] or lm_loss [b, s], binary_logits [b, 2] or None). Pipeline stages as gpt.Model;
+    every stage needs attention_mask (stages > 0 read their hidden states from `self.input_tensor`)."""
+
+    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
+                 num_layers=None):
+        super().__init__(config, grid, pre_process, post_process, layer_offset, num_layers)
+        c, tp = self.config, (grid.tp_size if grid is not None else 1)
+        if post_process:
+            self.lm_head = BertLMHead(c)
+            self.output_layer.bias = P.mark(nn.Parameter(torch.empty(c.padded_vocab_size // tp, dtype=c.params_dtype)),
+                                            ("zeros",), partition_dim=0)
+            if c.add_binary_head:
+                self.pooler = Pooler(c, grid)
+                self.binary_head = _linear(c, c.hidden_size, 2)
+        P.init_params(self, c.seed, grid, rename=self.global_name)  # again, now with BERT's parameters
+
+    def forward(self, input_ids, attention_mask=None, tokentype_ids=None, lm_labels=None):
+        self.check_input(input_ids)
+        c = self.config
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        mask = (attention_mask > 0.5)[:, None, None, :]  # [b, 1, 1, s] True = attend: padded keys are never seen
+        if tokentype_ids is not None and c.num_tokentypes == 0:
+            raise ValueError("tokentype_ids given, but the model has num_tokentypes=0 (no binary head)")
+        if self.pre_process:
+            if tokentype_ids is None and c.num_tokentypes > 0:
+                tokentype_ids = torch.zeros_like(input_ids)  # Hugging Face's default: all segment A
+            x = self.embedding(input_ids, tokentype_ids=tokentype_ids)  # [s(/tp), b, h]
+        else:
+            x = self.input_tensor
+        x = self.decoder(x, rope=self.rope(input_ids.shape[1], input_ids.device), mask=mask)  # not causal: a mask
+        if not self.post_process:
+            return x
+        binary_logits = self.binary_head(self.pooler(x)) if c.add_binary_head else None  # [b, 2]
+        return self.postprocess(self.lm_head(x), lm_labels), binary_logits  # output_layer has its bias now
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+def loss_func(model, mb, num_masked, num_seqs):
+    """The schedule's per-micro-batch SUM for the global-batch rule (design.md §2), to be divided by num_masked:
+        loss = Σ masked-LM token losses / num_masked + Σ binary losses / num_seqs      (global counts)
+    so this returns Σ lm + Σ binary · num_masked / num_seqs. mb: int [b, 6, s] (ROWS); on inner pipeline stages
+    it returns the hidden states."""
+    types = mb[:, TYPES] if model.config.num_tokentypes > 0 else None
+    out = model(mb[:, TEXT], mb[:, PADDING_MASK], types, lm_labels=mb[:, LABELS])
+    if not model.post_process:
+        return out
+    lm_loss, binary_logits = (_fp32(t) for t in out)
+    total = (lm_loss * mb[:, LOSS_MASK]).sum()
+    if binary_logits is not None:
+        sop = F.cross_entropy(binary_logits, mb[:, IS_RANDOM, 0], reduction="sum")
+        total = total + sop * (float(num_masked) / float(num_seqs))
+    return total
+
+
+def _fp32(t):  # losses in at least float32 (bf16/fp16 runs), float64 stays float64
+    return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def num_masked_tokens(batch) -> int:
+    """The masked-LM loss tokens of a (global) batch [B, 6, s]: the denominator of the loss."""
+    return int(batch[:, LOSS_MASK].sum())
+
+
+# ---------------------------------------------------------------------------------------------- the data recipe
+ROWS = ("text", "types", "padding_mask", "labels", "loss_mask", "is_random")  # Megatron's BERT sample keys
+TEXT, TYPES, PADDING_MASK, LABELS, LOSS_MASK, IS_RANDOM = range(len(ROWS))
+# A sample is one int64 array [6, s], so GPT's batching (data.global_batch, DP and micro-batch slicing) carries it.
+
+
+def make_bert_sample(tokens, seq_length, special, rng, random_ids, binary_head=True, masking_probability=0.15,
+                     word_starts=None):
+    """One sample from a span of a document's tokens (no eod): [cls] A [sep] B [sep] pad..., int64 [6, s].
+
+    Sentence order (SOP, as Megatron's BERTMaskedWordPieceDataset): the span is cut at a random point into A and B
+    (consecutive text); with probability 1/2 they are swapped and is_random = 1. Masked LM: round(15%) of the real,
+    non-special tokens are predicted (at least 1); each is replaced by [mask] 80%, kept 10%, a random token from
+    `random_ids` 10%. word_starts (bool [V]): whole-word masking — whole words are picked until the count is reached.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    n_extra = 3 if binary_head else 2
+    if len(tokens) + n_extra > seq_length or len(tokens) < (2 if binary_head else 1):
+        raise ValueError(f"a span of {len(tokens)} tokens does not fit seq_length={seq_length} "
+                         f"(needs 1..{seq_length - n_extra}, and >= 2 with the binary head)")
+    cls, sep, pad, msk = special["cls"], special["sep"], special["pad"], special["mask"]
+    is_random = 0
+    if binary_head:
+        cut = int(rng.integers(1, len(tokens)))
+        a, b = tokens[:cut], tokens[cut:]
+        if rng.random() < 0.5:
+            a, b, is_random = b, a, 1
+        text = np.concatenate([[cls], a, [sep], b, [sep]])
+        types = np.concatenate([np.zeros(len(a) + 2, np.int64), np.ones(len(b) + 1, np.int64)])
+    else:
+        text, types = np.concatenate([[cls], tokens, [sep]]), np.zeros(len(tokens) + 2, np.int64)
+    n = len(text)
+    candidates = np.flatnonzero((text != cls) & (text != sep))
+    if word_starts is None:
+        words = [candidates[i:i + 1] for i in range(len(candidates))]
+    else:  # a word = a run of adjacent candidate positions that starts at a word-start token
+        new = word_starts[text[candidates[1:]]] | (np.diff(candidates) != 1)
+        words = np.split(candidates, np.flatnonzero(new) + 1)
+    n_predict = max(1, int(round(len(candidates) * masking_probability)))
+    picked = []
+    for w in rng.permutation(len(words)):
+        if len(picked) + len(words[w]) > n_predict and picked:
+            continue
+        picked.extend(words[w])
+        if len(picked) >= n_predict:
+            break
+    picked = np.sort(np.array(picked, dtype=np.int64))
+    labels, loss_mask, masked = text.copy(), np.zeros(n, np.int64), text.copy()
+    loss_mask[picked] = 1
+    r = rng.random(len(picked))
+    masked[picked[r < 0.8]] = msk  # 80% [mask]; 0.8 <= r < 0.9 keeps the token (10%)
+    rand = picked[r >= 0.9]  # 10% a random token
+    masked[rand] = random_ids[rng.integers(0, len(random_ids), len(rand))]
+    out = np.zeros((len(ROWS), seq_length), np.int64)
+    out[TEXT], out[LABELS] = pad, pad
+    out[TEXT, :n], out[TYPES, :n], out[PADDING_MASK, :n] = masked, types, 1
+    out[LABELS, :n], out[LOSS_MASK, :n], out[IS_RANDOM] = labels, loss_mask, is_random
+    return out
+
+
+class BertDataset:
+    """BERT samples from tokenized documents: each document (minus its eod) is cut into spans of up to
+    seq_length − 3 tokens (one sample each); with probability short_seq_prob a sample keeps only a random shorter
+    prefix (Megatron's short_seq_prob), so batches hold padding. Sample i is deterministic in (seed, i) — the span
+    order is a permutation seeded by seed + epoch, the masking an RNG seeded by (seed, i) — never the layout."""
+
+    def __init__(self, source, doc_ids, seq_length, seed, special, vocab_size, binary_head=True,
+                 short_seq_prob=0.1, masking_probability=0.15, word_starts=None):
+        self.source, self.seq_length, self.seed, self.special = source, seq_length, seed, special
+        self.binary_head, self.short_seq_prob, self.p, self.word_starts = (binary_head, short_seq_prob,
+                                                                           masking_probability, word_starts)
+        self.max_len, self.min_len = seq_length - (3 if binary_head else 2), 2 if binary_head else 1
+        if self.max_len < self.min_len:
+            raise ValueError(f"seq_length={seq_length} is too short for a BERT sample")
+        specials = [v for k, v in special.items() if k != "sentinels"] + list(special.get("sentinels", []))
+        self.random_ids = np.setdiff1d(np.arange(vocab_size), specials)
+        spans = []
+        for d in doc_ids:
+            n = len(source[int(d)])
+            n -= int(n > 0 and source[int(d)][-1] == special["eod"])
+            spans += [(int(d), s, min(self.max_len, n - s)) for s in range(0, n, self.max_len)
+                      if n - s >= self.min_len]
+        if not spans:
+            raise ValueError(f"no span of >= {self.min_len} tokens in {len(doc_ids)} documents")
+        self.spans = np.array(spans, dtype=np.int64)  # (document, start, length)
+        self._epoch, self._perm = None, None
+
+    def __len__(self):
+        return len(self.spans)
+
+    def __getitem__(self, i):
+        epoch, j = divmod(int(i), len(self.spans))
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.spans))
+        d, start, length = self.spans[self._perm[j]]
+        rng = np.random.default_rng([self.seed, int(i)])
+        if rng.random() < self.short_seq_prob and length > self.min_len:
+            length = int(rng.integers(self.min_len, length))
+        tokens = self.source[int(d)][start:start + length]
+        return make_bert_sample(tokens, self.seq_length, self.special, rng, self.random_ids, self.binary_head,
+                                self.p, self.word_starts)
+
+
+def word_starts(tok) -> np.ndarray:
+    """bool [V]: the byte-level BPE tokens that begin a word (a leading space/newline/tab mark, or a special)."""
+    vocab = tok.get_vocab()
+    out = np.zeros(max(vocab.values()) + 1, dtype=bool)
+    for t, i in vocab.items():
+        out[i] = t[:1] in ("Ġ", "Ċ", "ĉ") or t.startswith("<")
+    return out
+
+
+def mlm_batch(dataset: BertDataset, iteration: int, global_batch_size: int) -> torch.Tensor:
+    """The global batch of `iteration`: int64 [global_batch_size, 6, s], a function of (seed, iteration) only."""
+    return data.global_batch(dataset, iteration, global_batch_size)
+
+
+@torch.no_grad()
+def mlm_accuracy(model, batch) -> tuple[int, int]:
+    """(correct, total) masked-token predictions of a batch [B, 6, s] (argmax over the real vocabulary)."""
+    types = batch[:, TYPES] if model.config.num_tokentypes > 0 else None
+    logits, _ = model(batch[:, TEXT], batch[:, PADDING_MASK], types)
+    m = batch[:, LOSS_MASK].bool()
+    return int((logits.argmax(-1)[m] == batch[:, LABELS][m]).sum()), int(m.sum())
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def from_hf(hf, grid=None, dtype=None) -> Model:
+    """A Model with the weights of a `transformers` BertForPreTraining (or BertForMaskedLM: no binary head).
+
+    HF BERT is post-LN: e = LN_emb(emb); per layer y = LN_att(e + attn(e)), e = LN_out(y + mlp(y)). That is our
+    stack with apply_residual_connection_post_layernorm=True and the norms shifted by one: layer i's
+    input_layernorm = LN_emb (i = 0) or layer i−1's LN_out, pre_mlp_layernorm = LN_att, final_layernorm = the last
+    LN_out."""
+    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
+    if hc.model_type != "bert":
+        raise ValueError(f"bert.from_hf: unsupported model_type {hc.model_type!r} (bert is)")
+    if getattr(hc, "position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"bert.from_hf: position_embedding_type {hc.position_embedding_type!r} (absolute is supported)")
+    binary = "cls.seq_relationship.weight" in sd
+    tied = bool(getattr(hc, "tie_word_embeddings", True))
+    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
+               ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
+               max_position_embeddings=hc.max_position_embeddings, layernorm_epsilon=hc.layer_norm_eps,
+               activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
+               num_tokentypes=hc.type_vocab_size, add_binary_head=binary, apply_residual_connection_post_layernorm=True,
+               share_embeddings_and_output_weights=tied, hidden_dropout=0.0, attention_dropout=0.0,
+               params_dtype=dtype or next(hf.parameters()).dtype)
+    e, p = "bert.embeddings.", "cls.predictions."
+    full = {"embedding.word_embeddings.weight": sd[e + "word_embeddings.weight"],
+            "embedding.position_embeddings.weight": sd[e + "position_embeddings.weight"],
+            "embedding.tokentype_embeddings.weight": sd[e + "token_type_embeddings.weight"],
+            "lm_head.dense.weight": sd[p + "transform.dense.weight"], "lm_head.dense.bias": sd[p + "transform.dense.bias"],
+            "lm_head.layer_norm.weight": sd[p + "transform.LayerNorm.weight"],
+            "lm_head.layer_norm.bias": sd[p + "transform.LayerNorm.bias"], "output_layer.bias": sd[p + "bias"]}
+    if not tied:
+        full["output_layer.weight"] = sd[p + "decoder.weight"]
+    if binary:
+        full.update({"pooler.dense.weight": sd["bert.pooler.dense.weight"], "pooler.dense.bias": sd["bert.pooler.dense.bias"],
+                     "binary_head.weight": sd["cls.seq_relationship.weight"],
+                     "binary_head.bias": sd["cls.seq_relationship.bias"]})
+    norm_in = e + "LayerNorm."
+    for i in range(c.num_layers):
+        h, o = f"bert.encoder.layer.{i}.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            qkv = torch.stack([sd[h + f"attention.self.{t}.{kind}"] for t in ("query", "key", "value")])
+            full.update({
+                o + f"input_layernorm.{kind}": sd[norm_in + kind],
+                o + f"self_attention.linear_qkv.{kind}": rearrange(  # [q; k; v] -> Megatron's per head [q_h; k_h; v_h]
+                    qkv, "three (n d) ... -> (n three d) ...", n=c.num_attention_heads),
+                o + f"self_attention.linear_proj.{kind}": sd[h + f"attention.output.dense.{kind}"],
+                o + f"pre_mlp_layernorm.{kind}": sd[h + f"attention.output.LayerNorm.{kind}"],
+                o + f"mlp.linear_fc1.{kind}": sd[h + f"intermediate.dense.{kind}"],
+                o + f"mlp.linear_fc2.{kind}": sd[h + f"output.dense.{kind}"]})
+        norm_in = h + "output.LayerNorm."
+    full.update({f"decoder.final_layernorm.{k}": sd[norm_in + k] for k in ("weight", "bias")})
+    model = Model(c, grid)
+    pad = c.padded_vocab_size - c.vocab_size  # padded rows / bias entries are zero: logit 0, never a target
+    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if k in full:
+            full[k] = F.pad(full[k], (0, 0, 0, pad))
+    full["output_layer.bias"] = F.pad(full["output_layer.bias"], (0, pad))
+    P.load_full_state_dict(model, full, grid)
+    return model

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ import parallel as P
 @dataclass
 class Config:
     """Megatron's TransformerConfig field names. Derived fields are filled in __post_init__."""
+    POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("learned_absolute", "rope", "none")  # a model file may add its own
     num_layers: int = 4
     hidden_size: int = 256
     num_attention_heads: int = 8
@@ -48,6 +50,7 @@ class Config:
     gated_linear_unit: bool = False  # True + silu = SwiGLU
     add_bias_linear: bool = True
     add_qkv_bias: bool | None = None  # None = add_bias_linear
+    softmax_scale: float | None = None  # None = 1/sqrt(kv_channels); Google's T5 uses 1.0 (no scaling)
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     share_embeddings_and_output_weights: bool = True
@@ -73,7 +76,7 @@ class Config:
             self.add_qkv_bias = self.add_bias_linear
         if n % self.num_query_groups:
             raise ValueError(f"num_attention_heads={n} is not divisible by num_query_groups={self.num_query_groups}")
-        for field, allowed in [("position_embedding_type", ("learned_absolute", "rope", "none")),
+        for field, allowed in [("position_embedding_type", self.POSITION_EMBEDDING_TYPES),
                                ("normalization", ("LayerNorm", "RMSNorm")),
                                ("activation", tuple(ACTIVATIONS))]:
             if getattr(self, field) not in allowed:
@@ -130,7 +133,7 @@ class Attention(nn.Module):
         tp = grid.tp.size if grid is not None else 1
         h, d, n, g = c.hidden_size, c.kv_channels, c.num_attention_heads, c.num_query_groups
         self.n, self.g, self.d, self.rng, self.p = n // tp, g // tp, d, rng, c.attention_dropout
-        self.scale = 1.0 / math.sqrt(d)
+        self.scale = c.softmax_scale if c.softmax_scale is not None else 1.0 / math.sqrt(d)
         kw = dict(grid=grid, bias=c.add_qkv_bias, std=c.init_method_std, sequence_parallel=c.sequence_parallel,
                   dtype=c.params_dtype)
         if cross:

@@ -357,6 +357,8 @@ class Model(gpt.Model):
             self.output_layer = P.ColumnParallelLinear(
                 c.hidden_size, c.padded_vocab_size, grid, bias=False, std=c.init_method_std, dtype=c.params_dtype,
                 sequence_parallel=c.sequence_parallel, skip_weight=c.share_embeddings_and_output_weights and pre_process)
+        if c.share_embeddings_and_output_weights and pre_process != post_process:  # a pipeline end: one copy of two
+            (self.embedding.word_embeddings if pre_process else self.output_layer).weight.shared_embedding = True
         P.init_params(self, c.seed, grid, rename=self.global_name)
         init_ssm_params(self, c.seed, grid, rename=self.global_name)
 

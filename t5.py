@@ -1,0 +1,372 @@
+"""t5.py — T5, the encoder-decoder transformer, as a diff on gpt.py: relative position buckets, an encoder stack and a
+decoder stack (with cross-attention) sharing one embedding, and the span-corruption data recipe.
+
+Mirrors Megatron-LM's `megatron/core/models/T5/t5_model.py` and `t5_spec.py` (parameter names: `embedding`,
+`encoder.layers.{i}`, `decoder.layers.{i}.pre_cross_attn_layernorm`, `.cross_attention.linear_q/linear_kv`,
+`lm_head.output_layer`), `models/common/embeddings/relative_pos_embedding.py` (`encoder_relative_pos_emb`,
+`decoder_relative_pos_emb`), and Hugging Face's `T5ForConditionalGeneration` (loaded by `from_hf`).
+Paper:  Raffel et al. 2019, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer".
+
+Run:    make train MODEL=t5        (or: .venv/bin/python train.py --model t5 ...; see README)
+
+Two T5s in one Config:
+  Google's / Hugging Face's: position_embedding_type="relative", normalization="RMSNorm" (no bias, eps 1e-6),
+      softmax_scale=1.0 (no 1/sqrt(d)), activation "relu" or gated "gelu_tanh", add_bias_linear=False,
+      scale_decoder_outputs=True (decoder output x h^-0.5 before the tied lm_head), lm_head_bias=False;
+  Megatron's: LayerNorm with bias, scaled attention, GeLU, biases, a tied lm_head with a bias.
+
+Dimension glossary (on top of gpt.py's b, h, n, d, V)
+  se encoder length (se/tp under sequence parallelism)   sd decoder length (sd/tp under SP)
+  B  relative-position buckets (32)                       n/tp attention heads on this rank
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+import gpt
+import parallel as P
+
+
+@dataclass
+class Config(gpt.Config):
+    """gpt.Config plus T5's fields (Megatron's flag names). num_layers is the depth of both stacks unless
+    encoder_num_layers / decoder_num_layers say otherwise."""
+    POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("relative", "rope", "learned_absolute")
+    position_embedding_type: str = "relative"
+    encoder_num_layers: int | None = None
+    decoder_num_layers: int | None = None
+    encoder_seq_length: int = 128  # what the data recipe makes (a raw row of this many tokens, corrupted)
+    decoder_seq_length: int = 32
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    scale_decoder_outputs: bool = False  # Hugging Face/Mesh TF: decoder output x h^-0.5 before the tied lm_head
+    lm_head_bias: bool | None = None  # None = Megatron's rule: a bias exactly when the lm_head is tied
+    vocab_extra_ids: int = 100  # sentinels <extra_id_i> in the tokenizer
+
+    def __post_init__(self):
+        self.encoder_num_layers = self.encoder_num_layers or self.num_layers
+        self.decoder_num_layers = self.decoder_num_layers or self.num_layers
+        if self.lm_head_bias is None:
+            self.lm_head_bias = self.share_embeddings_and_output_weights
+        super().__post_init__()
+        for name in ("encoder_num_layers", "decoder_num_layers", "relative_attention_num_buckets"):
+            if getattr(self, name) < 1 or (name.endswith("buckets") and getattr(self, name) < 4):
+                raise ValueError(f"{name}={getattr(self, name)} is too small")
+
+    def check_layout(self, tp: int = 1, pp: int = 1):
+        if pp > 1:
+            raise ValueError(f"T5 has no pipeline parallelism (Megatron-core's T5 refuses it too): "
+                             f"--pipeline-model-parallel-size={pp} must be 1")
+        super().check_layout(tp, 1)
+
+
+# ---------------------------------------------------------------------------------------------- relative positions
+def relative_position_bucket(rel, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
+    """rel = key − query (an integer tensor) -> bucket in [0, num_buckets) (design.md §4, Mesh TensorFlow's T5).
+
+    Bidirectional (encoder): half the buckets for keys after the query, half for keys before. Causal (decoder):
+    only keys at or before the query count (rel > 0 -> bucket 0, masked anyway). Of each half, the first max_exact
+    buckets hold one distance each, the rest are logarithmic up to max_distance; farther shares the last bucket.
+    Computed in float32 like Hugging Face and Megatron, so the buckets (and loaded checkpoints) agree exactly."""
+    bucket = torch.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (rel > 0).long() * num_buckets
+        rel = rel.abs()
+    else:
+        rel = -rel.clamp(max=0)
+    max_exact = num_buckets // 2
+    large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).long()
+    return bucket + torch.where(rel < max_exact, rel, large.clamp(max=num_buckets - 1))
+
+
+class RelativePositionEmbedding(nn.Module):
+    """One stack's learned bias table [B, n], heads sharded over TP (partition_dim 1): each rank looks up only the
+    bias of its own heads, so no communication is needed and the table's gradient on each rank is complete."""
+
+    def __init__(self, c: Config, grid, bidirectional: bool):
+        super().__init__()
+        tp = grid.tp_size if grid is not None else 1
+        self.bidirectional, self.B, self.max_distance = bidirectional, c.relative_attention_num_buckets, \
+            c.relative_attention_max_distance
+        self.relative_attention_bias = nn.Embedding(self.B, c.num_attention_heads // tp, dtype=c.params_dtype)
+        P.mark(self.relative_attention_bias.weight, ("normal", c.init_method_std), partition_dim=1)
+
+    def forward(self, sq: int, sk: int):  # -> [1, n/tp, sq, sk]
+        dev = self.relative_attention_bias.weight.device
+        rel = torch.arange(sk, device=dev)[None, :] - torch.arange(sq, device=dev)[:, None]  # [sq, sk] key − query
+        bucket = relative_position_bucket(rel, self.bidirectional, self.B, self.max_distance)
+        return rearrange(self.relative_attention_bias(bucket), "q k n -> 1 n q k")
+
+
+def attention_mask(keys, sq: int, causal: bool, bias=None):
+    """What gpt.Attention takes. keys: [b, sk] with 1 = a token, 0 = padding (or None = no padding).
+    Without a bias: None or bool [b|1, 1, sq, sk] (True = attend); with a bias [1, n/tp, sq, sk]: the bias with the
+    masked entries at the dtype's minimum (not −inf, so a fully masked row cannot make NaNs)."""
+    keep = None if keys is None else keys.bool()[:, None, None, :]  # [b, 1, 1, sk]
+    if causal:
+        sk = sq if keys is None else keys.shape[1]
+        dev = bias.device if keys is None and bias is not None else (keys.device if keys is not None else None)
+        tri = torch.ones(sq, sk, dtype=torch.bool, device=dev).tril()  # [sq, sk]
+        keep = tri if keep is None else keep & tri
+    if bias is None:
+        return keep if keep is None or keep.ndim == 4 else keep[None, None]
+    return bias if keep is None else bias.masked_fill(~keep, torch.finfo(bias.dtype).min)
+
+
+# ---------------------------------------------------------------------------------------------- the two stacks
+class Layer(gpt.TransformerLayer):
+    """gpt.py's pre-norm layer; a decoder layer adds x + dropout(cross_attn(norm(x), encoder output)) between its
+    self-attention and its MLP (Megatron's pre_cross_attn_layernorm / cross_attention)."""
+
+    def __init__(self, c: Config, grid, rng, cross: bool):
+        super().__init__(c, grid, rng)
+        if cross:
+            self.pre_cross_attn_layernorm = gpt.Norm(c)
+            self.cross_attention = gpt.Attention(c, grid, cross=True, rng=rng)
+
+    def forward(self, x, mask=None, rope=None, context=None, context_mask=None):  # x [s(/tp), b, h]
+        x = x + self.drop(self.self_attention(self.input_layernorm(x), rope=rope, mask=mask, causal=False))
+        if context is not None:  # context: the encoder output [se(/tp), b, h]; no rope across the two sequences
+            x = x + self.drop(self.cross_attention(self.pre_cross_attn_layernorm(x), kv_input=context,
+                                                   mask=context_mask, causal=False))
+        return x + self.drop(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class Stack(nn.Module):  # Megatron's TransformerBlock
+    def __init__(self, c: Config, grid, rng, num_layers: int, cross: bool):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(c, grid, rng, cross) for _ in range(num_layers)])
+        self.final_layernorm = gpt.Norm(c)
+
+    def forward(self, x, mask=None, rope=None, context=None, context_mask=None):
+        for layer in self.layers:  # the same relative bias (in `mask`) enters every layer, as in HF and Megatron
+            x = layer(x, mask, rope, context, context_mask)
+        return self.final_layernorm(x)
+
+
+class LMHead(nn.Module):  # Megatron's T5LMHead: the output layer, with a bias when tied
+    def __init__(self, c: Config, grid):
+        super().__init__()
+        self.output_layer = P.ColumnParallelLinear(c.hidden_size, c.padded_vocab_size, grid, bias=c.lm_head_bias,
+                                                   std=c.init_method_std, sequence_parallel=c.sequence_parallel,
+                                                   dtype=c.params_dtype,
+                                                   skip_weight=c.share_embeddings_and_output_weights)
+
+
+class Model(nn.Module):
+    """T5. forward(encoder_input_ids [b, se], decoder_input_ids [b, sd], encoder_attn_mask [b, se] = None,
+    decoder_attn_mask [b, sd] = None, lm_labels [b, sd] = None) -> logits [b, sd, vocab_size] or per-token loss
+    [b, sd]. Masks are 1 for tokens, 0 for padding (Hugging Face's convention; the decoder is causal on top).
+    `encoder_hidden_states` (from `encode`) skips the encoder: generation encodes once."""
+
+    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True):
+        super().__init__()
+        c = self.config = config
+        c.check_layout(grid.tp_size if grid is not None else 1, grid.pp_size if grid is not None else 1)
+        if not (pre_process and post_process):
+            raise ValueError(f"T5 has no pipeline stages: pre_process={pre_process}, post_process={post_process} "
+                             "must both be True")
+        if c.sequence_parallel and (grid is None or grid.tp_size == 1):
+            c = self.config = dataclasses.replace(c, sequence_parallel=False)  # SP is a TP feature
+        self.grid, self.pre_process, self.post_process = grid, True, True
+        self.rng = P.RNGTracker(c.seed, grid)
+        self.embedding = gpt.Embedding(c, grid, self.rng)  # one embedding for both stacks (and the tied lm_head)
+        if c.position_embedding_type == "relative":
+            self.encoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=True)
+            self.decoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=False)
+        self.encoder = Stack(c, grid, self.rng, c.encoder_num_layers, cross=False)
+        self.decoder = Stack(c, grid, self.rng, c.decoder_num_layers, cross=True)
+        self.lm_head = LMHead(c, grid)
+        P.init_params(self, c.seed, grid)
+
+    def _embed(self, ids, stack: str):  # ids [b, s] -> x [s(/tp), b, h], self-attention mask pieces, rope
+        c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)
+        s = ids.shape[1]
+        if c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
+            raise ValueError(f"{stack} length {s} > max_position_embeddings={c.max_position_embeddings}")
+        if c.sequence_parallel and s % tp:
+            raise ValueError(f"sequence parallelism needs the {stack} length {s} divisible by tp={tp}")
+        bias = getattr(self, f"{stack}_relative_pos_emb")(s, s) if c.position_embedding_type == "relative" else None
+        rope = gpt.rope_cos_sin(s, c.kv_channels, c.rotary_base, ids.device) if c.position_embedding_type == "rope" \
+            else None
+        return self.embedding(ids), bias, rope
+
+    def encode(self, encoder_input_ids, encoder_attn_mask=None):
+        """[b, se] -> the encoder output [se(/tp), b, h] (bidirectional; padding keys masked)."""
+        x, bias, rope = self._embed(encoder_input_ids, "encoder")
+        return self.encoder(x, attention_mask(encoder_attn_mask, encoder_input_ids.shape[1], False, bias), rope)
+
+    def forward(self, encoder_input_ids, decoder_input_ids, encoder_attn_mask=None, decoder_attn_mask=None,
+                lm_labels=None, encoder_hidden_states=None):
+        if encoder_hidden_states is None:
+            encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask)
+        x, bias, rope = self._embed(decoder_input_ids, "decoder")  # x [sd(/tp), b, h]
+        sd = decoder_input_ids.shape[1]
+        mask = attention_mask(decoder_attn_mask, sd, True, bias)
+        if mask is None:  # causal needs a mask even without padding or bias: Layer calls attention non-causally
+            mask = attention_mask(torch.ones_like(decoder_input_ids), sd, True)
+        context_mask = attention_mask(encoder_attn_mask, sd, False)  # [b, 1, 1, se] or None
+        x = self.decoder(x, mask, rope, encoder_hidden_states, context_mask)
+        return self.postprocess(x, lm_labels)
+
+    def postprocess(self, x, labels=None):
+        """Decoder output [sd(/tp), b, h] -> logits [b, sd, vocab_size] or per-token loss [b, sd]."""
+        c = self.config
+        if c.scale_decoder_outputs:
+            x = x * c.hidden_size ** -0.5
+        w = self.embedding.word_embeddings.weight if c.share_embeddings_and_output_weights else None
+        logits = self.lm_head.output_layer(x, weight=w)  # [sd, b, V/tp]
+        if labels is None:
+            logits = P.gather_from_tp(logits, P.tp_of(self.grid))  # [sd, b, V]
+            return rearrange(logits, "s b v -> b s v")[..., : c.vocab_size]
+        return P.vocab_parallel_cross_entropy(logits, labels.t(), self.grid, c.label_smoothing).t()  # [b, sd]
+
+
+@torch.no_grad()
+def generate(model: Model, encoder_input_ids, max_new_tokens: int, bos: int, eos: int | None = None,
+             encoder_attn_mask=None):
+    """Greedy decoding: encode once, then grow the decoder input by its argmax token (full decoder recompute each
+    step: short and obviously right). Returns the generated ids [b, ≤ max_new_tokens] (without bos)."""
+    was_training = model.training
+    model.eval()
+    enc = model.encode(encoder_input_ids, encoder_attn_mask)
+    dec = torch.full((encoder_input_ids.shape[0], 1), bos, dtype=torch.long, device=encoder_input_ids.device)
+    for _ in range(max_new_tokens):
+        logits = model(None, dec, encoder_attn_mask, encoder_hidden_states=enc)[:, -1]  # [b, V]
+        dec = torch.cat([dec, logits.argmax(-1, keepdim=True)], dim=1)
+        if eos is not None and bool((dec[:, -1] == eos).all()):
+            break
+    model.train(was_training)
+    return dec[:, 1:]
+
+
+# ---------------------------------------------------------------------------------------------- span corruption
+def corrupted_lengths(length: int, noise_density: float = 0.15, mean_noise_span_length: float = 3.0):
+    """(noise tokens, spans, encoder length, decoder length) for a raw row of `length` tokens. Every row of one
+    length gets the same counts, so a batch has a fixed number of target tokens."""
+    num_noise = min(max(round(length * noise_density), 1), length - 1)
+    num_spans = max(round(num_noise / mean_noise_span_length), 1)
+    return num_noise, num_spans, length - num_noise + num_spans + 1, num_noise + num_spans + 1  # +1: eos
+
+
+def random_spans_noise_mask(length: int, rng: np.random.Generator, noise_density=0.15, mean_noise_span_length=3.0):
+    """bool [length], True = noise: num_noise tokens in num_spans spans alternating with num_spans kept spans (the
+    first one kept), span lengths uniformly random (T5's `random_spans_noise_mask`)."""
+    num_noise, num_spans, _, _ = corrupted_lengths(length, noise_density, mean_noise_span_length)
+
+    def segment(n, k):  # n items into k non-empty runs: k − 1 distinct cut points among the n − 1 gaps
+        cuts = np.sort(rng.choice(np.arange(1, n), k - 1, replace=False))
+        return np.diff(np.concatenate([[0], cuts, [n]]))
+
+    runs = np.stack([segment(length - num_noise, num_spans), segment(num_noise, num_spans)], 1).reshape(-1)
+    return np.repeat(np.tile([False, True], num_spans), runs)
+
+
+def span_corruption(tokens, sentinels, bos: int, eos: int, pad: int, seed: int, encoder_seq_length: int,
+                    decoder_seq_length: int, noise_density=0.15, mean_noise_span_length=3.0) -> dict:
+    """Raw token rows [b, L] -> a T5 batch (Megatron's t5_dataset keys), e.g. for one row
+         raw       the cat sat on the mat
+         text_enc  the <X0> on the <X1> </s>         noise spans replaced by sentinels, then eos     [b, se]
+         text_dec  <bos> <X0> cat sat <X1> mat      bos, then each sentinel and the span it hides   [b, sd]
+         labels    <X0> cat sat <X1> mat </s>       text_dec shifted left, ending in eos            [b, sd]
+    plus enc_mask [b, se], dec_mask [b, sd] and loss_mask [b, sd] (1 = token, 0 = padding). Each row's noise
+    comes from (seed, the row's tokens): the same row gets the same corruption in every layout and on resume."""
+    tokens = np.asarray(tokens)
+    _, num_spans, se, sd = corrupted_lengths(tokens.shape[1], noise_density, mean_noise_span_length)
+    if num_spans > len(sentinels):
+        raise ValueError(f"{num_spans} noise spans need as many sentinels; the tokenizer has {len(sentinels)}")
+    if se > encoder_seq_length or sd > decoder_seq_length:
+        raise ValueError(f"rows of {tokens.shape[1]} tokens corrupt to encoder/decoder lengths {se}/{sd}, longer than "
+                         f"encoder_seq_length={encoder_seq_length} / decoder_seq_length={decoder_seq_length}")
+    sentinels = np.asarray(sentinels)
+    out = {k: np.full((len(tokens), n), pad) for k, n in
+           [("text_enc", encoder_seq_length), ("text_dec", decoder_seq_length), ("labels", decoder_seq_length)]}
+    for i, row in enumerate(tokens):
+        rng = np.random.default_rng([seed, zlib.crc32(row.astype(np.int64).tobytes())])
+        noise = random_spans_noise_mask(len(row), rng, noise_density, mean_noise_span_length)
+        starts = noise & ~np.roll(noise, 1)  # the first token of each span (noise[0] is never noise)
+        sentinel = sentinels[np.cumsum(starts) - 1]  # per token: its span's sentinel (where it is noise)
+        enc = np.where(starts, sentinel, row)[~noise | starts]
+        tgt = np.insert(row[noise], np.flatnonzero(starts[noise]), sentinels[:num_spans])
+        out["text_enc"][i, :se] = np.append(enc, eos)
+        out["text_dec"][i, :sd] = np.insert(tgt, 0, bos)
+        out["labels"][i, :sd] = np.append(tgt, eos)
+    out = {k: torch.from_numpy(v).long() for k, v in out.items()}
+    out["enc_mask"] = (torch.arange(encoder_seq_length) < se).long().expand(len(tokens), -1)
+    out["loss_mask"] = out["dec_mask"] = (torch.arange(decoder_seq_length) < sd).long().expand(len(tokens), -1)
+    return out
+
+
+def t5_loss(model: Model, batch: dict):
+    """The SUM of the batch's target-token losses (design.md §2: the caller divides by the global count)."""
+    per_token = model(batch["text_enc"], batch["text_dec"], batch["enc_mask"], batch["dec_mask"], batch["labels"])
+    return (per_token * batch["loss_mask"]).sum()
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def from_hf(hf, grid=None, dtype=None) -> Model:
+    """A Model with the weights of a `transformers` T5ForConditionalGeneration (logits match)."""
+    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
+    tied = hf.lm_head.weight.data_ptr() == hf.shared.weight.data_ptr()
+    gated = getattr(hc, "is_gated_act", hc.feed_forward_proj.startswith("gated"))
+    act = {"relu": "relu", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}.get(hc.dense_act_fn)
+    if act is None:
+        raise ValueError(f"from_hf: unsupported T5 feed_forward_proj {hc.feed_forward_proj!r}")
+    c = Config(num_layers=hc.num_layers, encoder_num_layers=hc.num_layers, decoder_num_layers=hc.num_decoder_layers,
+               hidden_size=hc.d_model, num_attention_heads=hc.num_heads, kv_channels=hc.d_kv,
+               ffn_hidden_size=hc.d_ff, vocab_size=hc.vocab_size, position_embedding_type="relative",
+               relative_attention_num_buckets=hc.relative_attention_num_buckets,
+               relative_attention_max_distance=hc.relative_attention_max_distance, normalization="RMSNorm",
+               layernorm_epsilon=hc.layer_norm_epsilon, softmax_scale=1.0, activation=act, gated_linear_unit=gated,
+               add_bias_linear=False, share_embeddings_and_output_weights=tied, lm_head_bias=False,
+               scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)),
+               hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or hf.shared.weight.dtype)
+    n = c.num_attention_heads
+    full = {"embedding.word_embeddings.weight": sd["shared.weight"],
+            "encoder.final_layernorm.weight": sd["encoder.final_layer_norm.weight"],
+            "decoder.final_layernorm.weight": sd["decoder.final_layer_norm.weight"],
+            "encoder_relative_pos_emb.relative_attention_bias.weight":
+                sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"],
+            "decoder_relative_pos_emb.relative_attention_bias.weight":
+                sd["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]}
+    if not tied:
+        full["lm_head.output_layer.weight"] = sd["lm_head.weight"]
+    for stack, depth in [("encoder", c.encoder_num_layers), ("decoder", c.decoder_num_layers)]:
+        for i in range(depth):
+            h, o = f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
+            q, k, v = (rearrange(sd[h + f"0.SelfAttention.{t}.weight"], "(n d) x -> n d x", n=n) for t in "qkv")
+            full[o + "self_attention.linear_qkv.weight"] = rearrange(torch.stack([q, k, v], 1), "n t d x -> (n t d) x")
+            full[o + "self_attention.linear_proj.weight"] = sd[h + "0.SelfAttention.o.weight"]
+            full[o + "input_layernorm.weight"] = sd[h + "0.layer_norm.weight"]
+            f = "1"
+            if stack == "decoder":
+                a = h + "1.EncDecAttention."
+                k, v = (rearrange(sd[a + f"{t}.weight"], "(n d) x -> n d x", n=n) for t in "kv")
+                full[o + "cross_attention.linear_q.weight"] = sd[a + "q.weight"]
+                full[o + "cross_attention.linear_kv.weight"] = rearrange(torch.stack([k, v], 1), "n t d x -> (n t d) x")
+                full[o + "cross_attention.linear_proj.weight"] = sd[a + "o.weight"]
+                full[o + "pre_cross_attn_layernorm.weight"] = sd[h + "1.layer_norm.weight"]
+                f = "2"
+            m = h + f + ".DenseReluDense."
+            full[o + "mlp.linear_fc1.weight"] = torch.cat([sd[m + "wi_0.weight"], sd[m + "wi_1.weight"]]) if gated \
+                else sd[m + "wi.weight"]
+            full[o + "mlp.linear_fc2.weight"] = sd[m + "wo.weight"]
+            full[o + "pre_mlp_layernorm.weight"] = sd[h + f + ".layer_norm.weight"]
+    model = Model(c, grid)
+    for name in ("embedding.word_embeddings.weight", "lm_head.output_layer.weight"):
+        if name in full:
+            full[name] = F.pad(full[name], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # never targets
+    P.load_full_state_dict(model, full, grid)
+    return model

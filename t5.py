@@ -315,6 +315,48 @@ def t5_loss(model: Model, batch: dict):
     return (per_token * batch["loss_mask"]).sum()
 
 
+# ---------------------------------------------------------------------------------------------- train.py hooks
+TRAIN_DEFAULTS = dict(position_embedding_type="relative")  # train.py's other defaults: a T5 v1.1-like (RMS, SwiGLU)
+
+
+class SpanCorruptionDataset:
+    """data.GPTDataset rows of seq_length + 1 tokens, span-corrupted. Sample i is one flat row (train.py stacks
+    them): [se, text_enc (se), text_dec (sd), labels (sd), loss_mask (sd)]; the first column says where to cut."""
+
+    def __init__(self, source, doc_ids, args, tok, seed):
+        import data
+        self.rows = data.GPTDataset(source, doc_ids, args.seq_length, seed)
+        sp = data.special_ids(tok)
+        self.kw = dict(sentinels=sp["sentinels"], bos=sp["cls"], eos=sp["eod"], pad=sp["pad"], seed=seed)
+        self.se, sd = args.seq_length, corrupted_lengths(args.seq_length + 1)[3]
+        self.sd, self.pad = -(-sd // 8) * 8, sp["pad"]  # a multiple of 8: sequence parallelism can split it
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        b = span_corruption(self.rows[i][None], **self.kw, encoder_seq_length=self.se, decoder_seq_length=self.sd)
+        return np.concatenate([[self.se]] + [b[k][0].numpy() for k in ("text_enc", "text_dec", "labels", "loss_mask")])
+
+
+dataset = SpanCorruptionDataset  # train.py: dataset(source, doc_ids, args, tok, seed)
+
+
+def unpack(mb) -> dict:
+    """A stacked SpanCorruptionDataset micro-batch [b, 1 + se + 3·sd] -> span_corruption's dict."""
+    se = int(mb[0, 0])
+    sd = (mb.shape[1] - 1 - se) // 3
+    enc, dec, labels, loss_mask = mb[:, 1:].split([se, sd, sd, sd], dim=1)
+    n_enc = corrupted_lengths(se + 1)[2]  # rows of se + 1 raw tokens: every one corrupts to this encoder length
+    enc_mask = (torch.arange(se, device=mb.device) < n_enc).long().expand(len(mb), -1)
+    return dict(text_enc=enc, text_dec=dec, labels=labels, loss_mask=loss_mask, dec_mask=loss_mask, enc_mask=enc_mask)
+
+
+def batch_recipe(batch):
+    """(loss_func(model, mb) -> the SUM of its target-token losses, the global batch's count of target tokens)."""
+    return (lambda model, mb: t5_loss(model, unpack(mb)).float()), int(unpack(batch)["loss_mask"].sum())
+
+
 # ---------------------------------------------------------------------------------------------- Hugging Face
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` T5ForConditionalGeneration (logits match)."""

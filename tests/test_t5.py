@@ -242,3 +242,16 @@ def test_span_corruption_round_trips_and_has_t5_statistics():
         assert rebuilt == row
     with pytest.raises(ValueError, match="encoder_seq_length=100"):
         t5.span_corruption(rows, sentinels, 2, 0, 1, 7, encoder_seq_length=100, decoder_seq_length=32)
+
+
+def test_train_py_recipe_unpacks_and_counts_target_tokens():
+    """train.py's hooks: a stacked dataset row [se | text_enc | text_dec | labels | loss_mask] -> the batch back."""
+    rows = torch.randint(110, V, (4, 33), generator=torch.Generator().manual_seed(0))
+    out = t5.span_corruption(rows, list(range(5, 105)), 2, 0, 1, 3, encoder_seq_length=32, decoder_seq_length=16)
+    flat = torch.cat([torch.full((4, 1), 32)] + [out[k] for k in ("text_enc", "text_dec", "labels", "loss_mask")], 1)
+    got = t5.unpack(flat)
+    assert all(torch.equal(got[k], out[k]) for k in out)
+    model = t5.Model(t5.Config(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=V, hidden_dropout=0.0,
+                               attention_dropout=0.0))
+    loss_func, count = t5.batch_recipe(flat)
+    assert count == 4 * t5.corrupted_lengths(33)[3] and torch.isclose(loss_func(model, flat), t5.t5_loss(model, out))

@@ -263,6 +263,26 @@ def mlm_batch(dataset: BertDataset, iteration: int, global_batch_size: int) -> t
     return data.global_batch(dataset, iteration, global_batch_size)
 
 
+# ---------------------------------------------------------------------------------------------- train.py's hooks
+TRAIN_DEFAULTS = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
+                      disable_bias_linear=False, lr=1e-3, min_lr=1e-4)  # BERT's architecture, not train.py's llama
+
+
+def dataset(source, doc_ids, args, tok, seed) -> BertDataset:
+    return BertDataset(source, doc_ids, args.seq_length, seed, data.special_ids(tok), tok.get_vocab_size(),
+                       binary_head=not args.bert_no_binary_head)
+
+
+def batch_recipe(batch):
+    """(loss_func(model, mb) -> SUM, its divisor: the masked tokens of the global batch [B, 6, s])."""
+    num_masked, num_seqs = num_masked_tokens(batch), batch.shape[0]
+    return (lambda model, mb: loss_func(model, mb, num_masked, num_seqs)), num_masked
+
+
+def eval_counts(model, mb) -> dict:
+    return {"mlm_accuracy": mlm_accuracy(model, mb)}
+
+
 @torch.no_grad()
 def mlm_accuracy(model, batch) -> tuple[int, int]:
     """(correct, total) masked-token predictions of a batch [B, 6, s] (argmax over the real vocabulary)."""

@@ -112,6 +112,10 @@ def parse_args(argv):
     a("--eval-interval", type=int, default=100)
     a("--eval-iters", type=int, default=10)
     a("--log-interval", type=int, default=10)
+    a("--bert-no-binary-head", action="store_true", help="BERT: masked LM only, no sentence-order head")
+    model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
+    if Path(__file__).with_name(f"{model}.py").exists():
+        p.set_defaults(**getattr(importlib.import_module(model), "TRAIN_DEFAULTS", {}))
     return p.parse_args(argv)
 
 
@@ -168,7 +172,8 @@ def model_config(module, args):
     f = args.ffn_hidden_size or (64 * math.ceil(8 * args.hidden_size / 3 / 64) if args.swiglu else 4 * args.hidden_size)
     kw.update(ffn_hidden_size=f, activation="silu" if args.swiglu else "gelu", gated_linear_unit=args.swiglu,
               add_bias_linear=not args.disable_bias_linear,
-              share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+              share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+              add_binary_head=not args.bert_no_binary_head)
     try:
         c = module.Config(**{k: v for k, v in kw.items() if k in fields})
         c.check_layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
@@ -183,6 +188,14 @@ def model_config(module, args):
 def next_token_loss(model, mb):
     """The GPT recipe: micro-batch [b, s+1] -> the SUM of its b·s next-token losses (a scalar)."""
     return model(mb[:, :-1], mb[:, 1:]).float().sum()
+
+
+def batch_recipe(module, batch, args):
+    """(loss_func(model, mb) -> the SUM of its losses, the global count that divides it) for one global batch.
+    A model file may bring batch_recipe(batch) (BERT: divided by the masked tokens) or loss_func(model, mb)."""
+    if hasattr(module, "batch_recipe"):
+        return module.batch_recipe(batch)
+    return getattr(module, "loss_func", next_token_loss), batch.shape[0] * args.seq_length
 
 
 def build_data(args):
@@ -218,8 +231,10 @@ def build_data(args):
                              f" (tokenizer: {args.tokenizer_file or 'trained BPE'})")
     args.vocab_size = args.vocab_size or n_tok
     train_ids, valid_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)
-    train = data.GPTDataset(source, train_ids, args.seq_length, args.seed)
-    valid = data.GPTDataset(source, valid_ids, args.seq_length, args.seed + 1) if len(valid_ids) else None
+    make = getattr(args.model_module, "dataset", None)  # a model file may bring its samples (BERT: MLM + SOP)
+    make = make or (lambda source, ids, args, tok, seed: data.GPTDataset(source, ids, args.seq_length, seed))
+    train = make(source, train_ids, args, tok, args.seed)
+    valid = make(source, valid_ids, args, tok, args.seed + 1) if len(valid_ids) else None
     return tok, train, valid
 
 
@@ -512,19 +527,26 @@ def print_config(args, s):
 
 
 @torch.no_grad()
-def evaluate(model, valid, args, grid, device, autocast, recipe):
-    """Mean loss per token over --eval-iters fixed global batches of the validation set (the same ones each time)."""
+def evaluate(model, valid, args, grid, device, autocast):
+    """{'val_loss': mean loss per token over --eval-iters fixed global batches of the validation set (the same ones
+    each time), plus the model file's eval_counts(model, mb) -> {name: (hits, total)} as ratios (BERT: MLM accuracy)}."""
     model.eval()
-    total = torch.zeros(1, dtype=torch.float64, device=device)
+    extra = getattr(args.model_module, "eval_counts", lambda model, mb: {})
+    total, counts = torch.zeros(1, dtype=torch.float64, device=device), {}
     for k in range(args.eval_iters):
-        mine = data.global_batch(valid, k, args.global_batch_size).chunk(grid.dp_size)[grid.dp.rank].to(device)
-        for mb in mine.split(args.micro_batch_size):
+        batch = data.global_batch(valid, k, args.global_batch_size)
+        recipe, num_tokens = batch_recipe(args.model_module, batch, args)
+        for mb in batch.chunk(grid.dp_size)[grid.dp.rank].to(device).split(args.micro_batch_size):
             with autocast():
-                total += recipe(model, mb).double()
+                total += recipe(model, mb).double() / num_tokens
+                for name, hits in extra(model, mb).items():
+                    counts[name] = counts.get(name, 0) + torch.tensor(hits, dtype=torch.float64, device=device)
+    total = torch.cat([total] + list(counts.values()))
     if grid.dp_size > 1:
         dist.all_reduce(total, group=grid.dp.pg)
     model.train()
-    return float(total) / (args.eval_iters * args.global_batch_size * args.seq_length)
+    return dict(val_loss=float(total[0]) / args.eval_iters,
+                **{name: float(total[1 + 2 * i] / total[2 + 2 * i]) for i, name in enumerate(counts)})
 
 
 def train(args):
@@ -548,18 +570,19 @@ def train(args):
     log = Logger(run_dir, rank, start, args.train_iters, resume=s["ckpt"] is not None)
     amp = torch.bfloat16 if args.bf16 else torch.float16
     autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16)
-    recipe = getattr(args.model_module, "loss_func", next_token_loss)  # a model file may bring its own recipe
+    recipe = None  # set per global batch: (loss_func, the count of its loss tokens), see batch_recipe
 
     def loss_func(model, mb):  # the schedule's contract: the SUM of the micro-batch's token losses
         with autocast():
             return recipe(model, mb) * scaler.scale  # fp16: backward runs on loss x scale
-    num_tokens = args.global_batch_size * args.seq_length  # loss tokens of the whole global batch
+    tokens_per_batch = args.global_batch_size * args.seq_length
     params = list(model.parameters())
     t0 = time.time()
     window, it = dict(loss=0.0, n=0, t=t0, skipped=0), start
     for it in range(start, args.train_iters):
         # ---- one global batch; this DP rank's rows; micro-batches (data.global_batch is layout-free)
         batch = data.global_batch(s["train"], it, args.global_batch_size)  # [gbs, s+1]
+        recipe, num_tokens = batch_recipe(args.model_module, batch, args)  # loss tokens of the whole global batch
         mine = batch.chunk(grid.dp_size)[grid.dp.rank].to(device)  # [gbs/dp, s+1]
         micro_batches = mine.split(args.micro_batch_size)  # num_micro_batches x [mbs, s+1]
         for g in optimizer.param_groups:
@@ -584,7 +607,7 @@ def train(args):
         if n % args.log_interval == 0 or n == args.train_iters:
             dt = time.time() - window["t"]
             rec = dict(iteration=n, loss=window["loss"] / window["n"], lr=learning_rate(it, args), grad_norm=grad_norm,
-                       tokens_per_s=window["n"] * num_tokens / dt, skipped=window["skipped"])
+                       tokens_per_s=window["n"] * tokens_per_batch / dt, skipped=window["skipped"])
             if args.fp16:
                 rec["loss_scale"] = scaler.scale
             log.log(rec)
@@ -600,7 +623,7 @@ def train(args):
                     log.bar.write(f"--exit-duration-in-mins={args.exit_duration_in_mins} reached: stopping at {n}")
         if s["valid"] is not None and args.eval_iters > 0 and (
                 (args.eval_interval and n % args.eval_interval == 0) or n == args.train_iters or stop):
-            log.log(dict(iteration=n, val_loss=evaluate(model, s["valid"], args, grid, device, autocast, recipe)))
+            log.log(dict(iteration=n, **evaluate(model, s["valid"], args, grid, device, autocast)))
         if args.save and ((args.save_interval and n % args.save_interval == 0) or n == args.train_iters or stop):
             save_checkpoint(args, n, model, optimizer, scaler, s["mesh"])
         if stop:
@@ -609,7 +632,7 @@ def train(args):
     log.close()
     if rank == 0:
         secs = time.time() - t0
-        print(f"done: {it + 1 - start} iterations in {secs:.0f} s ({(it + 1 - start) * num_tokens / secs:.0f} "
+        print(f"done: {it + 1 - start} iterations in {secs:.0f} s ({(it + 1 - start) * tokens_per_batch / secs:.0f} "
               f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {run_dir}", flush=True)
     return s
 

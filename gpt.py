@@ -61,6 +61,19 @@ class Config:
     params_dtype: torch.dtype = torch.float32
     label_smoothing: float = 0.0
     seed: int = 1234
+    # Mixture of Experts (parallel.py section 10; Megatron's --num-experts, --moe-*)
+    num_experts: int | None = None  # None = dense MLP everywhere
+    moe_layer_freq: int | list = 1  # every n-th layer is MoE (layer i with i % n == 0), or a 0/1 list per layer
+    moe_ffn_hidden_size: int | None = None  # None = ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # "softmax" | "sigmoid"
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k (else over the k chosen)
+    moe_aux_loss_coeff: float = 0.0  # switch load-balancing loss
+    moe_z_loss_coeff: float | None = None
+    moe_expert_capacity_factor: float | None = None  # None = dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
+    moe_shared_expert_intermediate_size: int | None = None  # None = no shared expert
 
     def __post_init__(self):
         h, n = self.hidden_size, self.num_attention_heads
@@ -81,11 +94,31 @@ class Config:
                                ("activation", tuple(ACTIVATIONS))]:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.num_experts is not None:
+            if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(f"moe_router_topk={self.moe_router_topk} must be in [1, num_experts={self.num_experts}]")
+            if self.moe_router_score_function not in ("softmax", "sigmoid"):
+                raise ValueError(f"moe_router_score_function={self.moe_router_score_function!r} is not softmax/sigmoid")
+            if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+                raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r} is not "
+                                 "allgather/alltoall")
+            f = self.moe_layer_freq
+            if isinstance(f, (list, tuple)) and len(f) != self.num_layers:
+                raise ValueError(f"moe_layer_freq has {len(f)} entries for num_layers={self.num_layers}")
         self.padded_vocab_size = P.pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by)
         self.output_std = self.init_method_std / math.sqrt(2.0 * self.num_layers)  # scaled init of proj and fc2
 
-    def check_layout(self, tp: int = 1, pp: int = 1):
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether (global, 0-based) layer i uses the MoE layer instead of the MLP (Megatron's moe_layer_freq)."""
+        f = self.moe_layer_freq
+        return bool(self.num_experts) and bool(f[i] if isinstance(f, (list, tuple)) else i % f == 0)
+
+    def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
         """Refuse a parallel layout this model cannot take, naming the values — before any process group exists."""
+        if self.num_experts and self.num_experts % ep:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by expert-model-parallel size {ep}")
         for what, v in [("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups),
                         ("ffn_hidden_size", self.ffn_hidden_size), ("padded vocabulary", self.padded_vocab_size)]:
             if v % tp:
@@ -204,13 +237,17 @@ class TransformerLayer(nn.Module):
     norms shifted by one (layer i's input_layernorm = BERT's embedding LayerNorm for i = 0, else layer i−1's output
     LayerNorm) — see bert.from_hf."""
 
-    def __init__(self, c: Config, grid=None, rng=None):
+    def __init__(self, c: Config, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None):
         super().__init__()
         self.c, self.rng = c, rng
         self.input_layernorm = Norm(c)
         self.self_attention = Attention(c, grid, rng=rng)
         self.pre_mlp_layernorm = Norm(c)
-        self.mlp = MLP(c, grid)
+        if c.is_moe_layer(layer_number) if moe is None else moe:  # MoE (parallel.py section 10) instead of the MLP
+            shared = c.moe_shared_expert_intermediate_size
+            self.mlp = P.MoELayer(c, grid, ACTIVATIONS[c.activation], MLP(c, grid, shared) if shared else None)
+        else:
+            self.mlp = MLP(c, grid)
 
     def drop(self, x):  # hidden dropout; under SP the activations are sequence shards -> model-parallel stream
         return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
@@ -254,9 +291,9 @@ class Embedding(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, c: Config, grid, rng, num_layers: int, post_process: bool):
+    def __init__(self, c: Config, grid, rng, num_layers: int, post_process: bool, layer_offset: int = 0):
         super().__init__()
-        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng) for _ in range(num_layers)])
+        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i) for i in range(num_layers)])
         self.final_layernorm = Norm(c) if post_process else None
 
     def forward(self, x, rope=None, mask=None):
@@ -276,7 +313,7 @@ class Model(nn.Module):
                  num_layers=None):
         super().__init__()
         c = self.config = config
-        c.check_layout(grid.tp_size if grid is not None else 1)
+        c.check_layout(grid.tp_size if grid is not None else 1, ep=grid.ep_size if grid is not None else 1)
         if c.sequence_parallel and (grid is None or grid.tp_size == 1):
             c = self.config = _replace(c, sequence_parallel=False)  # SP is a TP feature: a no-op without TP
         self.grid, self.pre_process, self.post_process = grid, pre_process, post_process
@@ -285,7 +322,8 @@ class Model(nn.Module):
         self.input_tensor = None  # pipeline stages > 0 receive hidden states instead of ids
         if pre_process:
             self.embedding = Embedding(c, grid, self.rng)
-        self.decoder = Decoder(c, grid, self.rng, c.num_layers if num_layers is None else num_layers, post_process)
+        self.decoder = Decoder(c, grid, self.rng, c.num_layers if num_layers is None else num_layers, post_process,
+                               layer_offset)
         if post_process:
             tied_here = c.share_embeddings_and_output_weights and pre_process
             self.output_layer = P.ColumnParallelLinear(c.hidden_size, c.padded_vocab_size, grid, bias=False,
@@ -297,6 +335,7 @@ class Model(nn.Module):
 
     def global_name(self, name: str) -> str:
         """Local parameter name -> the name it has in the whole (unsplit) model."""
+        name = P.expert_global_name(name, self.grid, self.config.num_experts)  # local expert i -> global index
         if name.startswith("decoder.layers."):
             i, rest = name[len("decoder.layers."):].split(".", 1)
             return f"decoder.layers.{int(i) + self.layer_offset}.{rest}"

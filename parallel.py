@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import zlib
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 # ============================================================================================================
@@ -65,11 +67,14 @@ class Grid:
                                       dp0: [0, 1]       dp0: [4, 5]     <- a TP group is a row
                                       dp1: [2, 3]       dp1: [6, 7]     <- a DP group is a column within a stage
     Ranks next to each other share a TP group: TP talks most, so it gets the fastest links (same node).
+    MoE: `ep` consecutive DP ranks form an expert-parallel group (each holds E/ep experts); the ranks holding the
+    same experts (dp/ep of them, times cp) form `expert_dp`, over which expert grads are summed. `etp` (1 or tp,
+    default tp) is the expert tensor-parallel size: experts sharded over the TP group like the dense MLP, or whole.
     A Grid is a plain object passed to every layer, never a module global. Every rank of the world must build it
     (collectively, like Megatron's initialize_model_parallel), with the same degrees.
     """
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1):
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1, etp: int | None = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         for name, v in dict(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp).items():
             if not isinstance(v, int) or v < 1:
@@ -78,9 +83,14 @@ class Grid:
             raise ValueError(f"Grid: world size {world} != tp*pp*dp*cp = {tp}*{pp}*{dp}*{cp} = {tp * pp * dp * cp}")
         if dp % ep:
             raise ValueError(f"Grid: expert-parallel size ep={ep} must divide dp={dp} (experts are carved from DP)")
+        etp = tp if etp is None else etp
+        if etp not in (1, tp):
+            raise ValueError(f"Grid: expert tensor-parallel size etp={etp} must be 1 or tp={tp}")
         self.tp_size, self.pp_size, self.dp_size, self.ep_size, self.cp_size = tp, pp, dp, ep, cp
+        self.etp_size = etp
         me = dist.get_rank() if dist.is_initialized() else 0
         g = torch.arange(world).view(pp, dp, cp, tp)  # g[p, d, c, t] = global rank
+        e = g.view(pp, dp // ep, ep, cp, tp)  # MoE: EP groups are ep consecutive DP ranks (carved from DP)
         layouts = {  # name -> every group of that kind, one per row (the innermost dims are the group)
             "tp": g.reshape(-1, tp),
             "cp": g.permute(0, 1, 3, 2).reshape(-1, cp),
@@ -88,6 +98,8 @@ class Grid:
             "dp_cp": g.permute(0, 3, 1, 2).reshape(-1, dp * cp),  # gradients are averaged over dp x cp
             "pp": g.permute(1, 2, 3, 0).reshape(-1, pp),
             "mp": g.permute(1, 2, 0, 3).reshape(-1, pp * tp),  # one model replica (tp x pp)
+            "ep": e.permute(0, 1, 3, 4, 2).reshape(-1, ep),  # ranks holding different experts
+            "expert_dp": e.permute(0, 2, 4, 1, 3).reshape(-1, dp // ep * cp),  # same experts: expert grads summed
         }
         ends = [sorted({int(r[0]), int(r[-1])}) for r in layouts["pp"]]  # first & last stage: tied embeddings
         for name, rows in list(layouts.items()) + [("embedding", ends)]:
@@ -537,6 +549,7 @@ def finalize_grads(model: nn.Module | list[nn.Module], grid: Grid | None):
        two copies of one weight; sum their grads over the embedding group so both take the same step.
     3. Data parallelism (plain, unbucketed): sum every gradient over the DP x CP group. No 1/dp here: the loss is
        already divided by the *global* token count (design.md §2), so the sum is the exact global gradient.
+       MoE expert weights (`expert_parallel`) live on one EP rank each: they are summed over `expert_dp` instead.
     `model` may be a list of virtual-pipeline chunks.
     """
     if grid is None:
@@ -547,8 +560,11 @@ def finalize_grads(model: nn.Module | list[nn.Module], grid: Grid | None):
         _sum_grads([p for p in params if getattr(p, "sequence_parallel", False)], grid.tp)
     if grid.embedding is not None and grid.embedding.size > 1:
         _sum_grads([p for p in params if getattr(p, "shared_embedding", False)], grid.embedding)
+    experts = [p for p in params if getattr(p, "expert_parallel", False)]
     if grid.dp_cp.size > 1:
-        _sum_grads(params, grid.dp_cp)
+        _sum_grads([p for p in params if not getattr(p, "expert_parallel", False)], grid.dp_cp)
+    if grid.expert_dp.size > 1:
+        _sum_grads(experts, grid.expert_dp)
 
 
 def _sum_grads(params, g: Group):
@@ -609,6 +625,7 @@ def forward_backward_no_pipelining(model: nn.Module, micro_batches, loss_func, n
     `loss_func(model, micro_batch)` returns the *sum* of the micro-batch's per-token losses (a scalar tensor).
     """
     total = 0.0
+    moe_set_num_tokens(model, num_tokens)  # MoE aux losses follow the same rule (section 10)
     for mb in micro_batches:
         loss_sum = loss_func(model, mb)
         (loss_sum / num_tokens).backward()
@@ -701,6 +718,7 @@ def run_schedule(actions, chunks: list[nn.Module], micro_batches, forward_step, 
     ranks = grid.pp.ranks
     tag = lambda mb, chunk, backward: (mb * vp + chunk) * 2 + int(backward)
     inputs, outputs, sends, total, in_flight, peak = {}, {}, [], 0.0, 0, 0
+    moe_set_num_tokens(chunks, num_tokens)
     for kind, mb, v in actions:
         model = chunks[v]
         if trace is not None:
@@ -792,6 +810,9 @@ class DDP:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
+        if grid.ep_size > 1 and any(getattr(p, "expert_parallel", False) for p in params):
+            raise NotImplementedError(f"DDP: expert parallelism (ep={grid.ep_size}) needs expert grads summed over "
+                                      "expert_dp, not dp: use finalize_grads (bucketed MoE is a follow-up)")
         shared = [p for p in params if getattr(p, "shared_embedding", False)]  # synced over stages before DP
         rest = [p for p in params if not getattr(p, "shared_embedding", False)]
         groups, cur, n = [], [], 0
@@ -960,3 +981,292 @@ class DistributedOptimizer:
             for s in self.slices:
                 self.ddp.grad_buffer[s].mul_(coef.to(self.ddp.grad_buffer.dtype))
         return norm
+
+
+# ============================================================================================================
+# 10. Mixture of Experts — mirrors megatron/core/transformer/moe/: router.py (TopKRouter), moe_utils.py (aux
+#     losses, capacity, MoEAuxLossAutoScaler), token_dispatcher.py (all-gather and all-to-all dispatchers),
+#     experts.py (TEGroupedMLP's names, a grouped GEMM), shared_experts.py, moe_layer.py.
+#     Papers: Shazeer et al. 2017 (sparsely-gated MoE, top-k); Lepikhin et al. 2020 (GShard: capacity, expert
+#     parallelism); Fedus et al. 2021 (Switch: the load-balancing loss); Zoph et al. 2022 (ST-MoE: the z-loss).
+#
+#  T = s·b tokens of a micro-batch (s/tp·b per rank under SP), E experts (E/ep on each EP rank), k per token.
+#    router   logits = x·Wᵀ [T, E] -> softmax (before or after top-k) or sigmoid -> top-k -> probs [T, E] (zero off
+#             the top k) and routing_map [T, E]; capacity C = ceil(T·k/E·factor) keeps each expert's C most probable.
+#    dispatch, ep = 2: rank 0 holds experts {0, 1}, rank 1 holds {2, 3}; xᵣ = rank r's tokens [T, h]
+#      all-gather:  [x₀; x₁] on both ─> rank 0: experts 0,1 on their tokens ─> y⁰ [2T, h] ─┐ reduce-scatter:
+#                                  └─> rank 1: experts 2,3 on their tokens ─> y¹ [2T, h] ─┘ rank r gets y⁰ᵣ + y¹ᵣ
+#      all-to-all:  rank r sorts its routed tokens by expert [e0|e1|e2|e3] and sends [e0|e1] to rank 0, [e2|e3] to
+#                   rank 1; rank 0 holds [x₀→e0|x₀→e1|x₁→e0|x₁→e1], regroups them by expert, runs the experts, and
+#                   the reverse all-to-all brings each output home, where it is weighted by its prob and summed.
+#    experts  one grouped GEMM over the local experts' token blocks (torch._grouped_mm; a padded bmm in float64).
+#    TP       etp = tp: experts are sharded like the dense MLP — tokens and probs all-gathered over TP under SP
+#             (copied without), fc2's partial sums reduce-scattered (all-reduced); etp = 1: each rank keeps its own
+#             tokens and whole experts (their grads are then SP-partial: summed over TP like LayerNorm's).
+#  Aux losses follow the one loss rule (design.md §2): see Router.
+# ============================================================================================================
+class _AuxLossScaler(torch.autograd.Function):
+    """Identity on x whose backward also feeds d(aux) = scale: the aux loss joins backward, the main loss stays
+    clean (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale: float):
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (aux,) = ctx.saved_tensors
+        return dy, torch.full_like(aux, ctx.scale), None
+
+
+class Router(nn.Module):
+    """TopKRouter: weight [E, h] (fp32 under low-precision params), replicated over TP, DP and EP.
+
+    Aux losses, defined per micro-batch over the T tokens the router sees in it (under SP the TP ranks' statistics
+    are summed, as Megatron does, so T = s·b whatever tp is):
+        switch   coeff · E · Σᵢ fᵢ·Pᵢ,   fᵢ = tokens routed to i / (T·k),  Pᵢ = mean over tokens of score i
+        z-loss   coeff · mean over tokens of logsumexp(logits)²
+    (Megatron's fᵢ, normalised by T·k: perfectly balanced routing gives coeff; with fᵢ = tokens/T it is coeff·k.)
+    The loss rule: each micro-batch's aux losses enter backward weighted by T / num_tokens, where num_tokens is the
+    global batch's loss-token count that the schedules divide the main loss by (they set it: moe_set_num_tokens).
+    The total is the token-weighted mean of the micro-batches' aux losses (1/(M·dp) each, for equal micro-batches)
+    in every layout; the single process running the same micro-batches gets the same gradients. Unset: weight 1.
+    """
+
+    def __init__(self, c, grid=None):
+        super().__init__()
+        self.c, self.E, self.k = c, c.num_experts, c.moe_router_topk
+        self.tp = tp_of(grid) if c.sequence_parallel else None  # SP: this rank routes s/tp of the tokens
+        dtype = torch.promote_types(c.params_dtype, torch.float32)
+        self.weight = mark(nn.Parameter(torch.empty(self.E, c.hidden_size, dtype=dtype)), ("normal", c.init_method_std),
+                           sequence_parallel=c.sequence_parallel)
+        self.bias = mark(nn.Parameter(torch.empty(self.E, dtype=dtype)), ("zeros",),
+                         sequence_parallel=c.sequence_parallel) if c.add_bias_linear else None
+        self.num_tokens, self.stats = None, {}
+
+    def forward(self, x):  # x [T, h] -> probs [T, E], routing_map [T, E] bool
+        c, E, k = self.c, self.E, self.k
+        n = self.tp.size if self.tp is not None else 1
+        logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias)  # [T, E]
+        T = logits.shape[0] * n  # the micro-batch's tokens
+        weight = T / self.num_tokens if self.num_tokens else 1.0
+        grad = self.training and torch.is_grad_enabled()
+        if c.moe_z_loss_coeff and grad:
+            z = torch.logsumexp(logits, -1).square().sum() * c.moe_z_loss_coeff / T  # this rank's part of the mean
+            logits = _AuxLossScaler.apply(logits, z, weight)
+        if c.moe_router_score_function == "softmax":
+            scores = torch.softmax(logits, -1)  # [T, E]
+            if c.moe_router_pre_softmax:
+                top, idx = scores.topk(k, dim=-1)
+            else:
+                top, idx = logits.topk(k, dim=-1)
+                top = torch.softmax(top, -1)
+        else:  # sigmoid (DeepSeek-V3): top-k of sigmoid scores, renormalised when k > 1
+            s = torch.sigmoid(logits)
+            top, idx = s.topk(k, dim=-1)
+            top = top / (top.sum(-1, keepdim=True) + 1e-20) if k > 1 else top
+            scores = s / (s.sum(-1, keepdim=True) + 1e-20)
+        probs = torch.zeros_like(logits).scatter(1, idx, top)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+        stats = _all_reduce(torch.cat([routing_map.sum(0).to(logits.dtype), scores.detach().sum(0),
+                                       torch.logsumexp(logits.detach(), -1).square().sum()[None]]), self.tp)
+        counts = stats[:E]  # tokens per expert over the micro-batch (all TP ranks)
+        self.stats = dict(tokens_per_expert=counts, load_balancing_loss=E / (k * T * T) * (stats[E:2 * E] * counts).sum(),
+                          z_loss=stats[-1] / T)  # both without their coefficients, as Megatron logs them
+        if c.moe_aux_loss_coeff and grad:
+            aux = (scores.sum(0) * counts).sum() * (E * c.moe_aux_loss_coeff / (k * T * T))  # this rank's part
+            probs = _AuxLossScaler.apply(probs, aux, weight)
+        return probs, routing_map
+
+
+def grouped_mm(x, w, counts):
+    """x [N, a] in consecutive row groups of sizes counts [G]; group g times w[g] [a, b] -> [N, b]: one GEMM call.
+    torch._grouped_mm where it runs (fp32/bf16, rows of 16-byte multiples), else one padded batched matmul."""
+    es = x.element_size()
+    if x.dtype in (torch.float32, torch.bfloat16) and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0:
+        return torch._grouped_mm(x.contiguous(), w, offs=counts.cumsum(0).to(torch.int32))
+    N, G = x.shape[0], w.shape[0]
+    grp = torch.repeat_interleave(torch.arange(G, device=x.device), counts)  # [N] group of each row
+    pos = torch.arange(N, device=x.device) - (counts.cumsum(0) - counts)[grp]  # row within its group
+    buf = x.new_zeros(G, int(counts.max()) if N else 0, x.shape[1]).index_put((grp, pos), x)  # [G, C, a]
+    return torch.bmm(buf, w)[grp, pos]
+
+
+class GroupedMLP(nn.Module):
+    """The E/ep local experts, each h -> f -> h without biases (Megatron's GroupedMLP), under TEGroupedMLP's names:
+    experts.linear_fc1.weight{i} [f(·2 if gated)/etp, h] and experts.linear_fc2.weight{i} [h, f/etp], i the LOCAL
+    index. `expert_global_name` maps it to the global ep_rank·E/ep + i, so init, checkpoints and tests see global
+    experts. Every expert weight is `expert_parallel` (its grad is summed over expert_dp, not dp)."""
+
+    def __init__(self, c, grid, activation, num_local: int):
+        super().__init__()
+        self.gated, self.act, self.tp = c.gated_linear_unit, activation, tp_of(grid)
+        n = grid.etp_size if grid is not None else 1
+        f, h = c.moe_ffn_hidden_size, c.hidden_size
+        if f % n:
+            raise ValueError(f"moe_ffn_hidden_size={f} is not divisible by expert tensor-parallel size {n}")
+        sp = c.sequence_parallel and n == 1 and self.tp is not None  # whole experts on s/tp tokens: partial grads
+        self.linear_fc1, self.linear_fc2 = nn.Module(), nn.Module()
+        for i in range(num_local):
+            w1 = mark(nn.Parameter(torch.empty(f * (1 + self.gated) // n, h, dtype=c.params_dtype)),
+                      ("normal", c.init_method_std), 0 if n > 1 else -1, 1 + self.gated, sequence_parallel=sp)
+            w2 = mark(nn.Parameter(torch.empty(h, f // n, dtype=c.params_dtype)), ("normal", c.output_std),
+                      1 if n > 1 else -1, sequence_parallel=sp)
+            w1.expert_parallel = w2.expert_parallel = True
+            self.linear_fc1.register_parameter(f"weight{i}", w1)
+            self.linear_fc2.register_parameter(f"weight{i}", w2)
+
+    def activation(self, y):
+        if self.gated:
+            gate, up = y.chunk(2, dim=-1)
+            return self.act(gate) * up
+        return self.act(y)
+
+    def forward(self, x, counts):  # x [N, h], rows grouped by local expert, counts [E/ep] -> [N, h]
+        w1 = torch.stack(list(self.linear_fc1.parameters())).transpose(1, 2).to(x.dtype)  # [E/ep, h, f']
+        w2 = torch.stack(list(self.linear_fc2.parameters())).transpose(1, 2).to(x.dtype)  # [E/ep, f/etp, h]
+        return grouped_mm(self.activation(grouped_mm(x, w1, counts)), w2, counts)
+
+    def expert(self, i: int, x):  # the dense reference: local expert i on every row of x
+        w1, w2 = getattr(self.linear_fc1, f"weight{i}"), getattr(self.linear_fc2, f"weight{i}")
+        return F.linear(self.activation(F.linear(x, w1)), w2)
+
+
+def _a2a(x, g: Group, out_splits, in_splits):
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.pg)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):  # rows to ranks by split sizes; backward sends the grads back
+    @staticmethod
+    def forward(ctx, x, g, out_splits, in_splits):
+        ctx.g, ctx.splits = g, (in_splits, out_splits)
+        return _a2a(x, g, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _a2a(dy, ctx.g, *ctx.splits), None, None, None
+
+
+class MoELayer(nn.Module):
+    """Router -> capacity (optional) -> dispatcher -> grouped experts -> combine, + shared expert. [s(/tp), b, h]."""
+
+    def __init__(self, c, grid=None, activation=F.gelu, shared_expert: nn.Module | None = None):
+        super().__init__()
+        E, k, ep = c.num_experts, c.moe_router_topk, (grid.ep_size if grid is not None else 1)
+        if E % ep:
+            raise ValueError(f"num_experts={E} is not divisible by expert-model-parallel size ep={ep}")
+        if not 1 <= k <= E:
+            raise ValueError(f"moe_router_topk={k} must be in [1, num_experts={E}]")
+        if c.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+            raise ValueError(f"moe_token_dispatcher_type={c.moe_token_dispatcher_type!r} is not allgather/alltoall")
+        self.c, self.E, self.local = c, E, E // ep
+        self.first = grid.ep.rank * self.local if grid is not None else 0  # global index of local expert 0
+        self.ep = grid.ep if ep > 1 else None
+        self.sp = tp_of(grid) if c.sequence_parallel else None
+        self.etp = tp_of(grid) if grid is not None and grid.etp_size > 1 else None
+        self.router = Router(c, grid)
+        self.experts = GroupedMLP(c, grid, activation, self.local)
+        self.shared_experts = shared_expert
+        self.tokens_per_expert = torch.zeros(E)  # summed over training forwards until read (moe_load)
+
+    def forward(self, hidden, dense: bool = False):  # [s(/tp), b, h]
+        x = rearrange(hidden, "s b h -> (s b) h")  # [T, h]
+        probs, rmap = self.router(x)  # [T, E]
+        counts = self.router.stats["tokens_per_expert"]
+        if self.c.moe_expert_capacity_factor is not None:
+            probs, rmap, counts = self._drop(probs, rmap)
+        if self.training:
+            self.tokens_per_expert = self.tokens_per_expert + counts.detach().cpu().float()
+        if dense:
+            y = self.reference(x, probs)
+        else:
+            if self.etp is not None:  # the TP group's experts see all its tokens
+                x, probs = (gather_from_sp(t, self.etp) if self.sp else copy_to_tp(t, self.etp) for t in (x, probs))
+                rmap = _gather(rmap.to(torch.uint8), self.etp, 0).bool() if self.sp else rmap
+            dispatch = self._allgather if self.c.moe_token_dispatcher_type == "allgather" else self._alltoall
+            y = dispatch(x, probs, rmap)
+            if self.etp is not None:  # fc2 partial sums
+                y = reduce_scatter_to_sp(y, self.etp) if self.sp else reduce_from_tp(y, self.etp)
+        y = rearrange(y.to(hidden.dtype), "(s b) h -> s b h", b=hidden.shape[1])
+        return y + self.shared_experts(hidden) if self.shared_experts is not None else y
+
+    def _drop(self, probs, rmap):
+        """Capacity (GShard): expert e keeps the C = ceil(T·k/E·factor) most probable of the micro-batch's T tokens
+        (under SP the mask is computed on the TP-gathered probs, so dropping does not depend on tp)."""
+        c = self.c
+        full_p, full_m = _gather(probs.detach(), self.sp, 0), _gather(rmap.to(torch.uint8), self.sp, 0).bool()
+        T = full_p.shape[0]
+        C = min(T, math.ceil(T * c.moe_router_topk / self.E * c.moe_expert_capacity_factor))
+        keep = torch.zeros_like(full_m).scatter(0, full_p.topk(C, dim=0).indices, True)  # [T, E]
+        keep = keep if c.moe_pad_expert_input_to_capacity else keep & full_m  # padding: C tokens per expert
+        mine = _split(keep, self.sp, 0)
+        return probs * mine, mine, keep.sum(0)
+
+    def _experts_on(self, x, probs, rmap):  # the local experts on their routed rows of x; [rows, h] out
+        sl = slice(self.first, self.first + self.local)
+        exp, tok = rmap[:, sl].t().nonzero(as_tuple=True)  # routed (expert, token) pairs, grouped by expert
+        ys = self.experts(x[tok], rmap[:, sl].sum(0)) * probs[:, sl][tok, exp, None]
+        return torch.zeros((x.shape[0], ys.shape[1]), dtype=ys.dtype, device=x.device).index_add(0, tok, ys)
+
+    def _allgather(self, x, probs, rmap):  # [T, h], [T, E], [T, E] -> [T, h]
+        x, probs = gather_from_sp(x, self.ep), gather_from_sp(probs, self.ep)  # [ep·T, ...]; backward reduce-scatter
+        rmap = _gather(rmap.to(torch.uint8), self.ep, 0).bool()
+        return reduce_scatter_to_sp(self._experts_on(x, probs, rmap), self.ep)
+
+    def _alltoall(self, x, probs, rmap):  # [T, h], [T, E], [T, E] -> [T, h]
+        if self.ep is None:
+            return self._experts_on(x, probs, rmap)
+        g, L = self.ep, self.local
+        exp, tok = rmap.t().nonzero(as_tuple=True)  # permute: routed (expert, token) pairs sorted by expert
+        send = rmap.sum(0).view(g.size, L)  # [ep, E/ep] rows for each rank's experts
+        recv = torch.empty_like(send)  # [ep, E/ep] rows from each rank for my experts
+        dist.all_to_all_single(recv, send.contiguous(), group=g.pg)
+        s_splits, r_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        xs = _AllToAll.apply(x[tok], g, r_splits, s_splits)  # [rows, h] as (source rank, expert) blocks
+        block = torch.arange(L).repeat(g.size) * g.size + torch.arange(g.size).repeat_interleave(L)  # e·ep + src
+        order = torch.repeat_interleave(block.to(x.device), recv.flatten()).argsort(stable=True)  # -> expert-major
+        ys = self.experts(xs[order], recv.sum(0))[order.argsort()]
+        ys = _AllToAll.apply(ys, g, s_splits, r_splits) * probs[tok, exp, None]  # home again: unpermute
+        return torch.zeros((x.shape[0], ys.shape[1]), dtype=ys.dtype, device=x.device).index_add(0, tok, ys)
+
+    def reference(self, x, probs):
+        """The dense oracle: every expert on every token, weighted by the routing probs (one process only)."""
+        if self.ep is not None or self.etp is not None:
+            raise ValueError("MoELayer.reference needs all experts whole on one rank (ep = etp = 1)")
+        return sum(probs[:, e, None] * self.experts.expert(e, x) for e in range(self.E))
+
+
+_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
+
+
+def expert_global_name(name: str, grid: Grid | None, num_experts: int | None) -> str:
+    """experts.linear_fc1.weight{local i} -> weight{ep_rank·E/ep + i}: names (and init) independent of ep."""
+    m = _EXPERT.search(name)
+    if m is None or grid is None or grid.ep_size == 1:
+        return name
+    return name[:m.start(2)] + str(grid.ep.rank * (num_experts // grid.ep_size) + int(m.group(2)))
+
+
+def moe_set_num_tokens(chunks, num_tokens):
+    """Tell every router the global batch's loss-token count (the schedules call this: see Router)."""
+    for m in chunks if isinstance(chunks, (list, tuple)) else [chunks]:
+        for r in m.modules():
+            if isinstance(r, Router):
+                r.num_tokens = num_tokens
+
+
+def moe_load(model, reset: bool = True) -> torch.Tensor | None:
+    """Tokens per expert [MoE layers, E] routed in training forwards since the last call (this rank's
+    micro-batches, whole over TP), or None for a model without MoE layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return None
+    out = torch.stack([m.tokens_per_expert for m in layers])
+    if reset:
+        for m in layers:
+            m.tokens_per_expert = torch.zeros(m.E)
+    return out

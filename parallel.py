@@ -762,13 +762,21 @@ def run_schedule(actions, chunks: list[nn.Module], micro_batches, forward_step, 
 
 
 def forward_backward(chunks, micro_batches, forward_step, num_tokens, grid: Grid | None, shape=None, dtype=None,
-                     trace=None):
-    """Pick the schedule: no pipelining, 1F1B, or interleaved 1F1B (len(chunks) > 1)."""
+                     trace=None, forward_only=False):
+    """Pick the schedule: no pipelining, 1F1B, or interleaved 1F1B (len(chunks) > 1). forward_only (evaluation,
+    under torch.no_grad): every forward in the schedule's order, no backward."""
     chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
+    M = len(micro_batches)
     if grid is None or grid.pp_size == 1:
+        if forward_only:
+            return sum(forward_step(chunks[0], mb).detach() / num_tokens for mb in micro_batches)
         return forward_backward_no_pipelining(chunks[0], micro_batches, forward_step, num_tokens)
-    M, pp, r = len(micro_batches), grid.pp_size, grid.pp.rank
-    actions = schedule_1f1b(pp, r, M) if len(chunks) == 1 else schedule_interleaved(pp, r, M, len(chunks))
+    pp, r, vp = grid.pp_size, grid.pp.rank, len(chunks)
+    if forward_only:
+        order = schedule_1f1b(pp, r, M) if vp == 1 else schedule_interleaved(pp, r, M, vp)
+        actions = [a for a in order if a[0] == "F"]
+    else:
+        actions = schedule_1f1b(pp, r, M) if vp == 1 else schedule_interleaved(pp, r, M, vp)
     return run_schedule(actions, chunks, micro_batches, forward_step, num_tokens, grid, shape, dtype, trace)
 
 
@@ -963,6 +971,36 @@ class DistributedOptimizer:
 
     def zero_grad(self, num_micro_batches: int = 1):
         self.ddp.zero_grad(num_micro_batches)
+
+    def full_state(self) -> dict:
+        """{param: (exp_avg, exp_avg_sq)} whole per parameter — the DP slices all-gathered — for a checkpoint
+        that any layout can read. `load_full_state` keeps this rank's slice of what a checkpoint filled in."""
+        bufs = []
+        for moments in (self.exp_avg, self.exp_avg_sq):
+            full = torch.zeros_like(self.ddp.grad_buffer)
+            for s, m, b in zip(self.slices, moments, self.ddp.buckets):
+                if self.ddp.distopt and self.ddp.dp.size > 1:
+                    dist.all_gather_single(full[b.start:b.end], m.clone(), group=self.ddp.dp.pg)
+                else:
+                    full[s] = m
+            bufs.append(full)
+        self._full = bufs
+        out = {}
+        for b in self.ddp.buckets:
+            o = b.start
+            for p in b.params:
+                out[p] = tuple(f[o:o + p.numel()].view_as(p) for f in bufs)
+                o += p.numel()
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self):
+        for moments, full in zip((self.exp_avg, self.exp_avg_sq), self._full):
+            for s, m in zip(self.slices, moments):
+                m.copy_(full[s])
+        if self.master[0].data_ptr() != self.ddp.param_buffer[self.slices[0]].data_ptr():  # bf16 params
+            for s, m in zip(self.slices, self.master):
+                m.copy_(self.ddp.param_buffer[s])
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:

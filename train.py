@@ -97,11 +97,40 @@ def parse_args(argv):
     a("--initial-loss-scale", type=float, default=2.0**16)
     a("--loss-scale-window", type=int, default=1000, help="grow the scale x2 after this many clean steps")
     a("--min-loss-scale", type=float, default=1.0)
+    # FP8 (parallel.py section 11): real FP8 GEMMs in every Column/RowParallel linear, fp32 master weights
+    a("--fp8", action="store_true", help="FP8 linears (inputs, weights, output grads cast to float8)")
+    a("--fp8-format", default="hybrid", choices=["e4m3", "hybrid"], help="hybrid: e4m3 forward, e5m2 grads")
+    a("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
+    a("--fp8-margin", type=int, default=0, help="scale = (fp8_max / amax) / 2^margin")
+    a("--fp8-amax-history-len", type=int, default=1024)
+    a("--fp8-amax-compute-algo", default="max", choices=["max", "most_recent"])
+    a("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+      help="transformer_engine: TE's Linear + fp8_autocast for --fp8 (needs CUDA and transformer_engine)")
     a("--seed", type=int, default=1234)
     # parallelism
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
     a("--sequence-parallel", action="store_true")
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None, help="interleaved 1F1B: layers per chunk")
+    a("--pipeline-trace", action="store_true", help="print each rank's F/B order of the first iteration")
+    a("--use-distributed-optimizer", action="store_true", help="ZeRO-1: Adam state and master weights over DP")
+    a("--overlap-grad-reduce", action="store_true", help="bucketed DP reduction launched during backward")
+    a("--ddp-bucket-size", type=int, default=4_000_000, help="elements per gradient bucket")
+    a("--expert-model-parallel-size", type=int, default=1, help="MoE: experts sharded over this many DP ranks")
+    a("--expert-tensor-parallel-size", type=int, default=None, help="MoE: 1 or TP (default TP)")
+    # mixture of experts (parallel.py section 10)
+    a("--num-experts", type=int, default=None, help="MoE layers with this many experts (default: dense MLPs)")
+    a("--moe-router-topk", type=int, default=2)
+    a("--moe-layer-freq", type=json.loads, default=1, help="every n-th layer is MoE, or a list like [1,0,1,0]")
+    a("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
+    a("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    a("--moe-router-pre-softmax", action="store_true")
+    a("--moe-aux-loss-coeff", type=float, default=1e-2, help="switch load-balancing loss (Megatron's default: 0)")
+    a("--moe-z-loss-coeff", type=float, default=None)
+    a("--moe-expert-capacity-factor", type=float, default=None, help="default: dropless")
+    a("--moe-pad-expert-input-to-capacity", action="store_true")
+    a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
+    a("--moe-shared-expert-intermediate-size", type=int, default=None)
     # checkpoints, evaluation, logging
     a("--save", default=None, help="run directory: checkpoints, metrics.jsonl, tensorboard/, loss.png")
     a("--load", default=None, help="resume from the latest checkpoint in this directory")
@@ -131,11 +160,23 @@ def check_args(args, world: int):
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [0, 1)")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive")
+    if args.transformer_impl == "transformer_engine" and not args.fp8:
+        raise ConfigError("--transformer-impl transformer_engine is the backend of --fp8 here: add --fp8")
+    if args.fp8 and args.fp16:
+        raise ConfigError("--fp8 with --fp16 is not supported (use --bf16 or fp32 master weights)")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr={args.min_lr} is larger than --lr={args.lr}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if pp > 1:
-        raise ConfigError(f"--pipeline-model-parallel-size={pp}: pipeline parallelism not available yet (issue #5)")
+    vp, per = 1, args.num_layers_per_virtual_pipeline_stage
+    if per is not None:
+        if pp == 1 or per < 1 or args.num_layers % (pp * per):
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={per} needs pipeline parallelism and "
+                              f"--num-layers={args.num_layers} divisible by pp x it = {pp} x {per}")
+        vp = args.num_layers // (pp * per)
+    args.virtual_pipeline_model_parallel_size = vp
+    args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
+    if args.use_ddp and args.fp16:
+        raise ConfigError("--fp16 with --use-distributed-optimizer/--overlap-grad-reduce is not supported; use --bf16")
     if world % (tp * pp):
         raise ConfigError(f"world size {world} is not divisible by tensor x pipeline parallel size {tp} x {pp}")
     args.world_size, args.data_parallel_size = world, world // (tp * pp)
@@ -144,9 +185,18 @@ def check_args(args, world: int):
         raise ConfigError(f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size x "
                           f"data-parallel size = {args.micro_batch_size} x {args.data_parallel_size} = {step_rows}")
     args.num_micro_batches = args.global_batch_size // step_rows
+    if vp > 1 and args.num_micro_batches % pp:
+        raise ConfigError(f"interleaved pipelining needs the number of micro-batches {args.num_micro_batches} "
+                          f"(global batch / (micro batch x dp)) to be a multiple of pp={pp}")
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.seq_length > args.max_position_embeddings:
         raise ConfigError(f"--seq-length={args.seq_length} > --max-position-embeddings={args.max_position_embeddings}")
+    ep, dp = args.expert_model_parallel_size, args.data_parallel_size
+    if ep < 1 or dp % ep or (args.num_experts or ep) % ep:
+        raise ConfigError(f"--expert-model-parallel-size={ep} must divide the data-parallel size {dp} and "
+                          f"--num-experts={args.num_experts}")
+    if args.expert_tensor_parallel_size not in (None, 1, tp):
+        raise ConfigError(f"--expert-tensor-parallel-size={args.expert_tensor_parallel_size} must be 1 or TP={tp}")
     if args.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length={args.seq_length} divisible by TP={tp}")
     try:
@@ -255,20 +305,36 @@ def learning_rate(it: int, args) -> float:
 
 
 def clip_grad_norm(params, max_norm: float, grid) -> float:
-    """Clip by the global L2 norm, counting every parameter once: the squares of TP-sharded grads are summed over
-    the TP group; replicated grads (identical on every TP rank after finalize_grads) are counted once, not tp times.
-    Grads are already summed over DP, so DP ranks agree without communication. Returns the norm before clipping."""
+    """Clip by the global L2 norm, counting every parameter exactly once: a TP-replicated grad (identical on every TP
+    rank after finalize_grads) only on TP rank 0, the last stage's copy of the tied embedding not at all; then the
+    squares are summed over TP x PP (and MoE experts over EP, where ranks hold different experts). Grads are
+    already summed over DP, so DP ranks agree without communication. Returns the norm before clipping."""
     params = [p for p in params if p.grad is not None]
-    sq = torch.zeros(2, dtype=torch.float64, device=params[0].device)  # [sharded, replicated]
+    sq = torch.zeros(2, dtype=torch.float64, device=params[0].device)  # [dense, MoE expert]
     for p in params:
-        sq[0 if getattr(p, "tensor_model_parallel", False) else 1] += p.grad.double().square().sum()
-    if grid is not None and grid.tp.size > 1:
-        dist.all_reduce(sq[0:1], group=grid.tp.pg)
+        duplicate = (not getattr(p, "tensor_model_parallel", False) and grid is not None and grid.tp.rank > 0) or (
+            getattr(p, "shared_embedding", False) and grid is not None and grid.pp.rank > 0)
+        if not duplicate:
+            sq[int(getattr(p, "expert_parallel", False))] += p.grad.double().square().sum()
+    if grid is not None:
+        sq = P._all_reduce(sq, grid.mp)  # tensor x pipeline parallel: one model replica
+        if grid.ep_size > 1:  # each EP rank holds different experts
+            sq[1:] = P._all_reduce(sq[1:], grid.ep)
     norm = float(sq.sum().sqrt())
     if max_norm > 0 and norm > max_norm:
         for p in params:
             p.grad.mul_(max_norm / (norm + 1e-6))
     return norm
+
+
+def moe_metrics(model, load) -> dict:
+    """MoE logging: tokens per expert over the log window [MoE layers][E] (all DP ranks), the worst layer's
+    max/min expert load, and the layers' mean aux losses (last micro-batch, without their coefficients)."""
+    routers = [m for m in model.modules() if isinstance(m, P.Router)]
+    mean = lambda k: sum(float(r.stats[k]) for r in routers) / len(routers)
+    return dict(moe_tokens_per_expert=load.long().tolist(),
+                moe_load_max_over_min=float((load.max(1).values / load.min(1).values.clamp_min(1)).max()),
+                load_balancing_loss=mean("load_balancing_loss"), z_loss=mean("z_loss"))
 
 
 class LossScaler:
@@ -310,9 +376,10 @@ class LossScaler:
 #   TP-sharded tensors are saved as DTensors with their global shape, so DCP reads them back at any TP size.
 #   A strided shard (SwiGLU fc1: [gate_r; up_r] on rank r) is viewed as [2, f/tp, h] of a global [2, f, h].
 # ============================================================================================================
-def checkpoint_state(model, optimizer, mesh):
+def checkpoint_state(chunks, optimizer, mesh):
     """{'model': {global name: tensor}, 'optimizer': {global name: {exp_avg, exp_avg_sq, step}}} as views of
-    the live tensors, so dcp.load writes straight into them."""
+    the live tensors, so dcp.load writes straight into them. Pipeline stages save disjoint names (a last stage's
+    copy of the tied embedding saves the same values under the same name: DCP keeps one)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def view(t, p):
@@ -324,13 +391,16 @@ def checkpoint_state(model, optimizer, mesh):
         return DTensor.from_local(t, mesh, [Replicate(), Shard(dim)], run_check=False)
 
     state = {"model": {}, "optimizer": {}}
-    for name, p in model.named_parameters():
-        g = model.global_name(name) if hasattr(model, "global_name") else name
-        state["model"][g] = view(p.data, p)
-        if optimizer is not None:
-            s = optimizer.state[p]
-            state["optimizer"][g] = {"exp_avg": view(s["exp_avg"], p), "exp_avg_sq": view(s["exp_avg_sq"], p),
-                                     "step": s["step"]}
+    sharded = isinstance(optimizer, P.DistributedOptimizer)
+    full = optimizer.full_state() if sharded else None  # DP slices gathered per parameter
+    for model in chunks:
+        for name, p in model.named_parameters():
+            g = model.global_name(name) if hasattr(model, "global_name") else name
+            state["model"][g] = view(p.data, p)
+            if optimizer is not None:
+                ea, eas, step = (*full[p], torch.tensor(float(optimizer.step_count))) if sharded else (
+                    optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"], optimizer.state[p]["step"])
+                state["optimizer"][g] = {"exp_avg": view(ea, p), "exp_avg_sq": view(eas, p), "step": step}
     return state
 
 
@@ -346,7 +416,7 @@ def _quiet_dcp():  # DCP warns that it runs "in no_dist mode" when there is no p
         yield
 
 
-def save_checkpoint(args, it, model, optimizer, scaler, mesh):
+def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = Path(args.save) / f"iter_{it:07d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -355,8 +425,8 @@ def save_checkpoint(args, it, model, optimizer, scaler, mesh):
     _barrier()
     tmp.mkdir(parents=True, exist_ok=True)
     with _quiet_dcp():
-        dcp.save(checkpoint_state(model, optimizer, mesh), checkpoint_id=str(tmp))
-    rng = {"torch": torch.get_rng_state(), "tracker": model.rng.states,
+        dcp.save(checkpoint_state(chunks, optimizer, mesh), checkpoint_id=str(tmp))
+    rng = {"torch": torch.get_rng_state(), "tracker": [c.rng.states for c in chunks],
            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     torch.save(rng, tmp / f"rng_rank{rank}.pt")
     _barrier()
@@ -389,18 +459,21 @@ ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_
               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
 
 
-def load_checkpoint(ckpt, model, optimizer, scaler, mesh):
+def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout):
     path, meta = ckpt
-    state = checkpoint_state(model, optimizer, mesh)
+    state = checkpoint_state(chunks, optimizer, mesh)
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))
+    if isinstance(optimizer, P.DistributedOptimizer):  # keep this rank's slices of the loaded moments
+        optimizer.load_full_state()
+        optimizer.step_count = int(next(iter(state["optimizer"].values()))["step"])
     rank = dist.get_rank() if dist.is_initialized() else 0
-    layout = ["world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"]
-    same_layout = all(meta["args"].get(k) == model.layout_args.get(k) for k in layout)
+    same_layout = all(meta["args"].get(k) == v for k, v in layout.items())
     if same_layout:  # RNG streams are per rank: they carry over only to the same layout (as in Megatron)
         rng = torch.load(path / f"rng_rank{rank}.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
-        model.rng.states = rng["tracker"]
+        for c, states in zip(chunks, rng["tracker"]):
+            c.rng.states = states
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     if optimizer is not None:
@@ -485,26 +558,39 @@ def setup(args):
     # ---- nothing above made a process group; everything below may
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
-    mesh, tp, dp = None, args.tensor_model_parallel_size, args.data_parallel_size
+    mesh, tp, pp, dp = None, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size
     if world > 1:
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo")
         from torch.distributed.device_mesh import DeviceMesh
-        mesh = DeviceMesh(device.type, torch.arange(world).view(dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = DeviceMesh(device.type, torch.arange(world).view(pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = mesh["dp", "tp"]  # this pipeline stage's ranks: checkpoint shards are laid out over them
     else:
         torch.set_num_threads(os.cpu_count() or 1)
-    grid = P.Grid(tp=tp, pp=1, dp=dp)
-    model = args.model_module.Model(config, grid).to(device)
+    grid = P.Grid(tp=tp, pp=pp, dp=dp, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+    if pp == 1:
+        chunks = [args.model_module.Model(config, grid).to(device)]
+    else:  # this rank's pipeline stage (v chunks of it with the interleaved schedule)
+        make = lambda pre, post, offset, n: args.model_module.Model(
+            config, grid, pre_process=pre, post_process=post, layer_offset=offset, num_layers=n).to(device)
+        chunks = P.build_chunks(make, config.num_layers, grid, args.virtual_pipeline_model_parallel_size)
+    model = torch.nn.ModuleList(chunks)  # all of this rank's parameters, for the optimizer and the audits
     model.layout_args = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size",
                                                        "pipeline_model_parallel_size"]}
-    return dict(tok=tok, train=train_ds, valid=valid_ds, grid=grid, model=model, mesh=mesh, device=device,
-                ckpt=ckpt, rank=dist.get_rank() if dist.is_initialized() else 0)
+    return dict(tok=tok, train=train_ds, valid=valid_ds, grid=grid, model=model, chunks=chunks, mesh=mesh,
+                device=device, ckpt=ckpt, config=config, rank=dist.get_rank() if dist.is_initialized() else 0)
 
 
-def make_optimizer(model, args):
+def make_optimizer(model, args, chunks=None, grid=None):
     """AdamW; no weight decay on biases and norm weights (Megatron's default param groups). State is created
-    up front so a checkpoint can be loaded into it."""
+    up front so a checkpoint can be loaded into it. With --use-distributed-optimizer / --overlap-grad-reduce:
+    parallel.DDP's bucketed gradients and parallel.DistributedOptimizer (the same AdamW, sharded over DP)."""
+    if getattr(args, "use_ddp", False):
+        ddp = P.DDP(chunks, grid, bucket_size=args.ddp_bucket_size, overlap=args.overlap_grad_reduce,
+                    distributed_optimizer=args.use_distributed_optimizer)
+        return P.DistributedOptimizer(ddp, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                      weight_decay=args.weight_decay)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -527,35 +613,64 @@ def print_config(args, s):
 
 
 @torch.no_grad()
-def evaluate(model, valid, args, grid, device, autocast):
+def evaluate(s, valid, args, stage_step, autocast):
     """{'val_loss': mean loss per token over --eval-iters fixed global batches of the validation set (the same ones
-    each time), plus the model file's eval_counts(model, mb) -> {name: (hits, total)} as ratios (BERT: MLM accuracy)}."""
-    model.eval()
-    extra = getattr(args.model_module, "eval_counts", lambda model, mb: {})
+    each time), plus the model file's eval_counts(model, mb) -> {name: (hits, total)} as ratios (BERT: MLM accuracy;
+    without pipelining)}. A pipeline evaluates with the forward-only schedule."""
+    chunks, grid, device = s["chunks"], s["grid"], s["device"]
+    for c in chunks:
+        c.eval()
+    extra = getattr(args.model_module, "eval_counts", None) if grid.pp_size == 1 else None
     total, counts = torch.zeros(1, dtype=torch.float64, device=device), {}
     for k in range(args.eval_iters):
         batch = data.global_batch(valid, k, args.global_batch_size)
         recipe, num_tokens = batch_recipe(args.model_module, batch, args)
-        for mb in batch.chunk(grid.dp_size)[grid.dp.rank].to(device).split(args.micro_batch_size):
-            with autocast():
-                total += recipe(model, mb).double() / num_tokens
-                for name, hits in extra(model, mb).items():
-                    counts[name] = counts.get(name, 0) + torch.tensor(hits, dtype=torch.float64, device=device)
+        micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].to(device).split(args.micro_batch_size))
+        with autocast():
+            loss = P.forward_backward(chunks, micro, lambda m, mb: stage_step(m, mb, recipe), num_tokens, grid,
+                                      s["p2p_shape"], s["config"].params_dtype, forward_only=True)
+        total += torch.as_tensor(loss, dtype=torch.float64, device=device)
+        for mb in micro if extra else []:
+            for name, hits in extra(chunks[0], mb).items():
+                counts[name] = counts.get(name, 0) + torch.tensor(hits, dtype=torch.float64, device=device)
     total = torch.cat([total] + list(counts.values()))
-    if grid.dp_size > 1:
-        dist.all_reduce(total, group=grid.dp.pg)
-    model.train()
+    for g in (grid.pp, grid.dp):  # the last stage holds the loss; each DP rank its part
+        total = P._all_reduce(total, g)
+    for c in chunks:
+        c.train()
     return dict(val_loss=float(total[0]) / args.eval_iters,
                 **{name: float(total[1 + 2 * i] / total[2 + 2 * i]) for i, name in enumerate(counts)})
 
 
+def stage_step(model, mb, recipe):
+    """The schedule's contract: the SUM of the micro-batch's token losses on the last stage; on any other
+    pipeline stage the stage's output hidden states. The recipe calls the model once; a forward hook catches an
+    inner stage's output (what the recipe then does with it is discarded)."""
+    if model.post_process:
+        return recipe(model, mb)
+    out = []
+    hook = model.register_forward_hook(lambda m, i, o: out.append(o))
+    try:
+        recipe(model, mb)
+    finally:
+        hook.remove()
+    return out[0]
+
+
 def train(args):
     s = setup(args)
-    model, grid, device, rank = s["model"], s["grid"], s["device"], s["rank"]
-    optimizer, scaler = make_optimizer(model, args), LossScaler(args)
+    fp8 = P.fp8_enable(s["model"], P.FP8Recipe(args.fp8_format, args.fp8_recipe, args.fp8_margin,
+                                               args.fp8_amax_history_len, args.fp8_amax_compute_algo),
+                       s["grid"], args.transformer_impl) if args.fp8 else None
+    model, chunks, grid, device, rank = s["model"], s["chunks"], s["grid"], s["device"], s["rank"]
+    optimizer, scaler = make_optimizer(model, args, chunks, grid), LossScaler(args)
+    ddp = optimizer.ddp if isinstance(optimizer, P.DistributedOptimizer) else None
+    tp = args.tensor_model_parallel_size
+    s["p2p_shape"] = (args.seq_length // tp if s["config"].sequence_parallel and tp > 1 else args.seq_length,
+                      args.micro_batch_size, s["config"].hidden_size)  # [s(/tp), b, h] between pipeline stages
     start = 0
     if s["ckpt"] is not None:
-        start, rng_restored = load_checkpoint(s["ckpt"], model, optimizer, scaler, s["mesh"])
+        start, rng_restored = load_checkpoint(s["ckpt"], chunks, optimizer, scaler, s["mesh"], model.layout_args)
         if rank == 0:
             print(f"resumed from {s['ckpt'][0]} at iteration {start}"
                   + ("" if rng_restored else " (different layout: RNG streams not restored)"))
@@ -572,9 +687,9 @@ def train(args):
     autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16)
     recipe = None  # set per global batch: (loss_func, the count of its loss tokens), see batch_recipe
 
-    def loss_func(model, mb):  # the schedule's contract: the SUM of the micro-batch's token losses
+    def loss_func(model, mb):  # the schedule's contract: see stage_step
         with autocast():
-            return recipe(model, mb) * scaler.scale  # fp16: backward runs on loss x scale
+            return stage_step(model, mb, recipe)
     tokens_per_batch = args.global_batch_size * args.seq_length
     params = list(model.parameters())
     t0 = time.time()
@@ -585,18 +700,39 @@ def train(args):
         recipe, num_tokens = batch_recipe(args.model_module, batch, args)  # loss tokens of the whole global batch
         mine = batch.chunk(grid.dp_size)[grid.dp.rank].to(device)  # [gbs/dp, s+1]
         micro_batches = mine.split(args.micro_batch_size)  # num_micro_batches x [mbs, s+1]
-        for g in optimizer.param_groups:
-            g["lr"] = learning_rate(it, args)
-        optimizer.zero_grad(set_to_none=False)
-        loss = P.forward_backward_no_pipelining(model, micro_batches, loss_func, num_tokens) / scaler.scale
-        P.finalize_grads(model, grid)  # SP norm grads over TP; sum over DP
+        if ddp is not None:
+            optimizer.lr = learning_rate(it, args)
+            optimizer.zero_grad(len(micro_batches))
+        else:
+            for g in optimizer.param_groups:
+                g["lr"] = learning_rate(it, args)
+            optimizer.zero_grad(set_to_none=False)
+        trace = [] if args.pipeline_trace and it == start else None
+        # fp16: backward runs on loss x scale, as sum / (num_tokens / scale), so MoE aux losses are scaled too
+        loss = P.forward_backward(chunks, micro_batches, loss_func, num_tokens / scaler.scale, grid, s["p2p_shape"],
+                                  s["config"].params_dtype, trace=trace) / scaler.scale
+        if trace is not None:
+            print(f"pipeline trace, rank {rank} (stage {grid.pp.rank}): "
+                  + " ".join(f"{k}{mb}" + (f".{v}" if len(chunks) > 1 else "") for k, mb, v in trace), flush=True)
+        if ddp is not None:
+            ddp.finish_grad_sync()  # wait for the buckets; SP norm grads over TP; tied embedding over stages
+        else:
+            P.finalize_grads(chunks, grid)  # SP norm grads over TP; tied embedding over stages; sum over DP
+        load = P.moe_load(model)  # MoE: tokens per expert [MoE layers, E] routed in this step, this DP rank
+        if load is not None:
+            window["moe_load"] = window.get("moe_load", 0) + P._all_reduce(load.to(device), grid.dp).cpu()
         skipped = scaler.unscale_and_check(params)
-        grad_norm = float("nan") if skipped else clip_grad_norm(params, args.clip_grad, grid)
+        if ddp is not None:
+            grad_norm = float(optimizer.clip_grad_norm(args.clip_grad))
+        else:
+            grad_norm = float("nan") if skipped else clip_grad_norm(params, args.clip_grad, grid)
         if not skipped:
             optimizer.step()
+        if fp8 is not None:
+            fp8.update()  # delayed scaling: this step's amaxes (reduced over TP x DP) -> next step's scales
         loss = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)
-        if grid.dp_size > 1:
-            dist.all_reduce(loss, group=grid.dp.pg)  # each DP rank's part of the global mean
+        for g in (grid.pp, grid.dp):  # the last stage holds the loss; each DP rank its part of the global mean
+            loss = P._all_reduce(loss, g)
         window["loss"] += float(loss)
         window["n"] += 1
         window["skipped"] += skipped
@@ -610,6 +746,8 @@ def train(args):
                        tokens_per_s=window["n"] * tokens_per_batch / dt, skipped=window["skipped"])
             if args.fp16:
                 rec["loss_scale"] = scaler.scale
+            if "moe_load" in window:
+                rec.update(moe_metrics(model, window["moe_load"]))
             log.log(rec)
             window = dict(loss=0.0, n=0, t=time.time(), skipped=0)
         stop = args.exit_interval is not None and n % args.exit_interval == 0
@@ -623,16 +761,17 @@ def train(args):
                     log.bar.write(f"--exit-duration-in-mins={args.exit_duration_in_mins} reached: stopping at {n}")
         if s["valid"] is not None and args.eval_iters > 0 and (
                 (args.eval_interval and n % args.eval_interval == 0) or n == args.train_iters or stop):
-            log.log(dict(iteration=n, **evaluate(model, s["valid"], args, grid, device, autocast)))
+            log.log(dict(iteration=n, **evaluate(s, s["valid"], args, stage_step, autocast)))
         if args.save and ((args.save_interval and n % args.save_interval == 0) or n == args.train_iters or stop):
-            save_checkpoint(args, n, model, optimizer, scaler, s["mesh"])
+            save_checkpoint(args, n, chunks, optimizer, scaler, s["mesh"])
         if stop:
             break
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
     log.close()
     if rank == 0:
         secs = time.time() - t0
-        print(f"done: {it + 1 - start} iterations in {secs:.0f} s ({(it + 1 - start) * tokens_per_batch / secs:.0f} "
+        done = max(0, n - start) if args.train_iters > start else 0
+        print(f"done: {done} iterations in {secs:.0f} s ({done * tokens_per_batch / secs:.0f} "
               f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {run_dir}", flush=True)
     return s
 
@@ -658,7 +797,7 @@ def sample(argv):
     module = import_model(args.model)
     model = module.Model(model_config(module, args))
     with _quiet_dcp():
-        dcp.load({"model": checkpoint_state(model, None, None)["model"]}, checkpoint_id=str(ckpt[0]))
+        dcp.load({"model": checkpoint_state([model], None, None)["model"]}, checkpoint_id=str(ckpt[0]))
     torch.manual_seed(a.seed)
     ids = torch.tensor([tok.encode(a.prompt).ids])
     out = module.generate(model, ids, a.max_new_tokens, a.temperature, a.top_k, eod=data.special_ids(tok)["eod"])

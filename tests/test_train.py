@@ -118,6 +118,28 @@ def test_dp2_sequence_parallel_torchrun_matches_single_process(single, corpus, c
         assert_close(got[i]["loss"], ref[i]["loss"], 1e-5, f"TP=2+SP after loading a TP=1 checkpoint, iteration {i}")
 
 
+def test_pipeline_and_distributed_optimizer_match_single_process(corpus, cache, tmp_path):
+    """4 layers: interleaved PP=2 (2 chunks per rank, tied embedding across stages) and DP=2 with the distributed
+    optimizer and overlapped buckets log the same losses as one process; the PP checkpoint resumes in one process."""
+    four = ("--num-layers", "4", "--save-interval", "2")
+    single, pp2, dist2, one = (tmp_path / n for n in ("single", "pp2", "dist", "pp2_to_1"))
+    train.main(tiny(corpus, cache, single, *four, iters=4))
+    torchrun(2, tiny(corpus, cache, pp2, *four, "--pipeline-model-parallel-size", "2",
+                     "--num-layers-per-virtual-pipeline-stage", "1", iters=4))
+    torchrun(2, tiny(corpus, cache, dist2, *four, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                     "--ddp-bucket-size", "20000", iters=4))
+    train.main(tiny(corpus, cache, one, *four, "--load", str(pp2), "--ckpt-step", "2", iters=4))
+    (ref, ref_val) = metrics(single)
+    for run, iters in [(pp2, [1, 2, 3, 4]), (dist2, [1, 2, 3, 4]), (one, [3, 4])]:
+        got, got_val = metrics(run)
+        assert sorted(got) == iters, run.name
+        for i in iters:
+            assert_close(got[i]["loss"], ref[i]["loss"], 1e-5, f"{run.name} loss at iteration {i}")
+            assert_close(got[i]["grad_norm"], ref[i]["grad_norm"], 1e-5, f"{run.name} grad norm at iteration {i}")
+        for i in got_val:
+            assert_close(got_val[i], ref_val[i], 1e-5, f"{run.name} validation loss at iteration {i}")
+
+
 def test_resume_equals_uninterrupted_with_dropout(corpus, cache, tmp_path):
     drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"

@@ -295,3 +295,31 @@ def test_moe_layer_frequency():
     assert [isinstance(layer.mlp, P.MoELayer) for layer in m.decoder.layers] == [False, True, True, False]
     m = gpt.Model(gpt.Config(**dict(MOE, num_layers=4, moe_layer_freq=2)))
     assert [isinstance(layer.mlp, P.MoELayer) for layer in m.decoder.layers] == [True, False, True, False]
+
+
+# --------------------------------------------------------------------------------------- 4. train.py
+def test_train_py_logs_expert_load_and_ep2_matches_single_process(tmp_path):
+    """train.py with --num-experts: per-expert token counts and aux losses in metrics.jsonl; torchrun with dp 2 and
+    --expert-model-parallel-size 2 (all-to-all) logs the same losses, grad norms and loads as one process (fp32)."""
+    from test_train import SNIPPET, metrics, tiny, torchrun
+
+    import train
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
+    moe = ["--num-experts", "4", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+           "--eval-iters", "0"]
+    train.main(tiny(corpus, tmp_path / "cache", tmp_path / "one", *moe, iters=2))
+    one, _ = metrics(tmp_path / "one")
+    load = torch.tensor(one[1]["moe_tokens_per_expert"])  # [layers, E]: 8 rows x 32 tokens x top-2 per layer
+    assert load.shape == (2, 4) and (load.sum(1) == 8 * 32 * 2).all()
+    assert one[1]["moe_load_max_over_min"] >= 1 and one[1]["load_balancing_loss"] > 0 and one[1]["z_loss"] > 0
+    torchrun(2, tiny(corpus, tmp_path / "cache", tmp_path / "ep2", *moe, "--expert-model-parallel-size", "2",
+                     iters=2))
+    ep2, _ = metrics(tmp_path / "ep2")
+    for i in one:
+        for k in ("loss", "grad_norm"):
+            assert abs(ep2[i][k] - one[i][k]) <= 1e-5 * abs(one[i][k]), (i, k, ep2[i][k], one[i][k])
+        assert ep2[i]["moe_tokens_per_expert"] == one[i]["moe_tokens_per_expert"]

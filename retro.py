@@ -1,0 +1,318 @@
+"""retro.py — Retro: GPT + chunked cross-attention to retrieved neighbours + a neighbour encoder + the database.
+
+Mirrors Megatron-LM's `megatron/core/models/retro/` — model.py (RetroModel(GPTModel)), config.py (retro_* fields),
+decoder_spec.py (CCA layers at range(6 if L <= 15 else 9, L + 1, 3), 1-based; the first owns the encoder),
+decoder_attention.py (RetroDecoderCrossAttention, RetroDecoderBiasDropoutAdd), encoder_spec.py and
+encoder_attention.py (RetroEncoderCrossAttention, RetroEncoderBiasDropoutAdd, RetroEncoderLayerNorm) — with the same
+parameter names (`decoder.layers.5.cross_attention.attn.linear_q`, `...cross_attention.encoder.layers.0...`), and
+`tools/retro/` (chunk database, embedder, FAISS index, neighbour query) in the few lines of the database section.
+Papers: Borgeaud et al. 2021 (Retro, arXiv:2112.04426); Wang et al. 2023 "Shall we pretrain autoregressive language
+        models with retrieval?" (Megatron's Retro).
+
+Run:    make train MODEL=retro      (train.py hooks: not yet — see the README)
+
+Dimension glossary
+  b batch   n sequence length   m chunk length (retro_chunk_length)   l = n/m chunks per sample
+  k neighbours per chunk (retro_num_neighbors)   r = 2m retrieved tokens (a neighbour chunk + its continuation)
+  h hidden  N chunks in the database   D embedder dimension
+
+Differences from Megatron (each on purpose):
+  - Megatron turns the encoder output [r, (b·l·k), h] into [r·k, b·l, h] with a plain reshape, which for b·l > 1
+    hands chunk c the tokens of other chunks' neighbours (future ones included). We rearrange
+    "r (bl k) h -> (k r) bl h": each chunk attends to exactly its own k neighbours (tests: causality).
+  - Under sequence parallelism the chunked cross-attention gathers the whole sequence, works on replicated
+    activations (TP still splits heads) and scatters the result back; the neighbour encoder runs without SP.
+  - `neighbor_ids=None` closes the gate: every Retro layer then acts as the plain GPT layer (Megatron has no gate).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from torch import nn
+
+import gpt
+import parallel as P
+
+
+@dataclass
+class Config(gpt.Config):
+    retro_chunk_length: int = 64  # m
+    retro_num_neighbors: int = 2  # k
+    retro_num_retrieved_chunks: int = 2  # a neighbour and its continuation
+    retro_encoder_num_layers: int = 2
+    retro_encoder_hidden_dropout: float = 0.1
+    retro_encoder_attention_dropout: float = 0.1
+    retro_retrieved_length: int | None = None  # r = retro_num_retrieved_chunks · m (derived)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.retro_retrieved_length = self.retro_num_retrieved_chunks * self.retro_chunk_length
+        if self.num_layers < 6:
+            raise ValueError(f"num_layers={self.num_layers}: Retro's first chunked cross-attention layer is layer 6")
+
+    @property
+    def retro_layer_numbers(self) -> list[int]:  # 1-based, as decoder_spec.py
+        return list(range(6 if self.num_layers <= 15 else 9, self.num_layers + 1, 3))
+
+    def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
+        if pp > 1:
+            raise ValueError(f"Retro does not support pipeline parallelism (pp={pp}), as in Megatron")
+        super().check_layout(tp, pp, ep)
+
+
+def _no_sp(c: Config, **kw) -> Config:
+    return dataclasses.replace(c, sequence_parallel=False, **kw)
+
+
+def _all_true(sq: int, sk: int, device) -> torch.Tensor:  # Megatron's get_all_true_mask: bidirectional attention
+    return torch.ones(1, 1, sq, sk, dtype=torch.bool, device=device)
+
+
+# ---------------------------------------------------------------------------------------------- the encoder
+class RetroEncoderCrossAttention(nn.Module):
+    """Each neighbour's r tokens attend to the m tokens of the decoder chunk it was retrieved for."""
+
+    def __init__(self, c: Config, grid, rng):
+        super().__init__()
+        self.k = c.retro_num_neighbors
+        self.attn = gpt.Attention(c, grid, cross=True, rng=rng)
+
+    def forward(self, x, chunks):  # x [r, (b l k), h] normed neighbours; chunks [m, (b l), h]
+        kv = repeat(chunks, "m bl h -> m (bl k) h", k=self.k)  # the k neighbours of a chunk share its keys/values
+        return self.attn(x, kv_input=kv, causal=False)  # [r, (b l k), h]
+
+
+class RetroEncoderLayerNorm(nn.Module):  # Megatron norms each neighbour separately; per token, that is one norm
+    def __init__(self, c: Config):
+        super().__init__()
+        self.norm = gpt.Norm(c)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class RetroEncoderLayer(gpt.TransformerLayer):
+    """Layer 1 of the encoder: self-attention over each neighbour, cross-attention to its chunk, MLP."""
+
+    def __init__(self, c: Config, grid, rng, layer_number: int):
+        super().__init__(c, grid, rng, layer_number)
+        self.pre_cross_attn_layernorm = gpt.Norm(c)
+        self.cross_attention = RetroEncoderCrossAttention(c, grid, rng)
+        self.pre_mlp_layernorm = RetroEncoderLayerNorm(c)
+
+    def forward(self, x, chunks, rope=None):  # x [r, (b l k), h]
+        r = x.shape[0]
+        x = x + self.drop(self.self_attention(self.input_layernorm(x), rope=rope, mask=_all_true(r, r, x.device)))
+        ln = self.pre_cross_attn_layernorm(x)
+        x = ln + self.drop(self.cross_attention(ln, chunks))  # RetroEncoderBiasDropoutAdd: the residual is the norm
+        return x + self.drop(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class RetroEncoder(nn.Module):  # Megatron's TransformerBlock(pre_process=True, post_process=False): no final norm
+    def __init__(self, c: Config, grid, rng):
+        super().__init__()
+        c = _no_sp(c, hidden_dropout=c.retro_encoder_hidden_dropout,
+                   attention_dropout=c.retro_encoder_attention_dropout)
+        self.layers = nn.ModuleList([RetroEncoderLayer(c, grid, rng, 0)] + [
+            gpt.TransformerLayer(c, grid, rng, i, moe=False) for i in range(1, c.retro_encoder_num_layers)])
+
+    def forward(self, x, chunks, rope=None):  # x [r, (b l k), h] embedded neighbours; chunks [m, (b l), h]
+        x = self.layers[0](x, chunks, rope)
+        for layer in self.layers[1:]:
+            x = layer(x, rope=rope, mask=_all_true(x.shape[0], x.shape[0], x.device))
+        return x  # [r, (b l k), h]
+
+
+# ---------------------------------------------------------------------------------------------- the decoder
+class RetroDecoderCrossAttention(nn.Module):
+    """Chunked cross-attention (CCA): the sequence, shifted by pad = (n − 1) % m, is cut into l chunks; chunk j's
+    m tokens (the last token of chunk j and the first m − 1 of chunk j + 1) attend to chunk j's k encoded neighbours,
+    so no token sees neighbours retrieved with tokens after it. The first CCA layer owns the encoder."""
+
+    def __init__(self, c: Config, grid, rng, encoder: bool):
+        super().__init__()
+        self.m, self.k = c.retro_chunk_length, c.retro_num_neighbors
+        self.attn = gpt.Attention(_no_sp(c), grid, cross=True, rng=rng)
+        self.encoder = RetroEncoder(c, grid, rng) if encoder else None
+
+    def forward(self, x, context, rope=None):  # x [n, b, h] (normed, whole sequence); context: see below
+        n, b, _ = x.shape
+        m = self.m
+        if self.encoder is not None:  # context = embedded neighbours [r, (b l k), h]
+            chunks = rearrange(x, "(l m) b h -> m (b l) h", m=m)
+            context = self.encoder(context, chunks, rope)  # [r, (b l k), h]
+            context = rearrange(context, "r (bl k) h -> (k r) bl h", k=self.k)  # see "Differences" above
+        pad = (n - 1) % m
+        shifted = F.pad(x[pad:], (0, 0, 0, 0, 0, m - 1))  # [l·m, b, h]: attending positions pad, pad+1, ...
+        q = rearrange(shifted, "(l m) b h -> m (b l) h", m=m)
+        return self.attn(q, kv_input=context, causal=False), context, pad  # [m, (b l), h], [(k r), (b l), h]
+
+
+class RetroDecoderLayer(gpt.TransformerLayer):
+    """GPT layer + (pre_cross_attn_layernorm, cross_attention, RetroDecoderBiasDropoutAdd) between attention and MLP."""
+
+    def __init__(self, c: Config, grid, rng, layer_number: int, encoder: bool):
+        super().__init__(c, grid, rng, layer_number)
+        self.grid = grid
+        self.pre_cross_attn_layernorm = gpt.Norm(c)
+        self.cross_attention = RetroDecoderCrossAttention(c, grid, rng, encoder)
+
+    def forward(self, x, context=None, rope=None, mask=None, context_rope=None):  # x [n(/tp), b, h]
+        x = x + self.drop(self.self_attention(self.input_layernorm(x), rope=rope, mask=mask))
+        if context is not None:  # the gate is open
+            tp, sp = P.tp_of(self.grid), self.c.sequence_parallel
+            ln = self.pre_cross_attn_layernorm(x)
+            ln = P.gather_from_sp(ln, tp, tp_output_grad=False) if sp else ln  # [n, b, h], replicated over TP
+            y, context, pad = self.cross_attention(ln, context, context_rope)  # y [m, (b l), h]
+            y = P.dropout(y, self.c.hidden_dropout, self.training, self.rng)  # RetroDecoderBiasDropoutAdd
+            n, b = ln.shape[:2]
+            y = rearrange(y, "m (b l) h -> (l m) b h", b=b)
+            y = F.pad(y, (0, 0, 0, 0, pad, 0))[:n]  # un-shift: positions < pad get nothing
+            x = x + (P.scatter_to_sp(y, tp) if sp else y)
+        return x + self.drop(self.mlp(self.pre_mlp_layernorm(x))), context
+
+
+class Model(gpt.Model):
+    """Retro. forward(input_ids [b, n], neighbor_ids [b, l, k, r] | None, labels=None) -> logits or per-token loss.
+
+    The GPT model with its layers at Megatron's CCA positions swapped for Retro decoder layers. Initialization is by
+    global parameter name, so the GPT weights are the ones gpt.Model(same config) has."""
+
+    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True):
+        if grid is not None and grid.pp_size > 1:
+            raise ValueError(f"Retro does not support pipeline parallelism (pp={grid.pp_size}), as in Megatron")
+        super().__init__(config, grid, pre_process, post_process)
+        c = self.config
+        for j, number in enumerate(c.retro_layer_numbers):
+            self.decoder.layers[number - 1] = RetroDecoderLayer(c, grid, self.rng, number - 1, encoder=j == 0)
+        P.init_params(self, c.seed, grid, rename=self.global_name)
+
+    def embed_neighbors(self, neighbor_ids):  # [b, l, k, r] -> [r, (b l k), h] (RetroModel's context embedding)
+        e = self.embedding
+        ids = rearrange(neighbor_ids, "b l k r -> (b l k) r")
+        x = e.word_embeddings(ids)  # [(b l k), r, h]
+        if hasattr(e, "position_embeddings"):
+            x = x + e.position_embeddings(torch.arange(ids.shape[1], device=ids.device))
+        x = rearrange(x, "blk r h -> r blk h").contiguous()
+        return P.dropout(x, self.config.hidden_dropout, self.training, self.rng)  # replicated: default stream
+
+    def forward(self, input_ids, neighbor_ids=None, labels=None):
+        c = self.config
+        self.check_input(input_ids)
+        b, n = input_ids.shape
+        if neighbor_ids is not None:
+            want = (b, n // c.retro_chunk_length, c.retro_num_neighbors, c.retro_retrieved_length)
+            if n % c.retro_chunk_length or tuple(neighbor_ids.shape) != want:
+                raise ValueError(f"input_ids {tuple(input_ids.shape)} and neighbor_ids {tuple(neighbor_ids.shape)}: "
+                                 f"need n divisible by m={c.retro_chunk_length} and neighbor_ids [b, l, k, r] = {want}")
+        x = self.embedding(input_ids)  # [n(/tp), b, h]
+        context = self.embed_neighbors(neighbor_ids) if neighbor_ids is not None else None
+        rope, context_rope = self.rope(n, input_ids.device), self.rope(c.retro_retrieved_length, input_ids.device)
+        for layer in self.decoder.layers:
+            if isinstance(layer, RetroDecoderLayer):
+                x, context = layer(x, context, rope=rope, context_rope=context_rope)
+            else:
+                x = layer(x, rope=rope)
+        return self.postprocess(self.decoder.final_layernorm(x), labels)
+
+
+def loss_func(model: Model, mb: dict):
+    """Σ next-token losses of a micro-batch {"tokens": [b, n+1], "neighbors": [b, l, k, r]} (train.py divides)."""
+    return model(mb["tokens"][:, :-1], mb["neighbors"], labels=mb["tokens"][:, 1:]).sum()
+
+
+# ---------------------------------------------------------------------------------------------- the database
+# Megatron's tools/retro in miniature: cut the corpus into m-token chunks, embed each with a frozen embedder, index
+# the embeddings with FAISS (inner product of L2-normalized vectors = cosine), and for each query chunk keep the k
+# nearest chunks of *other* documents, returned as their r = 2m tokens (the chunk and its continuation).
+class BagOfTokensEmbedder:
+    """The frozen embedder until BERT's is wired in: the mean of a fixed random table E [V, D] (normal, from `seed`)
+    over a chunk's tokens, L2-normalized. Deterministic; equal multisets of tokens embed equally."""
+
+    def __init__(self, vocab_size: int, dim: int = 128, seed: int = 0):
+        self.table = np.random.default_rng(seed).standard_normal((vocab_size, dim)).astype(np.float32)
+        self.name = f"bag-of-tokens-V{vocab_size}-D{dim}-seed{seed}"
+
+    def __call__(self, chunks: np.ndarray) -> np.ndarray:  # [N, m] -> [N, D]
+        e = self.table[chunks].mean(axis=1)
+        return e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+
+
+@dataclass
+class Database:
+    tokens: np.ndarray  # [N, r] each chunk followed by its continuation in the same document (pad past its end)
+    doc: np.ndarray  # [N] the document of each chunk
+    index: object  # faiss index over the chunks' embeddings
+    m: int
+
+
+def chunk_documents(token_arrays, doc_ids, m: int, r: int, pad_id: int = 0):
+    """Documents -> (chunk tokens + continuation [N, r], document id [N]); a document's last chunk is padded."""
+    rows, docs = [], []
+    for d, t in zip(doc_ids, token_arrays):
+        t = np.asarray(t, dtype=np.int64)
+        padded = np.concatenate([t, np.full(r, pad_id, dtype=np.int64)])
+        for start in range(0, len(t), m):
+            rows.append(padded[start: start + r])
+            docs.append(d)
+    return np.stack(rows), np.asarray(docs, dtype=np.int64)
+
+
+def build_database(token_arrays, doc_ids, m: int, embedder, r: int | None = None, index: str = "flat",
+                   nlist: int = 64, pad_id: int = 0, cache_dir: str | None = None, progress: bool = True,
+                   batch: int = 4096) -> Database:
+    """Chunk, embed (with a tqdm bar) and index a corpus; cached under cache_dir/retro-<hash>/ and reused.
+    index: "flat" = exact inner product (IndexFlatIP); "ivf" = IndexIVFFlat with `nlist` lists (large corpora)."""
+    import faiss
+    from tqdm import tqdm
+
+    r = r or 2 * m
+    tokens, doc = chunk_documents(token_arrays, doc_ids, m, r, pad_id)
+    key = hashlib.sha256(tokens.tobytes() + doc.tobytes() + f"{m}-{r}-{embedder.name}-{index}-{nlist}".encode())
+    path = os.path.join(cache_dir, f"retro-{key.hexdigest()[:16]}") if cache_dir else None
+    if path and os.path.exists(os.path.join(path, "index.faiss")):
+        return Database(tokens, doc, faiss.read_index(os.path.join(path, "index.faiss")), m)
+    emb = np.concatenate([embedder(tokens[i: i + batch, :m]) for i in tqdm(
+        range(0, len(tokens), batch), desc="retro: embedding chunks", disable=not progress)]).astype(np.float32)
+    if index == "flat":
+        ix = faiss.IndexFlatIP(emb.shape[1])
+    elif index == "ivf":
+        ix = faiss.IndexIVFFlat(faiss.IndexFlatIP(emb.shape[1]), emb.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
+        ix.train(emb)
+        ix.nprobe = max(1, nlist // 8)
+    else:
+        raise ValueError(f"index={index!r} is not 'flat' or 'ivf'")
+    ix.add(emb)
+    if path:
+        os.makedirs(path, exist_ok=True)
+        np.save(os.path.join(path, "chunks.npy"), tokens)
+        np.save(os.path.join(path, "doc.npy"), doc)
+        faiss.write_index(ix, os.path.join(path, "index.faiss"))  # last: its presence marks a complete cache
+    return Database(tokens, doc, ix, m)
+
+
+def query_neighbors(db: Database, chunks: np.ndarray, chunk_doc: np.ndarray, k: int, embedder):
+    """For query chunks [Q, m] from documents chunk_doc [Q]: the k nearest database chunks of other documents.
+    Returns (ids [Q, k], their tokens [Q, k, r]). Searches 2k, 4k, ... candidates until k survive the filter."""
+    q = embedder(np.asarray(chunks)).astype(np.float32)
+    chunk_doc = np.asarray(chunk_doc)
+    want = 2 * k
+    while True:
+        want = min(want, db.index.ntotal)
+        _, ids = db.index.search(q, want)  # [Q, want], best first; -1 where an IVF probe found too few
+        ok = (ids >= 0) & (db.doc[np.maximum(ids, 0)] != chunk_doc[:, None])
+        if (ok.sum(1) >= k).all() or want == db.index.ntotal:
+            break
+        want *= 2
+    if (ok.sum(1) < k).any():
+        raise ValueError(f"fewer than k={k} chunks from other documents for some query chunks")
+    order = np.argsort(~ok, axis=1, kind="stable")[:, :k]  # the first k allowed, in rank order
+    out = np.take_along_axis(ids, order, axis=1)
+    return out, db.tokens[out]

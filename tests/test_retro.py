@@ -1,0 +1,135 @@
+"""Retro (retro.py): causality of chunked cross-attention, the closed gate equals GPT, TP/SP/DP equal the single
+process, and the retrieval database (planted duplicates found, same-document chunks never returned).
+
+Small shapes: chunk length m = 4, k = 2 neighbours, r = 8, 6 layers (one CCA layer, layer 6, owning the 2-layer
+encoder) or 9 (CCA layers 6 and 9), h 32, float64. Tolerance for the layouts: 1e-10 relative (reduction order only).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpt
+import parallel as P
+import retro
+from equivalence import assert_same, train_steps
+
+CFG = dict(num_layers=6, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=150,
+           max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64,
+           retro_chunk_length=4, retro_num_neighbors=2, retro_encoder_hidden_dropout=0.0,
+           retro_encoder_attention_dropout=0.0)
+M, K, R = 4, 2, 8
+
+
+def batch(b: int, n: int, seed: int = 0, vocab: int = 150) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"tokens": torch.randint(0, vocab, (b, n + 1), generator=g),
+            "neighbors": torch.randint(0, vocab, (b, n // M, K, R), generator=g)}
+
+
+# --------------------------------------------------------------------------------------------- 1. causality
+@functools.cache
+def _model(num_layers: int) -> retro.Model:
+    return retro.Model(retro.Config(**dict(CFG, num_layers=num_layers))).eval()
+
+
+@given(num_layers=st.sampled_from([6, 9]), n_chunks=st.integers(2, 4), j=st.integers(0, 3), seed=st.integers(0, 99))
+def test_causality_changing_chunk_j_neighbours(num_layers, n_chunks, j, seed):
+    """New neighbours for chunk j change no output before position (j+1)·m − 1, and change the outputs from there on:
+    those of chunk j's attending window [(j+1)·m − 1, (j+2)·m − 1) always, and all later ones when a self-attention
+    layer follows a CCA layer (L = 9: CCA at 6 and 9; with L = 6 the only CCA layer is the last layer)."""
+    j = j % n_chunks
+    model, n = _model(num_layers), n_chunks * M
+    x = batch(2, n, seed)
+    other = x["neighbors"].clone()
+    other[:, j] = torch.randint(0, 150, (2, K, R), generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        a, b = model(x["tokens"][:, :-1], x["neighbors"]), model(x["tokens"][:, :-1], other)
+    first = (j + 1) * M - 1
+    diff = (a - b).abs().amax(dim=(0, 2))  # [n]
+    assert float(diff[:first].sum()) == 0.0, f"outputs before {first} changed: {diff}"
+    last = n if num_layers == 9 else min(n, first + M)
+    assert bool((diff[first:last] > 1e-8).all()), f"outputs {first}..{last - 1} did not all change: {diff}"
+    assert float(diff[last:].sum()) == 0.0 or num_layers == 9
+
+
+# --------------------------------------------------------------------------------------------- 2. closed gate
+@pytest.mark.parametrize("num_layers,rope", [(6, False), (9, True)])
+def test_closed_gate_equals_gpt(num_layers, rope):
+    cfg = dict(CFG, num_layers=num_layers)
+    if rope:
+        cfg.update(position_embedding_type="rope", normalization="RMSNorm", activation="silu", gated_linear_unit=True)
+    model = retro.Model(retro.Config(**cfg))
+    ref = gpt.Model(gpt.Config(**{k: v for k, v in cfg.items() if not k.startswith("retro")}))
+    x = batch(2, 12, 3)
+    logits = model(x["tokens"][:, :-1])  # neighbor_ids=None: the gate is closed
+    assert torch.equal(logits, ref(x["tokens"][:, :-1]))
+    assert not torch.allclose(model(x["tokens"][:, :-1], x["neighbors"]), logits)  # open, the neighbours matter
+
+
+# --------------------------------------------------------------------------------------------- 3. TP / SP / DP
+def _loss_fn(dp_rank, dp, global_tokens):
+    def f(model, mb):
+        rows = lambda t: t.chunk(dp)[dp_rank]  # noqa: E731
+        toks = rows(mb["tokens"])
+        return model(toks[:, :-1], rows(mb["neighbors"]), labels=toks[:, 1:]).sum() / global_tokens
+    return f
+
+
+def layout_case(rank, n, tp, sp, num_layers, b=4, s=8):
+    grid = P.Grid(tp=tp, dp=n // tp)
+    model = retro.Model(retro.Config(**dict(CFG, num_layers=num_layers), sequence_parallel=sp), grid)
+    rec = train_steps(model, grid, batch(b, s, 5), loss_fn=_loss_fn(grid.dp.rank, grid.dp_size, b * s))
+    rec["losses"] = P._all_reduce(rec["losses"], grid.dp)  # each DP rank summed its rows' share of the loss
+    return rec if rank == 0 else None
+
+
+@functools.cache
+def _reference(num_layers, b=4, s=8):
+    model = retro.Model(retro.Config(**dict(CFG, num_layers=num_layers)))
+    return train_steps(model, None, batch(b, s, 5), loss_fn=_loss_fn(0, 1, b * s))
+
+
+@pytest.mark.parametrize("tp,sp,num_layers", [(1, False, 6), (2, True, 6), (2, False, 9), (4, True, 9),
+                                              (4, False, 6)])
+def test_layouts_equal_single_process(pool, tp, sp, num_layers):
+    """One 4-rank world: tp x dp = 4. Loss, every gradient and every parameter after 2 AdamW steps."""
+    got = pool.run(layout_case, 4, tp=tp, sp=sp, num_layers=num_layers)[0]
+    err = assert_same(got, _reference(num_layers), 1e-10, f"tp={tp} dp={4 // tp} sp={sp} L={num_layers}")
+    print(f"retro tp={tp} dp={4 // tp} sp={sp} L={num_layers}: worst relative error {err:.1e}")
+
+
+def test_pipeline_parallelism_is_refused():
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        retro.Config(**CFG).check_layout(tp=1, pp=2)
+
+
+# --------------------------------------------------------------------------------------------- 4. retrieval
+def corpus(n_docs=12, length=40, vocab=150, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, length) for _ in range(n_docs)]
+
+
+@pytest.mark.parametrize("index", ["flat", "ivf"])
+def test_planted_duplicate_is_nearest_and_same_document_never(index, tmp_path):
+    docs = corpus()
+    docs[7][12:16] = docs[2][8:12]  # plant chunk 2 of document 2 as chunk 3 of document 7
+    emb = retro.BagOfTokensEmbedder(150, dim=64)
+    db = retro.build_database(docs, list(range(12)), M, emb, index=index, nlist=4, cache_dir=str(tmp_path),
+                              progress=False)
+    assert db.tokens.shape == (120, R)
+    queries, qdoc = db.tokens[:, :M], db.doc
+    ids, toks = retro.query_neighbors(db, queries, qdoc, K, emb)
+    assert ids.shape == (120, K) and toks.shape == (120, K, R)
+    assert (db.doc[ids] != qdoc[:, None]).all()  # never the query's own document (though its own chunk scores 1)
+    assert ids[2 * 10 + 2, 0] == 7 * 10 + 3 and ids[7 * 10 + 3, 0] == 2 * 10 + 2
+    np.testing.assert_array_equal(toks[2 * 10 + 2, 0], np.concatenate([docs[7][12:20]]))  # chunk + continuation
+    again = retro.build_database(docs, list(range(12)), M, emb, index=index, nlist=4, cache_dir=str(tmp_path),
+                                 progress=False)  # from the cache
+    assert len(list(tmp_path.iterdir())) == 1
+    np.testing.assert_array_equal(retro.query_neighbors(again, queries, qdoc, K, emb)[0], ids)

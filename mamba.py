@@ -38,6 +38,13 @@ import parallel as P
 SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}  # and "|": a pipeline-stage boundary. ("E" MoE: not yet.)
 
 
+# `make train MODEL=mamba` (train.py reads these as its flag defaults): a small hybrid, 3 Mamba + 1 attention +
+# 3 MLP layers, sized for a few minutes on 2 CPU cores.
+TRAIN_DEFAULTS = dict(hybrid_layer_pattern="M-M*-M-", num_layers=7, hidden_size=256, num_attention_heads=8,
+                      mamba_num_groups=1, mamba_head_dim=32, mamba_state_dim=32, mamba_chunk_size=64,
+                      position_embedding_type="none", normalization="RMSNorm")
+
+
 @dataclass
 class Config(gpt.Config):
     """gpt.Config plus Megatron's Mamba fields; defaults follow Megatron's MambaModel (no positions, RMSNorm)."""

@@ -142,6 +142,10 @@ def parse_args(argv):
     a("--eval-iters", type=int, default=10)
     a("--log-interval", type=int, default=10)
     a("--bert-no-binary-head", action="store_true", help="BERT: masked LM only, no sentence-order head")
+    # Mamba (mamba.py): the hybrid stack and the mixer's dimensions (Megatron's flag names)
+    a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
+    for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
+        a(f"--mamba-{name}", type=int, default=None)
     model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
     if Path(__file__).with_name(f"{model}.py").exists():
         p.set_defaults(**getattr(importlib.import_module(model), "TRAIN_DEFAULTS", {}))
@@ -382,13 +386,19 @@ def checkpoint_state(chunks, optimizer, mesh):
     copy of the tied embedding saves the same values under the same name: DCP keeps one)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    def view(t, p):
-        dim = p.partition_dim
-        if getattr(p, "partition_stride", 1) > 1:
-            t, dim = t.unflatten(dim, (p.partition_stride, -1)), dim + 1  # [.., stride, rows/stride, ..]
+    def as_dtensor(t, p, dim):
         if mesh is None or not getattr(p, "tensor_model_parallel", False):
             return t
         return DTensor.from_local(t, mesh, [Replicate(), Shard(dim)], run_check=False)
+
+    def view(t, p):
+        dim, stride = p.partition_dim, getattr(p, "partition_stride", 1)
+        if isinstance(stride, (list, tuple)):  # per-segment shards (Mamba's in_proj [z_r, x_r, B_r, C_r, dt_r]):
+            n = sum(stride) // t.shape[dim]  # one entry per segment, each a plain Shard (Megatron does the same)
+            return {f"segment{i}": as_dtensor(seg, p, dim) for i, seg in enumerate(t.split([k // n for k in stride], dim))}
+        if stride > 1:
+            t, dim = t.unflatten(dim, (stride, -1)), dim + 1  # [.., stride, rows/stride, ..]
+        return as_dtensor(t, p, dim)
 
     state = {"model": {}, "optimizer": {}}
     sharded = isinstance(optimizer, P.DistributedOptimizer)

@@ -9,7 +9,7 @@ parameter names (`decoder.layers.5.cross_attention.attn.linear_q`, `...cross_att
 Papers: Borgeaud et al. 2021 (Retro, arXiv:2112.04426); Wang et al. 2023 "Shall we pretrain autoregressive language
         models with retrieval?" (Megatron's Retro).
 
-Run:    make train MODEL=retro      (train.py hooks: not yet — see the README)
+Run:    make train MODEL=retro      (builds the chunk database beside the token cache on first use, then reuses it)
 
 Dimension glossary
   b batch   n sequence length   m chunk length (retro_chunk_length)   l = n/m chunks per sample
@@ -27,6 +27,7 @@ Differences from Megatron (each on purpose):
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import os
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class Config(gpt.Config):
         self.retro_retrieved_length = self.retro_num_retrieved_chunks * self.retro_chunk_length
         if self.num_layers < 6:
             raise ValueError(f"num_layers={self.num_layers}: Retro's first chunked cross-attention layer is layer 6")
+        r = self.retro_retrieved_length
+        if self.position_embedding_type == "learned_absolute" and r > self.max_position_embeddings:
+            raise ValueError(f"retrieved length r={r} > max_position_embeddings={self.max_position_embeddings}")
 
     @property
     def retro_layer_numbers(self) -> list[int]:  # 1-based, as decoder_spec.py
@@ -223,9 +227,6 @@ class Model(gpt.Model):
         return self.postprocess(self.decoder.final_layernorm(x), labels)
 
 
-def loss_func(model: Model, mb: dict):
-    """Σ next-token losses of a micro-batch {"tokens": [b, n+1], "neighbors": [b, l, k, r]} (train.py divides)."""
-    return model(mb["tokens"][:, :-1], mb["neighbors"], labels=mb["tokens"][:, 1:]).sum()
 
 
 # ---------------------------------------------------------------------------------------------- the database
@@ -299,15 +300,16 @@ def build_database(token_arrays, doc_ids, m: int, embedder, r: int | None = None
 
 
 def query_neighbors(db: Database, chunks: np.ndarray, chunk_doc: np.ndarray, k: int, embedder):
-    """For query chunks [Q, m] from documents chunk_doc [Q]: the k nearest database chunks of other documents.
-    Returns (ids [Q, k], their tokens [Q, k, r]). Searches 2k, 4k, ... candidates until k survive the filter."""
+    """For query chunks [Q, m] from documents chunk_doc [Q] (or [Q, 2]: a chunk straddling two documents excludes
+    both): the k nearest database chunks of other documents. Returns (ids [Q, k], their tokens [Q, k, r]).
+    Searches 2k, 4k, ... candidates until k survive the filter."""
     q = embedder(np.asarray(chunks)).astype(np.float32)
-    chunk_doc = np.asarray(chunk_doc)
+    chunk_doc = np.asarray(chunk_doc).reshape(len(q), -1)  # [Q, 1 | 2]
     want = 2 * k
     while True:
         want = min(want, db.index.ntotal)
         _, ids = db.index.search(q, want)  # [Q, want], best first; -1 where an IVF probe found too few
-        ok = (ids >= 0) & (db.doc[np.maximum(ids, 0)] != chunk_doc[:, None])
+        ok = (ids >= 0) & (db.doc[np.maximum(ids, 0)][:, :, None] != chunk_doc[:, None, :]).all(-1)
         if (ok.sum(1) >= k).all() or want == db.index.ntotal:
             break
         want *= 2
@@ -316,3 +318,80 @@ def query_neighbors(db: Database, chunks: np.ndarray, chunk_doc: np.ndarray, k: 
     order = np.argsort(~ok, axis=1, kind="stable")[:, :k]  # the first k allowed, in rank order
     out = np.take_along_axis(ids, order, axis=1)
     return out, db.tokens[out]
+
+
+# ---------------------------------------------------------------------------------------------- train.py hooks
+TRAIN_DEFAULTS = dict(num_layers=6)  # the first CCA layer is layer 6
+
+
+class RetroDataset:
+    """GPT samples (data.GPTDataset) with the neighbours of their chunks: sample = [tokens (n + 1) | neighbours
+    (l·k·r)] flat, so train.py's batches stay one LongTensor. Samples start at multiples of n, so with n % m == 0
+    their chunks are chunks of the token stream, whose neighbours are queried once (cached) from the database of
+    the *training* documents; a stream chunk straddling two documents excludes both."""
+
+    def __init__(self, source, doc_ids, args, tok, seed):
+        from tqdm import tqdm
+
+        import data
+
+        m, k = args.retro_chunk_length or 64, args.retro_num_neighbors or 2
+        n, self.k, self.m = args.seq_length, k, m
+        if n % m:
+            raise data.DataError(f"--seq-length={n} is not a multiple of --retro-chunk-length={m}")
+        self.gpt = data.GPTDataset(source, doc_ids, n, seed)
+        train_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)[0]
+        self.embedder = BagOfTokensEmbedder(tok.get_vocab_size())
+        try:
+            pad = data.special_ids(tok)["eod"]  # continuations past a document's end are padded with eod
+        except data.DataError:
+            pad = 0
+        lock = open(os.path.join(args.data_cache_dir, ".retro-lock"), "w")  # one rank builds, the others read
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        self.db = build_database([np.asarray(source[d]) for d in train_ids], list(train_ids), m, self.embedder,
+                                 pad_id=pad, cache_dir=args.data_cache_dir)
+        lengths = [len(source[int(d)]) for d in doc_ids]
+        token_doc = np.repeat(np.asarray(doc_ids, dtype=np.int64), lengths)  # the document of each stream token
+        C = len(self.gpt.tokens) // m
+        key = hashlib.sha256(self.gpt.tokens[: C * m].tobytes() + token_doc.tobytes() + repr(
+            (self.db.tokens.shape, int(self.db.tokens.sum()), k, self.embedder.name)).encode()).hexdigest()[:16]
+        path = os.path.join(args.data_cache_dir, f"retro-neighbors-{key}.npy")
+        if os.path.exists(path):
+            self.neighbors = np.load(path)
+        else:
+            chunks = self.gpt.tokens[: C * m].reshape(C, m)
+            docs = np.stack([token_doc[: C * m: m], token_doc[m - 1: C * m: m]], 1)  # first and last token's doc
+            self.neighbors = np.concatenate([query_neighbors(self.db, chunks[i: i + 4096], docs[i: i + 4096], k,
+                                                             self.embedder)[0]
+                                             for i in tqdm(range(0, C, 4096), desc="retro: querying neighbours")])
+            np.save(path, self.neighbors)  # [C, k] database chunk ids
+        lock.close()
+
+    def __len__(self):
+        return len(self.gpt)
+
+    def __getitem__(self, i):
+        tokens = self.gpt[i]
+        epoch, j = divmod(int(i), len(self.gpt))
+        first = int(self.gpt._order(epoch)[j]) * self.gpt.seq_length // self.m  # the sample's first stream chunk
+        l = self.gpt.seq_length // self.m  # noqa: E741
+        nbr = self.db.tokens[self.neighbors[first: first + l]]  # [l, k, r]
+        return np.concatenate([tokens, nbr.reshape(-1)])
+
+
+def dataset(source, doc_ids, args, tok, seed) -> RetroDataset:
+    return RetroDataset(source, doc_ids, args, tok, seed)
+
+
+def unpack(model: Model, mb):
+    """A flat micro-batch [b, n + 1 + l·k·r] -> (tokens [b, n + 1], neighbor_ids [b, l, k, r])."""
+    c = model.config
+    m, k, r = c.retro_chunk_length, c.retro_num_neighbors, c.retro_retrieved_length
+    n = (mb.shape[1] - 1) * m // (m + k * r)
+    return mb[:, : n + 1], rearrange(mb[:, n + 1:], "b (l k r) -> b l k r", k=k, r=r)
+
+
+def loss_func(model: Model, mb):
+    """The SUM of the micro-batch's next-token losses (train.py divides by the global token count)."""
+    tokens, neighbors = unpack(model, mb)
+    return model(tokens[:, :-1], neighbors, labels=tokens[:, 1:]).float().sum()

@@ -142,6 +142,9 @@ def parse_args(argv):
     a("--eval-iters", type=int, default=10)
     a("--log-interval", type=int, default=10)
     a("--bert-no-binary-head", action="store_true", help="BERT: masked LM only, no sentence-order head")
+    a("--retro-chunk-length", type=int, default=None, help="Retro: chunk length m (default 64)")
+    a("--retro-num-neighbors", type=int, default=None, help="Retro: neighbours k per chunk (default 2)")
+    a("--retro-encoder-num-layers", type=int, default=None, help="Retro: neighbour encoder layers (default 2)")
     # Mamba (mamba.py): the hybrid stack and the mixer's dimensions (Megatron's flag names)
     a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
     for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):

@@ -12,8 +12,10 @@ ARGS    ?=
 MINUTES ?= 8
 PROMPT  ?= def
 RUN     ?= runs/$(MODEL)
-# No NVIDIA driver: take torch's CPU wheel (PyPI's Linux torch pulls several GB of CUDA libraries).
-TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+# torch is pinned (2.13.0) in requirements.txt and comes from the package index pip is configured with. On a CPU-only
+# machine that has no local CPU wheel, PyPI's Linux torch pulls several GB of CUDA libraries: point TORCH_INDEX at
+# PyTorch's CPU wheel index to avoid that (opt-in; off by default so setup only ever talks to the configured index).
+TORCH_INDEX ?=
 LAUNCH  := $(if $(filter 1,$(NPROC)),$(PY),OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 
 .PHONY: setup test lint train sample bench clean

@@ -261,7 +261,8 @@ def _missing_model():
     ("bad_idx", "bad magic"),
     ("tokenizer", "more than the model's --vocab-size=384"),
     ("gbs", "--global-batch-size=10 is not divisible by --micro-batch-size x data-parallel size = 4 x 1"),
-    ("pp", "pipeline parallelism not available yet"),
+    ("pp", "world size 1 is not divisible by tensor x pipeline parallel size 1 x 2"),
+    ("vp", "--num-layers-per-virtual-pipeline-stage=1 needs pipeline parallelism"),
     ("heads", "num_attention_heads=4 is not divisible by tensor-model-parallel size 3"),
     ("model", "not available yet"),
     ("precision", "--bf16 and --fp16 are exclusive"),
@@ -272,6 +273,7 @@ def test_bad_input_gives_one_clear_error(corpus, cache, tmp_path, capsys, case, 
              if case == "empty" else [], "bad_idx": ["--data-path", str(_bad_idx(tmp_path))] if case == "bad_idx" else [],
              "tokenizer": _big_tokenizer(tmp_path, corpus) if case == "tokenizer" else [],
              "gbs": ["--global-batch-size", "10", "--micro-batch-size", "4"], "pp": ["--pipeline-model-parallel-size", "2"],
+             "vp": ["--num-layers-per-virtual-pipeline-stage", "1"],
              "heads": ["--tensor-model-parallel-size", "3"], "model": ["--model", _missing_model()] if case == "model" else [],
              "precision": ["--bf16", "--fp16"]}[case]
     if case == "heads":

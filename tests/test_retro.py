@@ -7,10 +7,12 @@ encoder) or 9 (CCA layers 6 and 9), h 32, float64. Tolerance for the layouts: 1e
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from einops import rearrange
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -81,10 +83,16 @@ def _loss_fn(dp_rank, dp, global_tokens):
     return f
 
 
-def layout_case(rank, n, tp, sp, num_layers, b=4, s=8):
+def layout_case(rank, n, tp, sp, num_layers, b=4, s=8, break_sp=False):
     grid = P.Grid(tp=tp, dp=n // tp)
-    model = retro.Model(retro.Config(**dict(CFG, num_layers=num_layers), sequence_parallel=sp), grid)
-    rec = train_steps(model, grid, batch(b, s, 5), loss_fn=_loss_fn(grid.dp.rank, grid.dp_size, b * s))
+    gather = P.gather_from_sp
+    if break_sp:  # negative control: the CCA's sequence all-gather reduce-scatters its grad (counts it tp times)
+        P.gather_from_sp = lambda x, g, tp_output_grad=True: gather(x, g, True)
+    try:
+        model = retro.Model(retro.Config(**dict(CFG, num_layers=num_layers), sequence_parallel=sp), grid)
+        rec = train_steps(model, grid, batch(b, s, 5), loss_fn=_loss_fn(grid.dp.rank, grid.dp_size, b * s))
+    finally:
+        P.gather_from_sp = gather
     rec["losses"] = P._all_reduce(rec["losses"], grid.dp)  # each DP rank summed its rows' share of the loss
     return rec if rank == 0 else None
 
@@ -102,6 +110,21 @@ def test_layouts_equal_single_process(pool, tp, sp, num_layers):
     got = pool.run(layout_case, 4, tp=tp, sp=sp, num_layers=num_layers)[0]
     err = assert_same(got, _reference(num_layers), 1e-10, f"tp={tp} dp={4 // tp} sp={sp} L={num_layers}")
     print(f"retro tp={tp} dp={4 // tp} sp={sp} L={num_layers}: worst relative error {err:.1e}")
+
+
+def test_negative_control_wrong_sp_gather_fails(pool):
+    got = pool.run(layout_case, 4, tp=2, sp=True, num_layers=6, break_sp=True)[0]
+    with pytest.raises(AssertionError, match="pre_cross_attn_layernorm"):
+        assert_same(got, _reference(6), 1e-10, "broken SP gather")
+
+
+def test_megatron_plain_reshape_would_mix_chunks():
+    """Why we rearrange instead of Megatron's reshape [r, (b·l·k), h] -> [r·k, b·l, h]: label each encoded
+    neighbour token with its chunk; after the plain reshape chunk 0 would attend to chunk 1's neighbours."""
+    r, bl, k = R, 3, K
+    label = torch.arange(bl).repeat_interleave(k).expand(r, bl * k)  # [r, (bl k)]: the chunk of each token
+    assert (label.reshape(r * k, bl)[:, 0] != 0).any()  # Megatron's
+    assert (rearrange(label, "r (bl k) -> (k r) bl", k=k) == torch.arange(bl)).all()  # ours
 
 
 def test_pipeline_parallelism_is_refused():
@@ -133,3 +156,39 @@ def test_planted_duplicate_is_nearest_and_same_document_never(index, tmp_path):
                                  progress=False)  # from the cache
     assert len(list(tmp_path.iterdir())) == 1
     np.testing.assert_array_equal(retro.query_neighbors(again, queries, qdoc, K, emb)[0], ids)
+
+
+# --------------------------------------------------------------------------------------------- 5. train.py hooks
+class _Tok:  # the tokenizer surface the hooks use (no special tokens: continuations are padded with 0)
+    def get_vocab_size(self):
+        return 150
+
+    def token_to_id(self, t):
+        return None
+
+
+def test_train_hooks_samples_carry_other_document_neighbours(tmp_path):
+    import data
+
+    docs = corpus(n_docs=12, length=41)
+    args = SimpleNamespace(retro_chunk_length=M, retro_num_neighbors=K, seq_length=8, valid_fraction=0.2, seed=1,
+                           data_cache_dir=str(tmp_path))
+    train_ids, valid_ids = data.split_documents(len(docs), args.valid_fraction, seed=args.seed)
+    ds = retro.dataset(docs, train_ids, args, _Tok(), 1)
+    valid = retro.dataset(docs, valid_ids, args, _Tok(), 2)  # neighbours from the training database (cached)
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1
+    assert set(ds.db.doc) == set(train_ids.tolist())
+    token_doc = np.repeat(train_ids, [len(docs[d]) for d in train_ids])
+    C = len(ds.neighbors)
+    assert (ds.db.doc[ds.neighbors] != token_doc[: C * M: M, None]).all()  # not the chunk's first token's document
+    assert (ds.db.doc[ds.neighbors] != token_doc[M - 1: C * M: M, None]).all()  # nor its last's
+    model = retro.Model(retro.Config(**CFG))
+    mb = torch.from_numpy(np.stack([ds[0], ds[5], valid[1]]))
+    assert mb.shape == (3, 9 + 2 * K * R)
+    tokens, nbrs = retro.unpack(model, mb)
+    assert torch.equal(tokens[0], torch.from_numpy(ds.gpt[0])) and nbrs.shape == (3, 2, K, R)
+    start = int(ds.gpt._order(0)[5]) * 8  # sample 5's place in the token stream: its two chunks, queried afresh
+    qdoc = np.stack([token_doc[start: start + 8: M], token_doc[start + M - 1: start + 8: M]], 1)
+    _, toks = retro.query_neighbors(ds.db, ds.gpt.tokens[start: start + 8].reshape(2, M), qdoc, K, ds.embedder)
+    assert torch.equal(nbrs[1], torch.from_numpy(toks))
+    assert torch.isfinite(retro.loss_func(model, mb))

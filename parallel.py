@@ -371,11 +371,12 @@ class ColumnParallelLinear(nn.Module):
             self.weight = mark(nn.Parameter(torch.empty(out_features // n, in_features, dtype=dtype)),
                                ("normal", std), partition_dim=0, stride=stride)
         self.bias = mark(nn.Parameter(torch.empty(out_features // n, dtype=dtype)), ("zeros",), 0, stride) if bias else None
+        self.fp8 = None  # FP8 (section 11): fp8_enable sets the layer's scaling state
 
     def forward(self, x, weight=None):  # x [s(/tp), b, in] -> [s, b, out/tp]
         w = weight if weight is not None else self.weight
         x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        y = F.linear(x, w, self.bias)  # [s, b, out/tp]
+        y = F.linear(x, w, self.bias) if self.fp8 is None else fp8_linear(x, w, self.bias, self.fp8)  # [s, b, out/tp]
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -391,9 +392,10 @@ class RowParallelLinear(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // n, dtype=dtype)), ("normal", std), 1)
         self.bias = mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), ("zeros",),
                          sequence_parallel=sequence_parallel) if bias else None
+        self.fp8 = None  # FP8 (section 11)
 
     def forward(self, x):  # x [s, b, in/tp] -> [s(/tp), b, out]
-        y = F.linear(x, self.weight)  # partial sums [s, b, out]
+        y = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, None, self.fp8)  # partial sums
         y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y + self.bias if self.bias is not None else y
 
@@ -1308,3 +1310,203 @@ def moe_load(model, reset: bool = True) -> torch.Tensor | None:
         for m in layers:
             m.tokens_per_expert = torch.zeros(m.E)
     return out
+
+
+# ============================================================================================================
+# 11. FP8 — mirrors megatron/core/fp8_utils.py and Transformer Engine's transformer_engine/pytorch/fp8.py
+#     (DelayedScaling, Float8CurrentScaling; FP8GlobalStateManager's amax reduction) and te.pytorch.Linear.
+#     Paper: Micikevicius et al. 2022, "FP8 Formats for Deep Learning".
+#
+#  Formats: e4m3 (3 mantissa bits, max 448: values) and e5m2 (2 mantissa bits, max 57344: range, for gradients).
+#     "e4m3"  : inputs, weights and output gradients all e4m3      "hybrid": e4m3 forward, e5m2 gradients
+#  A tensor t is sent to FP8 as  q = fp8(t · scale)  and the GEMM undoes the scales:  Y = (1/sx · 1/sw) · Xq·Wqᵀ.
+#  `torch._scaled_mm(a, b, scale_a, scale_b)` takes the DEQUANTIZATION scales (1/scale) and computes
+#  scale_a·scale_b·(a @ b) with the products accumulated in fp32 — the real FP8 GEMM on Hopper and on CPU.
+#
+#     forward   Y  [M, n] = Xq [M, k] · Wqᵀ [k, n]       Xq, Wq e4m3
+#     backward  dX [M, k] = dYq [M, n] · Wq  [n, k]      dYq e4m3 or e5m2 (hybrid)
+#               dW [n, k] = dYqᵀ [n, M] · Xq [M, k]      (master weights and their grads stay fp32 / bf16)
+#  Scale recipes (scale = (fp8_max / amax) / 2^margin; amax = max |t|):
+#     tensorwise ("current") : amax of the tensor being cast, now.
+#     delayed                : the scale computed after the previous step from a history of the last L amaxes
+#                              (max over the history, or the most recent one); this step's amax is recorded
+#                              into history[0]. Cheap (no reduction on the critical path), but one step late.
+#  Every scale's amax is reduced (MAX) over the TP and DP groups, so every rank casts with the scale the single
+#  process would use on the full tensor: a weight shard's amax becomes the full weight's, an input shard's the
+#  full input's. Given equal scales the casts are bit-equal, so FP8 under TP/SP/DP equals FP8 on one process.
+#  The output layer (logits) stays in high precision, as in Megatron + TE.
+# ============================================================================================================
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+class FP8Recipe:
+    """Megatron's --fp8-format / --fp8-recipe / --fp8-margin / --fp8-amax-history-len / --fp8-amax-compute-algo."""
+
+    def __init__(self, format: str = "hybrid", recipe: str = "delayed", margin: int = 0,
+                 amax_history_len: int = 1024, amax_compute_algo: str = "max"):
+        for name, v, ok in [("format", format, ("e4m3", "hybrid")), ("recipe", recipe, ("delayed", "tensorwise")),
+                            ("amax_compute_algo", amax_compute_algo, ("max", "most_recent"))]:
+            if v not in ok:
+                raise ValueError(f"FP8Recipe: {name}={v!r} must be one of {ok}")
+        if amax_history_len < 1:
+            raise ValueError(f"FP8Recipe: amax_history_len={amax_history_len} must be >= 1")
+        self.format, self.recipe, self.margin = format, recipe, margin
+        self.amax_history_len, self.amax_compute_algo = amax_history_len, amax_compute_algo
+
+    def dtype(self, role: str) -> torch.dtype:  # role: "input" | "weight" | "grad_output"
+        return FP8_DTYPES["e5m2" if self.format == "hybrid" and role == "grad_output" else "e4m3"]
+
+
+class FP8TensorMeta:
+    """One tensor slot's scaling state (TE's FP8TensorMeta for one index): amax history [L] and scale."""
+
+    def __init__(self, recipe: FP8Recipe, role: str, groups: tuple):
+        self.recipe, self.dtype, self.groups = recipe, recipe.dtype(role), groups
+        self.fp8_max = torch.finfo(self.dtype).max
+        self.amax_history = torch.zeros(recipe.amax_history_len)  # [L]; [0] = this step's (local until update)
+        self.scale = torch.ones(())
+
+    def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:  # TE's _default_sf_compute
+        sf = (self.fp8_max / amax) / 2.0 ** self.recipe.margin
+        return torch.where((amax > 0) & torch.isfinite(amax), sf, self.scale)  # keep the old scale on 0 / inf
+
+    def quantize(self, t: torch.Tensor, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """t (any shape) -> (fp8 tensor, the float32 scale it was cast with)."""
+        if self.scale.device != t.device:  # state lives where the tensors do (NCCL reduces CUDA tensors)
+            self.amax_history, self.scale = self.amax_history.to(t.device), self.scale.to(t.device)
+        amax = t.detach().abs().max().float()
+        if self.recipe.recipe == "tensorwise":
+            scale = self.scale = self.compute_scale(_reduce_max(amax, self.groups))  # kept: the last one used
+        else:
+            scale = self.scale
+            if record:  # eval forwards (no grad) leave the history alone
+                self.amax_history[0] = torch.maximum(self.amax_history[0], amax)  # max over micro-batches
+        q = (t.float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.dtype)
+        return q, scale
+
+
+def _reduce_max(t: torch.Tensor, groups: tuple) -> torch.Tensor:
+    for g in groups:  # TP, then DP(×CP): the max over the whole TP × DP plane
+        if g is not None and g.size > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.pg)
+    return t
+
+
+def _scaled_mm(a, b, sa, sb, out_dtype):  # a [M, k] row-major · b [k, n] column-major -> [M, n]
+    """torch._scaled_mm with the layouts it needs: a row-major, b column-major (also what cuBLASLt wants)."""
+    if a.is_cuda and any(d % 16 for d in (*a.shape, b.shape[1])):
+        raise ValueError(f"FP8 GEMM on CUDA needs every dimension a multiple of 16: got [{a.shape[0]}, "
+                         f"{a.shape[1]}] x [{b.shape[0]}, {b.shape[1]}] (pad the batch x sequence or the hidden size)")
+    dev = a.device
+    return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=(1.0 / sa).to(dev),
+                            scale_b=(1.0 / sb).to(dev), out_dtype=out_dtype)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, meta):  # x [M, k], w [n, k] -> [M, n]
+        record = torch.is_grad_enabled() or meta.calibrating
+        xq, sx = meta.input.quantize(x, record)
+        wq, sw = meta.weight.quantize(w, record)
+        ctx.save_for_backward(xq, wq, sx, sw)  # the FP8 copies are what backward needs (¼ of fp32's memory)
+        ctx.meta, ctx.x_dtype, ctx.w_dtype = meta, x.dtype, w.dtype
+        return _scaled_mm(xq, wq.t(), sx, sw, x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy [M, n]
+        xq, wq, sx, sw = ctx.saved_tensors
+        gq, sg = ctx.meta.grad_output.quantize(dy)
+        dx = _scaled_mm(gq, wq, sg, sw, ctx.x_dtype) if ctx.needs_input_grad[0] else None  # [M, k]
+        dw = _scaled_mm(gq.t(), xq, sg, sx, ctx.w_dtype) if ctx.needs_input_grad[1] else None  # [n, k]
+        return dx, dw, None
+
+
+class FP8LinearMeta:
+    """The three scaled tensors of one linear layer: its input, its weight and its output gradient."""
+
+    def __init__(self, recipe: FP8Recipe, groups: tuple):
+        self.input, self.weight, self.grad_output = (FP8TensorMeta(recipe, r, groups)
+                                                     for r in ("input", "weight", "grad_output"))
+        self.calibrating = False
+
+    def tensors(self):
+        return [self.input, self.weight, self.grad_output]
+
+
+def fp8_linear(x, w, bias, meta: FP8LinearMeta):  # x [..., k], w [n, k] -> [..., n]
+    if isinstance(meta, _TELinear):
+        return meta(x, w, bias)
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), w, meta).view(*x.shape[:-1], w.shape[0])
+    return y + bias if bias is not None else y
+
+
+class FP8State:
+    """Every FP8 linear of a model (or pipeline chunk); `update()` after each optimizer step runs the delayed
+    recipe: one all-reduce MAX of all this step's amaxes over TP and DP (TE's reduce_and_update_fp8_tensors),
+    then per tensor amax = max(history) or history[0], scale = (fp8_max / amax) / 2^margin, history rolls."""
+
+    def __init__(self, recipe: FP8Recipe, metas: list):
+        self.recipe, self.metas = recipe, metas
+
+    def tensors(self) -> list[FP8TensorMeta]:
+        return [t for m in self.metas if isinstance(m, FP8LinearMeta) for t in m.tensors()]
+
+    def update(self):
+        ts = self.tensors()
+        if self.recipe.recipe != "delayed" or not ts:
+            return
+        current = _reduce_max(torch.stack([t.amax_history[0] for t in ts]), ts[0].groups)  # one collective
+        for t, a in zip(ts, current):
+            t.amax_history[0] = a
+            amax = t.amax_history.max() if self.recipe.amax_compute_algo == "max" else t.amax_history[0]
+            t.scale = t.compute_scale(amax)
+            t.amax_history = torch.roll(t.amax_history, 1)  # history[i] = the amax of i + 1 steps ago ...
+            t.amax_history[0] = 0.0  # ... and [0] collects the next step's
+
+
+def fp8_enable(model: nn.Module, recipe: FP8Recipe, grid: Grid | None = None, impl: str = "local") -> FP8State:
+    """Route every Column/RowParallelLinear of `model` (except the output layer) through the FP8 GEMM.
+    impl "transformer_engine": TE's Linear and fp8_autocast instead (needs CUDA and transformer_engine)."""
+    if impl not in ("local", "transformer_engine"):
+        raise ValueError(f"fp8_enable: impl={impl!r} must be 'local' or 'transformer_engine'")
+    if impl == "transformer_engine":
+        import importlib.util
+        if not (torch.cuda.is_available() and importlib.util.find_spec("transformer_engine")):
+            raise RuntimeError("--transformer-impl transformer_engine needs a CUDA GPU and the transformer_engine "
+                               f"package (cuda available: {torch.cuda.is_available()}, transformer_engine installed: "
+                               f"{importlib.util.find_spec('transformer_engine') is not None}); use --transformer-impl "
+                               "local for the plain-PyTorch FP8 path")
+    groups = (grid.tp, grid.dp_cp) if grid is not None else ()
+    metas = []
+    for name, m in model.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None \
+                and not name.endswith("output_layer"):
+            m.fp8 = FP8LinearMeta(recipe, groups) if impl == "local" else _TELinear(m, recipe, grid)
+            metas.append(m.fp8)
+    return FP8State(recipe, metas)
+
+
+class _TELinear:
+    """te.pytorch.Linear (no TE parallelism: our mappings communicate) on our weight shard, under fp8_autocast."""
+
+    def __init__(self, layer: nn.Module, recipe: FP8Recipe, grid: Grid | None):
+        import transformer_engine.common.recipe as te_recipe
+        import transformer_engine.pytorch as te
+        self.te, w = te, layer.weight
+        if grid is not None and grid.pp_size > 1:
+            raise NotImplementedError("TE FP8 backend: the amax reduction group assumes pp = 1")
+        self.group = dist.group.WORLD if dist.is_initialized() else None  # pp = 1: the world is TP x DP
+        fmt = te_recipe.Format.HYBRID if recipe.format == "hybrid" else te_recipe.Format.E4M3
+        self.recipe = (te_recipe.DelayedScaling(fp8_format=fmt, margin=recipe.margin,
+                                                amax_history_len=recipe.amax_history_len,
+                                                amax_compute_algo=recipe.amax_compute_algo)
+                       if recipe.recipe == "delayed" else te_recipe.Float8CurrentScaling(fp8_format=fmt))
+        lin = te.Linear(w.shape[1], w.shape[0], bias=False, params_dtype=w.dtype, device=w.device)
+        lin.weight = w  # TE computes with our master weight (same Parameter: the optimizer, checkpoints see it)
+        self.lin = lin  # a plain attribute, not a submodule: the weight must not appear twice in the model
+
+    def __call__(self, x, w, bias):
+        with self.te.fp8_autocast(enabled=True, fp8_recipe=self.recipe, fp8_group=self.group):
+            y = self.lin(x)
+        return y + bias if bias is not None else y

@@ -1461,7 +1461,8 @@ class FP8State:
             t.amax_history[0] = a
             amax = t.amax_history.max() if self.recipe.amax_compute_algo == "max" else t.amax_history[0]
             t.scale = t.compute_scale(amax)
-            t.amax_history = torch.roll(t.amax_history, 1)  # history[i] = the amax of i + 1 steps ago ...
+            t.amax_history = torch.roll(t.amax_history, 1)  # history[i] = the amax of i + 1 steps ago (TE rolls by −1:
+            # the same window in another order) ...
             t.amax_history[0] = 0.0  # ... and [0] collects the next step's
 
 

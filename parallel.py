@@ -1,19 +1,27 @@
 """parallel.py — every way mini-megatron splits a model across processes, in one file, one fenced section each.
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
-layers, cross-entropy, random), and the sequence-parallel parts of `megatron/core/transformer/`.
+layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
+`transformer/moe/` and `fp8_utils.py`.
 Papers: Shoeybi et al. 2019, "Megatron-LM" (tensor parallelism, the f and g operators);
-        Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence parallelism).
+        Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence parallelism);
+        Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters" (1F1B, interleaving);
+        Rajbhandari et al. 2020, "ZeRO"; Fedus et al. 2021, "Switch Transformers"; Micikevicius et al. 2022, "FP8".
 
-Run its tests:  make test   (or: .venv/bin/python -m pytest -q tests/test_tensor_parallel.py)
+Run its tests:  make test   (or: .venv/bin/python -m pytest -q tests/test_tensor_parallel.py tests/test_pipeline.py ...)
 
 Sections
-  1. Grid                 — the process grid (tp, cp, dp, pp), TP innermost.            ~ parallel_state.py
-  2. Mappings             — f, g, scatter/gather, the sequence-parallel trio.           ~ tensor_parallel/mappings.py
+  1. Grid                 — the process grid (tp, cp, dp, pp; ep carved from dp), TP innermost.  ~ parallel_state.py
+  2. Mappings             — f, g, scatter/gather, the sequence-parallel trio (ḡ).      ~ tensor_parallel/mappings.py
   3. Initialization       — full master weights from the seed, sliced per rank.         ~ tensor_parallel/layers.py
   4. Tensor-parallel layers and vocab-parallel cross-entropy.                            ~ layers.py, cross_entropy.py
   5. RNG tracker and dropout.                                                             ~ tensor_parallel/random.py
-  6. Gradient finalization (sequence-parallel LayerNorm grads) and shard gathering.      ~ distributed/finalize_model_grads.py
+  6. Gradient finalization (SP norm grads, tied embeddings, plain DP) and shard gathering. ~ finalize_model_grads.py
+  7. Schedules: no pipelining (gradient accumulation).                                   ~ pipeline_parallel/schedules.py
+  8. Pipeline parallelism: stages, 1F1B, interleaved 1F1B, the p2p executor.             ~ schedules.py, p2p_communication.py
+  9. Data parallelism: bucketed overlapped reduction, the distributed optimizer.         ~ distributed/, distrib_optimizer.py
+ 10. Mixture of Experts: router, dispatchers, grouped experts.                           ~ transformer/moe/
+ 11. FP8: scaling recipes and the FP8 linear.                                            ~ fp8_utils.py, TE fp8.py
 
 Dimension glossary (used in every shape comment of the project)
   b  micro-batch size          s  sequence length (s/tp under sequence parallelism)

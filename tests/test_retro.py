@@ -103,8 +103,7 @@ def _reference(num_layers, b=4, s=8):
     return train_steps(model, None, batch(b, s, 5), loss_fn=_loss_fn(0, 1, b * s))
 
 
-@pytest.mark.parametrize("tp,sp,num_layers", [(1, False, 6), (2, True, 6), (2, False, 9), (4, True, 9),
-                                              (4, False, 6)])
+@pytest.mark.parametrize("tp,sp,num_layers", [(1, False, 6), (2, True, 6), (2, False, 9), (4, True, 9)])
 def test_layouts_equal_single_process(pool, tp, sp, num_layers):
     """One 4-rank world: tp x dp = 4. Loss, every gradient and every parameter after 2 AdamW steps."""
     got = pool.run(layout_case, 4, tp=tp, sp=sp, num_layers=num_layers)[0]

@@ -23,6 +23,8 @@ Differences from Megatron (each on purpose):
   - Under sequence parallelism the chunked cross-attention gathers the whole sequence, works on replicated
     activations (TP still splits heads) and scatters the result back; the neighbour encoder runs without SP.
   - `neighbor_ids=None` closes the gate: every Retro layer then acts as the plain GPT layer (Megatron has no gate).
+  - n must be a multiple of m (Megatron also zero-pads a partial first chunk); the embedder is a deterministic
+    bag-of-tokens projection, not Megatron's BERT (bert.py's encoder can replace it: any chunks [N, m] -> [N, D]).
 """
 from __future__ import annotations
 

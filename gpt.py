@@ -378,6 +378,18 @@ def _replace(c, **kw):
     return dataclasses.replace(c, **kw)
 
 
+def sample_next(logits, temperature: float, top_k: int | None):
+    """The next token [b, 1] from the last position's logits [b, V]: greedy at temperature 0, else top-k sampling."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1)
+
+
 @torch.no_grad()
 def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, eod: int | None = None) -> torch.Tensor:
@@ -386,15 +398,7 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
     model.eval()
     window = model.config.max_position_embeddings
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -window:])[:, -1, :].float()  # [b, V]
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1)  # [b, 1]
+        nxt = sample_next(model(ids[:, -window:])[:, -1, :], temperature, top_k)  # [b, 1]
         ids = torch.cat([ids, nxt], dim=1)
         if eod is not None and bool((nxt == eod).all()):
             break

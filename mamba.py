@@ -393,15 +393,7 @@ def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, t
     for t in range(ids.shape[1] - 1):  # the prompt, position by position (states only)
         model.step(ids[:, t], cache)
     for _ in range(max_new_tokens):
-        logits = model.step(ids[:, -1], cache).float()  # [b, V]
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1)  # [b, 1]
+        nxt = gpt.sample_next(model.step(ids[:, -1], cache), temperature, top_k)  # [b, 1]
         ids = torch.cat([ids, nxt], dim=1)
         if eod is not None and bool((nxt == eod).all()):
             break

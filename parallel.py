@@ -913,8 +913,9 @@ class DDP:
             sp = [p for b in self.buckets for p in b.params if getattr(p, "sequence_parallel", False)]
             _sum_main_grads(sp, self.grid.tp)
         for b in self.buckets:
-            for p in b.params:
-                p.grad = p.main_grad  # plain DP: the whole grad; distributed optimizer: valid on the own slice only
+            for p in b.params:  # plain DP: the whole grad; distributed optimizer: valid on the own slice only
+                if p.main_grad.dtype == p.dtype:  # (bf16/fp16 params keep their fp32 grads in the buffer only)
+                    p.grad = p.main_grad
 
     def owned(self, b: _Bucket) -> slice:
         """The slice of the flat buffers this DP rank steps (the whole bucket without the distributed optimizer)."""

@@ -274,6 +274,18 @@ def random_spans_noise_mask(length: int, rng: np.random.Generator, noise_density
     return np.repeat(np.tile([False, True], num_spans), runs)
 
 
+def sample_text(model: Model, tok, prompt: str, max_new_tokens: int) -> str:
+    """`train.py sample` for T5: the prompt, then one masked span (<extra_id_0>), then more of it if the prompt holds
+    "<extra_id_0>" itself; greedy-decode what the sentinels hide. Returns the prompt with the decoded spans shown."""
+    import data
+    sp = data.special_ids(tok)
+    ids = tok.encode(prompt).ids
+    if sp["sentinels"][0] not in ids:
+        ids = ids + [sp["sentinels"][0]]
+    out = generate(model, torch.tensor([ids + [sp["eod"]]]), max_new_tokens, bos=sp["cls"], eos=sp["eod"])
+    return f"{prompt}\n--- decoded spans ---\n{tok.decode(out[0].tolist(), skip_special_tokens=False)}"
+
+
 def span_corruption(tokens, sentinels, bos: int, eos: int, pad: int, seed: int, encoder_seq_length: int,
                     decoder_seq_length: int, noise_density=0.15, mean_noise_span_length=3.0) -> dict:
     """Raw token rows [b, L] -> a T5 batch (Megatron's t5_dataset keys), e.g. for one row

@@ -812,9 +812,12 @@ def sample(argv):
     with _quiet_dcp():
         dcp.load({"model": checkpoint_state([model], None, None)["model"]}, checkpoint_id=str(ckpt[0]))
     torch.manual_seed(a.seed)
-    ids = torch.tensor([tok.encode(a.prompt).ids])
-    out = module.generate(model, ids, a.max_new_tokens, a.temperature, a.top_k, eod=data.special_ids(tok)["eod"])
-    text = tok.decode(out[0].tolist())
+    if hasattr(module, "sample_text"):  # a model file with its own notion of a sample (T5: fill a masked span)
+        text = module.sample_text(model, tok, a.prompt, a.max_new_tokens)
+    else:
+        ids = torch.tensor([tok.encode(a.prompt).ids])
+        out = module.generate(model, ids, a.max_new_tokens, a.temperature, a.top_k, eod=data.special_ids(tok)["eod"])
+        text = tok.decode(out[0].tolist())
     print(text)
     return text
 

@@ -286,3 +286,12 @@ def test_bad_input_gives_one_clear_error(corpus, cache, tmp_path, capsys, case, 
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
     assert err.startswith("train.py: error: ") and expect in err, err
+
+
+def test_t5_trains_and_samples_a_decoded_span(corpus, cache, tmp_path, capsys):
+    """--model t5 end to end (span corruption) and `train.py sample`, which fills the masked span greedily."""
+    run = tmp_path / "t5"
+    train.main(tiny(corpus, cache, run, "--model", "t5", iters=2))
+    capsys.readouterr()
+    text = train.main(["sample", "--load", str(run), "--prompt", "def add_1(a, b):", "--max-new-tokens", "5"])
+    assert text.startswith("def add_1(a, b):") and "--- decoded spans ---" in text

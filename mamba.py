@@ -35,7 +35,7 @@ from torch import nn
 import gpt
 import parallel as P
 
-SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}  # and "|": a pipeline-stage boundary. ("E" MoE: not yet.)
+SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}  # and "|": a pipeline-stage boundary
 
 
 # `make train MODEL=mamba` (train.py reads these as its flag defaults): a small hybrid, 3 Mamba + 1 attention +
@@ -69,12 +69,14 @@ class Config(gpt.Config):
         bad = sorted(set(p) - set(SYMBOLS) - {"|"})
         if bad:
             raise ValueError(f"hybrid_layer_pattern={p!r}: unknown symbols {bad}; allowed are M (Mamba), * (attention),"
-                             f" - (MLP), | (pipeline boundary){' (E, MoE, is not implemented yet)' if 'E' in bad else ''}")
+                             " - (MLP), E (MoE), | (pipeline boundary)")
         layers = p.replace("|", "")
         if not layers or (self.num_layers is not None and self.num_layers != len(layers)):
             raise ValueError(f"num_layers={self.num_layers} != the {len(layers)} layers of hybrid_layer_pattern={p!r}")
         self.hybrid_layer_pattern, self.layer_types, self.num_layers = p, layers, len(layers)
         super().__post_init__()
+        if "E" in layers and not self.num_experts:
+            raise ValueError(f"hybrid_layer_pattern={p!r} has MoE layers (E): set num_experts")
         h, Pd, G = self.hidden_size, self.mamba_head_dim, self.mamba_num_groups
         if self.mamba_num_heads is None:
             if 2 * h % Pd:
@@ -96,6 +98,8 @@ class Config(gpt.Config):
             checks += [("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups)]
         if "-" in self.layer_types:
             checks += [("ffn_hidden_size", self.ffn_hidden_size)]
+        if "E" in self.layer_types:
+            checks += [("moe_ffn_hidden_size", self.moe_ffn_hidden_size)]
         for what, v in checks:
             if v % tp:
                 raise ValueError(f"{what}={v} is not divisible by tensor-model-parallel size {tp}")
@@ -289,16 +293,21 @@ class Layer(nn.Module):
     """One pre-norm residual layer, x + dropout(f(norm(x))), named as Megatron's MambaStack names it:
         M  MambaLayer                          norm, mixer                       (ssm/mamba_layer.py)
         *  TransformerLayer, attention only    input_layernorm, self_attention   (gpt.Attention)
-        -  MLPLayer, MLP only                  pre_mlp_layernorm, mlp            (ssm/mlp_layer.py, gpt.MLP)"""
-    NAMES = {"M": ("norm", "mixer"), "*": ("input_layernorm", "self_attention"), "-": ("pre_mlp_layernorm", "mlp")}
+        -  MLPLayer, MLP only                  pre_mlp_layernorm, mlp            (ssm/mlp_layer.py, gpt.MLP)
+        E  MoE layer, MoE only                 pre_mlp_layernorm, mlp            (parallel.MoELayer)"""
+    NAMES = {"M": ("norm", "mixer"), "*": ("input_layernorm", "self_attention"), "-": ("pre_mlp_layernorm", "mlp"),
+             "E": ("pre_mlp_layernorm", "mlp")}
 
     def __init__(self, symbol: str, c: Config, grid=None, rng=None):
         super().__init__()
         self.symbol, self.c, self.rng = symbol, c, rng
         norm, f = self.NAMES[symbol]
         setattr(self, norm, gpt.Norm(c))
+        shared = c.moe_shared_expert_intermediate_size
         setattr(self, f, {"M": lambda: MambaMixer(c, grid), "*": lambda: gpt.Attention(c, grid, rng=rng),
-                          "-": lambda: gpt.MLP(c, grid)}[symbol]())
+                          "-": lambda: gpt.MLP(c, grid),
+                          "E": lambda: P.MoELayer(c, grid, gpt.ACTIVATIONS[c.activation],
+                                                  gpt.MLP(c, grid, shared) if shared else None)}[symbol]())
 
     def parts(self):
         return (getattr(self, n) for n in self.NAMES[self.symbol])

@@ -121,6 +121,7 @@ def mamba_case(rank, n, cfg, tp, dp, sp, b, s, plain_in_proj=False):
 
     def loss_fn(model, batch):  # this DP rank's rows; the sum is divided by the *global* token count
         local = batch.chunk(dp)[grid.dp.rank]
+        P.moe_set_num_tokens(model, batch[:, 1:].numel())  # MoE aux losses follow the same rule (the schedules do this)
         return model(local[:, :-1], labels=local[:, 1:]).sum() / batch[:, 1:].numel()
 
     rec = train_steps(model, grid, batch, loss_fn=loss_fn)
@@ -149,6 +150,20 @@ def layouts(draw):
                vocab_size=draw(st.integers(20, 200)), position_embedding_type=draw(st.sampled_from(["none", "rope"])),
                share_embeddings_and_output_weights=draw(st.booleans()), seed=draw(st.integers(0, 99)))
     return cfg, tp, dp, draw(st.booleans()), dp * draw(st.sampled_from([1, 2])), draw(st.sampled_from([8, 12]))
+
+
+@pytest.mark.parametrize("tp,dp,sp", [(2, 1, True), (1, 2, False)])
+def test_moe_layers_in_the_hybrid_stack_equal_single_process_float64(pool, tp, dp, sp):
+    """`E` layers (parallel.MoELayer, top-2 of 4 experts, aux loss on) among Mamba and attention layers."""
+    cfg = dict(TINY, hybrid_layer_pattern="ME*E", num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+               mamba_num_groups=2, seed=5)
+    def micro_batched(model, batch):  # the aux loss is per micro-batch (as Megatron's): the reference sees dp of them
+        P.moe_set_num_tokens(model, batch[:, 1:].numel())
+        return sum(model(mb[:, :-1], labels=mb[:, 1:]).sum() for mb in batch.chunk(dp)) / batch[:, 1:].numel()
+
+    ref = train_steps(mamba.Model(mamba.Config(**cfg)), None, make_batch(cfg["vocab_size"], 2 * dp, 8, seed=7),
+                      loss_fn=micro_batched)
+    assert_same(run_layout(pool, cfg, tp, dp, sp, 2 * dp, 8), ref, rtol=1e-10, what="ME*E")
 
 
 @given(layouts())
@@ -229,7 +244,7 @@ def test_pipeline_stages_compose_to_the_whole_model():
 # --------------------------------------------------------------------------------------- 5. bad configurations
 @pytest.mark.parametrize("kw,tp,pp,msg", [
     (dict(hybrid_layer_pattern="M*X"), 1, 1, r"unknown symbols \['X'\]"),
-    (dict(hybrid_layer_pattern="ME"), 1, 1, "E, MoE, is not implemented"),
+    (dict(hybrid_layer_pattern="ME"), 1, 1, "has MoE layers \\(E\\): set num_experts"),
     (dict(hybrid_layer_pattern="MM", num_layers=3), 1, 1, "num_layers=3 != the 2 layers"),
     (dict(mamba_num_heads=6, mamba_num_groups=4), 1, 1, "mamba_num_heads=6 is not divisible by mamba_num_groups=4"),
     (dict(mamba_num_heads=6, mamba_num_groups=2), 4, 1, "mamba_num_heads=6 is not divisible by .* size 4"),

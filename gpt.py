@@ -392,13 +392,16 @@ def sample_next(logits, temperature: float, top_k: int | None):
 
 @torch.no_grad()
 def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, eod: int | None = None) -> torch.Tensor:
-    """Sample `max_new_tokens` tokens after `ids` [b, s] (full recompute each step: short and obviously right)."""
+             top_k: int | None = None, eod: int | None = None, next_logits=None) -> torch.Tensor:
+    """Sample `max_new_tokens` tokens after `ids` [b, s]. `next_logits(ids)` gives the last position's logits
+    [b, V]; by default a full recompute of the (windowed) sequence each step: short and obviously right
+    (mamba.generate passes its O(1) recurrent step instead)."""
     was_training = model.training
     model.eval()
     window = model.config.max_position_embeddings
+    next_logits = next_logits or (lambda ids: model(ids[:, -window:])[:, -1, :])
     for _ in range(max_new_tokens):
-        nxt = sample_next(model(ids[:, -window:])[:, -1, :], temperature, top_k)  # [b, 1]
+        nxt = sample_next(next_logits(ids), temperature, top_k)  # [b, 1]
         ids = torch.cat([ids, nxt], dim=1)
         if eod is not None and bool((nxt == eod).all()):
             break

@@ -401,13 +401,9 @@ def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, t
     model.eval()
     for t in range(ids.shape[1] - 1):  # the prompt, position by position (states only)
         model.step(ids[:, t], cache)
-    for _ in range(max_new_tokens):
-        nxt = gpt.sample_next(model.step(ids[:, -1], cache), temperature, top_k)  # [b, 1]
-        ids = torch.cat([ids, nxt], dim=1)
-        if eod is not None and bool((nxt == eod).all()):
-            break
     model.train(was_training)
-    return ids
+    return gpt.generate(model, ids, max_new_tokens, temperature, top_k, eod,
+                        next_logits=lambda ids: model.step(ids[:, -1], cache))
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face

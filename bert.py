@@ -5,7 +5,7 @@
   the pooler + binary head (next-sentence / sentence-order prediction), and the MLM + SOP data recipe.
 Mirrors Megatron-LM's megatron/core/models/bert/bert_model.py, bert_lm_head.py, pooler.py and
 megatron/core/datasets/bert_dataset.py, masked_dataset.py (same parameter names: embedding.tokentype_embeddings,
-lm_head.dense, lm_head.layer_norm, output_layer.bias, pooler.dense, binary_head).
+lm_head.dense, lm_head.layer_norm, output_layer.bias, pooler.dense, binary_head; `from_megatron` loads a BertModel).
 Papers: Devlin et al. 2018, "BERT" (MLM, NSP); Lan et al. 2019, "ALBERT" (SOP: sentence order instead of NSP).
 
 Run:    make train MODEL=bert        (or: .venv/bin/python train.py --model bert ...)
@@ -348,5 +348,16 @@ def from_hf(hf, grid=None, dtype=None) -> Model:
         if k in full:
             full[k] = F.pad(full[k], (0, 0, 0, pad))
     full["output_layer.bias"] = F.pad(full["output_layer.bias"], (0, pad))
+    P.load_full_state_dict(model, full, grid)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- Megatron-core
+def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
+    """A Model with the weights of a Megatron-core BertModel: its full state dict, handled as gpt.megatron_state says.
+    Names and layouts are Megatron's but one: its layer stack is `encoder`, ours (gpt.Model's) `decoder`. Megatron's
+    own mask masks padded queries as well as keys: their rows differ from ours, real tokens' do not."""
+    model = Model(config, grid)
+    full = gpt.megatron_state(state_dict, config, lambda k: "decoder." + k[8:] if k.startswith("encoder.") else k)
     P.load_full_state_dict(model, full, grid)
     return model

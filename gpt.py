@@ -481,15 +481,25 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
 
     Our parameter names and tensor layouts are Megatron's local-spec ones, so this is a rename, not a reshuffle:
     fused QKV grouped per query group [q heads of the group; k; v], SwiGLU linear_fc1 as [gate; up] (whose TP shards
-    are [gate_r; up_r]). Handled on the way in:
+    are [gate_r; up_r]). What `megatron_state` handles on the way in is listed there.
+    """
+    model = Model(config, grid)
+    P.load_full_state_dict(model, megatron_state(state_dict, config), grid)
+    return model
+
+
+def megatron_state(state_dict: dict, c: Config, rename=None) -> dict:
+    """A Megatron-core state dict -> our full state dict (bert.py and t5.py use it too; `rename` maps a Megatron name
+    to ours, None to drop it). Handled on the way in:
       - "module." prefixes (DDP / Float16Module wrappers) and `_extra_state` entries (Transformer Engine metadata);
       - the Transformer Engine spec's fused norms: linear_qkv.layer_norm_{weight,bias} is our input_layernorm,
         linear_fc1.layer_norm_{weight,bias} our pre_mlp_layernorm;
+      - a tied checkpoint's copy of the embedding in the output layer (dropped);
       - vocabulary padding: Megatron pads to a multiple of make_vocab_size_divisible_by·tp, we pad independently of
-        TP, so the embedding and output rows are cut or zero-padded to our padded_vocab_size. Rows past vocab_size
-        are padding; the logits of real tokens are unchanged, the loss only when the padded sizes differ.
+        TP, so the embedding and output-layer rows (weight and bias) are cut or zero-padded to our
+        padded_vocab_size. Rows past vocab_size are padding; the logits of real tokens are unchanged, the loss only
+        when the padded sizes differ.
     """
-    c = config
     te_norms = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
                 ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
     full = {}
@@ -500,15 +510,13 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
             continue
         for te, ours in te_norms.items():
             name = name.replace(te, ours)
-        if name == "output_layer.weight" and c.share_embeddings_and_output_weights:
-            continue  # a tied checkpoint may still carry the output layer's copy of the embedding
+        name = rename(name) if rename is not None else name
+        if name is None or (name.endswith("output_layer.weight") and c.share_embeddings_and_output_weights):
+            continue  # an alias, or a tied checkpoint's output-layer copy of the embedding
         full[name] = t.detach()
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in full:
-            rows = full[name].shape[0]
-            if rows < c.vocab_size:
-                raise ValueError(f"{name} has {rows} rows, fewer than vocab_size={c.vocab_size}")
-            full[name] = F.pad(full[name][: c.padded_vocab_size], (0, 0, 0, max(0, c.padded_vocab_size - rows)))
-    model = Model(c, grid)
-    P.load_full_state_dict(model, full, grid)
-    return model
+    for name in [k for k in full if k.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias"))]:
+        t, rows = full[name], full[name].shape[0]
+        if rows < c.vocab_size:
+            raise ValueError(f"{name} has {rows} rows, fewer than vocab_size={c.vocab_size}")
+        full[name] = F.pad(t[: c.padded_vocab_size], (0, 0) * (t.ndim - 1) + (0, max(0, c.padded_vocab_size - rows)))
+    return full

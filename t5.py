@@ -4,7 +4,8 @@ decoder stack (with cross-attention) sharing one embedding, and the span-corrupt
 Mirrors Megatron-LM's `megatron/core/models/T5/t5_model.py` and `t5_spec.py` (parameter names: `embedding`,
 `encoder.layers.{i}`, `decoder.layers.{i}.pre_cross_attn_layernorm`, `.cross_attention.linear_q/linear_kv`,
 `lm_head.output_layer`), `models/common/embeddings/relative_pos_embedding.py` (`encoder_relative_pos_emb`,
-`decoder_relative_pos_emb`), and Hugging Face's `T5ForConditionalGeneration` (loaded by `from_hf`).
+`decoder_relative_pos_emb`), and Hugging Face's `T5ForConditionalGeneration` (loaded by `from_hf`; a Megatron-core
+T5Model by `from_megatron`).
 Paper:  Raffel et al. 2019, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer".
 
 Run:    make train MODEL=t5        (or: .venv/bin/python train.py --model t5 ...; see README)
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+import data
 import gpt
 import parallel as P
 
@@ -214,9 +216,7 @@ class Model(nn.Module):
             encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask)
         x, bias, rope = self._embed(decoder_input_ids, "decoder")  # x [sd(/tp), b, h]
         sd = decoder_input_ids.shape[1]
-        mask = attention_mask(decoder_attn_mask, sd, True, bias)
-        if mask is None:  # causal needs a mask even without padding or bias: Layer calls attention non-causally
-            mask = attention_mask(torch.ones_like(decoder_input_ids), sd, True)
+        mask = attention_mask(decoder_attn_mask, sd, True, bias)  # never None: causal (Layer calls attention non-causally)
         context_mask = attention_mask(encoder_attn_mask, sd, False)  # [b, 1, 1, se] or None
         x = self.decoder(x, mask, rope, encoder_hidden_states, context_mask)
         return self.postprocess(x, lm_labels)
@@ -277,7 +277,6 @@ def random_spans_noise_mask(length: int, rng: np.random.Generator, noise_density
 def sample_text(model: Model, tok, prompt: str, max_new_tokens: int) -> str:
     """`train.py sample` for T5: the prompt, then one masked span (<extra_id_0>), then more of it if the prompt holds
     "<extra_id_0>" itself; greedy-decode what the sentinels hide. Returns the prompt with the decoded spans shown."""
-    import data
     sp = data.special_ids(tok)
     ids = tok.encode(prompt).ids
     if sp["sentinels"][0] not in ids:
@@ -336,7 +335,6 @@ class SpanCorruptionDataset:
     them): [se, text_enc (se), text_dec (sd), labels (sd), loss_mask (sd)]; the first column says where to cut."""
 
     def __init__(self, source, doc_ids, args, tok, seed):
-        import data
         self.rows = data.GPTDataset(source, doc_ids, args.seq_length, seed)
         sp = data.special_ids(tok)
         self.kw = dict(sentinels=sp["sentinels"], bos=sp["cls"], eos=sp["eod"], pad=sp["pad"], seed=seed)
@@ -367,6 +365,17 @@ def unpack(mb) -> dict:
 def batch_recipe(batch):
     """(loss_func(model, mb) -> the SUM of its target-token losses, the global batch's count of target tokens)."""
     return (lambda model, mb: t5_loss(model, unpack(mb)).float()), int(unpack(batch)["loss_mask"].sum())
+
+
+# ---------------------------------------------------------------------------------------------- Megatron-core
+def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
+    """A Model with the weights of a Megatron-core T5Model: its full state dict, handled as gpt.megatron_state says.
+    Names and layouts are Megatron's (cross-attention linear_kv per head [k; v], relative_attention_bias [B, n]);
+    its second names for embedding.position_embeddings and lm_head.output_layer (top-level `position_embeddings.*`,
+    `output_layer.*`) are dropped."""
+    alias, model = ("position_embeddings.", "output_layer."), Model(config, grid)
+    P.load_full_state_dict(model, gpt.megatron_state(state_dict, config, lambda k: None if k.startswith(alias) else k), grid)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face

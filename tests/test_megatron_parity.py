@@ -5,8 +5,11 @@ fill it from one full, seeded state dict in Megatron's checkpoint layout, each r
 `partition_dim` / `partition_stride` attributes name; build ours from the same dict with `from_megatron` (sharded by
 our Grid). Then compare logits, per-token loss and every parameter's gradient (of a randomly weighted sum of the
 per-token losses), all gathered to full tensors: relative error max|ours − Megatron| / max|Megatron| <= 1e-10.
-Only the order of floating-point reductions differs (measured worst: ~1e-15). A negative control loads a wrongly
-laid out QKV and shows the comparison fails.
+Only the order of floating-point reductions differs (measured worst: ~3e-15). Negative controls load a wrongly
+laid out QKV (GPT) or cross-attention KV (T5) and show the comparison fails. Cases: GPT-2 and Llama (GQA, MQA, QKV
+bias); BERT (token types, padding, LM head, pooler + binary head); T5 with learned positions (tied lm_head with its
+bias) and with RoPE (RMSNorm, SwiGLU, untied; encoder deeper than decoder). TP=1 cases load ours from Megatron's own
+`state_dict()` (with its aliases and _extra_state entries), TP=2 cases from the full dict.
 
 Megatron runs on CPU through in-test shims (`megatron_on_cpu`, undone on exit); nothing here is project code.
 Differences that are Megatron's or deliberate, and how the test handles them:
@@ -23,21 +26,39 @@ Differences that are Megatron's or deliberate, and how the test handles them:
   - Sequence parallelism: compared as ours (TP=2 + SP) against Megatron's TP=2 without SP, which its local
     LayerNorm / RMSNorm refuse; SP moves activations, not numbers.
   - Masks: Megatron gets an explicit causal boolean mask (True = masked; None would allocate on CUDA).
+  - BERT padding (a deliberate difference): Megatron's BertModel builds its own mask from the padding, and with the
+    local spec ([b, 1, s, s]) it masks padded *queries* as well as keys, so a padded position attends uniformly to
+    everything (all scores -10000); ours (and Hugging Face's) masks keys only. Real tokens never see padded ones in
+    either, so LM logits and per-token loss are compared at real tokens, the objective weights padded positions 0
+    (as the loss mask does in training), and binary logits (position 0) and every gradient are compared in full.
+    With Megatron's keys-only mask (`attn_mask_dimensions = "b11s"`, its Transformer Engine path's) the logits
+    agree at every position, compared too. Megatron names BERT's stack `encoder`, ours (gpt.Model's) `decoder`.
+  - T5 block specs: the stock get_t5_{encoder,decoder}_with_local_block_spec raise NameError (TENorm) without
+    Transformer Engine; the test builds the same blocks with WrappedTorchNorm as their final norm.
+  - T5 masks: T5Model takes the masks it is given. Ours follow Hugging Face (1 = token, padded keys masked, the
+    decoder causal on top); Megatron gets the same masks as booleans, True = masked, at every position. (Its T5
+    dataset, like BertModel, also masks padded queries: rows that carry no loss.)
+  - T5 RoPE: T5Model takes no rotary_base (RotaryEmbedding's 10000 is used), so the case uses 10000. Relative
+    position buckets (our T5 default) are not compared: Megatron's local DotProductAttention refuses an attention
+    bias ("Attention bias is not supported for DotProductAttention"); only its Transformer Engine spec runs them.
 
-Adding a model (BERT, T5, Retro, MoE): write `megatron_<model>(config)` and a worker beside `gpt_case` that uses the
+Adding a model (Retro, MoE): write `megatron_<model>(config)` and a worker beside `gpt_case` that uses the
 shared helpers of section 1 (megatron_on_cpu, seeded_full_state, load_into_megatron, gather_megatron, compare).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import bert
 import gpt
 import parallel as P
+import t5
 from equivalence import named_full, rel_err
 
 MEGATRON_VERSION = "0.15.3"  # pinned in requirements-test.txt
@@ -133,7 +154,7 @@ def seeded_full_state(model, tp: int, seed: int) -> dict[str, torch.Tensor]:
     for name, p in megatron_params(model).items():
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         t = 0.1 * torch.randn(full_shape(p, tp), generator=gen, dtype=torch.float64)
-        out[name] = t + 1.0 if "layernorm" in name and name.endswith("weight") else t
+        out[name] = t + 1.0 if ("layernorm" in name or "layer_norm" in name) and name.endswith("weight") else t
     return out
 
 
@@ -181,9 +202,10 @@ def causal_mask(s: int) -> torch.Tensor:
 
 
 def compare(ours: dict, megatron: dict) -> dict[str, float]:
-    """Relative error of every entry (logits, loss, each gradient); the names must agree exactly."""
+    """Relative error of every entry (logits, loss, ..., each gradient); the names must agree exactly."""
     assert set(ours["grads"]) == set(megatron["grads"]), set(ours["grads"]) ^ set(megatron["grads"])
-    errs = {k: rel_err(ours[k], megatron[k]) for k in ("logits", "loss")}
+    assert set(ours) == set(megatron), set(ours) ^ set(megatron)
+    errs = {k: rel_err(ours[k], megatron[k]) for k in megatron if k != "grads"}  # logits, loss, and the like
     for name, g in megatron["grads"].items():
         assert ours["grads"][name].shape == g.shape, (name, ours["grads"][name].shape, g.shape)
         errs[f"grad {name}"] = rel_err(ours["grads"][name], g)
@@ -308,3 +330,159 @@ def test_from_megatron_renames_te_spec_and_wrappers():
     with pytest.raises(KeyError, match="missing"):
         gpt.from_megatron({k: v for k, v in sd.items() if "final_layernorm" not in k}, c)
 
+
+
+# ============================================================================================ 3. BERT
+def megatron_bert(c: bert.Config, tp: int):
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
+
+    return BertModel(megatron_transformer_config(c, tp), num_tokentypes=c.num_tokentypes,
+                     transformer_layer_spec=bert_layer_local_spec, vocab_size=c.padded_vocab_size,
+                     max_sequence_length=c.max_position_embeddings, parallel_output=True,
+                     share_embeddings_and_output_weights=c.share_embeddings_and_output_weights,
+                     position_embedding_type=c.position_embedding_type, add_binary_head=c.add_binary_head)
+
+
+def megatron_to_bert_names(d: dict) -> dict:
+    return {("decoder." + k[8:] if k.startswith("encoder.") else k): v for k, v in d.items()}
+
+
+def bert_case(rank, n, tp, cfg, b=3, s=12, seed=7, sp=False):
+    c = bert.Config(**cfg, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
+    grid = P.Grid(tp=tp, dp=n // tp)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, c.vocab_size, (b, s), generator=gen)
+    lengths = torch.tensor([s, s - 3, s // 2, 2])[:b]
+    real = (torch.arange(s) < lengths[:, None]).long()  # [b, s] 1 = token, 0 = padding (both models' input)
+    types = (torch.arange(s) >= lengths[:, None] // 2).long() * real  # segment B from the middle of each row
+    labels = torch.randint(0, c.vocab_size, (b, s), generator=gen)
+    weights = torch.rand(b, s, generator=gen, dtype=torch.float64) * real  # padded positions carry no loss
+    binary_weights = torch.rand(b, 2, generator=gen, dtype=torch.float64)
+    keep = real.bool()
+    with megatron_on_cpu(tp, seed):
+        mc = megatron_bert(c, tp)
+        full = seeded_full_state(mc, tp, seed)
+        load_into_megatron(mc, full, tp, c.gated_linear_unit)
+        # TP=1: Megatron's own state_dict() (aliases, _extra_state); TP=2: the full dict
+        ours = bert.from_megatron(mc.state_dict() if tp == 1 else full, dataclasses.replace(c, sequence_parallel=sp),
+                                  grid)
+
+        logits, binary = mc(ids, real, types)
+        ref = {"logits": gather_logits(logits, tp)[..., : c.vocab_size][keep], "binary logits": binary.detach()}
+        loss, binary = mc(ids, real, types, lm_labels=labels)
+        ((loss * weights).sum() + (binary * binary_weights).sum()).backward()
+        ref |= {"loss": loss.detach()[keep], "grads": megatron_to_bert_names(gather_megatron(mc, tp, False))}
+        mc.attn_mask_dimensions = "b11s"  # Megatron's mask for its TE path: keys only, as ours
+        ref["logits, keys-only mask"] = gather_logits(mc(ids, real, types)[0], tp)[..., : c.vocab_size]
+
+        logits, binary = ours(ids, real, types)
+        got = {"logits": logits.detach()[keep], "binary logits": binary.detach(), "logits, keys-only mask": logits.detach()}
+        loss, binary = ours(ids, real, types, lm_labels=labels)
+        ((loss * weights).sum() + (binary * binary_weights).sum()).backward()
+        if sp:
+            P.finalize_grads(ours, grid)
+        got |= {"loss": loss.detach()[keep], "grads": named_full(ours, grid, grads=True)}
+    return (got, ref) if rank == 0 else None
+
+
+BERT_CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=250,
+                make_vocab_size_divisible_by=8, max_position_embeddings=16, num_tokentypes=2, add_binary_head=True)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
+def test_bert_matches_megatron(pool, tp, sp):
+    """Token types, padded batches, LM head, pooler + binary head: LM logits and per-token loss at real tokens,
+    binary logits, every gradient; and, with Megatron's keys-only mask, the logits at every position."""
+    got, ref = pool.run(bert_case, WORLD, tp=tp, cfg=BERT_CFG, sp=sp)[0]
+    assert_parity(compare(got, ref), f"bert tp={tp} sp={sp}")
+
+
+# ============================================================================================ 4. T5
+def megatron_t5(c: t5.Config, tp: int):
+    from megatron.core.models.T5 import t5_spec
+    from megatron.core.models.T5.t5_model import T5Model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    def block(layer_spec, n):  # the stock get_t5_*_with_local_block_spec: NameError TENorm without Transformer Engine
+        return TransformerBlockSubmodules([layer_spec] * n, layer_norm=WrappedTorchNorm)
+
+    config = megatron_transformer_config(c, tp)  # c.num_layers = the decoder's depth
+    return T5Model(config, dataclasses.replace(config, num_layers=c.encoder_num_layers),
+                   block(t5_spec.encoder_model_with_local_spec(), c.encoder_num_layers),
+                   block(t5_spec.decoder_model_with_local_spec(), c.decoder_num_layers),
+                   vocab_size=c.padded_vocab_size, max_sequence_length=c.max_position_embeddings,
+                   share_embeddings_and_output_weights=c.share_embeddings_and_output_weights,
+                   position_embedding_type=c.position_embedding_type, parallel_output=True)
+
+
+def per_head_kv_to_plain(t: torch.Tensor, c: t5.Config) -> torch.Tensor:
+    """Negative control: read Megatron's linear_kv, per head [k_h; v_h], as [all k; all v]."""
+    per = t.view(c.num_attention_heads, 2, c.kv_channels, *t.shape[1:])
+    return torch.cat([per[:, 0].reshape(-1, *t.shape[1:]), per[:, 1].reshape(-1, *t.shape[1:])])
+
+
+def t5_case(rank, n, tp, cfg, b=2, se=12, sd=8, seed=7, sp=False, wrong_kv=False):
+    c = t5.Config(**cfg, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
+    grid = P.Grid(tp=tp, dp=n // tp)
+    gen = torch.Generator().manual_seed(seed)
+    enc_ids, dec_ids, labels = (torch.randint(0, c.vocab_size, (b, k), generator=gen) for k in (se, sd, sd))
+    enc_real = (torch.arange(se) < torch.tensor([se, se - 5])[:, None]).long()  # [b, se] 1 = token (ours, HF's)
+    dec_real = (torch.arange(sd) < torch.tensor([sd, sd - 3])[:, None]).long()  # [b, sd]
+    weights = torch.rand(b, sd, generator=gen, dtype=torch.float64)
+    # Megatron's masks, True = masked, with ours' meaning: padded keys never seen, the decoder causal on top
+    pad_keys = ~enc_real.bool()[:, None, None, :]  # [b, 1, 1, se]
+    enc_mask, cross_mask = pad_keys.expand(b, 1, se, se), pad_keys.expand(b, 1, sd, se)
+    dec_mask = ~dec_real.bool()[:, None, None, :] | causal_mask(sd)  # [b, 1, sd, sd]
+    with megatron_on_cpu(tp, seed):
+        mc = megatron_t5(c, tp)
+        full = seeded_full_state(mc, tp, seed)
+        load_into_megatron(mc, full, tp, c.gated_linear_unit)
+        if wrong_kv:
+            full = {k: per_head_kv_to_plain(v, c) if "linear_kv" in k else v for k, v in full.items()}
+        ours = t5.from_megatron(mc.state_dict() if tp == 1 and not wrong_kv else full,
+                                dataclasses.replace(c, sequence_parallel=sp), grid)
+
+        logits = gather_logits(mc(enc_ids, dec_ids, enc_mask, dec_mask, cross_mask), tp)
+        ref = {"logits": logits[..., : c.vocab_size]}
+        loss = mc(enc_ids, dec_ids, enc_mask, dec_mask, cross_mask, lm_labels=labels)  # [b, sd]
+        (loss * weights).sum().backward()
+        ref |= {"loss": loss.detach(), "grads": gather_megatron(mc, tp, c.gated_linear_unit)}
+
+        got = {"logits": ours(enc_ids, dec_ids, enc_real, dec_real).detach()}
+        loss = ours(enc_ids, dec_ids, enc_real, dec_real, lm_labels=labels)
+        (loss * weights).sum().backward()
+        if sp:
+            P.finalize_grads(ours, grid)
+        got |= {"loss": loss.detach(), "grads": named_full(ours, grid, grads=True)}
+    return (got, ref) if rank == 0 else None
+
+
+T5_LEARNED = dict(num_layers=2, encoder_num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                  vocab_size=250, make_vocab_size_divisible_by=8, max_position_embeddings=16,
+                  position_embedding_type="learned_absolute", normalization="LayerNorm", activation="gelu",
+                  share_embeddings_and_output_weights=True)  # Megatron's T5: tied, so the lm_head has a bias
+T5_ROPE = dict(num_layers=1, encoder_num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+               vocab_size=250, make_vocab_size_divisible_by=8, max_position_embeddings=16,
+               position_embedding_type="rope", normalization="RMSNorm", activation="silu", gated_linear_unit=True,
+               add_bias_linear=False, share_embeddings_and_output_weights=False)  # rotary_base: T5Model's 10000
+T5_CASES = {"t5-learned": T5_LEARNED, "t5-rope": T5_ROPE}
+
+
+@pytest.mark.parametrize("name,tp,sp", [("t5-learned", 1, False), ("t5-learned", 2, False), ("t5-learned", 2, True),
+                                        ("t5-rope", 1, False), ("t5-rope", 2, False), ("t5-rope", 2, True)])
+def test_t5_matches_megatron(pool, name, tp, sp):
+    """Encoder and decoder padding, cross-attention, tied (with bias) and untied lm_head: logits, per-token loss and
+    every gradient at every position."""
+    got, ref = pool.run(t5_case, WORLD, tp=tp, cfg=T5_CASES[name], sp=sp)[0]
+    assert_parity(compare(got, ref), f"{name} tp={tp} sp={sp}")
+
+
+def test_wrong_cross_attention_kv_layout_is_caught(pool):
+    """Negative control: Megatron's per-head [k; v] linear_kv read as [all k; all v] fails the same comparison."""
+    got, ref = pool.run(t5_case, WORLD, tp=2, cfg=T5_LEARNED, wrong_kv=True)[0]
+    errs = compare(got, ref)
+    assert errs["logits"] > 1e-3 and errs["loss"] > 1e-3, errs
+    with pytest.raises(AssertionError, match="worst relative error"):
+        assert_parity(errs, "wrong cross-attention KV layout")

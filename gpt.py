@@ -18,6 +18,7 @@ Dimension glossary
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -494,6 +495,8 @@ def megatron_state(state_dict: dict, c: Config, rename=None) -> dict:
       - "module." prefixes (DDP / Float16Module wrappers) and `_extra_state` entries (Transformer Engine metadata);
       - the Transformer Engine spec's fused norms: linear_qkv.layer_norm_{weight,bias} is our input_layernorm,
         linear_fc1.layer_norm_{weight,bias} our pre_mlp_layernorm;
+      - MoE experts: the local spec's SequentialMLP experts.local_experts.{i}.linear_fc{1,2}.weight are our
+        (TEGroupedMLP-named) experts.linear_fc{1,2}.weight{i};
       - a tied checkpoint's copy of the embedding in the output layer (dropped);
       - vocabulary padding: Megatron pads to a multiple of make_vocab_size_divisible_by·tp, we pad independently of
         TP, so the embedding and output-layer rows (weight and bias) are cut or zero-padded to our
@@ -510,6 +513,7 @@ def megatron_state(state_dict: dict, c: Config, rename=None) -> dict:
             continue
         for te, ours in te_norms.items():
             name = name.replace(te, ours)
+        name = re.sub(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r".experts.\2.weight\1", name)
         name = rename(name) if rename is not None else name
         if name is None or (name.endswith("output_layer.weight") and c.share_embeddings_and_output_weights):
             continue  # an alias, or a tied checkpoint's output-layer copy of the embedding

@@ -16,10 +16,9 @@ Dimension glossary
   k neighbours per chunk (retro_num_neighbors)   r = 2m retrieved tokens (a neighbour chunk + its continuation)
   h hidden  N chunks in the database   D embedder dimension
 
-Differences from Megatron (each on purpose):
-  - Megatron turns the encoder output [r, (b·l·k), h] into [r·k, b·l, h] with a plain reshape, which for b·l > 1
-    hands chunk c the tokens of other chunks' neighbours (future ones included). We rearrange
-    "r (bl k) h -> (k r) bl h": each chunk attends to exactly its own k neighbours (tests: causality).
+Differences from Megatron-core 0.15.3 (tests/test_megatron_parity_retro_moe.py: otherwise equal to 1e-10):
+  - RoPE: our encoder rotates the neighbours' positions; Megatron's CCA calls its encoder without rotary embeddings.
+  - Megatron's Retro decoder block spec sets no final norm (its GPT specs do); ours has GPT's final norm.
   - Under sequence parallelism the chunked cross-attention gathers the whole sequence, works on replicated
     activations (TP still splits heads) and scatters the result back; the neighbour encoder runs without SP.
   - `neighbor_ids=None` closes the gate: every Retro layer then acts as the plain GPT layer (Megatron has no gate).
@@ -154,7 +153,7 @@ class RetroDecoderCrossAttention(nn.Module):
         if self.encoder is not None:  # context = embedded neighbours [r, (b l k), h]
             chunks = rearrange(x, "(l m) b h -> m (b l) h", m=m)
             context = self.encoder(context, chunks, rope)  # [r, (b l k), h]
-            context = rearrange(context, "r (bl k) h -> (k r) bl h", k=self.k)  # see "Differences" above
+            context = rearrange(context, "r (bl k) h -> (k r) bl h", k=self.k)  # = Megatron's reshape of (k bl) columns
         pad = (n - 1) % m
         shifted = F.pad(x[pad:], (0, 0, 0, 0, 0, m - 1))  # [l·m, b, h]: attending positions pad, pad+1, ...
         q = rearrange(shifted, "(l m) b h -> m (b l) h", m=m)
@@ -229,6 +228,11 @@ class Model(gpt.Model):
         return self.postprocess(self.decoder.final_layernorm(x), labels)
 
 
+def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
+    """A Model holding a Megatron-core RetroModel's weights: its full state dict (see gpt.from_megatron)."""
+    model = Model(config, grid)
+    P.load_full_state_dict(model, gpt.megatron_state(state_dict, config), grid)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- the database

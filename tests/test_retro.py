@@ -117,13 +117,19 @@ def test_negative_control_wrong_sp_gather_fails(pool):
         assert_same(got, _reference(6), 1e-10, "broken SP gather")
 
 
-def test_megatron_plain_reshape_would_mix_chunks():
-    """Why we rearrange instead of Megatron's reshape [r, (b·l·k), h] -> [r·k, b·l, h]: label each encoded
-    neighbour token with its chunk; after the plain reshape chunk 0 would attend to chunk 1's neighbours."""
+def test_megatron_reshape_gives_each_chunk_its_own_neighbours():
+    """Megatron reshapes its encoder output [r, b·l·k, h] -> [r·k, b·l, h]. Its columns are neighbour-major by then,
+    (k bl): RetroEncoderBiasDropoutAdd stacks the k per-neighbour outputs. So each chunk gets exactly its own k
+    neighbours, the keys our rearrange of our chunk-major (bl k) columns gives (in another order, which attention
+    does not see); a plain reshape of (bl k) columns would mix chunks. test_megatron_parity_retro_moe.py compares
+    the two models."""
     r, bl, k = R, 3, K
-    label = torch.arange(bl).repeat_interleave(k).expand(r, bl * k)  # [r, (bl k)]: the chunk of each token
-    assert (label.reshape(r * k, bl)[:, 0] != 0).any()  # Megatron's
-    assert (rearrange(label, "r (bl k) -> (k r) bl", k=k) == torch.arange(bl)).all()  # ours
+    ours = torch.arange(bl * k).expand(r, bl * k)  # [r, (bl k)]: column label c·k + j (chunk c, neighbour j)
+    megatron = rearrange(ours, "r (bl k) -> r (k bl)", k=k)  # the same tokens, neighbour-major
+    mine, theirs = rearrange(ours, "r (bl k) -> (k r) bl", k=k), megatron.reshape(r * k, bl)  # [keys, chunk]
+    own = torch.arange(bl)[None, :] * k + torch.arange(k).repeat_interleave(r)[:, None]  # chunk c's labels
+    assert (mine == own).all() and (theirs.sort(0).values == own.sort(0).values).all()
+    assert (ours.reshape(r * k, bl) // k != torch.arange(bl)).any()  # (bl k) columns reshaped: chunks mixed
 
 
 def test_pipeline_parallelism_is_refused():

@@ -41,6 +41,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+# torch 2.13 renamed two collectives; the old names serve older torch (a GPU machine's image, say)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # ============================================================================================================
 # 1. Grid — mirrors megatron/core/parallel_state.py (initialize_model_parallel, order="tp-cp-ep-dp-pp")
 # ============================================================================================================
@@ -163,7 +167,7 @@ def _gather(x, g: Group | None, dim: int):
         return x
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=g.pg)
+    all_gather_single(out, x, group=g.pg)
     return out.movedim(0, dim)
 
 
@@ -173,7 +177,7 @@ def _reduce_scatter(x, g: Group | None):  # along dim 0
     if x.shape[0] % g.size:
         raise ValueError(f"cannot reduce-scatter dim 0 of size {x.shape[0]} over {g.size} ranks")
     out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x.contiguous(), group=g.pg)
+    reduce_scatter_single(out, x.contiguous(), group=g.pg)
     return out
 
 
@@ -889,7 +893,7 @@ class DDP:
         buf = self.grad_buffer[b.start:b.end]
         if self.distopt:
             b.shard = buf.new_empty(buf.numel() // self.dp.size)
-            b.handle = dist.reduce_scatter_single(b.shard, buf, group=self.dp.pg, async_op=True)
+            b.handle = reduce_scatter_single(b.shard, buf, group=self.dp.pg, async_op=True)
         else:
             b.handle = dist.all_reduce(buf, group=self.dp.pg, async_op=True)
 
@@ -975,7 +979,7 @@ class DistributedOptimizer:
             m.addcdiv_(ea, denom, value=-lr / (1 - b1 ** t))
             if self.ddp.distopt and self.ddp.dp.size > 1:
                 self.ddp.param_buffer[s].copy_(m)
-                dist.all_gather_single(self.ddp.param_buffer[b.start:b.end], self.ddp.param_buffer[s].clone(),
+                all_gather_single(self.ddp.param_buffer[b.start:b.end], self.ddp.param_buffer[s].clone(),
                                        group=self.ddp.dp.pg)
             elif m.data_ptr() != self.ddp.param_buffer[s].data_ptr():
                 self.ddp.param_buffer[s].copy_(m)
@@ -991,7 +995,7 @@ class DistributedOptimizer:
             full = torch.zeros_like(self.ddp.grad_buffer)
             for s, m, b in zip(self.slices, moments, self.ddp.buckets):
                 if self.ddp.distopt and self.ddp.dp.size > 1:
-                    dist.all_gather_single(full[b.start:b.end], m.clone(), group=self.ddp.dp.pg)
+                    all_gather_single(full[b.start:b.end], m.clone(), group=self.ddp.dp.pg)
                 else:
                     full[s] = m
             bufs.append(full)
@@ -1403,13 +1407,15 @@ def _reduce_max(t: torch.Tensor, groups: tuple) -> torch.Tensor:
 
 
 def _scaled_mm(a, b, sa, sb, out_dtype):  # a [M, k] row-major · b [k, n] column-major -> [M, n]
-    """torch._scaled_mm with the layouts it needs: a row-major, b column-major (also what cuBLASLt wants)."""
+    """torch._scaled_mm with the layouts it needs: a row-major, b column-major (also what cuBLASLt wants).
+    The products are accumulated in fp32 whatever the output dtype, so a float64 output (which cuBLASLt, and CPU
+    torch before 2.13, refuse) is the fp32 result cast up: the same numbers on every backend."""
     if a.is_cuda and any(d % 16 for d in (*a.shape, b.shape[1])):
         raise ValueError(f"FP8 GEMM on CUDA needs every dimension a multiple of 16: got [{a.shape[0]}, "
                          f"{a.shape[1]}] x [{b.shape[0]}, {b.shape[1]}] (pad the batch x sequence or the hidden size)")
-    dev = a.device
+    dev, out = a.device, torch.float32 if out_dtype == torch.float64 else out_dtype
     return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=(1.0 / sa).to(dev),
-                            scale_b=(1.0 / sb).to(dev), out_dtype=out_dtype)
+                            scale_b=(1.0 / sb).to(dev), out_dtype=out).to(out_dtype)
 
 
 class _FP8Linear(torch.autograd.Function):

@@ -580,7 +580,7 @@ def setup(args):
         mesh = DeviceMesh(device.type, torch.arange(world).view(pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         mesh = mesh["dp", "tp"]  # this pipeline stage's ranks: checkpoint shards are laid out over them
     else:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may use (taskset, cgroups)
     grid = P.Grid(tp=tp, pp=pp, dp=dp, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
     if pp == 1:
         chunks = [args.model_module.Model(config, grid).to(device)]

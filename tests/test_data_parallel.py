@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gpt
 import parallel as P
@@ -59,7 +58,7 @@ def full_grads(chunks, ddp, grid):
     buf = ddp.grad_buffer.clone()
     if ddp.distopt and ddp.dp.size > 1:
         for bk in ddp.buckets:
-            dist.all_gather_single(buf[bk.start:bk.end], ddp.grad_buffer[ddp.owned(bk)].clone(), group=ddp.dp.pg)
+            P.all_gather_single(buf[bk.start:bk.end], ddp.grad_buffer[ddp.owned(bk)].clone(), group=ddp.dp.pg)
     out, starts = {}, {}
     for bk in ddp.buckets:
         o = bk.start
@@ -155,7 +154,7 @@ def bf16_case(rank, n, steps=3):
     if ddp.distopt and n > 1:  # whole fp32 master weights: all-gather the slices
         full = torch.zeros_like(ddp.grad_buffer)
         for b, m in zip(ddp.buckets, opt.master):
-            dist.all_gather_single(full[b.start:b.end], m.clone(), group=ddp.dp.pg)
+            P.all_gather_single(full[b.start:b.end], m.clone(), group=ddp.dp.pg)
         master = full
     return dict(losses=torch.cat(losses), master=master, params=ddp.param_buffer.float().clone())
 

@@ -96,7 +96,8 @@ class Model(gpt.Model):
                 self.binary_head = _linear(c, c.hidden_size, 2)
         P.init_params(self, c.seed, grid, rename=self.global_name)  # again, now with BERT's parameters
 
-    def forward(self, input_ids, attention_mask=None, tokentype_ids=None, lm_labels=None):
+    def encode(self, input_ids, attention_mask=None, tokentype_ids=None):
+        """The encoder's hidden states [s(/tp), b, h], after the final norm on the last stage: what the heads read."""
         self.check_input(input_ids)
         c = self.config
         if attention_mask is None:
@@ -112,10 +113,13 @@ class Model(gpt.Model):
             x = self.embedding(input_ids, tokentype_ids=tokentype_ids)  # [s(/tp), b, h]
         else:
             x = self.input_tensor
-        x = self.decoder(x, rope=self.rope(input_ids.shape[1], input_ids.device), mask=mask)  # not causal: a mask
+        return self.decoder(x, rope=self.rope(input_ids.shape[1], input_ids.device), mask=mask)  # not causal: a mask
+
+    def forward(self, input_ids, attention_mask=None, tokentype_ids=None, lm_labels=None):
+        x = self.encode(input_ids, attention_mask, tokentype_ids)
         if not self.post_process:
             return x
-        binary_logits = self.binary_head(self.pooler(x)) if c.add_binary_head else None  # [b, 2]
+        binary_logits = self.binary_head(self.pooler(x)) if self.config.add_binary_head else None  # [b, 2]
         return self.postprocess(self.lm_head(x), lm_labels), binary_logits  # output_layer has its bias now
 
 
@@ -290,6 +294,72 @@ def mlm_accuracy(model, batch) -> tuple[int, int]:
     logits, _ = model(batch[:, TEXT], batch[:, PADDING_MASK], types)
     m = batch[:, LOSS_MASK].bool()
     return int((logits.argmax(-1)[m] == batch[:, LABELS][m]).sum()), int(m.sum())
+
+
+# ---------------------------------------------------------------------------------------------- Retro's embedder
+class ChunkEmbedder:
+    """Retro's frozen chunk embedder (retro.build_database / query_neighbors): token chunks [N, m] -> [N, h] float32.
+
+    As Megatron's (tools/bert_embedding/embed.py runs BertModel with return_embeddings=True): a chunk goes in as
+    [cls] chunk [sep] (token types 0, a padding mask) and its embedding is the mean of the final hidden states (after
+    the final norm) over the chunk's own positions, [cls] and [sep] left out: Megatron's `torch.mean(embedding[1 :
+    mask - 1], dim=0)`. Megatron re-tokenizes the GPT chunk with BERT's WordPiece, without the eod; this BERT shares
+    the corpus tokenizer, so the tokens go in as they are, eod tokens dropped (a chunk of eods only embeds as zeros,
+    as Megatron's Hugging Face embedder zeroes its nan). Then L2-normalized: our index searches by inner product,
+    i.e. cosine (Megatron's FAISS index is L2 on the raw means). Eval mode, no_grad, float32, batch_size at a time."""
+
+    def __init__(self, model: Model, tok, name: str = "bert", batch_size: int = 128, device=None):
+        c, V = model.config, tok.get_vocab_size()
+        if c.vocab_size != V:
+            raise data.DataError(f"the BERT chunk embedder has a vocabulary of {c.vocab_size} tokens, the corpus "
+                                 f"tokenizer {V}: the BERT must be trained with the corpus's tokenizer")
+        self.special, self.name, self.batch_size = data.special_ids(tok), name, batch_size
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model.float().eval().requires_grad_(False).to(self.device)
+
+    @classmethod
+    def load(cls, load_dir, tok, **kw) -> ChunkEmbedder:
+        """The embedder of a BERT run train.py saved (`make train MODEL=bert` -> runs/bert), at its latest checkpoint.
+        Its name (part of the database and neighbour cache keys) holds the iteration and a hash of the checkpoint's
+        files, so a cache built with other weights is never reused."""
+        import hashlib
+        from pathlib import Path
+
+        import train  # its checkpoint reader, the one `train.py sample` uses
+        model, args, run_tok, (path, meta) = train.load_model(load_dir, flag="--retro-bert-load")
+        if args.model != "bert":
+            raise data.DataError(f"--retro-bert-load {load_dir}: a {args.model} run, not a bert run")
+        if run_tok.get_vocab_size() == tok.get_vocab_size() and run_tok.get_vocab() != tok.get_vocab():
+            raise data.DataError(f"--retro-bert-load {load_dir}: the BERT's tokenizer.json is not the corpus's tokenizer")
+        h = hashlib.sha256()
+        for f in sorted(Path(path).iterdir()):
+            h.update(f.name.encode() + f.read_bytes())
+        return cls(model, tok, name=f"bert-iter{meta['iteration']}-{h.hexdigest()[:16]}", **kw)
+
+    @torch.no_grad()
+    def __call__(self, chunks: np.ndarray) -> np.ndarray:  # [N, m] -> [N, h]
+        sp, c = self.special, self.model.config
+        chunks = torch.as_tensor(np.asarray(chunks), dtype=torch.long)
+        N, m = chunks.shape
+        if c.position_embedding_type == "learned_absolute" and m + 2 > c.max_position_embeddings:
+            raise data.DataError(f"chunks of {m} tokens + [cls] + [sep] do not fit the BERT chunk embedder's "
+                                 f"max_position_embeddings={c.max_position_embeddings}")
+        keep = chunks != sp["eod"]  # [N, m]
+        n = keep.sum(1, keepdim=True)  # [N, 1] the chunk's tokens without eod
+        pos = torch.arange(m + 2)  # [s] = [cls] chunk [sep] pad...
+        real = chunks.gather(1, torch.argsort((~keep).byte(), dim=1, stable=True))  # [N, m] eod moved to the end
+        ids = torch.cat([torch.full((N, 1), sp["cls"]), torch.where(pos[1:-1] <= n, real, sp["pad"]),
+                         torch.full((N, 1), sp["pad"])], 1)  # [N, s]
+        ids[pos == n + 1] = sp["sep"]
+        mask, inside = pos <= n + 1, (pos >= 1) & (pos <= n)  # [N, s]: [cls] chunk [sep]; the chunk's positions
+        out = []
+        for i in range(0, N, self.batch_size):
+            b = slice(i, i + self.batch_size)
+            x = self.model.encode(ids[b].to(self.device), mask[b].long().to(self.device))  # [s, b, h]
+            w = inside[b].to(self.device, x.dtype)  # [b, s]
+            e = torch.einsum("sbh,bs->bh", x, w) / w.sum(1, keepdim=True).clamp_min(1)  # mean over the chunk
+            out.append(F.normalize(e.float(), dim=-1).cpu())
+        return torch.cat(out).numpy()  # [N, h]
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face

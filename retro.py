@@ -22,8 +22,8 @@ Differences from Megatron-core 0.15.3 (tests/test_megatron_parity_retro_moe.py: 
   - Under sequence parallelism the chunked cross-attention gathers the whole sequence, works on replicated
     activations (TP still splits heads) and scatters the result back; the neighbour encoder runs without SP.
   - `neighbor_ids=None` closes the gate: every Retro layer then acts as the plain GPT layer (Megatron has no gate).
-  - n must be a multiple of m (Megatron also zero-pads a partial first chunk); the embedder is a deterministic
-    bag-of-tokens projection, not Megatron's BERT (bert.py's encoder can replace it: any chunks [N, m] -> [N, D]).
+  - n must be a multiple of m (Megatron also zero-pads a partial first chunk); the default embedder is a
+    deterministic bag of tokens; Megatron's BERT one is bert.ChunkEmbedder (train.py --retro-bert-load runs/bert).
 """
 from __future__ import annotations
 
@@ -240,8 +240,8 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
 # the embeddings with FAISS (inner product of L2-normalized vectors = cosine), and for each query chunk keep the k
 # nearest chunks of *other* documents, returned as their r = 2m tokens (the chunk and its continuation).
 class BagOfTokensEmbedder:
-    """The frozen embedder until BERT's is wired in: the mean of a fixed random table E [V, D] (normal, from `seed`)
-    over a chunk's tokens, L2-normalized. Deterministic; equal multisets of tokens embed equally."""
+    """The default frozen embedder (no BERT run needed; bert.ChunkEmbedder is Megatron's): the mean of a fixed random
+    table E [V, D] (normal, from `seed`) over a chunk's tokens, L2-normalized. Equal multisets embed equally."""
 
     def __init__(self, vocab_size: int, dim: int = 128, seed: int = 0):
         self.table = np.random.default_rng(seed).standard_normal((vocab_size, dim)).astype(np.float32)
@@ -339,6 +339,7 @@ class RetroDataset:
     def __init__(self, source, doc_ids, args, tok, seed):
         from tqdm import tqdm
 
+        import bert
         import data
 
         m, k = args.retro_chunk_length or 64, args.retro_num_neighbors or 2
@@ -347,7 +348,8 @@ class RetroDataset:
             raise data.DataError(f"--seq-length={n} is not a multiple of --retro-chunk-length={m}")
         self.gpt = data.GPTDataset(source, doc_ids, n, seed)
         train_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)[0]
-        self.embedder = BagOfTokensEmbedder(tok.get_vocab_size())
+        bert_dir = getattr(args, "retro_bert_load", None)  # a trained BERT (Megatron's embedder) or the bag of tokens
+        self.embedder = bert.ChunkEmbedder.load(bert_dir, tok) if bert_dir else BagOfTokensEmbedder(tok.get_vocab_size())
         try:
             pad = data.special_ids(tok)["eod"]  # continuations past a document's end are padded with eod
         except data.DataError:

@@ -145,6 +145,8 @@ def parse_args(argv):
     a("--retro-chunk-length", type=int, default=None, help="Retro: chunk length m (default 64)")
     a("--retro-num-neighbors", type=int, default=None, help="Retro: neighbours k per chunk (default 2)")
     a("--retro-encoder-num-layers", type=int, default=None, help="Retro: neighbour encoder layers (default 2)")
+    a("--retro-bert-load", default=None, help="Retro: embed chunks with this BERT run (train.py --model bert --save "
+                                               "DIR; same tokenizer) instead of the deterministic bag of tokens")
     # Mamba (mamba.py): the hybrid stack and the mixer's dimensions (Megatron's flag names)
     a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
     for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
@@ -790,8 +792,24 @@ def train(args):
 
 
 # ============================================================================================================
-# 7. Sampling
+# 7. Loading a run for inference; sampling
 # ============================================================================================================
+def load_model(load_dir, step=None, flag="--load"):
+    """A saved run for inference in one process (TP = PP = 1): (model, its flags, its tokenizer, (checkpoint
+    directory, meta)). `train.py sample` and Retro's BERT chunk embedder (bert.ChunkEmbedder.load) read runs so."""
+    ckpt = find_checkpoint(load_dir, step)
+    if ckpt is None:
+        raise ConfigError(f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt)")
+    args = argparse.Namespace(**ckpt[1]["args"])
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
+    module = args.model_module = import_model(args.model)
+    model = module.Model(model_config(module, args))
+    with _quiet_dcp():
+        dcp.load({"model": checkpoint_state([model], None, None)["model"]}, checkpoint_id=str(ckpt[0]))
+    return model, args, tok, ckpt
+
+
 def sample(argv):
     p = argparse.ArgumentParser(prog="train.py sample")
     p.add_argument("--load", required=True)
@@ -801,16 +819,8 @@ def sample(argv):
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    ckpt = find_checkpoint(a.load)
-    if ckpt is None:
-        raise ConfigError(f"--load {a.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
-    args = argparse.Namespace(**ckpt[1]["args"])
-    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(a.load) / "tokenizer.json"))
-    module = import_model(args.model)
-    model = module.Model(model_config(module, args))
-    with _quiet_dcp():
-        dcp.load({"model": checkpoint_state([model], None, None)["model"]}, checkpoint_id=str(ckpt[0]))
+    model, args, tok, _ = load_model(a.load)
+    module = args.model_module
     torch.manual_seed(a.seed)
     if hasattr(module, "sample_text"):  # a model file with its own notion of a sample (T5: fill a masked span)
         text = module.sample_text(model, tok, a.prompt, a.max_new_tokens)

@@ -16,9 +16,12 @@ from einops import rearrange
 from hypothesis import given
 from hypothesis import strategies as st
 
+import bert
+import data
 import gpt
 import parallel as P
 import retro
+import train
 from equivalence import assert_same, train_steps
 
 CFG = dict(num_layers=6, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=150,
@@ -143,11 +146,56 @@ def corpus(n_docs=12, length=40, vocab=150, seed=0):
     return [rng.integers(1, vocab, length) for _ in range(n_docs)]
 
 
-@pytest.mark.parametrize("index", ["flat", "ivf"])
-def test_planted_duplicate_is_nearest_and_same_document_never(index, tmp_path):
+class _SpecialTok:  # the corpus-tokenizer surface bert.ChunkEmbedder uses: data.SPECIAL_TOKENS at ids 0.. (eod 0)
+    def get_vocab_size(self):
+        return 150
+
+    def token_to_id(self, t):
+        return data.SPECIAL_TOKENS.index(t) if t in data.SPECIAL_TOKENS else None
+
+
+BERT_CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=150,
+                max_position_embeddings=16, hidden_dropout=0.1, attention_dropout=0.1)  # dropout: eval() turns it off
+
+
+def bert_embedder(**kw) -> bert.ChunkEmbedder:  # a random-init tiny BERT: frozen is all the embedder needs
+    return bert.ChunkEmbedder(bert.Model(bert.Config(**dict(BERT_CFG, **kw))), _SpecialTok(), batch_size=8)
+
+
+def test_bert_chunk_embedder_is_deterministic_unit_norm_and_batch_and_padding_invariant():
+    emb = bert_embedder()
+    chunks = np.stack(corpus(n_docs=20, length=M, seed=1))  # [20, m] (no eod: tokens 1..149)
+    chunks[5], chunks[7, 2:] = chunks[1], 0  # a duplicate; a chunk ending in eods (a document's last chunk)
+    e = emb(chunks)  # [20, h], 8 at a time
+    assert e.shape == (20, 32) and e.dtype == np.float32
+    np.testing.assert_array_equal(e, emb(chunks))
+    np.testing.assert_allclose(e[5], e[1], atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-6)
+    one_by_one = np.concatenate([emb(chunks[i: i + 1]) for i in range(20)])
+    np.testing.assert_allclose(one_by_one, e, atol=1e-6)
+    # eod is dropped wherever it is: [a b eod eod] embeds as the 2-token chunk [a b], as [eod a eod b eod eod]
+    a, b = chunks[7, :2]
+    same = [emb(np.array([[a, b, 0, 0]])), emb(np.array([[a, b]])), emb(np.array([[0, a, 0, b, 0, 0]]))]
+    for x in same:
+        np.testing.assert_allclose(x[0], e[7], atol=1e-6)
+    with torch.no_grad():  # Megatron's pooling, written out: [cls] a b [sep] unpadded, torch.mean(h[1 : mask - 1])
+        h = emb.model.encode(torch.tensor([[data.SPECIAL_TOKENS.index("<cls>"), a, b,
+                                            data.SPECIAL_TOKENS.index("<sep>")]]))[:, 0]  # [s, h]
+    np.testing.assert_allclose(e[7], torch.nn.functional.normalize(h[1: 4 - 1].mean(0), dim=0).numpy(), atol=1e-6)
+    assert not np.allclose(emb(np.array([[b, a]])), e[7], atol=1e-3)  # order matters (positions): not a bag
+    assert (emb(np.zeros((1, M), np.int64)) == 0).all()  # eods only: zeros, as Megatron's empty chunk
+
+
+def test_bert_chunk_embedder_refuses_another_vocabulary():
+    with pytest.raises(data.DataError, match="vocabulary of 200 tokens, the corpus tokenizer 150"):
+        bert_embedder(vocab_size=200)
+
+
+@pytest.mark.parametrize("index,embedder", [("flat", "bag"), ("ivf", "bag"), ("flat", "bert"), ("ivf", "bert")])
+def test_planted_duplicate_is_nearest_and_same_document_never(index, embedder, tmp_path):
     docs = corpus()
     docs[7][12:16] = docs[2][8:12]  # plant chunk 2 of document 2 as chunk 3 of document 7
-    emb = retro.BagOfTokensEmbedder(150, dim=64)
+    emb = retro.BagOfTokensEmbedder(150, dim=64) if embedder == "bag" else bert_embedder()
     db = retro.build_database(docs, list(range(12)), M, emb, index=index, nlist=4, cache_dir=str(tmp_path),
                               progress=False)
     assert db.tokens.shape == (120, R)
@@ -173,8 +221,6 @@ class _Tok:  # the tokenizer surface the hooks use (no special tokens: continuat
 
 
 def test_train_hooks_samples_carry_other_document_neighbours(tmp_path):
-    import data
-
     docs = corpus(n_docs=12, length=41)
     args = SimpleNamespace(retro_chunk_length=M, retro_num_neighbors=K, seq_length=8, valid_fraction=0.2, seed=1,
                            data_cache_dir=str(tmp_path))
@@ -197,3 +243,27 @@ def test_train_hooks_samples_carry_other_document_neighbours(tmp_path):
     _, toks = retro.query_neighbors(ds.db, ds.gpt.tokens[start: start + 8].reshape(2, M), qdoc, K, ds.embedder)
     assert torch.equal(nbrs[1], torch.from_numpy(toks))
     assert torch.isfinite(retro.loss_func(model, mb))
+
+
+def test_train_py_retro_with_a_trained_bert_embedder(tmp_path, monkeypatch):
+    """`--retro-bert-load`: a 3-iteration BERT run, then a 2-iteration Retro run that embeds its chunks with it."""
+    from test_train import SNIPPET, metrics, tiny
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for i in range(40):
+        (src / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
+    cache, calls = tmp_path / "cache", []
+    train.main(tiny(src, cache, tmp_path / "bert", "--model", "bert", iters=3))
+    real = bert.ChunkEmbedder.__call__
+    monkeypatch.setattr(bert.ChunkEmbedder, "__call__", lambda self, x: calls.append(self.name) or real(self, x))
+    train.main(tiny(src, cache, tmp_path / "retro", "--model", "retro", "--num-layers", "6", "--retro-chunk-length",
+                    "8", "--retro-bert-load", str(tmp_path / "bert"), iters=2))
+    losses, _ = metrics(tmp_path / "retro")
+    assert sorted(losses) == [1, 2] and all(np.isfinite(r["loss"]) for r in losses.values())
+    assert calls and all(n.startswith("bert-iter3-") for n in calls)  # the database and the queries: BERT's
+    assert len([p for p in cache.glob("retro-*") if p.is_dir()]) == 1  # one database (train and valid share it)
+    # other weights, another name: a database or neighbours cached with the iteration-3 BERT are not reused
+    train.main(tiny(src, cache, tmp_path / "bert", "--model", "bert", "--load", str(tmp_path / "bert"), iters=4))
+    tok = data.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "bert" / "tokenizer.json"))
+    assert bert.ChunkEmbedder.load(tmp_path / "bert", tok).name.startswith("bert-iter4-")

@@ -269,7 +269,7 @@ def mlm_batch(dataset: BertDataset, iteration: int, global_batch_size: int) -> t
 
 # ---------------------------------------------------------------------------------------------- train.py's hooks
 TRAIN_DEFAULTS = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
-                      disable_bias_linear=False, lr=1e-3, min_lr=1e-4)  # BERT's architecture, not train.py's llama
+                      disable_bias_linear=False, lr=2.5e-4, min_lr=2.5e-5)  # BERT's architecture, not train.py's llama
 
 
 def dataset(source, doc_ids, args, tok, seed) -> BertDataset:

@@ -28,7 +28,7 @@ from equivalence import assert_same, make_batch, train_steps
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
            vocab_size=384, max_position_embeddings=32, normalization="RMSNorm", position_embedding_type="rope",
-           activation="silu", gated_linear_unit=True, add_bias_linear=False)
+           activation="silu", gated_linear_unit=True, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def test_gpt_on_cuda_equals_cpu_in_float64():

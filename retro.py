@@ -1,20 +1,21 @@
-"""retro.py — Retro: GPT + chunked cross-attention to retrieved neighbours + a neighbour encoder + the database.
+"""retro.py — Retro: GPT + chunked cross-attention to retrieved neighbours + a neighbour encoder (the model).
 
 Mirrors Megatron-LM's `megatron/core/models/retro/` — model.py (RetroModel(GPTModel)), config.py (retro_* fields),
 decoder_spec.py (CCA layers at range(6 if L <= 15 else 9, L + 1, 3), 1-based; the first owns the encoder),
 decoder_attention.py (RetroDecoderCrossAttention, RetroDecoderBiasDropoutAdd), encoder_spec.py and
 encoder_attention.py (RetroEncoderCrossAttention, RetroEncoderBiasDropoutAdd, RetroEncoderLayerNorm) — with the same
-parameter names (`decoder.layers.5.cross_attention.attn.linear_q`, `...cross_attention.encoder.layers.0...`), and
-`tools/retro/` (chunk database, embedder, FAISS index, neighbour query) in the few lines of the database section.
+parameter names (`decoder.layers.5.cross_attention.attn.linear_q`, `...cross_attention.encoder.layers.0...`).
+The retrieval database (Megatron's tools/retro + megatron/core/datasets/retro: chunks, embedder, FAISS index,
+neighbour query, samples) is the data module retrieval.py; this file's train.py hooks hand it the corpus.
 Papers: Borgeaud et al. 2021 (Retro, arXiv:2112.04426); Wang et al. 2023 "Shall we pretrain autoregressive language
         models with retrieval?" (Megatron's Retro).
 
-Run:    make train MODEL=retro      (builds the chunk database beside the token cache on first use, then reuses it)
+Run:    make train MODEL=retro      (retrieval.py builds the chunk database beside the token cache on first use)
 
 Dimension glossary
   b batch   n sequence length   m chunk length (retro_chunk_length)   l = n/m chunks per sample
   k neighbours per chunk (retro_num_neighbors)   r = 2m retrieved tokens (a neighbour chunk + its continuation)
-  h hidden  N chunks in the database   D embedder dimension
+  h hidden
 
 Differences from Megatron-core 0.15.3 (tests/test_megatron_parity_retro_moe.py: otherwise equal to 1e-10):
   - RoPE: our encoder rotates the neighbours' positions; Megatron's CCA calls its encoder without rotary embeddings.
@@ -23,17 +24,13 @@ Differences from Megatron-core 0.15.3 (tests/test_megatron_parity_retro_moe.py: 
     activations (TP still splits heads) and scatters the result back; the neighbour encoder runs without SP.
   - `neighbor_ids=None` closes the gate: every Retro layer then acts as the plain GPT layer (Megatron has no gate).
   - n must be a multiple of m (Megatron also zero-pads a partial first chunk); the default embedder is a
-    deterministic bag of tokens; Megatron's BERT one is bert.ChunkEmbedder (train.py --retro-bert-load runs/bert).
+    deterministic bag of tokens; Megatron's BERT one is retrieval.ChunkEmbedder (train.py --retro-bert-load runs/bert).
 """
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import hashlib
-import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
@@ -41,6 +38,7 @@ from torch import nn
 
 import gpt
 import parallel as P
+import retrieval
 
 
 @dataclass
@@ -235,160 +233,13 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     return model
 
 
-# ---------------------------------------------------------------------------------------------- the database
-# Megatron's tools/retro in miniature: cut the corpus into m-token chunks, embed each with a frozen embedder, index
-# the embeddings with FAISS (inner product of L2-normalized vectors = cosine), and for each query chunk keep the k
-# nearest chunks of *other* documents, returned as their r = 2m tokens (the chunk and its continuation).
-class BagOfTokensEmbedder:
-    """The default frozen embedder (no BERT run needed; bert.ChunkEmbedder is Megatron's): the mean of a fixed random
-    table E [V, D] (normal, from `seed`) over a chunk's tokens, L2-normalized. Equal multisets embed equally."""
-
-    def __init__(self, vocab_size: int, dim: int = 128, seed: int = 0):
-        self.table = np.random.default_rng(seed).standard_normal((vocab_size, dim)).astype(np.float32)
-        self.name = f"bag-of-tokens-V{vocab_size}-D{dim}-seed{seed}"
-
-    def __call__(self, chunks: np.ndarray) -> np.ndarray:  # [N, m] -> [N, D]
-        e = self.table[chunks].mean(axis=1)
-        return e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
-
-
-@dataclass
-class Database:
-    tokens: np.ndarray  # [N, r] each chunk followed by its continuation in the same document (pad past its end)
-    doc: np.ndarray  # [N] the document of each chunk
-    index: object  # faiss index over the chunks' embeddings
-    m: int
-
-
-def chunk_documents(token_arrays, doc_ids, m: int, r: int, pad_id: int = 0):
-    """Documents -> (chunk tokens + continuation [N, r], document id [N]); a document's last chunk is padded."""
-    rows, docs = [], []
-    for d, t in zip(doc_ids, token_arrays):
-        t = np.asarray(t, dtype=np.int64)
-        padded = np.concatenate([t, np.full(r, pad_id, dtype=np.int64)])
-        for start in range(0, len(t), m):
-            rows.append(padded[start: start + r])
-            docs.append(d)
-    return np.stack(rows), np.asarray(docs, dtype=np.int64)
-
-
-def build_database(token_arrays, doc_ids, m: int, embedder, r: int | None = None, index: str = "flat",
-                   nlist: int = 64, pad_id: int = 0, cache_dir: str | None = None, progress: bool = True,
-                   batch: int = 4096) -> Database:
-    """Chunk, embed (with a tqdm bar) and index a corpus; cached under cache_dir/retro-<hash>/ and reused.
-    index: "flat" = exact inner product (IndexFlatIP); "ivf" = IndexIVFFlat with `nlist` lists (large corpora)."""
-    import faiss
-    from tqdm import tqdm
-
-    r = r or 2 * m
-    tokens, doc = chunk_documents(token_arrays, doc_ids, m, r, pad_id)
-    key = hashlib.sha256(tokens.tobytes() + doc.tobytes() + f"{m}-{r}-{embedder.name}-{index}-{nlist}".encode())
-    path = os.path.join(cache_dir, f"retro-{key.hexdigest()[:16]}") if cache_dir else None
-    if path and os.path.exists(os.path.join(path, "index.faiss")):
-        return Database(tokens, doc, faiss.read_index(os.path.join(path, "index.faiss")), m)
-    emb = np.concatenate([embedder(tokens[i: i + batch, :m]) for i in tqdm(
-        range(0, len(tokens), batch), desc="retro: embedding chunks", disable=not progress)]).astype(np.float32)
-    if index == "flat":
-        ix = faiss.IndexFlatIP(emb.shape[1])
-    elif index == "ivf":
-        ix = faiss.IndexIVFFlat(faiss.IndexFlatIP(emb.shape[1]), emb.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
-        ix.train(emb)
-        ix.nprobe = max(1, nlist // 8)
-    else:
-        raise ValueError(f"index={index!r} is not 'flat' or 'ivf'")
-    ix.add(emb)
-    if path:
-        os.makedirs(path, exist_ok=True)
-        np.save(os.path.join(path, "chunks.npy"), tokens)
-        np.save(os.path.join(path, "doc.npy"), doc)
-        faiss.write_index(ix, os.path.join(path, "index.faiss"))  # last: its presence marks a complete cache
-    return Database(tokens, doc, ix, m)
-
-
-def query_neighbors(db: Database, chunks: np.ndarray, chunk_doc: np.ndarray, k: int, embedder):
-    """For query chunks [Q, m] from documents chunk_doc [Q] (or [Q, 2]: a chunk straddling two documents excludes
-    both): the k nearest database chunks of other documents. Returns (ids [Q, k], their tokens [Q, k, r]).
-    Searches 2k, 4k, ... candidates until k survive the filter."""
-    q = embedder(np.asarray(chunks)).astype(np.float32)
-    chunk_doc = np.asarray(chunk_doc).reshape(len(q), -1)  # [Q, 1 | 2]
-    want = 2 * k
-    while True:
-        want = min(want, db.index.ntotal)
-        _, ids = db.index.search(q, want)  # [Q, want], best first; -1 where an IVF probe found too few
-        ok = (ids >= 0) & (db.doc[np.maximum(ids, 0)][:, :, None] != chunk_doc[:, None, :]).all(-1)
-        if (ok.sum(1) >= k).all() or want == db.index.ntotal:
-            break
-        want *= 2
-    if (ok.sum(1) < k).any():
-        raise ValueError(f"fewer than k={k} chunks from other documents for some query chunks")
-    order = np.argsort(~ok, axis=1, kind="stable")[:, :k]  # the first k allowed, in rank order
-    out = np.take_along_axis(ids, order, axis=1)
-    return out, db.tokens[out]
-
-
 # ---------------------------------------------------------------------------------------------- train.py hooks
 TRAIN_DEFAULTS = dict(num_layers=6)  # the first CCA layer is layer 6
 
 
-class RetroDataset:
-    """GPT samples (data.GPTDataset) with the neighbours of their chunks: sample = [tokens (n + 1) | neighbours
-    (l·k·r)] flat, so train.py's batches stay one LongTensor. Samples start at multiples of n, so with n % m == 0
-    their chunks are chunks of the token stream, whose neighbours are queried once (cached) from the database of
-    the *training* documents; a stream chunk straddling two documents excludes both."""
-
-    def __init__(self, source, doc_ids, args, tok, seed):
-        from tqdm import tqdm
-
-        import bert
-        import data
-
-        m, k = args.retro_chunk_length or 64, args.retro_num_neighbors or 2
-        n, self.k, self.m = args.seq_length, k, m
-        if n % m:
-            raise data.DataError(f"--seq-length={n} is not a multiple of --retro-chunk-length={m}")
-        self.gpt = data.GPTDataset(source, doc_ids, n, seed)
-        train_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)[0]
-        bert_dir = getattr(args, "retro_bert_load", None)  # a trained BERT (Megatron's embedder) or the bag of tokens
-        self.embedder = bert.ChunkEmbedder.load(bert_dir, tok) if bert_dir else BagOfTokensEmbedder(tok.get_vocab_size())
-        try:
-            pad = data.special_ids(tok)["eod"]  # continuations past a document's end are padded with eod
-        except data.DataError:
-            pad = 0
-        lock = open(os.path.join(args.data_cache_dir, ".retro-lock"), "w")  # one rank builds, the others read
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        self.db = build_database([np.asarray(source[d]) for d in train_ids], list(train_ids), m, self.embedder,
-                                 pad_id=pad, cache_dir=args.data_cache_dir)
-        lengths = [len(source[int(d)]) for d in doc_ids]
-        token_doc = np.repeat(np.asarray(doc_ids, dtype=np.int64), lengths)  # the document of each stream token
-        C = len(self.gpt.tokens) // m
-        key = hashlib.sha256(self.gpt.tokens[: C * m].tobytes() + token_doc.tobytes() + repr(
-            (self.db.tokens.shape, int(self.db.tokens.sum()), k, self.embedder.name)).encode()).hexdigest()[:16]
-        path = os.path.join(args.data_cache_dir, f"retro-neighbors-{key}.npy")
-        if os.path.exists(path):
-            self.neighbors = np.load(path)
-        else:
-            chunks = self.gpt.tokens[: C * m].reshape(C, m)
-            docs = np.stack([token_doc[: C * m: m], token_doc[m - 1: C * m: m]], 1)  # first and last token's doc
-            self.neighbors = np.concatenate([query_neighbors(self.db, chunks[i: i + 4096], docs[i: i + 4096], k,
-                                                             self.embedder)[0]
-                                             for i in tqdm(range(0, C, 4096), desc="retro: querying neighbours")])
-            np.save(path, self.neighbors)  # [C, k] database chunk ids
-        lock.close()
-
-    def __len__(self):
-        return len(self.gpt)
-
-    def __getitem__(self, i):
-        tokens = self.gpt[i]
-        epoch, j = divmod(int(i), len(self.gpt))
-        first = int(self.gpt._order(epoch)[j]) * self.gpt.seq_length // self.m  # the sample's first stream chunk
-        l = self.gpt.seq_length // self.m  # noqa: E741
-        nbr = self.db.tokens[self.neighbors[first: first + l]]  # [l, k, r]
-        return np.concatenate([tokens, nbr.reshape(-1)])
-
-
-def dataset(source, doc_ids, args, tok, seed) -> RetroDataset:
-    return RetroDataset(source, doc_ids, args, tok, seed)
+def dataset(source, doc_ids, args, tok, seed) -> retrieval.RetroDataset:
+    """GPT samples + their chunks' neighbours, flat (see unpack); the database is retrieval.py's, built or reused."""
+    return retrieval.RetroDataset(source, doc_ids, args, tok, seed)
 
 
 def unpack(model: Model, mb):

@@ -796,7 +796,7 @@ def train(args):
 # ============================================================================================================
 def load_model(load_dir, step=None, flag="--load"):
     """A saved run for inference in one process (TP = PP = 1): (model, its flags, its tokenizer, (checkpoint
-    directory, meta)). `train.py sample` and Retro's BERT chunk embedder (bert.ChunkEmbedder.load) read runs so."""
+    directory, meta)). `train.py sample` and Retro's BERT chunk embedder (retrieval.ChunkEmbedder.load) read runs so."""
     ckpt = find_checkpoint(load_dir, step)
     if ckpt is None:
         raise ConfigError(f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt)")

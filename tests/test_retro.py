@@ -1,5 +1,5 @@
-"""Retro (retro.py): causality of chunked cross-attention, the closed gate equals GPT, TP/SP/DP equal the single
-process, and the retrieval database (planted duplicates found, same-document chunks never returned).
+"""Retro (retro.py, retrieval.py): causality of chunked cross-attention, the closed gate equals GPT, TP/SP/DP equal
+the single process, and the retrieval database (planted duplicates found, same-document chunks never returned).
 
 Small shapes: chunk length m = 4, k = 2 neighbours, r = 8, 6 layers (one CCA layer, layer 6, owning the 2-layer
 encoder) or 9 (CCA layers 6 and 9), h 32, float64. Tolerance for the layouts: 1e-10 relative (reduction order only).
@@ -20,6 +20,7 @@ import bert
 import data
 import gpt
 import parallel as P
+import retrieval
 import retro
 import train
 from equivalence import assert_same, train_steps
@@ -146,7 +147,7 @@ def corpus(n_docs=12, length=40, vocab=150, seed=0):
     return [rng.integers(1, vocab, length) for _ in range(n_docs)]
 
 
-class _SpecialTok:  # the corpus-tokenizer surface bert.ChunkEmbedder uses: data.SPECIAL_TOKENS at ids 0.. (eod 0)
+class _SpecialTok:  # the corpus-tokenizer surface retrieval.ChunkEmbedder uses: data.SPECIAL_TOKENS at ids 0.. (eod 0)
     def get_vocab_size(self):
         return 150
 
@@ -158,8 +159,8 @@ BERT_CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_
                 max_position_embeddings=16, hidden_dropout=0.1, attention_dropout=0.1)  # dropout: eval() turns it off
 
 
-def bert_embedder(**kw) -> bert.ChunkEmbedder:  # a random-init tiny BERT: frozen is all the embedder needs
-    return bert.ChunkEmbedder(bert.Model(bert.Config(**dict(BERT_CFG, **kw))), _SpecialTok(), batch_size=8)
+def bert_embedder(**kw) -> retrieval.ChunkEmbedder:  # a random-init tiny BERT: frozen is all the embedder needs
+    return retrieval.ChunkEmbedder(bert.Model(bert.Config(**dict(BERT_CFG, **kw))), _SpecialTok(), batch_size=8)
 
 
 def test_bert_chunk_embedder_is_deterministic_unit_norm_and_batch_and_padding_invariant():
@@ -195,20 +196,20 @@ def test_bert_chunk_embedder_refuses_another_vocabulary():
 def test_planted_duplicate_is_nearest_and_same_document_never(index, embedder, tmp_path):
     docs = corpus()
     docs[7][12:16] = docs[2][8:12]  # plant chunk 2 of document 2 as chunk 3 of document 7
-    emb = retro.BagOfTokensEmbedder(150, dim=64) if embedder == "bag" else bert_embedder()
-    db = retro.build_database(docs, list(range(12)), M, emb, index=index, nlist=4, cache_dir=str(tmp_path),
+    emb = retrieval.BagOfTokensEmbedder(150, dim=64) if embedder == "bag" else bert_embedder()
+    db = retrieval.build_database(docs, list(range(12)), M, emb, index=index, nlist=4, cache_dir=str(tmp_path),
                               progress=False)
     assert db.tokens.shape == (120, R)
     queries, qdoc = db.tokens[:, :M], db.doc
-    ids, toks = retro.query_neighbors(db, queries, qdoc, K, emb)
+    ids, toks = retrieval.query_neighbors(db, queries, qdoc, K, emb)
     assert ids.shape == (120, K) and toks.shape == (120, K, R)
     assert (db.doc[ids] != qdoc[:, None]).all()  # never the query's own document (though its own chunk scores 1)
     assert ids[2 * 10 + 2, 0] == 7 * 10 + 3 and ids[7 * 10 + 3, 0] == 2 * 10 + 2
     np.testing.assert_array_equal(toks[2 * 10 + 2, 0], np.concatenate([docs[7][12:20]]))  # chunk + continuation
-    again = retro.build_database(docs, list(range(12)), M, emb, index=index, nlist=4, cache_dir=str(tmp_path),
+    again = retrieval.build_database(docs, list(range(12)), M, emb, index=index, nlist=4, cache_dir=str(tmp_path),
                                  progress=False)  # from the cache
     assert len(list(tmp_path.iterdir())) == 1
-    np.testing.assert_array_equal(retro.query_neighbors(again, queries, qdoc, K, emb)[0], ids)
+    np.testing.assert_array_equal(retrieval.query_neighbors(again, queries, qdoc, K, emb)[0], ids)
 
 
 # --------------------------------------------------------------------------------------------- 5. train.py hooks
@@ -240,7 +241,7 @@ def test_train_hooks_samples_carry_other_document_neighbours(tmp_path):
     assert torch.equal(tokens[0], torch.from_numpy(ds.gpt[0])) and nbrs.shape == (3, 2, K, R)
     start = int(ds.gpt._order(0)[5]) * 8  # sample 5's place in the token stream: its two chunks, queried afresh
     qdoc = np.stack([token_doc[start: start + 8: M], token_doc[start + M - 1: start + 8: M]], 1)
-    _, toks = retro.query_neighbors(ds.db, ds.gpt.tokens[start: start + 8].reshape(2, M), qdoc, K, ds.embedder)
+    _, toks = retrieval.query_neighbors(ds.db, ds.gpt.tokens[start: start + 8].reshape(2, M), qdoc, K, ds.embedder)
     assert torch.equal(nbrs[1], torch.from_numpy(toks))
     assert torch.isfinite(retro.loss_func(model, mb))
 
@@ -255,8 +256,8 @@ def test_train_py_retro_with_a_trained_bert_embedder(tmp_path, monkeypatch):
         (src / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
     cache, calls = tmp_path / "cache", []
     train.main(tiny(src, cache, tmp_path / "bert", "--model", "bert", iters=3))
-    real = bert.ChunkEmbedder.__call__
-    monkeypatch.setattr(bert.ChunkEmbedder, "__call__", lambda self, x: calls.append(self.name) or real(self, x))
+    real = retrieval.ChunkEmbedder.__call__
+    monkeypatch.setattr(retrieval.ChunkEmbedder, "__call__", lambda self, x: calls.append(self.name) or real(self, x))
     train.main(tiny(src, cache, tmp_path / "retro", "--model", "retro", "--num-layers", "6", "--retro-chunk-length",
                     "8", "--retro-bert-load", str(tmp_path / "bert"), iters=2))
     losses, _ = metrics(tmp_path / "retro")
@@ -266,4 +267,4 @@ def test_train_py_retro_with_a_trained_bert_embedder(tmp_path, monkeypatch):
     # other weights, another name: a database or neighbours cached with the iteration-3 BERT are not reused
     train.main(tiny(src, cache, tmp_path / "bert", "--model", "bert", "--load", str(tmp_path / "bert"), iters=4))
     tok = data.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "bert" / "tokenizer.json"))
-    assert bert.ChunkEmbedder.load(tmp_path / "bert", tok).name.startswith("bert-iter4-")
+    assert retrieval.ChunkEmbedder.load(tmp_path / "bert", tok).name.startswith("bert-iter4-")

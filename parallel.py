@@ -608,11 +608,14 @@ def pad_vocab(vocab_size: int, divisible_by: int = 128) -> int:
 
 @torch.no_grad()
 def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], grid: Grid | None, strict: bool = True):
-    """Copy full (unsharded) tensors into `module`, each rank keeping its slice — the inverse of `gather_full`."""
-    tp = tp_of(grid)
-    own = dict(module.named_parameters(remove_duplicate=False))
+    """Copy full (unsharded) tensors into `module`, each rank keeping its slice — the inverse of `gather_full`.
+    Parameters are looked up by their global name (`module.global_name`, as `init_params`), so an expert-parallel
+    rank takes its own experts; `strict`: every parameter is in `full`, and every entry of `full` is one of ours or
+    (under EP) one of another rank's experts."""
+    tp, rename = tp_of(grid), getattr(module, "global_name", lambda name: name)
+    own = {rename(k): p for k, p in module.named_parameters(remove_duplicate=False)}
     missing = [k for k in own if k not in full]
-    unexpected = [k for k in full if k not in own]
+    unexpected = [k for k in full if k not in own and not _another_ranks_expert(k, own, grid)]
     if strict and (missing or unexpected):
         raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, p in own.items():
@@ -1302,6 +1305,16 @@ def expert_global_name(name: str, grid: Grid | None, num_experts: int | None) ->
     if m is None or grid is None or grid.ep_size == 1:
         return name
     return name[:m.start(2)] + str(grid.ep.rank * (num_experts // grid.ep_size) + int(m.group(2)))
+
+
+def _another_ranks_expert(name: str, own: dict, grid: Grid | None) -> bool:
+    """Whether global expert weight `name` (…experts.linear_fc1.weight{j}) is held by another EP rank: j < E."""
+    m = _EXPERT.search(name)
+    if m is None or grid is None or grid.ep_size == 1:
+        return False
+    stem = name[:m.start(2)]
+    local = sum(1 for k in own if k.startswith(stem) and k[len(stem):].isdigit())  # E/ep here
+    return int(m.group(2)) < local * grid.ep_size
 
 
 def moe_set_num_tokens(chunks, num_tokens):

@@ -8,6 +8,7 @@ in another order than the dense loop, the parallel runs sum gradients over ranks
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -288,6 +289,51 @@ def test_layout_errors(pool):
 
 def grid_case(rank, n, ep):
     P.Grid(dp=n, ep=ep)
+
+
+def megatron_named(cfg, seed=7) -> dict:
+    """A Megatron-core MoE GPT's full state dict: a single-process model's, experts renamed to the local spec's
+    SequentialMLP `experts.local_experts.{i}.linear_fc{1,2}.weight`."""
+    model = gpt.Model(gpt.Config(**{**cfg, "seed": seed}))
+    rename = lambda k: re.sub(r"experts\.(linear_fc[12])\.weight(\d+)$", r"experts.local_experts.\2.\1.weight", k)
+    return {rename(k): v for k, v in model.state_dict().items()}
+
+
+def from_megatron_case(rank, n, cfg, tp, ep, etp, drop=None, extra=False):
+    grid = P.Grid(tp=tp, dp=n // tp, ep=ep, etp=etp)
+    full = megatron_named(cfg)
+    if drop is not None:
+        del full[drop]
+    if extra:  # an expert past num_experts
+        k = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+        full[k.replace(".0.linear", f".{cfg['num_experts']}.linear")] = full[k]
+    return named_full(gpt.from_megatron(full, gpt.Config(**cfg), grid), grid)
+
+
+@pytest.mark.parametrize("tp,ep,etp", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2)])
+def test_from_megatron_under_expert_parallelism(pool, tp, ep, etp):
+    """A Megatron checkpoint loads on an EP layout: every rank takes its own experts (by global index) and the
+    gathered parameters are the checkpoint's, exactly (the model's own init uses another seed, so a rank that kept
+    it, or another rank's experts, fails). With EP = 1 this is the Megatron-parity test's loading path."""
+    cfg = dict(MOE, moe_token_dispatcher_type="alltoall")
+    ref = named_full(gpt.from_megatron(megatron_named(cfg), gpt.Config(**cfg)), None)
+    got = {}
+    for r in pool.run(from_megatron_case, 4, cfg=cfg, tp=tp, ep=ep, etp=etp):
+        got.update(r)
+    assert set(got) == set(ref)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    own_init = named_full(gpt.Model(gpt.Config(**cfg)), None)
+    assert all(not torch.equal(own_init[k], ref[k]) for k in ref if "weight" in k and "norm" not in k)
+
+
+def test_from_megatron_under_expert_parallelism_is_strict(pool):
+    cfg = dict(MOE, moe_token_dispatcher_type="alltoall")
+    with pytest.raises(CaseFailed, match="missing.*experts.linear_fc2.weight3"):
+        pool.run(from_megatron_case, 4, cfg=cfg, tp=1, ep=2, etp=1,
+                 drop="decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight")
+    with pytest.raises(CaseFailed, match="unexpected.*experts.linear_fc1.weight4"):
+        pool.run(from_megatron_case, 4, cfg=cfg, tp=1, ep=2, etp=1, extra=True)
 
 
 def test_moe_layer_frequency():

@@ -1517,25 +1517,33 @@ def fp8_enable(model: nn.Module, recipe: FP8Recipe, grid: Grid | None = None, im
 
 
 class _TELinear:
-    """te.pytorch.Linear (no TE parallelism: our mappings communicate) on our weight shard, under fp8_autocast."""
+    """te.pytorch.Linear (no TE parallelism: our mappings communicate) on our weight shard, under TE's autocast.
+    Each call is its own autocast region, so TE's delayed recipe reduces amaxes over the group and updates its
+    scales when the call's region ends (per forward, as Megatron's per-micro-batch region does), not in
+    FP8State.update. API as in TE 2.20 (`autocast(recipe=, amax_reduction_group=)`; `fp8_autocast` before 2.8)."""
 
     def __init__(self, layer: nn.Module, recipe: FP8Recipe, grid: Grid | None):
         import transformer_engine.common.recipe as te_recipe
         import transformer_engine.pytorch as te
-        self.te, w = te, layer.weight
+        w = layer.weight
         if grid is not None and grid.pp_size > 1:
             raise NotImplementedError("TE FP8 backend: the amax reduction group assumes pp = 1")
-        self.group = dist.group.WORLD if dist.is_initialized() else None  # pp = 1: the world is TP x DP
+        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"TE FP8 backend: params_dtype {w.dtype} (Transformer Engine takes float32, bfloat16 or "
+                             "float16 weights; float64 runs with --transformer-impl local)")
+        group = dist.group.WORLD if dist.is_initialized() else None  # pp = 1: the world is TP x DP
         fmt = te_recipe.Format.HYBRID if recipe.format == "hybrid" else te_recipe.Format.E4M3
-        self.recipe = (te_recipe.DelayedScaling(fp8_format=fmt, margin=recipe.margin,
-                                                amax_history_len=recipe.amax_history_len,
-                                                amax_compute_algo=recipe.amax_compute_algo)
-                       if recipe.recipe == "delayed" else te_recipe.Float8CurrentScaling(fp8_format=fmt))
+        te_rec = (te_recipe.DelayedScaling(fp8_format=fmt, margin=recipe.margin,
+                                           amax_history_len=recipe.amax_history_len,
+                                           amax_compute_algo=recipe.amax_compute_algo)
+                  if recipe.recipe == "delayed" else te_recipe.Float8CurrentScaling(fp8_format=fmt))
+        self.autocast = (lambda: te.autocast(enabled=True, recipe=te_rec, amax_reduction_group=group)) \
+            if hasattr(te, "autocast") else (lambda: te.fp8_autocast(enabled=True, fp8_recipe=te_rec, fp8_group=group))
         lin = te.Linear(w.shape[1], w.shape[0], bias=False, params_dtype=w.dtype, device=w.device)
         lin.weight = w  # TE computes with our master weight (same Parameter: the optimizer, checkpoints see it)
         self.lin = lin  # a plain attribute, not a submodule: the weight must not appear twice in the model
 
-    def __call__(self, x, w, bias):
-        with self.te.fp8_autocast(enabled=True, fp8_recipe=self.recipe, fp8_group=self.group):
+    def __call__(self, x, w, bias):  # x [..., k] -> [..., n]
+        with self.autocast():
             y = self.lin(x)
         return y + bias if bias is not None else y

@@ -105,7 +105,7 @@ def parse_args(argv):
     a("--fp8-amax-history-len", type=int, default=1024)
     a("--fp8-amax-compute-algo", default="max", choices=["max", "most_recent"])
     a("--transformer-impl", default="local", choices=["local", "transformer_engine"],
-      help="transformer_engine: TE's Linear + fp8_autocast for --fp8 (needs CUDA and transformer_engine)")
+      help="transformer_engine: TE's Linear + autocast for --fp8 (needs CUDA and transformer_engine)")
     a("--seed", type=int, default=1234)
     # parallelism
     a("--tensor-model-parallel-size", type=int, default=1)

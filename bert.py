@@ -12,7 +12,7 @@ Run:    make train MODEL=bert        (or: .venv/bin/python train.py --model bert
 
 Pre-LN or post-LN. Megatron-core's BERT is pre-LN with no embedding LayerNorm (the default here). Original BERT
 (Hugging Face) is post-LN with an embedding LayerNorm: that is the same stack with gpt.Config's
-apply_residual_connection_post_layernorm=True, its norms shifted by one layer (see from_hf).
+apply_residual_connection_post_layernorm=True, its norms shifted by one layer (see convert.bert_from_hf).
 
 Dimension glossary: gpt.py's (b batch, s sequence, h hidden, V vocabulary).
 """
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 import data
@@ -299,72 +298,17 @@ def mlm_accuracy(model, batch) -> tuple[int, int]:
     return int((logits.argmax(-1)[m] == batch[:, LABELS][m]).sum()), int(m.sum())
 
 
-# ---------------------------------------------------------------------------------------------- Hugging Face
+# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` BertForPreTraining (or BertForMaskedLM: no binary head).
-
-    HF BERT is post-LN: e = LN_emb(emb); per layer y = LN_att(e + attn(e)), e = LN_out(y + mlp(y)). That is our
-    stack with apply_residual_connection_post_layernorm=True and the norms shifted by one: layer i's
-    input_layernorm = LN_emb (i = 0) or layer i−1's LN_out, pre_mlp_layernorm = LN_att, final_layernorm = the last
-    LN_out."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    if hc.model_type != "bert":
-        raise ValueError(f"bert.from_hf: unsupported model_type {hc.model_type!r} (bert is)")
-    if getattr(hc, "position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"bert.from_hf: position_embedding_type {hc.position_embedding_type!r} (absolute is supported)")
-    binary = "cls.seq_relationship.weight" in sd
-    tied = bool(getattr(hc, "tie_word_embeddings", True))
-    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
-               ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
-               max_position_embeddings=hc.max_position_embeddings, layernorm_epsilon=hc.layer_norm_eps,
-               activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
-               num_tokentypes=hc.type_vocab_size, add_binary_head=binary, apply_residual_connection_post_layernorm=True,
-               share_embeddings_and_output_weights=tied, hidden_dropout=0.0, attention_dropout=0.0,
-               params_dtype=dtype or next(hf.parameters()).dtype)
-    e, p = "bert.embeddings.", "cls.predictions."
-    full = {"embedding.word_embeddings.weight": sd[e + "word_embeddings.weight"],
-            "embedding.position_embeddings.weight": sd[e + "position_embeddings.weight"],
-            "embedding.tokentype_embeddings.weight": sd[e + "token_type_embeddings.weight"],
-            "lm_head.dense.weight": sd[p + "transform.dense.weight"], "lm_head.dense.bias": sd[p + "transform.dense.bias"],
-            "lm_head.layer_norm.weight": sd[p + "transform.LayerNorm.weight"],
-            "lm_head.layer_norm.bias": sd[p + "transform.LayerNorm.bias"], "output_layer.bias": sd[p + "bias"]}
-    if not tied:
-        full["output_layer.weight"] = sd[p + "decoder.weight"]
-    if binary:
-        full.update({"pooler.dense.weight": sd["bert.pooler.dense.weight"], "pooler.dense.bias": sd["bert.pooler.dense.bias"],
-                     "binary_head.weight": sd["cls.seq_relationship.weight"],
-                     "binary_head.bias": sd["cls.seq_relationship.bias"]})
-    norm_in = e + "LayerNorm."
-    for i in range(c.num_layers):
-        h, o = f"bert.encoder.layer.{i}.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias"):
-            qkv = torch.stack([sd[h + f"attention.self.{t}.{kind}"] for t in ("query", "key", "value")])
-            full.update({
-                o + f"input_layernorm.{kind}": sd[norm_in + kind],
-                o + f"self_attention.linear_qkv.{kind}": rearrange(  # [q; k; v] -> Megatron's per head [q_h; k_h; v_h]
-                    qkv, "three (n d) ... -> (n three d) ...", n=c.num_attention_heads),
-                o + f"self_attention.linear_proj.{kind}": sd[h + f"attention.output.dense.{kind}"],
-                o + f"pre_mlp_layernorm.{kind}": sd[h + f"attention.output.LayerNorm.{kind}"],
-                o + f"mlp.linear_fc1.{kind}": sd[h + f"intermediate.dense.{kind}"],
-                o + f"mlp.linear_fc2.{kind}": sd[h + f"output.dense.{kind}"]})
-        norm_in = h + "output.LayerNorm."
-    full.update({f"decoder.final_layernorm.{k}": sd[norm_in + k] for k in ("weight", "bias")})
-    model = Model(c, grid)
-    pad = c.padded_vocab_size - c.vocab_size  # padded rows / bias entries are zero: logit 0, never a target
-    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if k in full:
-            full[k] = F.pad(full[k], (0, 0, 0, pad))
-    full["output_layer.bias"] = F.pad(full["output_layer.bias"], (0, pad))
-    P.load_full_state_dict(model, full, grid)
-    return model
+    """A Model with the weights of a `transformers` BertForPreTraining (BertForMaskedLM: no binary head)."""
+    import convert
+    return convert.bert_from_hf(hf, grid, dtype)
 
 
-# ---------------------------------------------------------------------------------------------- Megatron-core
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
-    """A Model with the weights of a Megatron-core BertModel: its full state dict, handled as gpt.megatron_state says.
-    Names and layouts are Megatron's but one: its layer stack is `encoder`, ours (gpt.Model's) `decoder`. Megatron's
-    own mask masks padded queries as well as keys: their rows differ from ours, real tokens' do not."""
-    model = Model(config, grid)
-    full = gpt.megatron_state(state_dict, config, lambda k: "decoder." + k[8:] if k.startswith("encoder.") else k)
-    P.load_full_state_dict(model, full, grid)
-    return model
+    """A Model with the weights of a Megatron-core BertModel, from its full state dict. Names and layouts are
+    Megatron's but one: its layer stack is `encoder`, ours (gpt.Model's) `decoder`. Megatron's own mask masks padded
+    queries as well as keys: their rows differ from ours, real tokens' do not."""
+    import convert
+    return convert.load_megatron(Model(config, grid), state_dict,
+                                 lambda k: "decoder." + k[8:] if k.startswith("encoder.") else k)

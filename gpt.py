@@ -17,9 +17,9 @@ Dimension glossary
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-import re
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 import parallel as P
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     """Megatron's TransformerConfig field names. Derived fields are filled in __post_init__."""
     POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("learned_absolute", "rope", "none")  # a model file may add its own
@@ -191,19 +191,11 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
         p = self.p if self.training else 0.0
-        ctx = self.rng.fork(device=x.device) if (p > 0 and self.rng is not None) else _null()
+        ctx = self.rng.fork(device=x.device) if (p > 0 and self.rng is not None) else contextlib.nullcontext()
         with ctx:  # attention dropout acts on heads, which are TP shards: the model-parallel RNG stream
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale,
                                                is_causal=causal and mask is None, enable_gqa=self.g != self.n)
         return self.linear_proj(rearrange(o, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 class MLP(nn.Module):
@@ -236,7 +228,7 @@ class TransformerLayer(nn.Module):
     apply_residual_connection_post_layernorm (legacy Megatron's flag): the residual branch starts from norm(x), not x.
     With it, a stack of these layers plus the final norm is exactly the post-LN transformer of original BERT with its
     norms shifted by one (layer i's input_layernorm = BERT's embedding LayerNorm for i = 0, else layer i−1's output
-    LayerNorm) — see bert.from_hf."""
+    LayerNorm) — see convert.bert_from_hf."""
 
     def __init__(self, c: Config, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None):
         super().__init__()
@@ -316,7 +308,7 @@ class Model(nn.Module):
         c = self.config = config
         c.check_layout(grid.tp_size if grid is not None else 1, ep=grid.ep_size if grid is not None else 1)
         if c.sequence_parallel and (grid is None or grid.tp_size == 1):
-            c = self.config = _replace(c, sequence_parallel=False)  # SP is a TP feature: a no-op without TP
+            c = self.config = dataclasses.replace(c, sequence_parallel=False)  # SP is a TP feature: a no-op without TP
         self.grid, self.pre_process, self.post_process = grid, pre_process, post_process
         self.layer_offset = layer_offset
         self.rng = P.RNGTracker(c.seed, grid)
@@ -374,11 +366,6 @@ class Model(nn.Module):
         return loss.t()  # [b, s]
 
 
-def _replace(c, **kw):
-    import dataclasses
-    return dataclasses.replace(c, **kw)
-
-
 def sample_next(logits, temperature: float, top_k: int | None):
     """The next token [b, 1] from the last position's logits [b, V]: greedy at temperature 0, else top-k sampling."""
     logits = logits.float()
@@ -410,117 +397,15 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
     return ids
 
 
-# ---------------------------------------------------------------------------------------------- Hugging Face
+# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    dtype = dtype or next(hf.parameters()).dtype
-    common = dict(vocab_size=hc.vocab_size, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)
-    if hc.model_type == "gpt2":
-        c = Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
-                   ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
-                   layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", **common)
-        full = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
-                "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
-                "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
-                "decoder.final_layernorm.bias": sd["transformer.ln_f.bias"]}
-        names = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv", "ln_2": "pre_mlp_layernorm",
-                 "attn.c_proj": "self_attention.linear_proj", "mlp.c_fc": "mlp.linear_fc1", "mlp.c_proj": "mlp.linear_fc2"}
-        for i in range(c.num_layers):
-            for src, dst in names.items():
-                for kind in ("weight", "bias"):
-                    t = sd[f"transformer.h.{i}.{src}.{kind}"]
-                    if kind == "weight" and not src.startswith("ln"):
-                        t = t.t()  # HF's Conv1D stores [in, out]
-                    if src == "attn.c_attn":  # [q; k; v] of all heads -> Megatron's per-head [q_h; k_h; v_h]
-                        t = rearrange(t, "(three n d) ... -> (n three d) ...", three=3, n=c.num_attention_heads)
-                    full[f"decoder.layers.{i}.{dst}.{kind}"] = t
-    elif hc.model_type == "llama":
-        c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size,
-                   num_attention_heads=hc.num_attention_heads, num_query_groups=hc.num_key_value_heads,
-                   kv_channels=getattr(hc, "head_dim", None),
-                   ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
-                   position_embedding_type="rope", rotary_base=_rope_theta(hc), normalization="RMSNorm",
-                   layernorm_epsilon=hc.rms_norm_eps, activation="silu", gated_linear_unit=True,
-                   add_bias_linear=False, add_qkv_bias=bool(getattr(hc, "attention_bias", False)),
-                   share_embeddings_and_output_weights=hc.tie_word_embeddings, **common)
-        g = c.num_query_groups
-        full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-                "decoder.final_layernorm.weight": sd["model.norm.weight"]}
-        if not c.share_embeddings_and_output_weights:
-            full["output_layer.weight"] = sd["lm_head.weight"]
-        for i in range(c.num_layers):
-            h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
-            q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.weight"], "(g r) h -> g r h", g=g) for t in "qkv")
-            full.update({o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
-                         o + "self_attention.linear_qkv.weight": rearrange(torch.cat([q, k, v], 1), "g r h -> (g r) h"),
-                         o + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
-                         o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
-                         o + "mlp.linear_fc1.weight": torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]]),
-                         o + "mlp.linear_fc2.weight": sd[h + "mlp.down_proj.weight"]})
-            if c.add_qkv_bias:
-                q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.bias"], "(g r) -> g r", g=g) for t in "qkv")
-                full[o + "self_attention.linear_qkv.bias"] = torch.cat([q, k, v], 1).flatten()
-    else:
-        raise ValueError(f"from_hf: unsupported model_type {hc.model_type!r} (gpt2 and llama are)")
-    model = Model(c, grid)
-    for k in [k for k in full if k.endswith("word_embeddings.weight") or k == "output_layer.weight"]:
-        full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
-    P.load_full_state_dict(model, full, grid)
-    return model
+    import convert
+    return convert.gpt_from_hf(hf, grid, dtype)
 
 
-def _rope_theta(hc) -> float:
-    rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
-    return float(rp.get("rope_theta", getattr(hc, "rope_theta", 10000.0)))
-
-
-# ---------------------------------------------------------------------------------------------- Megatron-core
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
-    """A Model holding the weights of a Megatron-core GPTModel: its full (unsharded) state dict — `state_dict()` of
-    a TP=1 model, or a distributed checkpoint loaded whole. `config` describes the same architecture.
-
-    Our parameter names and tensor layouts are Megatron's local-spec ones, so this is a rename, not a reshuffle:
-    fused QKV grouped per query group [q heads of the group; k; v], SwiGLU linear_fc1 as [gate; up] (whose TP shards
-    are [gate_r; up_r]). What `megatron_state` handles on the way in is listed there.
-    """
-    model = Model(config, grid)
-    P.load_full_state_dict(model, megatron_state(state_dict, config), grid)
-    return model
-
-
-def megatron_state(state_dict: dict, c: Config, rename=None) -> dict:
-    """A Megatron-core state dict -> our full state dict (bert.py and t5.py use it too; `rename` maps a Megatron name
-    to ours, None to drop it). Handled on the way in:
-      - "module." prefixes (DDP / Float16Module wrappers) and `_extra_state` entries (Transformer Engine metadata);
-      - the Transformer Engine spec's fused norms: linear_qkv.layer_norm_{weight,bias} is our input_layernorm,
-        linear_fc1.layer_norm_{weight,bias} our pre_mlp_layernorm;
-      - MoE experts: the local spec's SequentialMLP experts.local_experts.{i}.linear_fc{1,2}.weight are our
-        (TEGroupedMLP-named) experts.linear_fc{1,2}.weight{i};
-      - a tied checkpoint's copy of the embedding in the output layer (dropped);
-      - vocabulary padding: Megatron pads to a multiple of make_vocab_size_divisible_by·tp, we pad independently of
-        TP, so the embedding and output-layer rows (weight and bias) are cut or zero-padded to our
-        padded_vocab_size. Rows past vocab_size are padding; the logits of real tokens are unchanged, the loss only
-        when the padded sizes differ.
-    """
-    te_norms = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
-                ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
-    full = {}
-    for name, t in state_dict.items():
-        while name.startswith("module."):
-            name = name[len("module."):]
-        if name.endswith("_extra_state") or t is None:
-            continue
-        for te, ours in te_norms.items():
-            name = name.replace(te, ours)
-        name = re.sub(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r".experts.\2.weight\1", name)
-        name = rename(name) if rename is not None else name
-        if name is None or (name.endswith("output_layer.weight") and c.share_embeddings_and_output_weights):
-            continue  # an alias, or a tied checkpoint's output-layer copy of the embedding
-        full[name] = t.detach()
-    for name in [k for k in full if k.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias"))]:
-        t, rows = full[name], full[name].shape[0]
-        if rows < c.vocab_size:
-            raise ValueError(f"{name} has {rows} rows, fewer than vocab_size={c.vocab_size}")
-        full[name] = F.pad(t[: c.padded_vocab_size], (0, 0) * (t.ndim - 1) + (0, max(0, c.padded_vocab_size - rows)))
-    return full
+    """A Model with the weights of a Megatron-core GPTModel, from its full state dict. Our names and layouts are
+    Megatron's local-spec ones, so this is a rename (what it handles: convert.megatron_state)."""
+    import convert
+    return convert.load_megatron(Model(config, grid), state_dict)

@@ -406,33 +406,8 @@ def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, t
                         next_logits=lambda ids: model.step(ids[:, -1], cache))
 
 
-# ---------------------------------------------------------------------------------------------- Hugging Face
+# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path). HF's names and
-    layouts are Megatron's ([z, x, B, C, dt] in_proj, [x, B, C] conv), so this is a rename plus vocabulary padding."""
-    hc = hf.config
-    if hc.model_type != "mamba2":
-        raise ValueError(f"from_hf: model_type {hc.model_type!r} is not 'mamba2'")
-    limit = tuple(getattr(hc, "time_step_limit", (0.0, float("inf"))))
-    if hc.use_bias or not hc.use_conv_bias or hc.hidden_act != "silu" or limit != (0.0, float("inf")):
-        raise ValueError(f"from_hf: Megatron's mixer has no in/out_proj bias, a conv bias, SiLU and no dt limit; got "
-                         f"use_bias={hc.use_bias}, use_conv_bias={hc.use_conv_bias}, hidden_act={hc.hidden_act!r}, "
-                         f"time_step_limit={limit}")
-    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=1,
-               vocab_size=hc.vocab_size, mamba_state_dim=hc.state_size, mamba_head_dim=hc.head_dim,
-               mamba_num_groups=hc.n_groups, mamba_num_heads=hc.num_heads, mamba_chunk_size=hc.chunk_size,
-               mamba_conv_kernel=hc.conv_kernel, layernorm_epsilon=hc.layer_norm_epsilon,
-               share_embeddings_and_output_weights=hc.tie_word_embeddings,
-               params_dtype=dtype or next(hf.parameters()).dtype)
-    full = {}
-    for k, v in hf.state_dict().items():
-        k = {"backbone.embeddings.weight": "embedding.word_embeddings.weight", "lm_head.weight": "output_layer.weight",
-             "backbone.norm_f.weight": "decoder.final_norm.weight"}.get(k, k.replace("backbone.layers.", "decoder.layers."))
-        if k == "output_layer.weight" and c.share_embeddings_and_output_weights:
-            continue
-        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            v = F.pad(v, (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
-        full[k] = v.detach()
-    model = Model(c, grid)
-    P.load_full_state_dict(model, full, grid)
-    return model
+    """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path)."""
+    import convert
+    return convert.mamba_from_hf(hf, grid, dtype)

@@ -227,10 +227,9 @@ class Model(gpt.Model):
 
 
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
-    """A Model holding a Megatron-core RetroModel's weights: its full state dict (see gpt.from_megatron)."""
-    model = Model(config, grid)
-    P.load_full_state_dict(model, gpt.megatron_state(state_dict, config), grid)
-    return model
+    """A Model with the weights of a Megatron-core RetroModel, from its full state dict (see gpt.from_megatron)."""
+    import convert
+    return convert.load_megatron(Model(config, grid), state_dict)
 
 
 # ---------------------------------------------------------------------------------------------- train.py hooks

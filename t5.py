@@ -30,7 +30,6 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
@@ -367,69 +366,18 @@ def batch_recipe(batch):
     return (lambda model, mb: t5_loss(model, unpack(mb)).float()), int(unpack(batch)["loss_mask"].sum())
 
 
-# ---------------------------------------------------------------------------------------------- Megatron-core
+# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
-    """A Model with the weights of a Megatron-core T5Model: its full state dict, handled as gpt.megatron_state says.
-    Names and layouts are Megatron's (cross-attention linear_kv per head [k; v], relative_attention_bias [B, n]);
-    its second names for embedding.position_embeddings and lm_head.output_layer (top-level `position_embeddings.*`,
-    `output_layer.*`) are dropped."""
-    alias, model = ("position_embeddings.", "output_layer."), Model(config, grid)
-    P.load_full_state_dict(model, gpt.megatron_state(state_dict, config, lambda k: None if k.startswith(alias) else k), grid)
-    return model
+    """A Model with the weights of a Megatron-core T5Model, from its full state dict. Names and layouts are
+    Megatron's (cross-attention linear_kv per head [k; v], relative_attention_bias [B, n]); its second names for
+    embedding.position_embeddings and lm_head.output_layer (top-level `position_embeddings.*`, `output_layer.*`)
+    are dropped."""
+    import convert
+    alias = ("position_embeddings.", "output_layer.")
+    return convert.load_megatron(Model(config, grid), state_dict, lambda k: None if k.startswith(alias) else k)
 
 
-# ---------------------------------------------------------------------------------------------- Hugging Face
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` T5ForConditionalGeneration (logits match)."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    tied = hf.lm_head.weight.data_ptr() == hf.shared.weight.data_ptr()
-    gated = getattr(hc, "is_gated_act", hc.feed_forward_proj.startswith("gated"))
-    act = {"relu": "relu", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}.get(hc.dense_act_fn)
-    if act is None:
-        raise ValueError(f"from_hf: unsupported T5 feed_forward_proj {hc.feed_forward_proj!r}")
-    c = Config(num_layers=hc.num_layers, encoder_num_layers=hc.num_layers, decoder_num_layers=hc.num_decoder_layers,
-               hidden_size=hc.d_model, num_attention_heads=hc.num_heads, kv_channels=hc.d_kv,
-               ffn_hidden_size=hc.d_ff, vocab_size=hc.vocab_size, position_embedding_type="relative",
-               relative_attention_num_buckets=hc.relative_attention_num_buckets,
-               relative_attention_max_distance=hc.relative_attention_max_distance, normalization="RMSNorm",
-               layernorm_epsilon=hc.layer_norm_epsilon, softmax_scale=1.0, activation=act, gated_linear_unit=gated,
-               add_bias_linear=False, share_embeddings_and_output_weights=tied, lm_head_bias=False,
-               scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)),
-               hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or hf.shared.weight.dtype)
-    n = c.num_attention_heads
-    full = {"embedding.word_embeddings.weight": sd["shared.weight"],
-            "encoder.final_layernorm.weight": sd["encoder.final_layer_norm.weight"],
-            "decoder.final_layernorm.weight": sd["decoder.final_layer_norm.weight"],
-            "encoder_relative_pos_emb.relative_attention_bias.weight":
-                sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"],
-            "decoder_relative_pos_emb.relative_attention_bias.weight":
-                sd["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]}
-    if not tied:
-        full["lm_head.output_layer.weight"] = sd["lm_head.weight"]
-    for stack, depth in [("encoder", c.encoder_num_layers), ("decoder", c.decoder_num_layers)]:
-        for i in range(depth):
-            h, o = f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
-            q, k, v = (rearrange(sd[h + f"0.SelfAttention.{t}.weight"], "(n d) x -> n d x", n=n) for t in "qkv")
-            full[o + "self_attention.linear_qkv.weight"] = rearrange(torch.stack([q, k, v], 1), "n t d x -> (n t d) x")
-            full[o + "self_attention.linear_proj.weight"] = sd[h + "0.SelfAttention.o.weight"]
-            full[o + "input_layernorm.weight"] = sd[h + "0.layer_norm.weight"]
-            f = "1"
-            if stack == "decoder":
-                a = h + "1.EncDecAttention."
-                k, v = (rearrange(sd[a + f"{t}.weight"], "(n d) x -> n d x", n=n) for t in "kv")
-                full[o + "cross_attention.linear_q.weight"] = sd[a + "q.weight"]
-                full[o + "cross_attention.linear_kv.weight"] = rearrange(torch.stack([k, v], 1), "n t d x -> (n t d) x")
-                full[o + "cross_attention.linear_proj.weight"] = sd[a + "o.weight"]
-                full[o + "pre_cross_attn_layernorm.weight"] = sd[h + "1.layer_norm.weight"]
-                f = "2"
-            m = h + f + ".DenseReluDense."
-            full[o + "mlp.linear_fc1.weight"] = torch.cat([sd[m + "wi_0.weight"], sd[m + "wi_1.weight"]]) if gated \
-                else sd[m + "wi.weight"]
-            full[o + "mlp.linear_fc2.weight"] = sd[m + "wo.weight"]
-            full[o + "pre_mlp_layernorm.weight"] = sd[h + f + ".layer_norm.weight"]
-    model = Model(c, grid)
-    for name in ("embedding.word_embeddings.weight", "lm_head.output_layer.weight"):
-        if name in full:
-            full[name] = F.pad(full[name], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # never targets
-    P.load_full_state_dict(model, full, grid)
-    return model
+    import convert
+    return convert.t5_from_hf(hf, grid, dtype)

@@ -75,6 +75,7 @@ from test_megatron_parity import (
     seeded_full_state,
 )
 
+import convert
 import gpt
 import parallel as P
 import retro
@@ -300,7 +301,7 @@ def moe_case(rank, n, tp, b=2, s=12, seed=7, wrong_experts=False, aux_weight=Non
                             dict(input_ids=ids[:, :-1]), ids[:, 1:], weights, sp=sp,
                             finalize=lambda: _allreduce_non_tensor_model_parallel_grads(
                                 [mc], mc.config, get_tensor_model_parallel_group()))
-        ref["grads"] = gpt.megatron_state(ref["grads"], c)  # Megatron's names -> ours, the rename from_megatron uses
+        ref["grads"] = convert.megatron_state(ref["grads"], c)  # Megatron's names -> ours, the rename from_megatron uses
         load = P.moe_load(ours)  # tokens per expert [MoE layers, E] (ours, both forwards)
     return (got, ref, load) if rank == 0 else None
 

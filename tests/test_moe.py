@@ -54,9 +54,10 @@ def test_dispatched_equals_dense_reference(E, k, capacity, pad, dispatcher, gate
                activation="silu" if gated else "gelu", moe_router_pre_softmax=score == "pre_softmax",
                moe_router_score_function="sigmoid" if score == "sigmoid" else "softmax")
     layer, x = layer_and_input(cfg, seed)
-    got, ref = run_layer(layer, x, dense=False), run_layer(layer, x, dense=True)
+    got = run_layer(layer, x, dense=False)
+    load = P.moe_load(layer)[0]  # this forward's tokens per expert (the count sums over forwards until read)
+    ref = run_layer(layer, x, dense=True)
     assert_same(got, ref, rtol=1e-10, what=f"E={E} k={k} capacity={capacity} pad={pad} {dispatcher} {score}")
-    load = P.moe_load(layer)[0]
     if capacity is not None and capacity < 1 and not pad:
         assert load.sum() < x.shape[0] * x.shape[1] * k  # tokens were dropped: the capacity path is exercised
     if capacity is not None and pad:

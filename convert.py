@@ -43,8 +43,8 @@ def gpt_from_hf(hf, grid=None, dtype=None) -> gpt.Model:
     common = dict(vocab_size=hc.vocab_size, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)
     if hc.model_type == "gpt2":
         c = gpt.Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
-                   ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
-                   layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", **common)
+                       ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
+                       layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", **common)
         full = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
                 "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
                 "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
@@ -62,13 +62,13 @@ def gpt_from_hf(hf, grid=None, dtype=None) -> gpt.Model:
                     full[f"decoder.layers.{i}.{dst}.{kind}"] = t
     elif hc.model_type == "llama":
         c = gpt.Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size,
-                   num_attention_heads=hc.num_attention_heads, num_query_groups=hc.num_key_value_heads,
-                   kv_channels=getattr(hc, "head_dim", None),
-                   ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
-                   position_embedding_type="rope", rotary_base=_rope_theta(hc), normalization="RMSNorm",
-                   layernorm_epsilon=hc.rms_norm_eps, activation="silu", gated_linear_unit=True,
-                   add_bias_linear=False, add_qkv_bias=bool(getattr(hc, "attention_bias", False)),
-                   share_embeddings_and_output_weights=hc.tie_word_embeddings, **common)
+                       num_attention_heads=hc.num_attention_heads, num_query_groups=hc.num_key_value_heads,
+                       kv_channels=getattr(hc, "head_dim", None),
+                       ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
+                       position_embedding_type="rope", rotary_base=_rope_theta(hc), normalization="RMSNorm",
+                       layernorm_epsilon=hc.rms_norm_eps, activation="silu", gated_linear_unit=True,
+                       add_bias_linear=False, add_qkv_bias=bool(getattr(hc, "attention_bias", False)),
+                       share_embeddings_and_output_weights=hc.tie_word_embeddings, **common)
         g = c.num_query_groups
         full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
                 "decoder.final_layernorm.weight": sd["model.norm.weight"]}
@@ -116,12 +116,12 @@ def bert_from_hf(hf, grid=None, dtype=None) -> bert.Model:
     binary = "cls.seq_relationship.weight" in sd
     tied = bool(getattr(hc, "tie_word_embeddings", True))
     c = bert.Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
-               ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
-               max_position_embeddings=hc.max_position_embeddings, layernorm_epsilon=hc.layer_norm_eps,
-               activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
-               num_tokentypes=hc.type_vocab_size, add_binary_head=binary, apply_residual_connection_post_layernorm=True,
-               share_embeddings_and_output_weights=tied, hidden_dropout=0.0, attention_dropout=0.0,
-               params_dtype=dtype or next(hf.parameters()).dtype)
+                    ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
+                    max_position_embeddings=hc.max_position_embeddings, layernorm_epsilon=hc.layer_norm_eps,
+                    activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
+                    num_tokentypes=hc.type_vocab_size, add_binary_head=binary, apply_residual_connection_post_layernorm=True,
+                    share_embeddings_and_output_weights=tied, hidden_dropout=0.0, attention_dropout=0.0,
+                    params_dtype=dtype or next(hf.parameters()).dtype)
     e, p = "bert.embeddings.", "cls.predictions."
     full = {"embedding.word_embeddings.weight": sd[e + "word_embeddings.weight"],
             "embedding.position_embeddings.weight": sd[e + "position_embeddings.weight"],
@@ -170,14 +170,14 @@ def t5_from_hf(hf, grid=None, dtype=None) -> t5.Model:
     if act is None:
         raise ValueError(f"t5.from_hf: unsupported T5 feed_forward_proj {hc.feed_forward_proj!r}")
     c = t5.Config(num_layers=hc.num_layers, encoder_num_layers=hc.num_layers, decoder_num_layers=hc.num_decoder_layers,
-               hidden_size=hc.d_model, num_attention_heads=hc.num_heads, kv_channels=hc.d_kv,
-               ffn_hidden_size=hc.d_ff, vocab_size=hc.vocab_size, position_embedding_type="relative",
-               relative_attention_num_buckets=hc.relative_attention_num_buckets,
-               relative_attention_max_distance=hc.relative_attention_max_distance, normalization="RMSNorm",
-               layernorm_epsilon=hc.layer_norm_epsilon, softmax_scale=1.0, activation=act, gated_linear_unit=gated,
-               add_bias_linear=False, share_embeddings_and_output_weights=tied, lm_head_bias=False,
-               scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)),
-               hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or hf.shared.weight.dtype)
+                  hidden_size=hc.d_model, num_attention_heads=hc.num_heads, kv_channels=hc.d_kv,
+                  ffn_hidden_size=hc.d_ff, vocab_size=hc.vocab_size, position_embedding_type="relative",
+                  relative_attention_num_buckets=hc.relative_attention_num_buckets,
+                  relative_attention_max_distance=hc.relative_attention_max_distance, normalization="RMSNorm",
+                  layernorm_epsilon=hc.layer_norm_epsilon, softmax_scale=1.0, activation=act, gated_linear_unit=gated,
+                  add_bias_linear=False, share_embeddings_and_output_weights=tied, lm_head_bias=False,
+                  scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)),
+                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or hf.shared.weight.dtype)
     n = c.num_attention_heads
     full = {"embedding.word_embeddings.weight": sd["shared.weight"],
             "encoder.final_layernorm.weight": sd["encoder.final_layer_norm.weight"],
@@ -230,11 +230,11 @@ def mamba_from_hf(hf, grid=None, dtype=None) -> mamba.Model:
                          f"use_bias={hc.use_bias}, use_conv_bias={hc.use_conv_bias}, hidden_act={hc.hidden_act!r}, "
                          f"time_step_limit={limit}")
     c = mamba.Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=1,
-               vocab_size=hc.vocab_size, mamba_state_dim=hc.state_size, mamba_head_dim=hc.head_dim,
-               mamba_num_groups=hc.n_groups, mamba_num_heads=hc.num_heads, mamba_chunk_size=hc.chunk_size,
-               mamba_conv_kernel=hc.conv_kernel, layernorm_epsilon=hc.layer_norm_epsilon,
-               share_embeddings_and_output_weights=hc.tie_word_embeddings,
-               params_dtype=dtype or next(hf.parameters()).dtype)
+                     vocab_size=hc.vocab_size, mamba_state_dim=hc.state_size, mamba_head_dim=hc.head_dim,
+                     mamba_num_groups=hc.n_groups, mamba_num_heads=hc.num_heads, mamba_chunk_size=hc.chunk_size,
+                     mamba_conv_kernel=hc.conv_kernel, layernorm_epsilon=hc.layer_norm_epsilon,
+                     share_embeddings_and_output_weights=hc.tie_word_embeddings,
+                     params_dtype=dtype or next(hf.parameters()).dtype)
     full = {}
     for k, v in hf.state_dict().items():
         k = {"backbone.embeddings.weight": "embedding.word_embeddings.weight", "lm_head.weight": "output_layer.weight",

@@ -1496,7 +1496,8 @@ class FP8State:
 
 def fp8_enable(model: nn.Module, recipe: FP8Recipe, grid: Grid | None = None, impl: str = "local") -> FP8State:
     """Route every Column/RowParallelLinear of `model` (except the output layer) through the FP8 GEMM.
-    impl "transformer_engine": TE's Linear and fp8_autocast instead (needs CUDA and transformer_engine)."""
+    impl "transformer_engine": TE's Linear and autocast instead (needs CUDA and transformer_engine).
+    Not FP8: the routed MoE experts (GroupedMLP's grouped GEMM; TE would use its GroupedLinear) and the router."""
     if impl not in ("local", "transformer_engine"):
         raise ValueError(f"fp8_enable: impl={impl!r} must be 'local' or 'transformer_engine'")
     if impl == "transformer_engine":

@@ -678,6 +678,8 @@ def train(args):
                                                args.fp8_amax_history_len, args.fp8_amax_compute_algo),
                        s["grid"], args.transformer_impl) if args.fp8 else None
     model, chunks, grid, device, rank = s["model"], s["chunks"], s["grid"], s["device"], s["rank"]
+    if fp8 is not None and args.num_experts and rank == 0:
+        print("note: --fp8 covers the attention and MLP linears; the routed MoE experts keep the parameters' dtype")
     optimizer, scaler = make_optimizer(model, args, chunks, grid), LossScaler(args)
     ddp = optimizer.ddp if isinstance(optimizer, P.DistributedOptimizer) else None
     tp = args.tensor_model_parallel_size

@@ -687,6 +687,9 @@ def build_chunks(make, num_layers: int, grid: Grid | None, vp: int = 1) -> list[
     for v in range(vp):
         offset, n = stage_layers(num_layers, grid, vp, v)
         chunks.append(make(r == 0 and v == 0, r == pp - 1 and v == vp - 1, offset, n))
+    for m in (m for c in chunks[1:] for m in c.modules()):  # one RNG tracker per rank, as in Megatron: chunks with
+        if isinstance(getattr(m, "rng", None), RNGTracker):  # trackers of one seed would repeat each other's masks
+            m.rng = chunks[0].rng
     return chunks
 
 

@@ -130,6 +130,24 @@ def test_pipeline_with_data_parallel(pool):
     assert_same(got, ref, rtol=1e-10, what="pp=2 vp=2 dp=2")
 
 
+def rng_streams_case(rank, n):
+    grid = P.Grid(pp=2)
+    c = gpt.Config(**dict(GPT, attention_dropout=0.1))
+    chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid, vp=2)
+    draws = []
+    for chunk in chunks:  # each chunk's first draw from the stream its attention dropout uses
+        with chunk.decoder.layers[0].self_attention.rng.fork():
+            draws.append(torch.rand(16))
+    return draws
+
+
+def test_virtual_chunks_draw_from_one_rng_stream(pool):
+    """Interleaved stages: the chunks on a rank share one RNG tracker (Megatron's is per rank). With a tracker per
+    chunk, all seeded alike, chunk 1 repeated chunk 0's dropout masks (layer 0's and layer 2's, say): caught here."""
+    for draws in pool.run(rng_streams_case, 2):
+        assert not torch.equal(draws[0], draws[1])
+
+
 def forget_embedding_sync_case(rank, n):
     grid = P.Grid(pp=2)
     grid.embedding = None  # negative control: the tied embedding copies are no longer summed

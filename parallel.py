@@ -1436,8 +1436,7 @@ def _scaled_mm(a, b, sa, sb, out_dtype):  # a [M, k] row-major · b [k, n] colum
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, meta):  # x [M, k], w [n, k] -> [M, n]
-        record = torch.is_grad_enabled() or meta.calibrating
+    def forward(ctx, x, w, meta, record: bool):  # x [M, k], w [n, k] -> [M, n]; record: add to the amax history
         xq, sx = meta.input.quantize(x, record)
         wq, sw = meta.weight.quantize(w, record)
         ctx.save_for_backward(xq, wq, sx, sw)  # the FP8 copies are what backward needs (¼ of fp32's memory)
@@ -1450,7 +1449,7 @@ class _FP8Linear(torch.autograd.Function):
         gq, sg = ctx.meta.grad_output.quantize(dy)
         dx = _scaled_mm(gq, wq, sg, sw, ctx.x_dtype) if ctx.needs_input_grad[0] else None  # [M, k]
         dw = _scaled_mm(gq.t(), xq, sg, sx, ctx.w_dtype) if ctx.needs_input_grad[1] else None  # [n, k]
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class FP8LinearMeta:
@@ -1468,7 +1467,9 @@ class FP8LinearMeta:
 def fp8_linear(x, w, bias, meta: FP8LinearMeta):  # x [..., k], w [n, k] -> [..., n]
     if isinstance(meta, _TELinear):
         return meta(x, w, bias)
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), w, meta).view(*x.shape[:-1], w.shape[0])
+    record = torch.is_grad_enabled() or meta.calibrating  # training forwards, not eval (an autograd Function's
+    # forward always runs without grad: asked in there, this was False and the delayed recipe never saw an amax)
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), w, meta, record).view(*x.shape[:-1], w.shape[0])
     return y + bias if bias is not None else y
 
 

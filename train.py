@@ -385,10 +385,12 @@ class LossScaler:
 #   TP-sharded tensors are saved as DTensors with their global shape, so DCP reads them back at any TP size.
 #   A strided shard (SwiGLU fc1: [gate_r; up_r] on rank r) is viewed as [2, f/tp, h] of a global [2, f, h].
 # ============================================================================================================
-def checkpoint_state(chunks, optimizer, mesh):
+def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True):
     """{'model': {global name: tensor}, 'optimizer': {global name: {exp_avg, exp_avg_sq, step}}} as views of
     the live tensors, so dcp.load writes straight into them. Pipeline stages save disjoint names (a last stage's
-    copy of the tied embedding saves the same values under the same name: DCP keeps one)."""
+    copy of the tied embedding saves the same values under the same name: DCP keeps one). With `fp8`, also
+    'fp8': {global weight name.role.amax_history / .scale} of every FP8 linear: the delayed recipe's state, the
+    same on every TP and DP rank (amaxes are reduced), so it loads at any layout."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def as_dtensor(t, p, dim):
@@ -409,8 +411,15 @@ def checkpoint_state(chunks, optimizer, mesh):
     sharded = isinstance(optimizer, P.DistributedOptimizer)
     full = optimizer.full_state() if sharded else None  # DP slices gathered per parameter
     for model in chunks:
+        gname = model.global_name if hasattr(model, "global_name") else (lambda name: name)
+        for name, m in model.named_modules() if fp8 else ():
+            if isinstance(getattr(m, "fp8", None), P.FP8LinearMeta):
+                for role, t in zip(("input", "weight", "grad_output"), m.fp8.tensors()):
+                    prefix = f"{gname(name + '.weight')}.{role}"
+                    state.setdefault("fp8", {}).update({prefix + ".amax_history": t.amax_history,
+                                                        prefix + ".scale": t.scale})
         for name, p in model.named_parameters():
-            g = model.global_name(name) if hasattr(model, "global_name") else name
+            g = gname(name)
             state["model"][g] = view(p.data, p)
             if optimizer is not None:
                 ea, eas, step = (*full[p], torch.tensor(float(optimizer.step_count))) if sharded else (
@@ -474,9 +483,16 @@ ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_
               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
 
 
-def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout):
+def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None):
+    """`fp8_args` (this run's --fp8* flags, or None): the FP8 scaling state is loaded when the checkpoint was saved
+    with the same ones; otherwise scaling starts afresh."""
     path, meta = ckpt
-    state = checkpoint_state(chunks, optimizer, mesh)
+    keys = ["fp8", "fp8_format", "fp8_recipe", "fp8_amax_history_len"]
+    fp8 = fp8_args is not None and all(meta["args"].get(k) == fp8_args[k] for k in keys)
+    if fp8_args is not None and not fp8 and (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        saved = {k: meta["args"].get(k) for k in keys}
+        print(f"note: {path} was saved with other FP8 settings ({saved}): FP8 scaling starts afresh")
+    state = checkpoint_state(chunks, optimizer, mesh, fp8)
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))
     if isinstance(optimizer, P.DistributedOptimizer):  # keep this rank's slices of the loaded moments
@@ -687,7 +703,9 @@ def train(args):
                       args.micro_batch_size, s["config"].hidden_size)  # [s(/tp), b, h] between pipeline stages
     start = 0
     if s["ckpt"] is not None:
-        start, rng_restored = load_checkpoint(s["ckpt"], chunks, optimizer, scaler, s["mesh"], model.layout_args)
+        start, rng_restored = load_checkpoint(s["ckpt"], chunks, optimizer, scaler, s["mesh"], model.layout_args,
+                                              {k: getattr(args, k) for k in ["fp8", "fp8_format", "fp8_recipe",
+                                                                             "fp8_amax_history_len"]} if fp8 else None)
         if rank == 0:
             print(f"resumed from {s['ckpt'][0]} at iteration {start}"
                   + ("" if rng_restored else " (different layout: RNG streams not restored)"))

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import data
 import train
@@ -154,8 +155,11 @@ def test_mamba_trains_and_its_segmented_checkpoint_reshards(corpus, cache, tmp_p
         assert_close(got[i]["loss"], ref[i]["loss"], 1e-5, f"mamba TP=1 -> TP=2 loss at iteration {i}")
 
 
-def test_resume_equals_uninterrupted_with_dropout(corpus, cache, tmp_path):
-    drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+@pytest.mark.parametrize("fp8", [[], ["--fp8"]], ids=["fp32", "fp8-delayed"])
+def test_resume_equals_uninterrupted_with_dropout(corpus, cache, tmp_path, fp8):
+    """Bit-equal losses, grad norms and validation after a resume: the RNG streams and (with --fp8) the delayed
+    recipe's amax histories and scales are part of the checkpoint."""
+    drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", *fp8]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     train.main(tiny(corpus, cache, straight, *drop))
     train.main(tiny(corpus, cache, stopped, *drop, "--exit-interval", "3"))
@@ -167,6 +171,34 @@ def test_resume_equals_uninterrupted_with_dropout(corpus, cache, tmp_path):
     assert [a[i]["grad_norm"] for i in a] == [b[i]["grad_norm"] for i in a]
     assert a_val == b_val
     assert (stopped / "loss.png").stat().st_size > 0 and list((stopped / "tensorboard").iterdir())
+
+
+def fp8_state(ckpt) -> dict:
+    """The 'fp8' entries of a DCP checkpoint directory, read in this process."""
+    meta = train.dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    state = {k: torch.zeros(tuple(m.size)) for k, m in meta.items() if k.startswith("fp8.")}
+    with train._quiet_dcp():
+        train.dcp.load(state, checkpoint_id=str(ckpt))
+    return state
+
+
+def test_fp8_scaling_state_is_checkpointed_layout_free(corpus, cache, tmp_path, capsys):
+    """--fp8 checkpoints hold every FP8 linear's amax history and scale under the global weight name, so TP=2
+    saves the keys TP=1 does, with the values it would have (amaxes reduced over TP; float32 training drift
+    only: 1e-3), and a TP=2 checkpoint resumes at TP=1 with its scales (no "starts afresh" note)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    train.main(tiny(corpus, cache, one, "--fp8", iters=3))
+    torchrun(2, tiny(corpus, cache, two, "--fp8", "--tensor-model-parallel-size", "2", iters=3))
+    a, b = fp8_state(one / "iter_0000003"), fp8_state(two / "iter_0000003")
+    assert sorted(a) == sorted(b) and len(a) == 2 * 4 * 3 * 2  # layers x linears x (input, weight, grad) x 2
+    for k in a:
+        assert a[k].abs().max() > 0 and torch.allclose(b[k], a[k], rtol=1e-3, atol=0), k
+    capsys.readouterr()
+    train.main(tiny(corpus, cache, tmp_path / "resumed", "--fp8", "--load", str(two), iters=4))
+    assert "starts afresh" not in capsys.readouterr().out
+    train.main(tiny(corpus, cache, tmp_path / "other", "--fp8", "--fp8-amax-history-len", "16", "--load", str(two),
+                    iters=4))
+    assert "FP8 scaling starts afresh" in capsys.readouterr().out
 
 
 def test_kill_during_save_keeps_previous_checkpoint(corpus, cache, tmp_path, monkeypatch):

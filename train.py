@@ -251,9 +251,9 @@ def setup(args):
 
 
 def make_optimizer(chunks, grid, args):
-    """AdamW, no weight decay on biases and norm weights: parallel.Optimizer (whole parameters, plain DP sum), or with
-    --use-distributed-optimizer / --overlap-grad-reduce parallel.DDP's bucketed gradients and parallel.Distributed
-    Optimizer (the same AdamW, state sharded over DP). One interface: the loop below does not ask which."""
+    """AdamW, no weight decay on biases and norm weights: parallel.Optimizer (whole parameters, the plain DP sum), or
+    with --use-distributed-optimizer / --overlap-grad-reduce parallel.DistributedOptimizer over parallel.DDP's
+    bucketed gradients (the same AdamW, its state sharded over DP). One interface: the loop never asks which."""
     adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay)
     if args.use_ddp:
         return P.DistributedOptimizer(P.DDP(chunks, grid, bucket_size=args.ddp_bucket_size, overlap=args.overlap_grad_reduce,

@@ -581,13 +581,15 @@ def finalize_grads(model: nn.Module | list[nn.Module], grid: Grid | None):
         _sum_grads(experts, grid.expert_dp)
 
 
-def _sum_grads(params, g: Group):
-    """All-reduce (sum) the grads of `params` over `g` as one flat buffer: one collective, not one per tensor."""
+def _sum_grads(params, g: Group, attr: str = "grad"):
+    """All-reduce (sum) the grads of `params` over `g` as one flat buffer: one collective, not one per tensor.
+    attr: the gradient's attribute (DDP's fp32 buffer views are `main_grad`)."""
     if not params:
         return
-    flat = _all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), g)
-    for p, new in zip(params, flat.split([p.grad.numel() for p in params])):
-        p.grad.copy_(new.view_as(p.grad))
+    grads = [getattr(p, attr) for p in params]
+    flat = _all_reduce(torch.cat([t.reshape(-1) for t in grads]), g)
+    for t, new in zip(grads, flat.split([t.numel() for t in grads])):
+        t.copy_(new.view_as(t))
 
 
 def gather_full(t: torch.Tensor, p: nn.Parameter, grid: Grid | None) -> torch.Tensor:
@@ -813,10 +815,80 @@ def forward_backward(chunks, micro_batches, forward_step, num_tokens, grid: Grid
 #                            AdamW on that slice (fp32 master),    so optimizer state is sharded dp ways,
 #                            all-gather the updated parameters     then every rank has the whole model again.
 #  No 1/dp scaling: the loss is already divided by the global token count (design.md §2), so sums are exact.
+#  Optimizer (whole parameters, finalize_grads) and DistributedOptimizer (DDP's buffers) share one interface and
+#  one clipping rule (counted_in_norm, clip_by_global_norm), so the training loop never branches on which it has.
 # ============================================================================================================
 def decays(p: nn.Parameter) -> bool:
     """Megatron's rule: no weight decay for biases and norm weights (1-D parameters)."""
     return p.dim() > 1
+
+
+def counted_in_norm(p: nn.Parameter, grid: Grid | None) -> bool:
+    """The global gradient norm counts each parameter once: a TP-replicated one (the same grad on every TP rank after
+    the reductions) only on TP rank 0, the last stage's copy of the tied embedding not at all."""
+    return grid is None or not ((not getattr(p, "tensor_model_parallel", False) and grid.tp.rank > 0)
+                                or (getattr(p, "shared_embedding", False) and grid.pp.rank > 0))
+
+
+def clip_by_global_norm(sq, grads, max_norm: float | None, grid: Grid | None, dp_sliced: bool = False):
+    """sq: this rank's sums of squared grads [dense, MoE expert] of the parameters it counts (counted_in_norm). Summed
+    over TP x PP (one model replica), the experts over EP (EP ranks hold different experts) and, when each DP rank
+    holds a slice of the grads (distributed optimizer), over DP: plain DP grads are already summed, so DP ranks agree.
+    Scales `grads` by max_norm / norm when above max_norm (0/None: off). Returns the norm before clipping."""
+    if grid is not None:
+        sq = _all_reduce(sq, grid.mp)
+        if grid.ep_size > 1:
+            sq[1:] = _all_reduce(sq[1:], grid.ep)
+        if dp_sliced:
+            sq = _all_reduce(sq, grid.dp_cp)
+    norm = sq.sum().sqrt()
+    if max_norm is not None and max_norm > 0 and float(norm) > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (float(norm) + 1e-6))
+    return norm
+
+
+class Optimizer:
+    """AdamW on whole parameters after the plain DP reduction (finalize_grads): torch.optim.AdamW itself, no weight
+    decay where `decays` says so (Megatron's FP32Optimizer). The interface DistributedOptimizer shares, so the training
+    loop has one path: .lr, zero_grad(M), finish_grad_sync(), clip_grad_norm(max_norm), step(); full_state() ->
+    {param: (exp_avg, exp_avg_sq, step)} for checkpoints, load_full_state() after a checkpoint was loaded into it."""
+
+    def __init__(self, chunks, grid: Grid | None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        self.chunks, self.grid, self.lr = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks], grid, lr
+        self.params = list(nn.ModuleList(self.chunks).parameters())  # each once
+        self.adam = torch.optim.AdamW([{"params": [p for p in self.params if decays(p)], "weight_decay": weight_decay},
+                                       {"params": [p for p in self.params if not decays(p)], "weight_decay": 0.0}],
+                                      lr=lr, betas=betas, eps=eps)
+        for p in self.params:  # state up front, so a checkpoint can be loaded into it
+            self.adam.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+    def zero_grad(self, num_micro_batches: int = 1):
+        self.adam.zero_grad(set_to_none=False)
+
+    def finish_grad_sync(self):
+        finalize_grads(self.chunks, self.grid)  # SP norm grads over TP; tied embedding over stages; sum over DP
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        params = [p for p in self.params if p.grad is not None]
+        sq = torch.zeros(2, dtype=torch.float64, device=params[0].device)  # [dense, MoE expert]
+        for p in params:
+            if counted_in_norm(p, self.grid):
+                sq[int(getattr(p, "expert_parallel", False))] += p.grad.double().square().sum()
+        return clip_by_global_norm(sq, [p.grad for p in params], max_norm, self.grid)
+
+    def step(self):
+        for g in self.adam.param_groups:
+            g["lr"] = self.lr
+        self.adam.step()
+
+    def full_state(self) -> dict:
+        return {p: (self.adam.state[p]["exp_avg"], self.adam.state[p]["exp_avg_sq"], self.adam.state[p]["step"])
+                for p in self.params}
+
+    def load_full_state(self):
+        pass  # full_state() is the live state: a checkpoint loads straight into it
 
 
 class _Bucket:
@@ -921,7 +993,7 @@ class DDP:
                 self.grad_buffer[b.start + self.dp.rank * n: b.start + (self.dp.rank + 1) * n].copy_(b.shard)
         if self.grid.tp.size > 1:  # SP partial grads: sum over TP (same buffer layout on every TP rank)
             sp = [p for b in self.buckets for p in b.params if getattr(p, "sequence_parallel", False)]
-            _sum_main_grads(sp, self.grid.tp)
+            _sum_grads(sp, self.grid.tp, "main_grad")
         for b in self.buckets:
             for p in b.params:  # plain DP: the whole grad; distributed optimizer: valid on the own slice only
                 if p.main_grad.dtype == p.dtype:  # (bf16/fp16 params keep their fp32 grads in the buffer only)
@@ -933,13 +1005,6 @@ class DDP:
             return slice(b.start, b.end)
         n = (b.end - b.start) // self.dp.size
         return slice(b.start + self.dp.rank * n, b.start + (self.dp.rank + 1) * n)
-
-
-def _sum_main_grads(params, g: Group):
-    if params:
-        flat = _all_reduce(torch.cat([p.main_grad.reshape(-1) for p in params]), g)
-        for p, new in zip(params, flat.split([p.numel() for p in params])):
-            p.main_grad.copy_(new.view_as(p.main_grad))
 
 
 class DistributedOptimizer:
@@ -965,9 +1030,7 @@ class DistributedOptimizer:
         for b in ddp.buckets:
             o = b.start
             for p in b.params:
-                dup = (not getattr(p, "tensor_model_parallel", False) and ddp.grid.tp.rank > 0) or (
-                    getattr(p, "shared_embedding", False) and ddp.grid.pp.rank > 0)
-                count[o:o + p.numel()] = 0.0 if dup else 1.0
+                count[o:o + p.numel()] = float(counted_in_norm(p, ddp.grid))
                 o += p.numel()
         self.norm_mask = [count[s] for s in self.slices]
 
@@ -993,8 +1056,11 @@ class DistributedOptimizer:
     def zero_grad(self, num_micro_batches: int = 1):
         self.ddp.zero_grad(num_micro_batches)
 
+    def finish_grad_sync(self):
+        self.ddp.finish_grad_sync()  # wait for the buckets; SP norm grads over TP; tied embedding over stages
+
     def full_state(self) -> dict:
-        """{param: (exp_avg, exp_avg_sq)} whole per parameter — the DP slices all-gathered — for a checkpoint
+        """{param: (exp_avg, exp_avg_sq, step)} whole per parameter — the DP slices all-gathered — for a checkpoint
         that any layout can read. `load_full_state` keeps this rank's slice of what a checkpoint filled in."""
         bufs = []
         for moments in (self.exp_avg, self.exp_avg_sq):
@@ -1005,17 +1071,18 @@ class DistributedOptimizer:
                 else:
                     full[s] = m
             bufs.append(full)
-        self._full = bufs
-        out = {}
+        self._full, out = bufs, {}
         for b in self.ddp.buckets:
             o = b.start
             for p in b.params:
-                out[p] = tuple(f[o:o + p.numel()].view_as(p) for f in bufs)
+                out[p] = (*(f[o:o + p.numel()].view_as(p) for f in bufs), torch.tensor(float(self.step_count)))
                 o += p.numel()
+        self._steps = [v[2] for v in out.values()]
         return out
 
     @torch.no_grad()
     def load_full_state(self):
+        self.step_count = int(self._steps[0])
         for moments, full in zip((self.exp_avg, self.exp_avg_sq), self._full):
             for s, m in zip(self.slices, moments):
                 m.copy_(full[s])
@@ -1025,21 +1092,11 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Global L2 norm of the gradient, each parameter counted once: TP shards summed, TP-replicated params
-        only on TP rank 0, the tied embedding only on the first stage, DP slices summed (distributed optimizer).
-        Scales the gradients by max_norm / norm when above max_norm; returns the norm before clipping."""
-        grid = self.ddp.grid
-        sq = sum(((self.ddp.grad_buffer[s].double() ** 2) * m).sum() for s, m in zip(self.slices, self.norm_mask))
-        sq = torch.as_tensor(sq, dtype=torch.float64)
-        sq = _all_reduce(sq, grid.mp)  # over TP and PP
-        if self.ddp.distopt:
-            sq = _all_reduce(sq, grid.dp_cp)
-        norm = sq.sqrt()
-        if max_norm is not None and max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for s in self.slices:
-                self.ddp.grad_buffer[s].mul_(coef.to(self.ddp.grad_buffer.dtype))
-        return norm
+        """clip_by_global_norm over this rank's slices (norm_mask: counted_in_norm per element)."""
+        sq = torch.as_tensor(sum(((self.ddp.grad_buffer[s].double() ** 2) * m).sum()
+                                 for s, m in zip(self.slices, self.norm_mask)), dtype=torch.float64)
+        return clip_by_global_norm(torch.stack([sq, torch.zeros_like(sq)]), [self.ddp.grad_buffer[s] for s in self.slices],
+                                   max_norm, self.ddp.grid, dp_sliced=self.ddp.distopt)
 
 
 # ============================================================================================================

@@ -44,7 +44,7 @@ def test_indexed_dataset_round_trip(tmp_path, vocab_size, dtype):
     assert ds.document_indices.tolist() == list(range(len(docs) + 1))
     for i, d in enumerate(docs):
         np.testing.assert_array_equal(ds[i], d)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=rf"sequence {len(docs)} out of range \[0, {len(docs)}\)"):
         ds[len(docs)]
     assert not [p for p in os.listdir(tmp_path) if "tmp" in p]
 

@@ -1,4 +1,5 @@
-"""Data parallelism (bucketed, overlapped) and the distributed optimizer against the single process.
+"""Data parallelism (bucketed, overlapped) and the distributed optimizer against the single process; the plain
+optimizer (whole parameters, finalize_grads) through the same interface.
 
 Same global batch everywhere; each DP rank takes its rows. Compared in float64 at 1e-10 relative (reduction order
 only): the loss, every gradient after the first backward, the gradient norm used for clipping at every step, and all
@@ -27,11 +28,15 @@ def forward_step(model, mb):
 
 
 def dp_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, overlap, b=8, s=8, steps=3):
+    """distopt None: the plain P.Optimizer (no DDP); else DDP + P.DistributedOptimizer. The same calls either way."""
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
     c = gpt.Config(**cfg, sequence_parallel=sp)
     chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid, vp)
-    ddp = P.DDP(chunks, grid, bucket_size=3000, overlap=overlap, distributed_optimizer=distopt)
-    opt = P.DistributedOptimizer(ddp, **OPT)
+    if distopt is None:
+        ddp, opt = None, P.Optimizer(chunks, grid, **OPT)
+    else:
+        ddp = P.DDP(chunks, grid, bucket_size=3000, overlap=overlap, distributed_optimizer=distopt)
+        opt = P.DistributedOptimizer(ddp, **OPT)
     batch = make_batch(cfg["vocab_size"], b, s, 11)
     micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
     shape = (s // tp if c.sequence_parallel and tp > 1 else s, micro[0].shape[0], c.hidden_size)
@@ -39,8 +44,11 @@ def dp_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, overlap, b=8, s=8, steps=3
     for step in range(steps):
         opt.zero_grad(len(micro))
         loss = P.forward_backward(chunks, micro, forward_step, batch[:, 1:].numel(), grid, shape, c.params_dtype)
-        ddp.finish_grad_sync()
-        if step == 0:
+        opt.finish_grad_sync()
+        if step == 0 and ddp is None:
+            grads = {m.global_name(k): P.gather_full(p.grad, p, grid).clone() for m in chunks for k, p in m.named_parameters()
+                     if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights}
+        elif step == 0:
             grads, launches = full_grads(chunks, ddp, grid), (list(ddp.launch_log), ddp.hooks_fired)
         norms.append(opt.clip_grad_norm(CLIP))
         opt.step()
@@ -50,7 +58,7 @@ def dp_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, overlap, b=8, s=8, steps=3
     params = {m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()
               if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights}
     return dict(losses=losses, grads=grads, params=params, norms=torch.stack(norms), launches=launches,
-                buckets=len(ddp.buckets))
+                buckets=len(ddp.buckets) if ddp else 0)
 
 
 def full_grads(chunks, ddp, grid):
@@ -111,7 +119,11 @@ def reference(cfg, M, b=8, s=8, steps=3):
     (4, CFG, 1, 2, 1, 2, False, True),  # pp 2 x dp 2, tied embedding across stages
     (4, LLAMA, 1, 2, 2, 2, False, False),  # interleaved pp 2 x dp 2
     (8, CFG, 2, 2, 1, 2, True, True),  # tp 2 x pp 2 x dp 2
-], ids=["dp2", "dp2-distopt", "dp4-distopt", "tp2-sp-dp2-distopt", "pp2-dp2-distopt", "vpp-dp2", "tp2-pp2-dp2-distopt"])
+    (2, CFG, 1, 1, 1, 2, False, None),  # the plain optimizer: dp 2
+    (4, LLAMA, 2, 1, 1, 2, True, None),  # the plain optimizer: tp 2 (sequence parallel) x dp 2
+    (4, CFG, 1, 2, 1, 2, False, None),  # the plain optimizer: pp 2 x dp 2, tied embedding across stages
+], ids=["dp2", "dp2-distopt", "dp4-distopt", "tp2-sp-dp2-distopt", "pp2-dp2-distopt", "vpp-dp2", "tp2-pp2-dp2-distopt",
+        "plain-dp2", "plain-tp2-sp-dp2", "plain-pp2-dp2"])
 def test_data_parallel_equals_single_process(pool, n, cfg, tp, pp, vp, M, sp, distopt):
     res = pool.run(dp_case, n, cfg=cfg, tp=tp, pp=pp, vp=vp, M=M, sp=sp, distopt=distopt, overlap=True)
     dp = n // (tp * pp)

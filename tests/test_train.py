@@ -1,4 +1,4 @@
-"""Tests for train.py on a tiny model and a synthetic corpus (fast): the issue #3 promises.
+"""Tests for train.py on a tiny model and a synthetic corpus (fast): what its command line promises.
 
   - torchrun TP=2 logs the same loss (and grad norm) at every iteration as one process (fp32, dropout 0);
   - stop + resume equals an uninterrupted run, dropout on (RNG restored); a TP=2 checkpoint loads at TP=1;
@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import arguments
+import checkpoint
 import data
 import train
 
@@ -86,7 +88,7 @@ def test_tp2_torchrun_matches_single_process_and_reshards_to_tp1(single, corpus,
     tp2 = tmp_path / "tp2"
     torchrun(2, tiny(corpus, cache, tp2, "--tensor-model-parallel-size", "2", "--save-interval", "3"))
     (ref, ref_val), (got, got_val) = metrics(single), metrics(tp2)
-    assert sorted(got) == sorted(ref) == list(range(1, 7))
+    assert sorted(got) == sorted(ref) == list(range(1, 7)) and sorted(got_val) == sorted(ref_val) == [3, 6]
     for i in ref:
         assert_close(got[i]["loss"], ref[i]["loss"], 1e-5, f"loss at iteration {i}")
         assert_close(got[i]["grad_norm"], ref[i]["grad_norm"], 1e-5, f"grad norm at iteration {i}")
@@ -108,6 +110,7 @@ def test_dp2_sequence_parallel_torchrun_matches_single_process(single, corpus, c
     torchrun(2, tiny(corpus, cache, dp2, "--train-iters", "3"))
     ref, _ = metrics(single)
     got, _ = metrics(dp2)
+    assert sorted(got) == [1, 2, 3]
     for i in got:
         assert_close(got[i]["loss"], ref[i]["loss"], 1e-5, f"DP=2 loss at iteration {i}")
     tp2 = tmp_path / "tp2sp"
@@ -133,7 +136,7 @@ def test_pipeline_and_distributed_optimizer_match_single_process(corpus, cache, 
     (ref, ref_val) = metrics(single)
     for run, iters in [(pp2, [1, 2, 3, 4]), (dist2, [1, 2, 3, 4]), (one, [3, 4])]:
         got, got_val = metrics(run)
-        assert sorted(got) == iters, run.name
+        assert sorted(got) == iters and sorted(got_val) == [3, 4], run.name
         for i in iters:
             assert_close(got[i]["loss"], ref[i]["loss"], 1e-5, f"{run.name} loss at iteration {i}")
             assert_close(got[i]["grad_norm"], ref[i]["grad_norm"], 1e-5, f"{run.name} grad norm at iteration {i}")
@@ -166,7 +169,7 @@ def test_resume_equals_uninterrupted_with_dropout(corpus, cache, tmp_path, fp8):
     assert (stopped / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     train.main(tiny(corpus, cache, stopped, *drop, "--load", str(stopped)))
     (a, a_val), (b, b_val) = metrics(straight), metrics(stopped)
-    assert sorted(b) == list(range(1, 7))
+    assert sorted(a) == sorted(b) == list(range(1, 7)) and sorted(a_val) == [3, 6]
     assert [a[i]["loss"] for i in a] == [b[i]["loss"] for i in a], "resumed losses differ"
     assert [a[i]["grad_norm"] for i in a] == [b[i]["grad_norm"] for i in a]
     assert a_val == b_val
@@ -175,10 +178,10 @@ def test_resume_equals_uninterrupted_with_dropout(corpus, cache, tmp_path, fp8):
 
 def fp8_state(ckpt) -> dict:
     """The 'fp8' entries of a DCP checkpoint directory, read in this process."""
-    meta = train.dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    meta = checkpoint.dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     state = {k: torch.zeros(tuple(m.size)) for k, m in meta.items() if k.startswith("fp8.")}
-    with train._quiet_dcp():
-        train.dcp.load(state, checkpoint_id=str(ckpt))
+    with checkpoint._quiet_dcp():
+        checkpoint.dcp.load(state, checkpoint_id=str(ckpt))
     return state
 
 
@@ -203,7 +206,7 @@ def test_fp8_scaling_state_is_checkpointed_layout_free(corpus, cache, tmp_path, 
 
 def test_kill_during_save_keeps_previous_checkpoint(corpus, cache, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    real_save, calls = train.dcp.save, []
+    real_save, calls = checkpoint.dcp.save, []
 
     def dying_save(state, checkpoint_id):  # the second save writes its shards, then the process "dies"
         calls.append(checkpoint_id)
@@ -212,10 +215,10 @@ def test_kill_during_save_keeps_previous_checkpoint(corpus, cache, tmp_path, mon
             (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a file")
             raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(train.dcp, "save", dying_save)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt, match="killed"):
         train.main(tiny(corpus, cache, run, "--save-interval", "2"))
-    monkeypatch.setattr(train.dcp, "save", real_save)
+    monkeypatch.setattr(checkpoint.dcp, "save", real_save)
     assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not (run / "iter_0000004").exists() and (run / "iter_0000004.tmp").exists()
     train.main(tiny(corpus, cache, run, "--load", str(run), "--save-interval", "2"))
@@ -247,11 +250,12 @@ def test_fp16_overflow_skips_step_and_bf16_runs(corpus, cache, tmp_path):
     assert [got[i]["loss_scale"] for i in (1, 2, 3)] == [2.0**39, 2.0**38, 2.0**37]
     train.main(tiny(corpus, cache, tmp_path / "bf16", "--bf16", iters=3))
     got, _ = metrics(tmp_path / "bf16")
+    assert sorted(got) == [1, 2, 3]
     assert all(got[i]["skipped"] == 0 and got[i]["loss"] < 7 for i in got)
 
 
 def test_learning_rate_schedule():
-    a = train.parse_args(["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "10", "--train-iters", "110"])
+    a = arguments.parse_args(["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "10", "--train-iters", "110"])
     lr = [train.learning_rate(i, a) for i in range(120)]
     assert lr[0] == pytest.approx(0.1) and lr[9] == pytest.approx(1.0)
     assert lr[60] == pytest.approx(0.1 + 0.9 * 0.5) and lr[110] == lr[119] == 0.1
@@ -281,7 +285,7 @@ def _big_tokenizer(tmp_path, corpus):
 
 
 def _missing_model():
-    missing = [m for m in train.MODELS if not (ROOT / f"{m}.py").exists()]
+    missing = [m for m in arguments.MODELS if not (ROOT / f"{m}.py").exists()]
     if not missing:
         pytest.skip("every model file exists")
     return missing[0]
@@ -311,7 +315,7 @@ def test_bad_input_gives_one_clear_error(corpus, cache, tmp_path, capsys, case, 
     if case == "heads":
         os.environ["WORLD_SIZE"] = "3"  # as torchrun would set it; no process group is made before the check
     try:
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(SystemExit, match="^2$") as e:
             train.main(argv + extra)
     finally:
         os.environ.pop("WORLD_SIZE", None)
@@ -327,3 +331,14 @@ def test_t5_trains_and_samples_a_decoded_span(corpus, cache, tmp_path, capsys):
     capsys.readouterr()
     text = train.main(["sample", "--load", str(run), "--prompt", "def add_1(a, b):", "--max-new-tokens", "5"])
     assert text.startswith("def add_1(a, b):") and "--- decoded spans ---" in text
+
+
+def test_imports_flow_one_way():
+    """train.py imports arguments.py and checkpoint.py, never the reverse: the flags and the run reader
+    (checkpoint.load_model, which Retro's BERT embedder uses) come without the training loop. Nested imports count."""
+    import ast
+    for f in ("arguments.py", "checkpoint.py", "retrieval.py", "parallel.py", "data.py"):
+        tree = ast.parse((ROOT / f).read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert "train" not in names, f"{f} imports train"

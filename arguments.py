@@ -1,0 +1,222 @@
+"""arguments.py — train.py's command line: every flag (Megatron's names), their checks, and the model's Config.
+
+Mirrors Megatron-LM's megatron/training/arguments.py (parse_args, validate_args) and core_transformer_config_from_args.
+A file of its own because the flags are a reference a reader looks up by name, not part of the loop: train.py reads
+top to bottom as the training loop, and `checkpoint.load_model` (train.py sample, Retro's BERT embedder) rebuilds a
+model from a run's saved flags with `import_model` and `model_config` without importing train.py.
+
+Everything is validated before any process group is made; a bad flag or combination raises ConfigError, which
+train.py prints as one line `train.py: error: ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+from pathlib import Path
+
+MODELS = ("gpt", "bert", "t5", "retro", "mamba")  # --model NAME imports NAME.py (the model-file contract)
+
+
+class ConfigError(ValueError):
+    """A bad flag or combination; the message names the values."""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="train.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--model", default="gpt", choices=MODELS)
+    # model (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters)
+    a("--num-layers", type=int, default=4)
+    a("--hidden-size", type=int, default=256)
+    a("--num-attention-heads", type=int, default=8)
+    a("--num-query-groups", type=int, default=None)
+    a("--ffn-hidden-size", type=int, default=None, help="default 4h, or 8h/3 rounded up to 64 with --swiglu")
+    a("--seq-length", type=int, default=128)
+    a("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    a("--position-embedding-type", default="rope", choices=["learned_absolute", "rope", "none"])
+    a("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
+    a("--swiglu", action=argparse.BooleanOptionalAction, default=True)
+    a("--disable-bias-linear", action=argparse.BooleanOptionalAction, default=True)
+    a("--untie-embeddings-and-output-weights", action="store_true")
+    a("--hidden-dropout", type=float, default=0.0)
+    a("--attention-dropout", type=float, default=0.0)
+    a("--init-method-std", type=float, default=0.02)
+    a("--make-vocab-size-divisible-by", type=int, default=128)
+    # data and tokenizer
+    a("--data-path", default=None, help="text file, directory, .jsonl, or a Megatron PREFIX (PREFIX.bin/.idx); "
+                                        "default: the Python stdlib sources")
+    a("--json-keys", nargs="+", default=["text"])
+    a("--split", default="95,5", help="train,valid weights; documents are split, not tokens")
+    a("--tokenizer-file", default=None, help="a HF tokenizers tokenizer.json (default: train a byte-level BPE)")
+    a("--vocab-size", type=int, default=None, help="the BPE to train (default 8192), or the model's vocabulary")
+    a("--data-cache-dir", default="data_cache")
+    # training
+    a("--micro-batch-size", type=int, default=16)
+    a("--global-batch-size", type=int, default=16)
+    a("--train-iters", type=int, default=500)
+    a("--lr", type=float, default=3e-3)
+    a("--min-lr", type=float, default=3e-4)
+    a("--lr-warmup-iters", type=int, default=30)
+    a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
+    a("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    a("--weight-decay", type=float, default=0.1)
+    a("--adam-beta1", type=float, default=0.9)
+    a("--adam-beta2", type=float, default=0.95)
+    a("--adam-eps", type=float, default=1e-8)
+    a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip; 0 = off")
+    a("--bf16", action="store_true", help="bfloat16 autocast (fp32 master weights)")
+    a("--fp16", action="store_true", help="float16 autocast with dynamic loss scaling")
+    a("--initial-loss-scale", type=float, default=2.0**16)
+    a("--loss-scale-window", type=int, default=1000, help="grow the scale x2 after this many clean steps")
+    a("--min-loss-scale", type=float, default=1.0)
+    # FP8 (parallel.py section 11): real FP8 GEMMs in every Column/RowParallel linear, fp32 master weights
+    a("--fp8", action="store_true", help="FP8 linears (inputs, weights, output grads cast to float8)")
+    a("--fp8-format", default="hybrid", choices=["e4m3", "hybrid"], help="hybrid: e4m3 forward, e5m2 grads")
+    a("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
+    a("--fp8-margin", type=int, default=0, help="scale = (fp8_max / amax) / 2^margin")
+    a("--fp8-amax-history-len", type=int, default=1024)
+    a("--fp8-amax-compute-algo", default="max", choices=["max", "most_recent"])
+    a("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+      help="transformer_engine: TE's Linear + autocast for --fp8 (needs CUDA and transformer_engine)")
+    a("--seed", type=int, default=1234)
+    # parallelism
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--sequence-parallel", action="store_true")
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None, help="interleaved 1F1B: layers per chunk")
+    a("--pipeline-trace", action="store_true", help="print each rank's F/B order of the first iteration")
+    a("--use-distributed-optimizer", action="store_true", help="ZeRO-1: Adam state and master weights over DP")
+    a("--overlap-grad-reduce", action="store_true", help="bucketed DP reduction launched during backward")
+    a("--ddp-bucket-size", type=int, default=4_000_000, help="elements per gradient bucket")
+    a("--expert-model-parallel-size", type=int, default=1, help="MoE: experts sharded over this many DP ranks")
+    a("--expert-tensor-parallel-size", type=int, default=None, help="MoE: 1 or TP (default TP)")
+    # mixture of experts (parallel.py section 10)
+    a("--num-experts", type=int, default=None, help="MoE layers with this many experts (default: dense MLPs)")
+    a("--moe-router-topk", type=int, default=2)
+    a("--moe-layer-freq", type=json.loads, default=1, help="every n-th layer is MoE, or a list like [1,0,1,0]")
+    a("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
+    a("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    a("--moe-router-pre-softmax", action="store_true")
+    a("--moe-aux-loss-coeff", type=float, default=1e-2, help="switch load-balancing loss (Megatron's default: 0)")
+    a("--moe-z-loss-coeff", type=float, default=None)
+    a("--moe-expert-capacity-factor", type=float, default=None, help="default: dropless")
+    a("--moe-pad-expert-input-to-capacity", action="store_true")
+    a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
+    a("--moe-shared-expert-intermediate-size", type=int, default=None)
+    # checkpoints, evaluation, logging
+    a("--save", default=None, help="run directory: checkpoints, metrics.jsonl, tensorboard/, loss.png")
+    a("--load", default=None, help="resume from the latest checkpoint in this directory")
+    a("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    a("--save-interval", type=int, default=0, help="0 = only at the end")
+    a("--exit-interval", type=int, default=None, help="save and exit after this iteration number")
+    a("--exit-duration-in-mins", type=float, default=None, help="save and exit after this many minutes of training")
+    a("--eval-interval", type=int, default=100)
+    a("--eval-iters", type=int, default=10)
+    a("--log-interval", type=int, default=10)
+    a("--bert-no-binary-head", action="store_true", help="BERT: masked LM only, no sentence-order head")
+    a("--retro-chunk-length", type=int, default=None, help="Retro: chunk length m (default 64)")
+    a("--retro-num-neighbors", type=int, default=None, help="Retro: neighbours k per chunk (default 2)")
+    a("--retro-encoder-num-layers", type=int, default=None, help="Retro: neighbour encoder layers (default 2)")
+    a("--retro-bert-load", default=None, help="Retro: embed chunks with this BERT run (train.py --model bert --save "
+                                               "DIR; same tokenizer) instead of the deterministic bag of tokens")
+    # Mamba (mamba.py): the hybrid stack and the mixer's dimensions (Megatron's flag names)
+    a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
+    for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
+        a(f"--mamba-{name}", type=int, default=None)
+    model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
+    if Path(__file__).with_name(f"{model}.py").exists():
+        p.set_defaults(**getattr(importlib.import_module(model), "TRAIN_DEFAULTS", {}))
+    return p.parse_args(argv)
+
+
+def check_args(args, world: int):
+    """Every flag and combination, before any process group exists. Fills the derived fields."""
+    for name in ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "global_batch_size", "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "log_interval"]:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    for name in ["hidden_dropout", "attention_dropout"]:
+        if not 0 <= getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [0, 1)")
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive")
+    if args.transformer_impl == "transformer_engine" and not args.fp8:
+        raise ConfigError("--transformer-impl transformer_engine is the backend of --fp8 here: add --fp8")
+    if args.fp8 and args.fp16:
+        raise ConfigError("--fp8 with --fp16 is not supported (use --bf16 or fp32 master weights)")
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr={args.min_lr} is larger than --lr={args.lr}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vp, per = 1, args.num_layers_per_virtual_pipeline_stage
+    if per is not None:
+        if pp == 1 or per < 1 or args.num_layers % (pp * per):
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={per} needs pipeline parallelism and "
+                              f"--num-layers={args.num_layers} divisible by pp x it = {pp} x {per}")
+        vp = args.num_layers // (pp * per)
+    args.virtual_pipeline_model_parallel_size = vp
+    args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
+    if args.use_ddp and args.fp16:
+        raise ConfigError("--fp16 with --use-distributed-optimizer/--overlap-grad-reduce is not supported; use --bf16")
+    if world % (tp * pp):
+        raise ConfigError(f"world size {world} is not divisible by tensor x pipeline parallel size {tp} x {pp}")
+    args.world_size, args.data_parallel_size = world, world // (tp * pp)
+    step_rows = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % step_rows:
+        raise ConfigError(f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size x "
+                          f"data-parallel size = {args.micro_batch_size} x {args.data_parallel_size} = {step_rows}")
+    args.num_micro_batches = args.global_batch_size // step_rows
+    if vp > 1 and args.num_micro_batches % pp:
+        raise ConfigError(f"interleaved pipelining needs the number of micro-batches {args.num_micro_batches} "
+                          f"(global batch / (micro batch x dp)) to be a multiple of pp={pp}")
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ConfigError(f"--seq-length={args.seq_length} > --max-position-embeddings={args.max_position_embeddings}")
+    ep, dp = args.expert_model_parallel_size, args.data_parallel_size
+    if ep < 1 or dp % ep:  # a layout question; num_experts % ep is the model's (Config.check_layout)
+        raise ConfigError(f"--expert-model-parallel-size={ep} must divide the data-parallel size {dp}")
+    if args.expert_tensor_parallel_size not in (None, 1, tp):
+        raise ConfigError(f"--expert-tensor-parallel-size={args.expert_tensor_parallel_size} must be 1 or TP={tp}")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length={args.seq_length} divisible by TP={tp}")
+    try:
+        w = [float(x) for x in args.split.split(",")]
+        args.valid_fraction = w[1] / sum(w)
+        assert len(w) in (2, 3) and min(w) >= 0 and args.valid_fraction < 1
+    except (ValueError, IndexError, AssertionError, ZeroDivisionError):
+        raise ConfigError(f"--split={args.split!r}: expected 'train,valid' weights like 95,5") from None
+    args.model_module = import_model(args.model)
+
+
+def import_model(name):
+    if not Path(__file__).with_name(f"{name}.py").exists():
+        raise ConfigError(f"--model {name}: not available yet ({name}.py does not exist)")
+    return importlib.import_module(name)
+
+
+def model_config(module, args):
+    """The model's Config from the flags, as Megatron's core_transformer_config_from_args: every flag whose name is
+    a Config field is copied, plus the few whose meaning differs."""
+    fields = {f.name for f in dataclasses.fields(module.Config)}
+    kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    f = args.ffn_hidden_size or (64 * math.ceil(8 * args.hidden_size / 3 / 64) if args.swiglu else 4 * args.hidden_size)
+    kw.update(ffn_hidden_size=f, activation="silu" if args.swiglu else "gelu", gated_linear_unit=args.swiglu,
+              add_bias_linear=not args.disable_bias_linear,
+              share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+              add_binary_head=not args.bert_no_binary_head)
+    try:
+        c = module.Config(**{k: v for k, v in kw.items() if k in fields})
+        tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+        if "ep" in inspect.signature(c.check_layout).parameters:
+            c.check_layout(tp, pp, ep=ep)
+        else:  # a Config whose check_layout does not take ep yet (t5, mamba): gpt.Config's expert check, until it does
+            c.check_layout(tp, pp)
+            if c.num_experts and c.num_experts % ep:
+                raise ValueError(f"num_experts={c.num_experts} is not divisible by expert-model-parallel size {ep}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return c

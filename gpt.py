@@ -3,8 +3,8 @@
 Mirrors Megatron-LM's `megatron/core/models/gpt/gpt_model.py`, `transformer/transformer_layer.py`,
 `transformer/attention.py`, `transformer/mlp.py` and `models/common/embeddings/` — with the same parameter names and
 tensor layouts, so a Megatron-core checkpoint loads by name (fused QKV grouped per query group, SwiGLU fc1 as
-[gate; up]). The shared transformer pieces (Attention, MLP, TransformerLayer, norms, RoPE) live here once; bert.py,
-t5.py, retro.py and mamba.py import them.
+[gate; up]). The shared transformer pieces (Attention, MLP, TransformerLayer, norms, RoPE) live here once, and
+gpt.Model is the skeleton bert.py, t5.py, retro.py and mamba.py extend (their models override its seams).
 Papers: Radford et al. 2019 (GPT-2); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU, RoPE); Ainslie et al. 2023 (GQA);
         Shoeybi et al. 2019 (Megatron-LM tensor parallelism).
 

@@ -239,7 +239,7 @@ def mamba_from_hf(hf, Config, dtype=None) -> tuple:
     return c, full
 
 
-# ---------------------------------------------------------------------------------------------- Megatron-core
+# ---------------------------------------------------------------------------------------------- into a model
 def load(model, full: dict):
     """`model` with the weights of a full (unsharded) state dict {global name: tensor}, as the converters here
     return: each rank keeps its shard (and, under expert parallelism, its own experts)."""
@@ -247,6 +247,7 @@ def load(model, full: dict):
     return model
 
 
+# ---------------------------------------------------------------------------------------------- Megatron-core
 def megatron_state(state_dict: dict, c, rename=None) -> dict:
     """A Megatron-core model's full (unsharded) state dict — `state_dict()` of a TP=1 model, or a distributed
     checkpoint loaded whole — -> our full state dict for model config `c` (`rename` maps a Megatron name to ours,

@@ -91,9 +91,12 @@ class Config:
             self.add_qkv_bias = self.add_bias_linear
         if n % self.num_query_groups:
             raise ValueError(f"num_attention_heads={n} is not divisible by num_query_groups={self.num_query_groups}")
-        for field, allowed in [("position_embedding_type", self.POSITION_EMBEDDING_TYPES),
-                               ("normalization", ("LayerNorm", "RMSNorm")),
-                               ("activation", tuple(ACTIVATIONS))]:
+        choices = [("position_embedding_type", self.POSITION_EMBEDDING_TYPES), ("normalization", ("LayerNorm", "RMSNorm")),
+                   ("activation", tuple(ACTIVATIONS))]
+        if self.num_experts is not None:
+            choices += [("moe_router_score_function", ("softmax", "sigmoid")),
+                        ("moe_token_dispatcher_type", ("allgather", "alltoall"))]
+        for field, allowed in choices:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
         if self.moe_ffn_hidden_size is None:
@@ -101,11 +104,6 @@ class Config:
         if self.num_experts is not None:
             if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ValueError(f"moe_router_topk={self.moe_router_topk} must be in [1, num_experts={self.num_experts}]")
-            if self.moe_router_score_function not in ("softmax", "sigmoid"):
-                raise ValueError(f"moe_router_score_function={self.moe_router_score_function!r} is not softmax/sigmoid")
-            if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
-                raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r} is not "
-                                 "allgather/alltoall")
             f = self.moe_layer_freq
             if isinstance(f, (list, tuple)) and len(f) != self.num_layers:
                 raise ValueError(f"moe_layer_freq has {len(f)} entries for num_layers={self.num_layers}")
@@ -403,7 +401,7 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
              top_k: int | None = None, eod: int | None = None, next_logits=None) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `ids` [b, s]. `next_logits(ids)` gives the last position's logits
     [b, V]; by default a full recompute of the (windowed) sequence each step: short and obviously right
-    (mamba.generate passes its O(1) recurrent step instead)."""
+    (mamba.generate passes its O(1) recurrent step instead, t5.generate its decoder over one encoder output)."""
     was_training = model.training
     model.eval()
     window = model.config.max_position_embeddings

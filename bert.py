@@ -310,5 +310,5 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     """A Model with the weights of a Megatron-core BertModel, from its full state dict. Names and layouts are
     Megatron's but one: its layer stack is `encoder`, ours (gpt.Model's) `decoder`. Megatron's own mask masks padded
     queries as well as keys: their rows differ from ours, real tokens' do not."""
-    rename = lambda k: "decoder." + k[8:] if k.startswith("encoder.") else k  # noqa: E731
-    return convert.load(Model(config, grid), convert.megatron_state(state_dict, config, rename))
+    full = convert.megatron_state(state_dict, config, lambda k: "decoder." + k[8:] if k.startswith("encoder.") else k)
+    return convert.load(Model(config, grid), full)

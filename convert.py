@@ -1,9 +1,10 @@
 """convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
 Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
 
-It imports no model file (only parallel.py): each converter takes what it reads plus, where it needs derived
-values (padded_vocab_size, num_query_groups), the model's Config class, and returns plain data; each model file's
-`from_hf` / `from_megatron` builds its Model and hands it to `load`. So the imports run one way,
+It imports no model file (only parallel.py), and returns plain data: a Hugging Face converter takes the HF model
+and the model file's Config class (for derived values such as padded_vocab_size and num_query_groups) and returns
+(Config, full state dict); `megatron_state` takes the state dict and our config. Each model file's `from_hf` /
+`from_megatron` builds its Model and hands it the full state dict with `load`. So the imports run one way,
 parallel <- convert <- gpt <- bert / t5 / retro / mamba, and every external layout sits here side by side.
   Hugging Face   GPT-2 and Llama (gpt.py), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
                  tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.

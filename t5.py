@@ -364,8 +364,8 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     embedding.position_embeddings and lm_head.output_layer (top-level `position_embeddings.*`, `output_layer.*`)
     are dropped."""
     alias = ("position_embeddings.", "output_layer.")
-    rename = lambda k: None if k.startswith(alias) else k  # noqa: E731
-    return convert.load(Model(config, grid), convert.megatron_state(state_dict, config, rename))
+    full = convert.megatron_state(state_dict, config, lambda k: None if k.startswith(alias) else k)
+    return convert.load(Model(config, grid), full)
 
 
 def from_hf(hf, grid=None, dtype=None) -> Model:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import convert
 import data
 import gpt
 import parallel as P
@@ -82,18 +83,18 @@ class Model(gpt.Model):
     -> (lm_logits [b, s, vocab_size] or lm_loss [b, s], binary_logits [b, 2] or None). Pipeline stages as gpt.Model;
     every stage needs attention_mask (stages > 0 read their hidden states from `self.input_tensor`)."""
 
-    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
-                 num_layers=None):
-        super().__init__(config, grid, pre_process, post_process, layer_offset, num_layers)
-        c, tp = self.config, (grid.tp_size if grid is not None else 1)
-        if post_process:
-            self.lm_head = BertLMHead(c)
-            self.output_layer.bias = P.mark(nn.Parameter(torch.empty(c.padded_vocab_size // tp, dtype=c.params_dtype)),
-                                            ("zeros",), partition_dim=0)
-            if c.add_binary_head:
-                self.pooler = Pooler(c, grid)
-                self.binary_head = _linear(c, c.hidden_size, 2)
-        P.init_params(self, c.seed, grid, rename=self.global_name)  # again, now with BERT's parameters
+    def build_output_layer(self, c: Config, grid):  # gpt's output layer, with a bias, and BERT's heads
+        super().build_output_layer(c, grid)
+        tp = grid.tp_size if grid is not None else 1
+        self.lm_head = BertLMHead(c)
+        self.output_layer.bias = P.mark(nn.Parameter(torch.empty(c.padded_vocab_size // tp, dtype=c.params_dtype)),
+                                        ("zeros",), partition_dim=0)
+        if c.add_binary_head:
+            self.pooler = Pooler(c, grid)
+            self.binary_head = _linear(c, c.hidden_size, 2)
+
+    def logits(self, x):  # the masked-LM head, then gpt's (tied) output layer, with its bias
+        return super().logits(self.lm_head(x))
 
     def encode(self, input_ids, attention_mask=None, tokentype_ids=None):
         """The encoder's hidden states [s(/tp), b, h], after the final norm on the last stage: what the heads read."""
@@ -119,7 +120,7 @@ class Model(gpt.Model):
         if not self.post_process:
             return x
         binary_logits = self.binary_head(self.pooler(x)) if self.config.add_binary_head else None  # [b, 2]
-        return self.postprocess(self.lm_head(x), lm_labels), binary_logits  # output_layer has its bias now
+        return self.postprocess(x, lm_labels), binary_logits
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -301,14 +302,13 @@ def mlm_accuracy(model, batch) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` BertForPreTraining (BertForMaskedLM: no binary head)."""
-    import convert
-    return convert.bert_from_hf(hf, grid, dtype)
+    config, full = convert.bert_from_hf(hf, Config, dtype)
+    return convert.load(Model(config, grid), full)
 
 
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     """A Model with the weights of a Megatron-core BertModel, from its full state dict. Names and layouts are
     Megatron's but one: its layer stack is `encoder`, ours (gpt.Model's) `decoder`. Megatron's own mask masks padded
     queries as well as keys: their rows differ from ours, real tokens' do not."""
-    import convert
-    return convert.load_megatron(Model(config, grid), state_dict,
-                                 lambda k: "decoder." + k[8:] if k.startswith("encoder.") else k)
+    full = convert.megatron_state(state_dict, config, lambda k: "decoder." + k[8:] if k.startswith("encoder.") else k)
+    return convert.load(Model(config, grid), full)

@@ -1,8 +1,11 @@
-"""convert.py — checkpoint converters: Hugging Face `transformers` models and Megatron-core state dicts -> our models.
+"""convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
+Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
 
-Why a file of its own: it holds every external layout our models meet, side by side, so the model files stay about
-the model (with their converters each was over its ~400-line budget). The model-file contract is unchanged: each
-model file's `from_hf` / `from_megatron` calls in here.
+It imports no model file (only parallel.py), and returns plain data: a Hugging Face converter takes the HF model
+and the model file's Config class (for derived values such as padded_vocab_size and num_query_groups) and returns
+(Config, full state dict); `megatron_state` takes the state dict and our config. Each model file's `from_hf` /
+`from_megatron` builds its Model and hands it the full state dict with `load`. So the imports run one way,
+parallel <- convert <- gpt <- bert / t5 / retro / mamba, and every external layout sits here side by side.
   Hugging Face   GPT-2 and Llama (gpt.py), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
                  tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
@@ -28,21 +31,17 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-import bert
-import gpt
-import mamba
 import parallel as P
-import t5
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: GPT-2, Llama
-def gpt_from_hf(hf, grid=None, dtype=None) -> gpt.Model:
-    """A Model with the weights of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
+def gpt_from_hf(hf, Config, dtype=None) -> tuple:
+    """(gpt.Config, full state dict) of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
     hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
     dtype = dtype or next(hf.parameters()).dtype
     common = dict(vocab_size=hc.vocab_size, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)
     if hc.model_type == "gpt2":
-        c = gpt.Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
+        c = Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
                        ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
                        layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", **common)
         full = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
@@ -61,7 +60,7 @@ def gpt_from_hf(hf, grid=None, dtype=None) -> gpt.Model:
                         t = rearrange(t, "(three n d) ... -> (n three d) ...", three=3, n=c.num_attention_heads)
                     full[f"decoder.layers.{i}.{dst}.{kind}"] = t
     elif hc.model_type == "llama":
-        c = gpt.Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size,
+        c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size,
                        num_attention_heads=hc.num_attention_heads, num_query_groups=hc.num_key_value_heads,
                        kv_channels=getattr(hc, "head_dim", None),
                        ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
@@ -88,11 +87,9 @@ def gpt_from_hf(hf, grid=None, dtype=None) -> gpt.Model:
                 full[o + "self_attention.linear_qkv.bias"] = torch.cat([q, k, v], 1).flatten()
     else:
         raise ValueError(f"gpt.from_hf: unsupported model_type {hc.model_type!r} (gpt2 and llama are)")
-    model = gpt.Model(c, grid)
     for k in [k for k in full if k.endswith("word_embeddings.weight") or k == "output_layer.weight"]:
         full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
-    P.load_full_state_dict(model, full, grid)
-    return model
+    return c, full
 
 
 def _rope_theta(hc) -> float:
@@ -101,8 +98,8 @@ def _rope_theta(hc) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: BERT
-def bert_from_hf(hf, grid=None, dtype=None) -> bert.Model:
-    """A Model with the weights of a `transformers` BertForPreTraining (or BertForMaskedLM: no binary head).
+def bert_from_hf(hf, Config, dtype=None) -> tuple:
+    """(bert.Config, full state dict) of a `transformers` BertForPreTraining (or BertForMaskedLM: no binary head).
 
     HF BERT is post-LN: e = LN_emb(emb); per layer y = LN_att(e + attn(e)), e = LN_out(y + mlp(y)). That is our
     stack with apply_residual_connection_post_layernorm=True and the norms shifted by one: layer i's
@@ -115,7 +112,7 @@ def bert_from_hf(hf, grid=None, dtype=None) -> bert.Model:
         raise ValueError(f"bert.from_hf: position_embedding_type {hc.position_embedding_type!r} (absolute is supported)")
     binary = "cls.seq_relationship.weight" in sd
     tied = bool(getattr(hc, "tie_word_embeddings", True))
-    c = bert.Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
+    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
                     ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
                     max_position_embeddings=hc.max_position_embeddings, layernorm_epsilon=hc.layer_norm_eps,
                     activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
@@ -150,26 +147,24 @@ def bert_from_hf(hf, grid=None, dtype=None) -> bert.Model:
                 o + f"mlp.linear_fc2.{kind}": sd[h + f"output.dense.{kind}"]})
         norm_in = h + "output.LayerNorm."
     full.update({f"decoder.final_layernorm.{k}": sd[norm_in + k] for k in ("weight", "bias")})
-    model = bert.Model(c, grid)
     pad = c.padded_vocab_size - c.vocab_size  # padded rows / bias entries are zero: logit 0, never a target
     for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if k in full:
             full[k] = F.pad(full[k], (0, 0, 0, pad))
     full["output_layer.bias"] = F.pad(full["output_layer.bias"], (0, pad))
-    P.load_full_state_dict(model, full, grid)
-    return model
+    return c, full
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: T5
-def t5_from_hf(hf, grid=None, dtype=None) -> t5.Model:
-    """A Model with the weights of a `transformers` T5ForConditionalGeneration (logits match)."""
+def t5_from_hf(hf, Config, dtype=None) -> tuple:
+    """(t5.Config, full state dict) of a `transformers` T5ForConditionalGeneration (logits match)."""
     hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
     tied = hf.lm_head.weight.data_ptr() == hf.shared.weight.data_ptr()
     gated = getattr(hc, "is_gated_act", hc.feed_forward_proj.startswith("gated"))
     act = {"relu": "relu", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}.get(hc.dense_act_fn)
     if act is None:
         raise ValueError(f"t5.from_hf: unsupported T5 feed_forward_proj {hc.feed_forward_proj!r}")
-    c = t5.Config(num_layers=hc.num_layers, encoder_num_layers=hc.num_layers, decoder_num_layers=hc.num_decoder_layers,
+    c = Config(num_layers=hc.num_layers, encoder_num_layers=hc.num_layers, decoder_num_layers=hc.num_decoder_layers,
                   hidden_size=hc.d_model, num_attention_heads=hc.num_heads, kv_channels=hc.d_kv,
                   ffn_hidden_size=hc.d_ff, vocab_size=hc.vocab_size, position_embedding_type="relative",
                   relative_attention_num_buckets=hc.relative_attention_num_buckets,
@@ -209,17 +204,15 @@ def t5_from_hf(hf, grid=None, dtype=None) -> t5.Model:
                 else sd[m + "wi.weight"]
             full[o + "mlp.linear_fc2.weight"] = sd[m + "wo.weight"]
             full[o + "pre_mlp_layernorm.weight"] = sd[h + f + ".layer_norm.weight"]
-    model = t5.Model(c, grid)
     for name in ("embedding.word_embeddings.weight", "lm_head.output_layer.weight"):
         if name in full:
             full[name] = F.pad(full[name], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # never targets
-    P.load_full_state_dict(model, full, grid)
-    return model
+    return c, full
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: Mamba-2
-def mamba_from_hf(hf, grid=None, dtype=None) -> mamba.Model:
-    """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path). HF's names and
+def mamba_from_hf(hf, Config, dtype=None) -> tuple:
+    """(mamba.Config, full state dict) of a `transformers` Mamba2ForCausalLM (logits match its torch path). HF's names and
     layouts are Megatron's ([z, x, B, C, dt] in_proj, [x, B, C] conv), so this is a rename plus vocabulary padding."""
     hc = hf.config
     if hc.model_type != "mamba2":
@@ -229,7 +222,7 @@ def mamba_from_hf(hf, grid=None, dtype=None) -> mamba.Model:
         raise ValueError(f"mamba.from_hf: Megatron's mixer has no in/out_proj bias, a conv bias, SiLU and no dt limit; got "
                          f"use_bias={hc.use_bias}, use_conv_bias={hc.use_conv_bias}, hidden_act={hc.hidden_act!r}, "
                          f"time_step_limit={limit}")
-    c = mamba.Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=1,
+    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=1,
                      vocab_size=hc.vocab_size, mamba_state_dim=hc.state_size, mamba_head_dim=hc.head_dim,
                      mamba_num_groups=hc.n_groups, mamba_num_heads=hc.num_heads, mamba_chunk_size=hc.chunk_size,
                      mamba_conv_kernel=hc.conv_kernel, layernorm_epsilon=hc.layer_norm_epsilon,
@@ -244,22 +237,22 @@ def mamba_from_hf(hf, grid=None, dtype=None) -> mamba.Model:
         if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
             v = F.pad(v, (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
         full[k] = v.detach()
-    model = mamba.Model(c, grid)
-    P.load_full_state_dict(model, full, grid)
+    return c, full
+
+
+# ---------------------------------------------------------------------------------------------- into a model
+def load(model, full: dict):
+    """`model` with the weights of a full (unsharded) state dict {global name: tensor}, as the converters here
+    return: each rank keeps its shard (and, under expert parallelism, its own experts)."""
+    P.load_full_state_dict(model, full, model.grid)
     return model
 
 
 # ---------------------------------------------------------------------------------------------- Megatron-core
-def load_megatron(model, state_dict: dict, rename=None):
-    """`model` (ours, built for the same architecture) with the weights of a Megatron-core model's full (unsharded)
-    state dict — `state_dict()` of a TP=1 model, or a distributed checkpoint loaded whole. Given a grid, each rank
-    keeps its shard (and, under expert parallelism, its own experts). `rename`: see megatron_state."""
-    P.load_full_state_dict(model, megatron_state(state_dict, model.config, rename), model.grid)
-    return model
-
-
-def megatron_state(state_dict: dict, c: gpt.Config, rename=None) -> dict:
-    """A Megatron-core state dict -> our full state dict (`rename` maps a Megatron name to ours, None to drop it).
+def megatron_state(state_dict: dict, c, rename=None) -> dict:
+    """A Megatron-core model's full (unsharded) state dict — `state_dict()` of a TP=1 model, or a distributed
+    checkpoint loaded whole — -> our full state dict for model config `c` (`rename` maps a Megatron name to ours,
+    None to drop it).
     Handled on the way in:
       - "module." prefixes (DDP / Float16Module wrappers) and `_extra_state` entries (Transformer Engine metadata);
       - the Transformer Engine spec's fused norms: linear_qkv.layer_norm_{weight,bias} is our input_layernorm,

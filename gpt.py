@@ -3,8 +3,8 @@
 Mirrors Megatron-LM's `megatron/core/models/gpt/gpt_model.py`, `transformer/transformer_layer.py`,
 `transformer/attention.py`, `transformer/mlp.py` and `models/common/embeddings/` — with the same parameter names and
 tensor layouts, so a Megatron-core checkpoint loads by name (fused QKV grouped per query group, SwiGLU fc1 as
-[gate; up]). The shared transformer pieces (Attention, MLP, TransformerLayer, norms, RoPE) live here once; bert.py,
-t5.py, retro.py and mamba.py import them.
+[gate; up]). The shared transformer pieces (Attention, MLP, TransformerLayer, norms, RoPE) live here once, and
+gpt.Model is the skeleton bert.py, t5.py, retro.py and mamba.py extend (their models override its seams).
 Papers: Radford et al. 2019 (GPT-2); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU, RoPE); Ainslie et al. 2023 (GQA);
         Shoeybi et al. 2019 (Megatron-LM tensor parallelism).
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+import convert
 import parallel as P
 
 
@@ -90,9 +91,12 @@ class Config:
             self.add_qkv_bias = self.add_bias_linear
         if n % self.num_query_groups:
             raise ValueError(f"num_attention_heads={n} is not divisible by num_query_groups={self.num_query_groups}")
-        for field, allowed in [("position_embedding_type", self.POSITION_EMBEDDING_TYPES),
-                               ("normalization", ("LayerNorm", "RMSNorm")),
-                               ("activation", tuple(ACTIVATIONS))]:
+        choices = [("position_embedding_type", self.POSITION_EMBEDDING_TYPES), ("normalization", ("LayerNorm", "RMSNorm")),
+                   ("activation", tuple(ACTIVATIONS))]
+        if self.num_experts is not None:
+            choices += [("moe_router_score_function", ("softmax", "sigmoid")),
+                        ("moe_token_dispatcher_type", ("allgather", "alltoall"))]
+        for field, allowed in choices:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
         if self.moe_ffn_hidden_size is None:
@@ -100,11 +104,6 @@ class Config:
         if self.num_experts is not None:
             if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ValueError(f"moe_router_topk={self.moe_router_topk} must be in [1, num_experts={self.num_experts}]")
-            if self.moe_router_score_function not in ("softmax", "sigmoid"):
-                raise ValueError(f"moe_router_score_function={self.moe_router_score_function!r} is not softmax/sigmoid")
-            if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
-                raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r} is not "
-                                 "allgather/alltoall")
             f = self.moe_layer_freq
             if isinstance(f, (list, tuple)) and len(f) != self.num_layers:
                 raise ValueError(f"moe_layer_freq has {len(f)} entries for num_layers={self.num_layers}")
@@ -116,12 +115,16 @@ class Config:
         f = self.moe_layer_freq
         return bool(self.num_experts) and bool(f[i] if isinstance(f, (list, tuple)) else i % f == 0)
 
+    def tp_split_sizes(self) -> list[tuple[str, int]]:
+        """(what, size) of everything tensor parallelism splits: each must be divisible by tp."""
+        return [("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups),
+                ("ffn_hidden_size", self.ffn_hidden_size), ("padded vocabulary", self.padded_vocab_size)]
+
     def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
         """Refuse a parallel layout this model cannot take, naming the values — before any process group exists."""
         if self.num_experts and self.num_experts % ep:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by expert-model-parallel size {ep}")
-        for what, v in [("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups),
-                        ("ffn_hidden_size", self.ffn_hidden_size), ("padded vocabulary", self.padded_vocab_size)]:
+        for what, v in self.tp_split_sizes():
             if v % tp:
                 raise ValueError(f"{what}={v} is not divisible by tensor-model-parallel size {tp}")
         if self.num_layers % pp:
@@ -300,31 +303,43 @@ class Model(nn.Module):
 
     Pipeline stages: `pre_process` owns the embedding, `post_process` the final norm and output layer;
     `layer_offset`/`num_layers` pick this stage's layers (global layer numbers keep initialization layout-free).
-    """
+    Also the skeleton bert.py, t5.py, retro.py and mamba.py extend (Megatron's LanguageModule): __init__ checks the
+    layout, makes the RNG tracker and embedding, then calls the seams they override — `build_decoder` (the layers),
+    `build_output_layer` (output layer and heads), `init_params` (once, last) — and `logits` at run time."""
 
     def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
                  num_layers=None):
         super().__init__()
+        tp, pp, ep = (grid.tp_size, grid.pp_size, grid.ep_size) if grid is not None else (1, 1, 1)
+        config.check_layout(tp, pp, ep)
+        if config.sequence_parallel and tp == 1:  # SP is a TP feature: a no-op without TP
+            config = dataclasses.replace(config, sequence_parallel=False)
         c = self.config = config
-        c.check_layout(grid.tp_size if grid is not None else 1, ep=grid.ep_size if grid is not None else 1)
-        if c.sequence_parallel and (grid is None or grid.tp_size == 1):
-            c = self.config = dataclasses.replace(c, sequence_parallel=False)  # SP is a TP feature: a no-op without TP
-        self.grid, self.pre_process, self.post_process = grid, pre_process, post_process
-        self.layer_offset = layer_offset
+        self.grid, self.pre_process, self.post_process, self.layer_offset = grid, pre_process, post_process, layer_offset
         self.rng = P.RNGTracker(c.seed, grid)
         self.input_tensor = None  # pipeline stages > 0 receive hidden states instead of ids
         if pre_process:
             self.embedding = Embedding(c, grid, self.rng)
-        self.decoder = Decoder(c, grid, self.rng, c.num_layers if num_layers is None else num_layers, post_process,
-                               layer_offset)
+        self.decoder = self.build_decoder(c, grid, layer_offset, c.num_layers if num_layers is None else num_layers)
         if post_process:
-            tied_here = c.share_embeddings_and_output_weights and pre_process
-            self.output_layer = P.ColumnParallelLinear(c.hidden_size, c.padded_vocab_size, grid, bias=False,
-                                                       std=c.init_method_std, sequence_parallel=c.sequence_parallel,
-                                                       dtype=c.params_dtype, skip_weight=tied_here)
+            self.build_output_layer(c, grid)
         if c.share_embeddings_and_output_weights and pre_process != post_process:  # a pipeline end: one copy of two
             (self.embedding.word_embeddings if pre_process else self.output_layer).weight.shared_embedding = True
-        P.init_params(self, c.seed, grid, rename=self.global_name)
+        self.init_params()
+
+    def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
+        """This stage's layer stack (global layers layer_offset ... + num_layers − 1), final norm on the last stage."""
+        return Decoder(c, grid, self.rng, num_layers, self.post_process, layer_offset)
+
+    def build_output_layer(self, c: Config, grid):
+        """The last stage's output layer [h -> V/tp] (no weight of its own when tied to the embedding here)."""
+        self.output_layer = P.ColumnParallelLinear(
+            c.hidden_size, c.padded_vocab_size, grid, bias=False, std=c.init_method_std, dtype=c.params_dtype,
+            sequence_parallel=c.sequence_parallel, skip_weight=c.share_embeddings_and_output_weights and self.pre_process)
+
+    def init_params(self):
+        """Fill every parameter from (seed, its global name), so any layout holds the same model (parallel.py)."""
+        P.init_params(self, self.config.seed, self.grid, rename=self.global_name)
 
     def global_name(self, name: str) -> str:
         """Local parameter name -> the name it has in the whole (unsplit) model."""
@@ -340,13 +355,13 @@ class Model(nn.Module):
         c = self.config
         return rope_cos_sin(s, c.kv_channels, c.rotary_base, device) if c.position_embedding_type == "rope" else None
 
-    def check_input(self, input_ids):
+    def check_input(self, input_ids, what: str = "sequence"):
         c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)
-        b, s = input_ids.shape
+        s = input_ids.shape[1]
         if c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
-            raise ValueError(f"sequence length {s} > max_position_embeddings={c.max_position_embeddings}")
+            raise ValueError(f"{what} length {s} > max_position_embeddings={c.max_position_embeddings}")
         if c.sequence_parallel and s % tp:
-            raise ValueError(f"sequence parallelism needs the sequence length {s} divisible by tp={tp}")
+            raise ValueError(f"sequence parallelism needs the {what} length {s} divisible by tp={tp}")
 
     def forward(self, input_ids, labels=None, position_ids=None, mask=None):
         self.check_input(input_ids)
@@ -354,11 +369,14 @@ class Model(nn.Module):
         x = self.decoder(x, rope=self.rope(input_ids.shape[1], input_ids.device), mask=mask)
         return self.postprocess(x, labels) if self.post_process else x
 
+    def logits(self, x):
+        """Final hidden states [s(/tp), b, h] -> this rank's logits [s, b, V/tp] (the output layer, tied or not)."""
+        tied = self.pre_process and self.config.share_embeddings_and_output_weights
+        return self.output_layer(x, weight=self.embedding.word_embeddings.weight if tied else None)
+
     def postprocess(self, x, labels=None):
         """Final hidden states [s(/tp), b, h] -> logits [b, s, vocab_size] or per-token loss [b, s]."""
-        tied = self.pre_process and self.config.share_embeddings_and_output_weights
-        w = self.embedding.word_embeddings.weight if tied else None
-        logits = self.output_layer(x, weight=w)  # [s, b, V/tp]
+        logits = self.logits(x)  # [s, b, V/tp]
         if labels is None:
             logits = P.gather_from_tp(logits, P.tp_of(self.grid))  # [s, b, V]
             return rearrange(logits, "s b v -> b s v")[..., : self.config.vocab_size]
@@ -383,7 +401,7 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
              top_k: int | None = None, eod: int | None = None, next_logits=None) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `ids` [b, s]. `next_logits(ids)` gives the last position's logits
     [b, V]; by default a full recompute of the (windowed) sequence each step: short and obviously right
-    (mamba.generate passes its O(1) recurrent step instead)."""
+    (mamba.generate passes its O(1) recurrent step instead, t5.generate its decoder over one encoder output)."""
     was_training = model.training
     model.eval()
     window = model.config.max_position_embeddings
@@ -400,12 +418,11 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
-    import convert
-    return convert.gpt_from_hf(hf, grid, dtype)
+    config, full = convert.gpt_from_hf(hf, Config, dtype)
+    return convert.load(Model(config, grid), full)
 
 
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     """A Model with the weights of a Megatron-core GPTModel, from its full state dict. Our names and layouts are
     Megatron's local-spec ones, so this is a rename (what it handles: convert.megatron_state)."""
-    import convert
-    return convert.load_megatron(Model(config, grid), state_dict)
+    return convert.load(Model(config, grid), convert.megatron_state(state_dict, config))

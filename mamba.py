@@ -23,7 +23,6 @@ Dimension glossary (the paper's letters in brackets)
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
+import convert
 import gpt
 import parallel as P
 
@@ -89,20 +89,15 @@ class Config(gpt.Config):
         self.d_inner = self.mamba_num_heads * Pd
         self.mamba_output_std = self.init_method_std / math.sqrt(self.num_layers)  # MambaStack's out_proj rescale
 
-    def check_layout(self, tp: int = 1, pp: int = 1):
-        """Refuse a layout this model cannot take, naming the values (only the layer kinds the pattern uses)."""
-        checks = [("padded vocabulary", self.padded_vocab_size)]
-        if "M" in self.layer_types:
-            checks += [("mamba_num_heads", self.mamba_num_heads), ("mamba_num_groups", self.mamba_num_groups)]
-        if "*" in self.layer_types:
-            checks += [("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups)]
-        if "-" in self.layer_types:
-            checks += [("ffn_hidden_size", self.ffn_hidden_size)]
-        if "E" in self.layer_types:
-            checks += [("moe_ffn_hidden_size", self.moe_ffn_hidden_size)]
-        for what, v in checks:
-            if v % tp:
-                raise ValueError(f"{what}={v} is not divisible by tensor-model-parallel size {tp}")
+    def tp_split_sizes(self) -> list[tuple[str, int]]:
+        """What TP splits: the vocabulary and the sizes of the layer kinds the pattern uses."""
+        per_kind = {"M": ["mamba_num_heads", "mamba_num_groups"], "*": ["num_attention_heads", "num_query_groups"],
+                    "-": ["ffn_hidden_size"], "E": ["moe_ffn_hidden_size"]}
+        names = [n for kind, ns in per_kind.items() if kind in self.layer_types for n in ns]
+        return [("padded vocabulary", self.padded_vocab_size)] + [(n, getattr(self, n)) for n in names]
+
+    def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
+        super().check_layout(tp, 1, ep)  # gpt's TP and EP checks; the pipeline stages are the pattern's:
         self.stages(pp)
 
     def stages(self, pp: int = 1) -> list[tuple[int, str]]:
@@ -204,7 +199,7 @@ class GatedRMSNorm(nn.Module):
 
 def _uniform_init(p, fn):
     """Megatron's non-Gaussian inits, as a function of a U[0,1) draw of the full tensor (see init_ssm_params)."""
-    p.ssm_init, p._no_weight_decay = fn, True
+    p.ssm_init = fn
     return p
 
 
@@ -231,7 +226,6 @@ class MambaMixer(nn.Module):
         self.A_log = _uniform_init(P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("zeros",), 0),
                                    lambda u: torch.log(1 + 15 * u))  # A ~ U(1, 16)
         self.D = P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("ones",), 0)
-        self.D._no_weight_decay = True
         self.dt_bias = _uniform_init(P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("zeros",), 0), _dt_bias)
         self.norm = GatedRMSNorm(self.d, c.d_inner // c.mamba_num_groups, c.layernorm_epsilon, dt_)
         self.out_proj = P.RowParallelLinear(c.d_inner, c.hidden_size, grid, bias=False, std=c.mamba_output_std,
@@ -353,30 +347,18 @@ class Model(gpt.Model):
 
     def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=None,
                  num_layers=None):
-        nn.Module.__init__(self)  # gpt.Model's __init__ would build transformer layers; the rest is shared
-        c = self.config = config
-        tp, pp = (grid.tp_size, grid.pp_size) if grid is not None else (1, 1)
-        c.check_layout(tp, pp)
-        if c.sequence_parallel and tp == 1:
-            c = self.config = dataclasses.replace(c, sequence_parallel=False)
-        if layer_offset is None:
-            layer_offset, symbols = c.stages(pp)[grid.pp.rank if grid is not None else 0]
-        else:
-            symbols = c.layer_types[layer_offset:layer_offset + (c.num_layers if num_layers is None else num_layers)]
-        self.grid, self.pre_process, self.post_process, self.layer_offset = grid, pre_process, post_process, layer_offset
-        self.rng = P.RNGTracker(c.seed, grid)
-        self.input_tensor = None
-        if pre_process:
-            self.embedding = gpt.Embedding(c, grid, self.rng)
-        self.decoder = Stack(c, grid, self.rng, symbols, post_process)
-        if post_process:
-            self.output_layer = P.ColumnParallelLinear(
-                c.hidden_size, c.padded_vocab_size, grid, bias=False, std=c.init_method_std, dtype=c.params_dtype,
-                sequence_parallel=c.sequence_parallel, skip_weight=c.share_embeddings_and_output_weights and pre_process)
-        if c.share_embeddings_and_output_weights and pre_process != post_process:  # a pipeline end: one copy of two
-            (self.embedding.word_embeddings if pre_process else self.output_layer).weight.shared_embedding = True
-        P.init_params(self, c.seed, grid, rename=self.global_name)
-        init_ssm_params(self, c.seed, grid, rename=self.global_name)
+        if layer_offset is None:  # this grid's pipeline stage of the pattern
+            pp = grid.pp_size if grid is not None else 1
+            layer_offset, symbols = config.stages(pp)[grid.pp.rank if grid is not None else 0]
+            num_layers = len(symbols)
+        super().__init__(config, grid, pre_process, post_process, layer_offset, num_layers)
+
+    def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
+        return Stack(c, grid, self.rng, c.layer_types[layer_offset:layer_offset + num_layers], self.post_process)
+
+    def init_params(self):  # gpt's, then Megatron's non-Gaussian Mamba inits
+        super().init_params()
+        init_ssm_params(self, self.config.seed, self.grid, rename=self.global_name)
 
     @torch.no_grad()
     def step(self, ids, cache: dict):
@@ -409,5 +391,5 @@ def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, t
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path)."""
-    import convert
-    return convert.mamba_from_hf(hf, grid, dtype)
+    config, full = convert.mamba_from_hf(hf, Config, dtype)
+    return convert.load(Model(config, grid), full)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
+import convert
 import gpt
 import parallel as P
 import retrieval
@@ -189,13 +190,13 @@ class Model(gpt.Model):
     global parameter name, so the GPT weights are the ones gpt.Model(same config) has."""
 
     def __init__(self, config: Config, grid=None, pre_process=True, post_process=True):
-        if grid is not None and grid.pp_size > 1:
-            raise ValueError(f"Retro does not support pipeline parallelism (pp={grid.pp_size}), as in Megatron")
-        super().__init__(config, grid, pre_process, post_process)
-        c = self.config
+        super().__init__(config, grid, pre_process, post_process)  # Config.check_layout refuses pipelining
+
+    def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
+        decoder = super().build_decoder(c, grid, layer_offset, num_layers)
         for j, number in enumerate(c.retro_layer_numbers):
-            self.decoder.layers[number - 1] = RetroDecoderLayer(c, grid, self.rng, number - 1, encoder=j == 0)
-        P.init_params(self, c.seed, grid, rename=self.global_name)
+            decoder.layers[number - 1] = RetroDecoderLayer(c, grid, self.rng, number - 1, encoder=j == 0)
+        return decoder
 
     def embed_neighbors(self, neighbor_ids):  # [b, l, k, r] -> [r, (b l k), h] (RetroModel's context embedding)
         e = self.embedding
@@ -228,8 +229,7 @@ class Model(gpt.Model):
 
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     """A Model with the weights of a Megatron-core RetroModel, from its full state dict (see gpt.from_megatron)."""
-    import convert
-    return convert.load_megatron(Model(config, grid), state_dict)
+    return convert.load(Model(config, grid), convert.megatron_state(state_dict, config))
 
 
 # ---------------------------------------------------------------------------------------------- train.py hooks

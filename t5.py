@@ -22,7 +22,6 @@ Dimension glossary (on top of gpt.py's b, h, n, d, V)
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+import convert
 import data
 import gpt
 import parallel as P
@@ -63,12 +63,17 @@ class Config(gpt.Config):
         for name in ("encoder_num_layers", "decoder_num_layers", "relative_attention_num_buckets"):
             if getattr(self, name) < 1 or (name.endswith("buckets") and getattr(self, name) < 4):
                 raise ValueError(f"{name}={getattr(self, name)} is too small")
+        f = self.moe_layer_freq  # each stack numbers its layers from 0 (Megatron: two TransformerBlocks)
+        if self.num_experts and isinstance(f, (list, tuple)) and len(f) < max(self.encoder_num_layers,
+                                                                              self.decoder_num_layers):
+            raise ValueError(f"moe_layer_freq has {len(f)} entries for encoder_num_layers={self.encoder_num_layers}, "
+                             f"decoder_num_layers={self.decoder_num_layers}")
 
-    def check_layout(self, tp: int = 1, pp: int = 1):
+    def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
         if pp > 1:
             raise ValueError(f"T5 has no pipeline parallelism (Megatron-core's T5 refuses it too): "
                              f"--pipeline-model-parallel-size={pp} must be 1")
-        super().check_layout(tp, 1)
+        super().check_layout(tp, pp, ep)
 
 
 # ---------------------------------------------------------------------------------------------- relative positions
@@ -129,10 +134,11 @@ def attention_mask(keys, sq: int, causal: bool, bias=None):
 # ---------------------------------------------------------------------------------------------- the two stacks
 class Layer(gpt.TransformerLayer):
     """gpt.py's pre-norm layer; a decoder layer adds x + dropout(cross_attn(norm(x), encoder output)) between its
-    self-attention and its MLP (Megatron's pre_cross_attn_layernorm / cross_attention)."""
+    self-attention and its MLP (Megatron's pre_cross_attn_layernorm / cross_attention). layer_number: 0-based
+    within its stack (an MoE layer where moe_layer_freq says)."""
 
-    def __init__(self, c: Config, grid, rng, cross: bool):
-        super().__init__(c, grid, rng)
+    def __init__(self, c: Config, grid, rng, layer_number: int, cross: bool):
+        super().__init__(c, grid, rng, layer_number)
         if cross:
             self.pre_cross_attn_layernorm = gpt.Norm(c)
             self.cross_attention = gpt.Attention(c, grid, cross=True, rng=rng)
@@ -148,7 +154,7 @@ class Layer(gpt.TransformerLayer):
 class Stack(nn.Module):  # Megatron's TransformerBlock
     def __init__(self, c: Config, grid, rng, num_layers: int, cross: bool):
         super().__init__()
-        self.layers = nn.ModuleList([Layer(c, grid, rng, cross) for _ in range(num_layers)])
+        self.layers = nn.ModuleList([Layer(c, grid, rng, i, cross) for i in range(num_layers)])
         self.final_layernorm = gpt.Norm(c)
 
     def forward(self, x, mask=None, rope=None, context=None, context_mask=None):
@@ -166,43 +172,41 @@ class LMHead(nn.Module):  # Megatron's T5LMHead: the output layer, with a bias w
                                                    skip_weight=c.share_embeddings_and_output_weights)
 
 
-class Model(nn.Module):
+class Model(gpt.Model):
     """T5. forward(encoder_input_ids [b, se], decoder_input_ids [b, sd], encoder_attn_mask [b, se] = None,
     decoder_attn_mask [b, sd] = None, lm_labels [b, sd] = None) -> logits [b, sd, vocab_size] or per-token loss
     [b, sd]. Masks are 1 for tokens, 0 for padding (Hugging Face's convention; the decoder is causal on top).
-    `encoder_hidden_states` (from `encode`) skips the encoder: generation encodes once."""
+    `encoder_hidden_states` (from `encode`) skips the encoder: generation encodes once.
+    gpt.Model's skeleton with two stacks (and their relative-position tables) for one, and the lm_head."""
 
     def __init__(self, config: Config, grid=None, pre_process=True, post_process=True):
-        super().__init__()
-        c = self.config = config
-        c.check_layout(grid.tp_size if grid is not None else 1, grid.pp_size if grid is not None else 1)
         if not (pre_process and post_process):
             raise ValueError(f"T5 has no pipeline stages: pre_process={pre_process}, post_process={post_process} "
                              "must both be True")
-        if c.sequence_parallel and (grid is None or grid.tp_size == 1):
-            c = self.config = dataclasses.replace(c, sequence_parallel=False)  # SP is a TP feature
-        self.grid, self.pre_process, self.post_process = grid, True, True
-        self.rng = P.RNGTracker(c.seed, grid)
-        self.embedding = gpt.Embedding(c, grid, self.rng)  # one embedding for both stacks (and the tied lm_head)
+        super().__init__(config, grid)  # one embedding for both stacks (and the tied lm_head)
+
+    def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         if c.position_embedding_type == "relative":
             self.encoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=True)
             self.decoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=False)
         self.encoder = Stack(c, grid, self.rng, c.encoder_num_layers, cross=False)
-        self.decoder = Stack(c, grid, self.rng, c.decoder_num_layers, cross=True)
-        self.lm_head = LMHead(c, grid)
-        P.init_params(self, c.seed, grid)
+        return Stack(c, grid, self.rng, c.decoder_num_layers, cross=True)
 
-    def _embed(self, ids, stack: str):  # ids [b, s] -> x [s(/tp), b, h], self-attention mask pieces, rope
-        c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)
-        s = ids.shape[1]
-        if c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
-            raise ValueError(f"{stack} length {s} > max_position_embeddings={c.max_position_embeddings}")
-        if c.sequence_parallel and s % tp:
-            raise ValueError(f"sequence parallelism needs the {stack} length {s} divisible by tp={tp}")
-        bias = getattr(self, f"{stack}_relative_pos_emb")(s, s) if c.position_embedding_type == "relative" else None
-        rope = gpt.rope_cos_sin(s, c.kv_channels, c.rotary_base, ids.device) if c.position_embedding_type == "rope" \
-            else None
-        return self.embedding(ids), bias, rope
+    def build_output_layer(self, c: Config, grid):
+        self.lm_head = LMHead(c, grid)
+
+    def logits(self, x):  # decoder output [sd(/tp), b, h] -> [sd, b, V/tp]
+        c = self.config
+        if c.scale_decoder_outputs:
+            x = x * c.hidden_size ** -0.5
+        w = self.embedding.word_embeddings.weight if c.share_embeddings_and_output_weights else None
+        return self.lm_head.output_layer(x, weight=w)
+
+    def _embed(self, ids, stack: str):  # ids [b, s] -> x [s(/tp), b, h], self-attention bias (or None), rope
+        self.check_input(ids, stack)
+        s, relative = ids.shape[1], self.config.position_embedding_type == "relative"
+        bias = getattr(self, f"{stack}_relative_pos_emb")(s, s) if relative else None
+        return self.embedding(ids), bias, self.rope(s, ids.device)
 
     def encode(self, encoder_input_ids, encoder_attn_mask=None):
         """[b, se] -> the encoder output [se(/tp), b, h] (bidirectional; padding keys masked)."""
@@ -220,35 +224,22 @@ class Model(nn.Module):
         x = self.decoder(x, mask, rope, encoder_hidden_states, context_mask)
         return self.postprocess(x, lm_labels)
 
-    def postprocess(self, x, labels=None):
-        """Decoder output [sd(/tp), b, h] -> logits [b, sd, vocab_size] or per-token loss [b, sd]."""
-        c = self.config
-        if c.scale_decoder_outputs:
-            x = x * c.hidden_size ** -0.5
-        w = self.embedding.word_embeddings.weight if c.share_embeddings_and_output_weights else None
-        logits = self.lm_head.output_layer(x, weight=w)  # [sd, b, V/tp]
-        if labels is None:
-            logits = P.gather_from_tp(logits, P.tp_of(self.grid))  # [sd, b, V]
-            return rearrange(logits, "s b v -> b s v")[..., : c.vocab_size]
-        return P.vocab_parallel_cross_entropy(logits, labels.t(), self.grid, c.label_smoothing).t()  # [b, sd]
-
 
 @torch.no_grad()
 def generate(model: Model, encoder_input_ids, max_new_tokens: int, bos: int, eos: int | None = None,
-             encoder_attn_mask=None):
-    """Greedy decoding: encode once, then grow the decoder input by its argmax token (full decoder recompute each
-    step: short and obviously right). Returns the generated ids [b, ≤ max_new_tokens] (without bos)."""
-    was_training = model.training
-    model.eval()
-    enc = model.encode(encoder_input_ids, encoder_attn_mask)
+             encoder_attn_mask=None, temperature: float = 0.0, top_k: int | None = None):
+    """Greedy decoding by default (gpt.generate's sampling otherwise): encode once, then grow the decoder input
+    from bos (full decoder recompute each step: short and obviously right). Returns the generated ids
+    [b, ≤ max_new_tokens] (without bos)."""
+    enc = []  # the encoder output, computed once on the first step (in gpt.generate's eval mode)
+
+    def next_logits(dec):  # dec [b, t] -> the last position's logits [b, V]
+        if not enc:
+            enc.append(model.encode(encoder_input_ids, encoder_attn_mask))
+        return model(None, dec, encoder_attn_mask, encoder_hidden_states=enc[0])[:, -1]
+
     dec = torch.full((encoder_input_ids.shape[0], 1), bos, dtype=torch.long, device=encoder_input_ids.device)
-    for _ in range(max_new_tokens):
-        logits = model(None, dec, encoder_attn_mask, encoder_hidden_states=enc)[:, -1]  # [b, V]
-        dec = torch.cat([dec, logits.argmax(-1, keepdim=True)], dim=1)
-        if eos is not None and bool((dec[:, -1] == eos).all()):
-            break
-    model.train(was_training)
-    return dec[:, 1:]
+    return gpt.generate(model, dec, max_new_tokens, temperature, top_k, eod=eos, next_logits=next_logits)[:, 1:]
 
 
 # ---------------------------------------------------------------------------------------------- span corruption
@@ -372,12 +363,12 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     Megatron's (cross-attention linear_kv per head [k; v], relative_attention_bias [B, n]); its second names for
     embedding.position_embeddings and lm_head.output_layer (top-level `position_embeddings.*`, `output_layer.*`)
     are dropped."""
-    import convert
     alias = ("position_embeddings.", "output_layer.")
-    return convert.load_megatron(Model(config, grid), state_dict, lambda k: None if k.startswith(alias) else k)
+    full = convert.megatron_state(state_dict, config, lambda k: None if k.startswith(alias) else k)
+    return convert.load(Model(config, grid), full)
 
 
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` T5ForConditionalGeneration (logits match)."""
-    import convert
-    return convert.t5_from_hf(hf, grid, dtype)
+    config, full = convert.t5_from_hf(hf, Config, dtype)
+    return convert.load(Model(config, grid), full)

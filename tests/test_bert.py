@@ -280,3 +280,12 @@ def test_bad_inputs_name_the_values():
         model(ids, torch.ones(2, 8), ids)
     with pytest.raises(ValueError, match="span of 20 tokens does not fit seq_length=16"):
         bert.make_bert_sample(np.arange(5, 25), 16, SPECIAL, np.random.default_rng(0), np.arange(5, 30))
+
+
+def test_parameters_are_initialized_once_after_the_heads_exist(monkeypatch):
+    """gpt.Model's skeleton fills every parameter once, at the end of __init__, BERT's heads included."""
+    calls, init = [], P.init_params
+    monkeypatch.setattr(P, "init_params", lambda module, *a, **kw: (calls.append(module), init(module, *a, **kw)))
+    model = bert.Model(bert.Config(**CFG))
+    assert calls == [model]
+    assert all(hasattr(p, "init") for p in model.parameters())  # none left at torch's default init

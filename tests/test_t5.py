@@ -189,6 +189,48 @@ def test_t5_sequence_parallel_equals_single_process_float64(pool, tp, cfg):
     assert_same(dict(res[0], losses=sum(r["losses"] for r in res)), ref, rtol=1e-10, what=f"tp={tp} sp")
 
 
+MOE_T5 = dict(PINNED, num_layers=3, encoder_num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+              moe_token_dispatcher_type="alltoall", moe_layer_freq=2)
+
+
+def test_moe_layers_are_the_ones_moe_layer_freq_names():
+    """Encoder and decoder each number their layers from 0 (Megatron-core: two TransformerBlocks)."""
+    def moe_layers(**kw):
+        m = t5.Model(t5.Config(**dict(MOE_T5, **kw)))
+        return [[isinstance(layer.mlp, P.MoELayer) for layer in stack.layers] for stack in (m.encoder, m.decoder)]
+
+    assert moe_layers() == [[True, False], [True, False, True]]
+    assert moe_layers(moe_layer_freq=[0, 1, 1]) == [[False, True], [False, True, True]]
+    assert moe_layers(num_experts=None) == [[False, False], [False, False, False]]
+    with pytest.raises(ValueError, match="num_experts=4 is not divisible by expert-model-parallel size 3"):
+        t5.Config(**MOE_T5).check_layout(tp=1, pp=1, ep=3)
+
+
+def t5_moe_case(rank, n, cfg, tp, ep, b, seed):
+    grid = P.Grid(tp=tp, dp=n // tp, ep=ep) if n > 1 else None
+    model = t5.Model(t5.Config(**cfg), grid)
+    batch = make_t5_batch(b, seed)
+    count = batch["loss_mask"].sum()
+    dp, r = (grid.dp_size, grid.dp.rank) if grid is not None else (1, 0)
+    rec = train_steps(model, grid, {k: v.chunk(dp)[r] for k, v in batch.items()},
+                      loss_fn=lambda m, bt: t5.t5_loss(m, bt) / count)
+    rec["losses"] = rec["losses"] if grid is None or grid.tp.rank == 0 else 0 * rec["losses"]  # a DP rank's part
+    return rec  # every rank: its own experts, under their global names
+
+
+@pytest.mark.parametrize("tp,n", [(1, 2), (2, 4)], ids=["dp2-ep2", "tp2-dp2-ep2"])
+def test_t5_moe_expert_parallel_equals_single_process_float64(pool, tp, n):
+    """MoE T5 under expert parallelism: each EP rank initializes and trains its own (global) experts."""
+    ref = t5_moe_case(0, 1, MOE_T5, 1, 1, 8, seed=7)
+    res = pool.run(t5_moe_case, n, cfg=MOE_T5, tp=tp, ep=2, b=8, seed=7)
+    got = dict(res[0], losses=sum(r["losses"] for r in res), grads={}, params={})
+    for r in res:
+        got["grads"].update(r["grads"])
+        got["params"].update(r["params"])
+    assert "decoder.layers.2.mlp.experts.linear_fc1.weight3" in got["params"]
+    assert_same(got, ref, rtol=1e-10, what=f"tp={tp} ep=2")
+
+
 def test_pipeline_parallelism_is_refused_with_the_value():
     with pytest.raises(ValueError, match="pipeline-model-parallel-size=2 must be 1"):
         t5.Config().check_layout(tp=1, pp=2)

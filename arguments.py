@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import inspect
 import json
 import math
 from pathlib import Path
@@ -211,12 +210,7 @@ def model_config(module, args):
     try:
         c = module.Config(**{k: v for k, v in kw.items() if k in fields})
         tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-        if "ep" in inspect.signature(c.check_layout).parameters:
-            c.check_layout(tp, pp, ep=ep)
-        else:  # a Config whose check_layout does not take ep yet (t5, mamba): gpt.Config's expert check, until it does
-            c.check_layout(tp, pp)
-            if c.num_experts and c.num_experts % ep:
-                raise ValueError(f"num_experts={c.num_experts} is not divisible by expert-model-parallel size {ep}")
+        c.check_layout(tp, pp, ep)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return c

@@ -581,6 +581,10 @@ def dropout(x, p: float, training: bool, rng: RNGTracker | None = None, sharded:
 
 # ============================================================================================================
 # 6. Gradient finalization and shard gathering — mirrors megatron/core/distributed/finalize_model_grads.py
+#
+#  Also the layout-free view of a sharded model that checkpoints and tests use: a parameter's full tensor
+#  (gather_full), loading full tensors back into shards (load_full_state_dict), and expert weights named by their
+#  global index whatever ep is (expert_global_name).
 # ============================================================================================================
 def finalize_grads(model: nn.Module | list[nn.Module], grid: Grid | None):
     """Reductions that backward alone cannot do, called once per step after the last micro-batch's backward.

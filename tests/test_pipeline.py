@@ -267,7 +267,34 @@ def test_executed_trace_and_peak_activations(pool, vp, M):
         assert 1 <= peak <= warmup + 1, (r, peak, warmup)
 
 
-# --------------------------------------------------------------------------------------- 5. bad layouts
+# --------------------------------------------------------------------------------------- 3. the loss-token protocol
+class _Counting(torch.nn.Module):
+    """A submodule with its own loss that wants the global batch's loss-token count (as MoE's Router does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.seen = torch.nn.Parameter(torch.ones(())), []
+
+    def set_num_tokens(self, num_tokens):
+        self.seen.append(num_tokens)
+
+
+def test_schedules_tell_the_model_the_global_token_count():
+    """Every schedule calls set_num_tokens(num_tokens) on each submodule that has it, once, before the first
+    micro-batch's forward."""
+    model = torch.nn.Sequential(_Counting())
+    seen_at_forward = []
+
+    def forward_step(m, mb):
+        seen_at_forward.append(list(m[0].seen))
+        return (m[0].w * mb).sum()
+
+    P.forward_backward([model], [torch.ones(2), torch.ones(3)], forward_step, 10, None)
+    assert seen_at_forward == [[10], [10]]
+    assert float(model[0].w.grad) == 5 / 10  # the loss rule: sum of token losses / num_tokens
+
+
+# --------------------------------------------------------------------------------------- 4. bad layouts
 def test_bad_pipeline_layouts_are_refused():
     with pytest.raises(ValueError, match="num_layers=6 is not divisible by pipeline-model-parallel size 4"):
         gpt.Config(num_layers=6).check_layout(tp=1, pp=4)

@@ -200,6 +200,32 @@ def test_rng_tracker_dropout_masks(pool):
     assert not torch.equal(res[0][0], res[0][2])  # the default stream advanced
 
 
+# --------------------------------------------------------------------------------------- 6. the GEMM hook
+def test_linear_impl_is_the_layers_gemm():
+    """Column/RowParallelLinear run their local GEMM through `linear_impl(x, weight, bias)` (the hook fp8_enable
+    fills): F.linear by default; a replacement is called with the layer's weight and bias (None for the row layer,
+    which adds its bias after the reduction) and its result is the layer's."""
+    col, row = P.ColumnParallelLinear(8, 6), P.RowParallelLinear(6, 4)
+    assert col.linear_impl is F.linear and row.linear_impl is F.linear
+    P.init_params(torch.nn.ModuleList([col, row]), 1, None)
+    with torch.no_grad():
+        col.bias.fill_(0.5), row.bias.fill_(-0.25)
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+    ref = row(col(x))
+    calls = []
+
+    def recording(x, w, b):
+        calls.append((w, b))
+        return 2 * F.linear(x, w, b)
+
+    col.linear_impl = row.linear_impl = recording
+    got = row(col(x))
+    assert len(calls) == 2 and calls[0][0] is col.weight and calls[0][1] is col.bias
+    assert calls[1][0] is row.weight and calls[1][1] is None
+    torch.testing.assert_close(got, 2 * F.linear(2 * F.linear(x, col.weight, col.bias), row.weight) + row.bias)
+    assert not torch.allclose(got, ref)
+
+
 # --------------------------------------------------------------------------------------- 7. bad configurations
 @pytest.mark.parametrize("kw,tp,msg", [
     (dict(num_attention_heads=6, num_query_groups=6, hidden_size=48), 4, "num_attention_heads=6 .* 4"),

@@ -12,7 +12,7 @@ Run its tests:  make test   (or: .venv/bin/python -m pytest -q tests/test_tensor
 
 Sections
   1. Grid                 — the process grid (tp, cp, dp, pp; ep carved from dp), TP innermost.  ~ parallel_state.py
-  2. Mappings             — f, g, scatter/gather, the sequence-parallel trio (ḡ).      ~ tensor_parallel/mappings.py
+  2. Mappings             — f, g, scatter/gather, the sequence-parallel trio (g, ḡ).   ~ tensor_parallel/mappings.py
   3. Initialization       — full master weights from the seed, sliced per rank.         ~ tensor_parallel/layers.py
   4. Tensor-parallel layers and vocab-parallel cross-entropy.                            ~ layers.py, cross_entropy.py
   5. RNG tracker and dropout.                                                             ~ tensor_parallel/random.py
@@ -22,6 +22,9 @@ Sections
   9. Data parallelism: bucketed overlapped reduction, the distributed optimizer.         ~ distributed/, distrib_optimizer.py
  10. Mixture of Experts: router, dispatchers, grouped experts.                           ~ transformer/moe/
  11. FP8: scaling recipes and the FP8 linear.                                            ~ fp8_utils.py, TE fp8.py
+A section calls only the sections above it. MoE and FP8 plug into the core through two hooks: a TP layer's
+`linear_impl(x, weight, bias)` (section 4; fp8_enable installs the FP8 GEMM there), and `set_num_tokens(n)`, which
+the schedules call on every submodule that has it (section 7; MoE's Router does, for its aux losses).
 
 Dimension glossary (used in every shape comment of the project)
   b  micro-batch size          s  sequence length (s/tp under sequence parallelism)
@@ -86,6 +89,24 @@ class Grid:
     (collectively, like Megatron's initialize_model_parallel), with the same degrees.
     """
 
+    # The degrees: how many ways each dimension splits the work.
+    tp_size: int  # tensor parallelism: each layer's weights split over tp ranks
+    pp_size: int  # pipeline parallelism: the layers cut into pp stages
+    dp_size: int  # data parallelism: dp model replicas, each on its share of the batch
+    ep_size: int  # expert parallelism: the experts split over ep ranks, carved out of dp
+    cp_size: int  # context parallelism: the sequence split over cp ranks
+    etp_size: int  # expert tensor parallelism: 1 (whole experts) or tp (experts split like the dense MLP)
+    # This rank's communicators, one per kind of group (the ranks it exchanges that kind of data with).
+    tp: Group  # the tp ranks sharing one layer's shards (same pp, dp, cp): the f/g collectives run here
+    cp: Group  # the cp ranks holding one sequence's pieces
+    dp: Group  # the dp replicas of this rank's shard (same pp, cp, tp)
+    dp_cp: Group  # dp x cp: the ranks whose gradients of one (non-expert) parameter are summed
+    pp: Group  # the pp stages of this rank's model replica: activations and their grads travel here
+    mp: Group  # one model replica (tp x pp), for model-wide reductions (e.g. a grad norm)
+    ep: Group  # the ep ranks holding different experts: tokens are dispatched over it
+    expert_dp: Group  # the (dp/ep)·cp ranks holding the same experts: expert grads are summed over it
+    embedding: Group | None  # first and last pp stage (tied embeddings); None on a middle stage
+
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1, etp: int | None = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         for name, v in dict(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp).items():
@@ -107,21 +128,23 @@ class Grid:
             "tp": g.reshape(-1, tp),
             "cp": g.permute(0, 1, 3, 2).reshape(-1, cp),
             "dp": g.permute(0, 2, 3, 1).reshape(-1, dp),
-            "dp_cp": g.permute(0, 3, 1, 2).reshape(-1, dp * cp),  # gradients are averaged over dp x cp
+            "dp_cp": g.permute(0, 3, 1, 2).reshape(-1, dp * cp),
             "pp": g.permute(1, 2, 3, 0).reshape(-1, pp),
-            "mp": g.permute(1, 2, 0, 3).reshape(-1, pp * tp),  # one model replica (tp x pp)
-            "ep": e.permute(0, 1, 3, 4, 2).reshape(-1, ep),  # ranks holding different experts
-            "expert_dp": e.permute(0, 2, 4, 1, 3).reshape(-1, dp // ep * cp),  # same experts: expert grads summed
+            "mp": g.permute(1, 2, 0, 3).reshape(-1, pp * tp),
+            "ep": e.permute(0, 1, 3, 4, 2).reshape(-1, ep),
+            "expert_dp": e.permute(0, 2, 4, 1, 3).reshape(-1, dp // ep * cp),
+            "embedding": [sorted({int(r[0]), int(r[-1])}) for r in g.permute(1, 2, 3, 0).reshape(-1, pp)],
         }
-        ends = [sorted({int(r[0]), int(r[-1])}) for r in layouts["pp"]]  # first & last stage: tied embeddings
-        for name, rows in list(layouts.items()) + [("embedding", ends)]:
+        mine: dict[str, Group] = {}
+        for name, rows in layouts.items():
             for row in rows:  # every rank creates every group, in the same order
                 row = [int(r) for r in row]
                 pg = _group(row)
                 if me in row:
-                    setattr(self, name, Group(row, me, pg))
-        if not hasattr(self, "embedding"):
-            self.embedding = None  # middle pipeline stages hold no embedding
+                    mine[name] = Group(row, me, pg)
+        self.tp, self.cp, self.dp, self.dp_cp = mine["tp"], mine["cp"], mine["dp"], mine["dp_cp"]
+        self.pp, self.mp, self.ep, self.expert_dp = mine["pp"], mine["mp"], mine["ep"], mine["expert_dp"]
+        self.embedding = mine.get("embedding")  # middle pipeline stages hold no embedding
 
     def __repr__(self):
         return (f"Grid(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, cp={self.cp_size}, "
@@ -139,12 +162,14 @@ def tp_of(grid: Grid | None) -> Group | None:
 #  Each mapping is an autograd function whose backward is the conjugate collective of its forward:
 #       name                     forward                    backward            paper
 #       copy_to_tp               identity                   all-reduce          f
-#       reduce_from_tp           all-reduce                 identity            g
+#       reduce_from_tp           all-reduce                 identity            g (Shoeybi et al.; f̄ in Korthikanti)
 #       scatter_to_tp            split last dim             all-gather last     (Megatron: scatter_to_tensor_...)
 #       gather_from_tp           all-gather last dim        split last dim
 #       scatter_to_sp            split dim 0 (sequence)     all-gather dim 0    (SP entry)
-#       gather_from_sp           all-gather dim 0           reduce-scatter      ḡ (g-bar, Korthikanti et al.)
-#       reduce_scatter_to_sp     reduce-scatter dim 0       all-gather dim 0    ḡ's partner: replaces g under SP
+#       gather_from_sp           all-gather dim 0           reduce-scatter      g (Korthikanti et al.): replaces f
+#       reduce_scatter_to_sp     reduce-scatter dim 0       all-gather dim 0    ḡ (g-bar, Korthikanti): replaces g
+#  Megatron's names: copy_to_tensor_model_parallel_region, reduce_from_..., scatter_to_..., gather_from_...,
+#  scatter_to_sequence_parallel_region, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_...
 # ============================================================================================================
 def _all_reduce(x, g: Group | None):
     if g is None or g.size == 1:
@@ -192,7 +217,7 @@ class _CopyToTP(torch.autograd.Function):  # f
         return _all_reduce(dy, ctx.g), None
 
 
-class _ReduceFromTP(torch.autograd.Function):  # g
+class _ReduceFromTP(torch.autograd.Function):  # g (Shoeybi et al.)
     @staticmethod
     def forward(ctx, x, g):
         return _all_reduce(x, g)
@@ -235,7 +260,7 @@ class _ScatterToSP(torch.autograd.Function):
         return _gather(dy, ctx.g, 0), None
 
 
-class _GatherFromSP(torch.autograd.Function):  # ḡ
+class _GatherFromSP(torch.autograd.Function):  # g (Korthikanti et al.)
     @staticmethod
     def forward(ctx, x, g, tp_output_grad):
         ctx.g, ctx.tp_output_grad = g, tp_output_grad
@@ -248,7 +273,7 @@ class _GatherFromSP(torch.autograd.Function):  # ḡ
         return (_reduce_scatter(dy, ctx.g) if ctx.tp_output_grad else _split(dy, ctx.g, 0)), None, None
 
 
-class _ReduceScatterToSP(torch.autograd.Function):
+class _ReduceScatterToSP(torch.autograd.Function):  # ḡ (Korthikanti et al.)
     @staticmethod
     def forward(ctx, x, g):
         ctx.g = g
@@ -288,7 +313,8 @@ def reduce_scatter_to_sp(x, g):
 
 
 # ============================================================================================================
-# 3. Initialization — mirrors Megatron's `use_cpu_initialization` path (_initialize_affine_weight_cpu)
+# 3. Initialization — mirrors megatron/core/tensor_parallel/layers.py's `use_cpu_initialization` path
+#    (_initialize_affine_weight_cpu)
 #
 #  Every parameter is a slice of a full "master" tensor generated from (seed, the parameter's global name), so a
 #  TP=4 model, a TP=1 model and a pipeline stage that owns only layers 6..11 all hold the same numbers.
@@ -367,6 +393,8 @@ def init_params(module: nn.Module, seed: int, grid: Grid | None, rename=lambda n
 #   RowParallelLinear     Y = X·Aᵀ,  A split by columns (input features): [X₁ | X₂] -> X₁·A₁ᵀ + X₂·A₂ᵀ ─g─> Y
 #   Under sequence parallelism f becomes an all-gather of the sequence (gather_from_sp) and g a reduce-scatter
 #   (reduce_scatter_to_sp), so activations between the layers stay split along s.
+#   The local GEMM is a per-layer hook, `linear_impl(x, weight, bias) -> y`, F.linear by default; a layer whose
+#   GEMM runs another way (an FP8 GEMM, Transformer Engine's Linear) gets another callable there.
 # ============================================================================================================
 class ColumnParallelLinear(nn.Module):
     """Linear layer with the weight [out/tp, in] split along the output dim; bias [out/tp] split too."""
@@ -383,12 +411,12 @@ class ColumnParallelLinear(nn.Module):
             self.weight = mark(nn.Parameter(torch.empty(out_features // n, in_features, dtype=dtype)),
                                ("normal", std), partition_dim=0, stride=stride)
         self.bias = mark(nn.Parameter(torch.empty(out_features // n, dtype=dtype)), ("zeros",), 0, stride) if bias else None
-        self.fp8 = None  # FP8 (section 11): fp8_enable sets the layer's scaling state
+        self.linear_impl = F.linear  # the local GEMM hook (see the section's header)
 
-    def forward(self, x, weight=None):  # x [s(/tp), b, in] -> [s, b, out/tp]
+    def forward(self, x, weight=None):  # x [s(/tp), b, in] -> [s, b, out/tp] ([s, b, out] with gather_output)
         w = weight if weight is not None else self.weight
         x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        y = F.linear(x, w, self.bias) if self.fp8 is None else fp8_linear(x, w, self.bias, self.fp8)  # [s, b, out/tp]
+        y = self.linear_impl(x, w, self.bias)  # [s, b, out/tp]
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -404,10 +432,10 @@ class RowParallelLinear(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // n, dtype=dtype)), ("normal", std), 1)
         self.bias = mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), ("zeros",),
                          sequence_parallel=sequence_parallel) if bias else None
-        self.fp8 = None  # FP8 (section 11)
+        self.linear_impl = F.linear  # the local GEMM hook (see the section's header)
 
     def forward(self, x):  # x [s, b, in/tp] -> [s(/tp), b, out]
-        y = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, None, self.fp8)  # partial sums
+        y = self.linear_impl(x, self.weight, None)  # [s, b, out] partial sums
         y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y + self.bias if self.bias is not None else y
 
@@ -553,6 +581,10 @@ def dropout(x, p: float, training: bool, rng: RNGTracker | None = None, sharded:
 
 # ============================================================================================================
 # 6. Gradient finalization and shard gathering — mirrors megatron/core/distributed/finalize_model_grads.py
+#
+#  Also the layout-free view of a sharded model that checkpoints and tests use: a parameter's full tensor
+#  (gather_full), loading full tensors back into shards (load_full_state_dict), and expert weights named by their
+#  global index whatever ep is (expert_global_name).
 # ============================================================================================================
 def finalize_grads(model: nn.Module | list[nn.Module], grid: Grid | None):
     """Reductions that backward alone cannot do, called once per step after the last micro-batch's backward.
@@ -608,6 +640,28 @@ def pad_vocab(vocab_size: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab_size / divisible_by) * divisible_by)
 
 
+# MoE expert weights are named by their global index (GroupedMLP, section 10, holds E/ep local ones)
+_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
+
+
+def expert_global_name(name: str, grid: Grid | None, num_experts: int | None) -> str:
+    """experts.linear_fc1.weight{local i} -> weight{ep_rank·E/ep + i}: names (and init) independent of ep."""
+    m = _EXPERT.search(name)
+    if m is None or grid is None or grid.ep_size == 1:
+        return name
+    return name[:m.start(2)] + str(grid.ep.rank * (num_experts // grid.ep_size) + int(m.group(2)))
+
+
+def _another_ranks_expert(name: str, own: dict, grid: Grid | None) -> bool:
+    """Whether global expert weight `name` (…experts.linear_fc1.weight{j}) is held by another EP rank: j < E."""
+    m = _EXPERT.search(name)
+    if m is None or grid is None or grid.ep_size == 1:
+        return False
+    stem = name[:m.start(2)]
+    local = sum(1 for k in own if k.startswith(stem) and k[len(stem):].isdigit())  # E/ep here
+    return int(m.group(2)) < local * grid.ep_size
+
+
 @torch.no_grad()
 def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], grid: Grid | None, strict: bool = True):
     """Copy full (unsharded) tensors into `module`, each rank keeping its slice — the inverse of `gather_full`.
@@ -637,14 +691,24 @@ def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], grid:
 #  A schedule runs forward and backward over the micro-batches of one step. Every schedule applies the one
 #  loss-normalization rule (design.md §2): each micro-batch contributes (sum of its token losses) / num_tokens,
 #  where num_tokens counts the loss tokens of the whole global batch (all micro-batches, all DP ranks).
+#  Losses the model adds inside itself follow the same rule: before the first micro-batch, a schedule calls
+#  `set_num_tokens(num_tokens)` on every submodule that has that method (MoE's Router does: its aux losses).
 # ============================================================================================================
+def set_num_tokens(model: nn.Module | list[nn.Module], num_tokens: int | float):
+    """Tell every submodule with a `set_num_tokens(n)` method the global batch's loss-token count."""
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        for m in chunk.modules():
+            if callable(getattr(m, "set_num_tokens", None)):
+                m.set_num_tokens(num_tokens)
+
+
 def forward_backward_no_pipelining(model: nn.Module, micro_batches, loss_func, num_tokens: int | float):
     """Gradient accumulation: forward + backward each micro-batch in turn. Returns this rank's loss contribution.
 
     `loss_func(model, micro_batch)` returns the *sum* of the micro-batch's per-token losses (a scalar tensor).
     """
     total = 0.0
-    moe_set_num_tokens(model, num_tokens)  # MoE aux losses follow the same rule (section 10)
+    set_num_tokens(model, num_tokens)  # losses inside the model follow the same rule
     for mb in micro_batches:
         loss_sum = loss_func(model, mb)
         (loss_sum / num_tokens).backward()
@@ -712,7 +776,9 @@ def schedule_interleaved(pp: int, rank: int, M: int, vp: int) -> list[tuple[str,
     Warmup = (pp − rank − 1)·2 + (v − 1)·pp: the first chunk's pp forwards must reach the last rank and come back
     round to this rank's later chunks (the "·2": a rank r must wait for pp−r−1 stages ahead of it on both the way
     out and the way back) before the first backward can start; every forward of the v − 1 earlier chunks of the
-    first group is in flight by then. With M == pp every forward runs first (Megatron's all-warmup case).
+    first group is in flight by then, capped at M·v. With M == pp every forward runs first: Megatron's all-warmup
+    case until its tunable schedule (Nov. 2024), which applies the formula there too.
+    The micro-batch group size is pp (Megatron's default microbatch_group_size_per_vp_stage).
     """
     if M % pp:
         raise ValueError(f"interleaved schedule: number of micro-batches {M} must be a multiple of pp={pp}")
@@ -740,7 +806,7 @@ def run_schedule(actions, chunks: list[nn.Module], micro_batches, forward_step, 
     ranks = grid.pp.ranks
     tag = lambda mb, chunk, backward: (mb * vp + chunk) * 2 + int(backward)
     inputs, outputs, sends, total, in_flight, peak = {}, {}, [], 0.0, 0, 0
-    moe_set_num_tokens(chunks, num_tokens)
+    set_num_tokens(chunks, num_tokens)  # losses inside the model follow the same rule (section 7)
     for kind, mb, v in actions:
         model = chunks[v]
         if trace is not None:
@@ -1146,7 +1212,7 @@ class Router(nn.Module):
         z-loss   coeff · mean over tokens of logsumexp(logits)²
     (Megatron's fᵢ, normalised by T·k: perfectly balanced routing gives coeff; with fᵢ = tokens/T it is coeff·k.)
     The loss rule: each micro-batch's aux losses enter backward weighted by T / num_tokens, where num_tokens is the
-    global batch's loss-token count that the schedules divide the main loss by (they set it: moe_set_num_tokens).
+    global batch's loss-token count that the schedules divide the main loss by (they call set_num_tokens).
     The total is the token-weighted mean of the micro-batches' aux losses (1/(M·dp) each, for equal micro-batches)
     in every layout; the single process running the same micro-batches gets the same gradients. Unset: weight 1.
     """
@@ -1161,6 +1227,9 @@ class Router(nn.Module):
         self.bias = mark(nn.Parameter(torch.empty(self.E, dtype=dtype)), ("zeros",),
                          sequence_parallel=c.sequence_parallel) if c.add_bias_linear else None
         self.num_tokens, self.stats = None, {}
+
+    def set_num_tokens(self, num_tokens):  # the schedules' loss-token protocol (section 7)
+        self.num_tokens = num_tokens
 
     def forward(self, x):  # x [T, h] -> probs [T, E], routing_map [T, E] bool
         c, E, k = self.c, self.E, self.k
@@ -1272,13 +1341,11 @@ class MoELayer(nn.Module):
 
     def __init__(self, c, grid=None, activation=F.gelu, shared_expert: nn.Module | None = None):
         super().__init__()
-        E, k, ep = c.num_experts, c.moe_router_topk, (grid.ep_size if grid is not None else 1)
+        E, ep = c.num_experts, (grid.ep_size if grid is not None else 1)
+        # moe_router_topk and the dispatcher type are checked by the Config. E % ep is checked by gpt's check_layout
+        # too, but mamba's check_layout takes no ep: this check stays until every model's does.
         if E % ep:
             raise ValueError(f"num_experts={E} is not divisible by expert-model-parallel size ep={ep}")
-        if not 1 <= k <= E:
-            raise ValueError(f"moe_router_topk={k} must be in [1, num_experts={E}]")
-        if c.moe_token_dispatcher_type not in ("allgather", "alltoall"):
-            raise ValueError(f"moe_token_dispatcher_type={c.moe_token_dispatcher_type!r} is not allgather/alltoall")
         self.c, self.E, self.local = c, E, E // ep
         self.first = grid.ep.rank * self.local if grid is not None else 0  # global index of local expert 0
         self.ep = grid.ep if ep > 1 else None
@@ -1356,33 +1423,10 @@ class MoELayer(nn.Module):
         return sum(probs[:, e, None] * self.experts.expert(e, x) for e in range(self.E))
 
 
-_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
-
-
-def expert_global_name(name: str, grid: Grid | None, num_experts: int | None) -> str:
-    """experts.linear_fc1.weight{local i} -> weight{ep_rank·E/ep + i}: names (and init) independent of ep."""
-    m = _EXPERT.search(name)
-    if m is None or grid is None or grid.ep_size == 1:
-        return name
-    return name[:m.start(2)] + str(grid.ep.rank * (num_experts // grid.ep_size) + int(m.group(2)))
-
-
-def _another_ranks_expert(name: str, own: dict, grid: Grid | None) -> bool:
-    """Whether global expert weight `name` (…experts.linear_fc1.weight{j}) is held by another EP rank: j < E."""
-    m = _EXPERT.search(name)
-    if m is None or grid is None or grid.ep_size == 1:
-        return False
-    stem = name[:m.start(2)]
-    local = sum(1 for k in own if k.startswith(stem) and k[len(stem):].isdigit())  # E/ep here
-    return int(m.group(2)) < local * grid.ep_size
-
-
 def moe_set_num_tokens(chunks, num_tokens):
-    """Tell every router the global batch's loss-token count (the schedules call this: see Router)."""
-    for m in chunks if isinstance(chunks, (list, tuple)) else [chunks]:
-        for r in m.modules():
-            if isinstance(r, Router):
-                r.num_tokens = num_tokens
+    """What the schedules do before the first micro-batch (set_num_tokens, section 7), for a model run outside them:
+    every Router learns the global batch's loss-token count."""
+    set_num_tokens(chunks, num_tokens)
 
 
 def moe_load(model, reset: bool = True) -> torch.Tensor | None:
@@ -1515,19 +1559,15 @@ class FP8LinearMeta:
     def __init__(self, recipe: FP8Recipe, groups: tuple):
         self.input, self.weight, self.grad_output = (FP8TensorMeta(recipe, r, groups)
                                                      for r in ("input", "weight", "grad_output"))
-        self.calibrating = False
 
     def tensors(self):
         return [self.input, self.weight, self.grad_output]
 
-
-def fp8_linear(x, w, bias, meta: FP8LinearMeta):  # x [..., k], w [n, k] -> [..., n]
-    if isinstance(meta, _TELinear):
-        return meta(x, w, bias)
-    record = torch.is_grad_enabled() or meta.calibrating  # training forwards, not eval (an autograd Function's
-    # forward always runs without grad: asked in there, this was False and the delayed recipe never saw an amax)
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), w, meta, record).view(*x.shape[:-1], w.shape[0])
-    return y + bias if bias is not None else y
+    def __call__(self, x, w, bias):  # the layer's linear_impl: x [..., k], w [n, k] -> [..., n]
+        record = torch.is_grad_enabled()  # training forwards record amaxes, eval forwards do not. Asked here, not in
+        # the autograd Function's forward, which always runs without grad (the delayed recipe would never see one)
+        y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), w, self, record).view(*x.shape[:-1], w.shape[0])
+        return y + bias if bias is not None else y
 
 
 class FP8State:
@@ -1556,8 +1596,9 @@ class FP8State:
 
 
 def fp8_enable(model: nn.Module, recipe: FP8Recipe, grid: Grid | None = None, impl: str = "local") -> FP8State:
-    """Route every Column/RowParallelLinear of `model` (except the output layer) through the FP8 GEMM.
-    impl "transformer_engine": TE's Linear and autocast instead (needs CUDA and transformer_engine).
+    """Route every Column/RowParallelLinear of `model` (except the output layer) through the FP8 GEMM: its
+    `linear_impl` hook (section 4) becomes the layer's FP8LinearMeta, which casts and calls _FP8Linear.
+    impl "transformer_engine": a _TELinear instead, TE's Linear under TE's autocast (needs CUDA and transformer_engine).
     Not FP8: the routed MoE experts (GroupedMLP's grouped GEMM; TE would use its GroupedLinear) and the router."""
     if impl not in ("local", "transformer_engine"):
         raise ValueError(f"fp8_enable: impl={impl!r} must be 'local' or 'transformer_engine'")
@@ -1573,8 +1614,9 @@ def fp8_enable(model: nn.Module, recipe: FP8Recipe, grid: Grid | None = None, im
     for name, m in model.named_modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None \
                 and not name.endswith("output_layer"):
-            m.fp8 = FP8LinearMeta(recipe, groups) if impl == "local" else _TELinear(m, recipe, grid)
-            metas.append(m.fp8)
+            m.linear_impl = FP8LinearMeta(recipe, groups) if impl == "local" else _TELinear(m, recipe, grid)
+            m.fp8 = m.linear_impl  # the layer's FP8 scaling state, where train.py's checkpoints look for it
+            metas.append(m.linear_impl)
     return FP8State(recipe, metas)
 
 
@@ -1605,7 +1647,7 @@ class _TELinear:
         lin.weight = w  # TE computes with our master weight (same Parameter: the optimizer, checkpoints see it)
         self.lin = lin  # a plain attribute, not a submodule: the weight must not appear twice in the model
 
-    def __call__(self, x, w, bias):  # x [..., k] -> [..., n]
+    def __call__(self, x, w, bias):  # the layer's linear_impl: x [..., k] -> [..., n]
         with self.autocast():
             y = self.lin(x)
         return y + bias if bias is not None else y

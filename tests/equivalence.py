@@ -54,6 +54,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_same(got: dict, ref: dict, rtol: float, what: str = ""):
     """Losses, gradients and parameters agree to `rtol` relative; a failure names the worst tensor."""
     worst = []
+    assert ref["grads"], f"{what}: the reference record has no gradients to compare"  # an empty record passes nothing
     for key in ("losses", "grads", "params"):
         if key == "losses":
             worst.append((rel_err(got[key], ref[key]), "loss"))

@@ -50,7 +50,7 @@ def test_fp8_gemm_within_format_bound_forward_and_backward(fmt):
     layer = P.ColumnParallelLinear(k, n, bias=False)
     layer.weight.data.copy_(w.detach())
     state = P.fp8_enable(layer, P.FP8Recipe(format=fmt, recipe="tensorwise"))
-    meta = layer.fp8
+    meta = layer.linear_impl
     y = layer(x)
     xq, wq, sx, sw = y.grad_fn.next_functions[0][0].saved_tensors  # _FP8Linear's (under the reshape's view)
     y.backward(dy)
@@ -93,7 +93,7 @@ def test_delayed_scaling_follows_the_recipe(algo, margin):
     torch.nn.init.normal_(layer.weight, std=0.02)
     state = P.fp8_enable(layer, P.FP8Recipe(format="hybrid", recipe="delayed", margin=margin, amax_history_len=3,
                                            amax_compute_algo=algo))
-    meta = layer.fp8.input
+    meta = layer.linear_impl.input
     amaxes = [2.0, 8.0, 1.0, 0.5, 0.25, 4.0]
     history, scale = [], 1.0
     for a in amaxes:
@@ -108,7 +108,7 @@ def test_delayed_scaling_follows_the_recipe(algo, margin):
         scale = 448.0 / amax / 2**margin
         assert float(meta.scale) == scale
         assert meta.amax_history.tolist() == [0.0] + (history + [0.0, 0.0])[:2]  # [0] collects the next step
-    assert float(layer.fp8.grad_output.scale) == 57344.0 / 1.0 / 2**margin  # e5m2: dy = ones
+    assert float(layer.linear_impl.grad_output.scale) == 57344.0 / 1.0 / 2**margin  # e5m2: dy = ones
 
 
 def test_training_forwards_record_amaxes_and_eval_forwards_do_not():
@@ -131,7 +131,7 @@ def test_tensorwise_uses_the_current_amax_and_update_is_a_no_op():
     layer = P.ColumnParallelLinear(16, 8, bias=False)
     state = P.fp8_enable(layer, P.FP8Recipe(format="e4m3", recipe="tensorwise"))
     for a in [3.0, 0.1]:
-        q, s = layer.fp8.input.quantize(torch.full((2, 16), a))
+        q, s = layer.linear_impl.input.quantize(torch.full((2, 16), a))
         assert float(s) == pytest.approx(448.0 / a, rel=1e-7) and q.float().abs().max() == 448.0
         state.update()
 
@@ -300,7 +300,7 @@ def test_transformer_engine_adapter_wiring(monkeypatch, recipe):
     assert_same(train_steps(model, None, batch), train_steps(ref, None, batch), rtol=1e-12, what=recipe)
     linears = [m for n, m in model.named_modules()
                if isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)) and not n.endswith("output_layer")]
-    assert len(calls) == 2 * len(linears) and {id(w) for _, w, _ in calls} == {id(m.weight) for m in linears}
+    assert linears and len(calls) == 2 * len(linears) and {id(w) for _, w, _ in calls} == {id(m.weight) for m in linears}
     want = dict(fp8_format=sys.modules["transformer_engine.common.recipe"].Format.HYBRID)
     if recipe == "delayed":
         want.update(margin=1, amax_history_len=7, amax_compute_algo="most_recent")

@@ -160,47 +160,52 @@ def test_missing_tied_embedding_reduction_is_caught(pool):
 
 
 # --------------------------------------------------------------------------------------- 2. schedule order
-def megatron_order(pp, rank, M, vp):
-    """A plain transcription of Megatron's schedules (schedules.py): the reference enumeration."""
-    if vp == 1:
-        warmup = min(pp - rank - 1, M)
-        remaining = M - warmup
-        order, f, bwd = [], 0, 0
-        for _ in range(warmup):
-            order.append(("F", f, 0))
-            f += 1
-        for _ in range(remaining):
-            order.append(("F", f, 0))
-            f += 1
-            order.append(("B", bwd, 0))
-            bwd += 1
-        while bwd < M:
-            order.append(("B", bwd, 0))
-            bwd += 1
-        return order
-    total = M * vp
+# Megatron's schedules (megatron/core/pipeline_parallel/schedules.py), written out by hand for small cases as the
+# ("F" | "B", micro-batch, model chunk) lists that schedule_1f1b / schedule_interleaved return.
+#   forward_backward_pipelining_without_interleaving: warmup = min(pp − rank − 1, M) forwards, then one forward
+#     and one backward at a time (the steady 1F1B state), then the remaining backwards (cooldown).
+#   forward_backward_pipelining_with_interleaving: virtual micro-batch k = 0 .. M·vp − 1 walks micro-batches in
+#     groups of pp, each group through chunk 0, then chunk 1, ...: the k-th forward runs chunk (k // pp) % vp on
+#     micro-batch (k // (pp·vp))·pp + k % pp; the k-th backward the same micro-batch on chunk vp − 1 − that.
+#     warmup = (pp − rank − 1)·2 + (vp − 1)·pp forwards, capped at M·vp; Megatron before its tunable schedule
+#     (Nov. 2024) ran every forward first when M == pp.
+# pp=4 vp=2 M=8, the virtual micro-batches k = 0..15 as (micro-batch, chunk):
+#     forward:  (0,0) (1,0) (2,0) (3,0) (0,1) (1,1) (2,1) (3,1) (4,0) (5,0) (6,0) (7,0) (4,1) (5,1) (6,1) (7,1)
+#     backward: (0,1) (1,1) (2,1) (3,1) (0,0) (1,0) (2,0) (3,0) (4,1) (5,1) (6,1) (7,1) (4,0) (5,0) (6,0) (7,0)
+#   rank 0: warmup 3·2 + 4 = 10;  rank 3: warmup 0 + 4 = 4.
+def _actions(text: str) -> list[tuple[str, int, int]]:
+    """"F0.1 B2.0" -> [("F", 0, 1), ("B", 2, 0)]: kind, micro-batch, chunk."""
+    return [(a[0], int(a[1:].split(".")[0]), int(a[1:].split(".")[1])) for a in text.split()]
 
-    def get_model_chunk_id(k, forward):
-        chunk = (k % (pp * vp)) // pp
-        return chunk if forward else vp - chunk - 1
 
-    def get_microbatch_id_in_model_chunk(k):
-        return (k // (pp * vp)) * pp + (k % pp)
+MEGATRON_SCHEDULES = {  # (pp, vp, M, rank) -> the rank's actions, in order
+    # 1F1B, pp=2 M=4: rank 0 warms up with 1 forward, rank 1 (the last stage) with none
+    (2, 1, 4, 0): _actions("F0.0  F1.0 B0.0  F2.0 B1.0  F3.0 B2.0  B3.0"),
+    (2, 1, 4, 1): _actions("F0.0 B0.0  F1.0 B1.0  F2.0 B2.0  F3.0 B3.0"),
+    # 1F1B, pp=4 M=2: rank 0's warmup (3) is capped at M = 2
+    (4, 1, 2, 0): _actions("F0.0 F1.0  B0.0 B1.0"),
+    (4, 1, 2, 3): _actions("F0.0 B0.0  F1.0 B1.0"),
+    # interleaved, pp=2 vp=2 M=4: warmup 1·2 + 2 = 4 on rank 0, 0 + 2 = 2 on rank 1
+    (2, 2, 4, 0): _actions("F0.0 F1.0 F0.1 F1.1  F2.0 B0.1  F3.0 B1.1  F2.1 B0.0  F3.1 B1.0  B2.1 B3.1 B2.0 B3.0"),
+    (2, 2, 4, 1): _actions("F0.0 F1.0  F0.1 B0.1  F1.1 B1.1  F2.0 B0.0  F3.0 B1.0  F2.1 B2.1  F3.1 B3.1  B2.0 B3.0"),
+    # interleaved, pp=4 vp=2 M=8
+    (4, 2, 8, 0): _actions("F0.0 F1.0 F2.0 F3.0 F0.1 F1.1 F2.1 F3.1 F4.0 F5.0  F6.0 B0.1  F7.0 B1.1  F4.1 B2.1 "
+                           "F5.1 B3.1  F6.1 B0.0  F7.1 B1.0  B2.0 B3.0 B4.1 B5.1 B6.1 B7.1 B4.0 B5.0 B6.0 B7.0"),
+    (4, 2, 8, 3): _actions("F0.0 F1.0 F2.0 F3.0  F0.1 B0.1  F1.1 B1.1  F2.1 B2.1  F3.1 B3.1  F4.0 B0.0  F5.0 B1.0 "
+                           "F6.0 B2.0  F7.0 B3.0  F4.1 B4.1  F5.1 B5.1  F6.1 B6.1  F7.1 B7.1  B4.0 B5.0 B6.0 B7.0"),
+    # interleaved, pp=2 vp=2 M=2 = pp: every forward first (the older Megatron's all-warmup case), on both ranks
+    (2, 2, 2, 0): _actions("F0.0 F1.0 F0.1 F1.1  B0.1 B1.1 B0.0 B1.0"),
+    (2, 2, 2, 1): _actions("F0.0 F1.0 F0.1 F1.1  B0.1 B1.1 B0.0 B1.0"),
+}
 
-    if M == pp:
-        warmup = total
-    else:
-        warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
-    order = []
-    for k in range(warmup):
-        order.append(("F", get_microbatch_id_in_model_chunk(k), get_model_chunk_id(k, True)))
-    for k in range(total - warmup):
-        fk = k + warmup
-        order.append(("F", get_microbatch_id_in_model_chunk(fk), get_model_chunk_id(fk, True)))
-        order.append(("B", get_microbatch_id_in_model_chunk(k), get_model_chunk_id(k, False)))
-    for k in range(total - warmup, total):
-        order.append(("B", get_microbatch_id_in_model_chunk(k), get_model_chunk_id(k, False)))
-    return order
+
+def ours(pp, vp, M, rank):
+    return P.schedule_1f1b(pp, rank, M) if vp == 1 else P.schedule_interleaved(pp, rank, M, vp)
+
+
+@pytest.mark.parametrize("key", MEGATRON_SCHEDULES, ids=lambda k: "pp{}-vp{}-M{}-rank{}".format(*k))
+def test_schedules_equal_megatron_tables(key):
+    assert ours(*key) == MEGATRON_SCHEDULES[key]
 
 
 def simulate(orders, pp, vp):
@@ -228,14 +233,20 @@ def simulate(orders, pp, vp):
 
 @pytest.mark.parametrize("pp,vp,M", [(2, 1, 1), (2, 1, 5), (4, 1, 2), (4, 1, 8), (2, 2, 2), (2, 2, 6), (4, 2, 4),
                                       (4, 2, 8), (4, 3, 12)])
-def test_schedules_follow_megatron_and_cannot_deadlock(pp, vp, M):
-    orders = []
-    for r in range(pp):
-        ours = P.schedule_1f1b(pp, r, M) if vp == 1 else P.schedule_interleaved(pp, r, M, vp)
-        assert ours == megatron_order(pp, r, M, vp), f"rank {r}"
-        assert sorted(ours) == sorted([(k, m, v) for k in "FB" for m in range(M) for v in range(vp)])
-        orders.append(ours)
-    simulate(orders, pp, vp)
+def test_schedules_run_each_action_once_and_cannot_deadlock(pp, vp, M):
+    """Beyond the tables: every rank forwards and backwards each (micro-batch, chunk) exactly once, and the ranks'
+    orders together finish when each action waits for the actions it needs from the neighbouring stages."""
+    orders = [ours(pp, vp, M, r) for r in range(pp)]
+    for r, order in enumerate(orders):
+        assert sorted(order) == sorted((k, m, v) for k in "FB" for m in range(M) for v in range(vp)), f"rank {r}"
+    assert simulate(orders, pp, vp) >= 2 * M * vp
+
+
+def test_deadlock_simulation_can_fail():
+    """Negative control: rank 1 starting with a backward it has no forward for: both ranks end up waiting."""
+    orders = [P.schedule_1f1b(2, 0, 2), [("B", 0, 0), ("F", 0, 0), ("F", 1, 0), ("B", 1, 0)]]
+    with pytest.raises(AssertionError, match=r"deadlock at step 2: positions \[2, 0\]"):
+        simulate(orders, 2, 1)
 
 
 def trace_case(rank, n, vp, M):
@@ -244,16 +255,46 @@ def trace_case(rank, n, vp, M):
     return rec["trace"], rec["peak"]
 
 
-@pytest.mark.parametrize("vp,M", [(1, 5), (2, 4)])
+@pytest.mark.parametrize("vp,M", [(1, 4), (2, 4)])
 def test_executed_trace_and_peak_activations(pool, vp, M):
+    """The executor runs the table's actions in the table's order, and holds at most warmup + 1 micro-batches'
+    activations (warmup: the forwards before the table's first backward)."""
     pp = 2
     for r, (trace, peak) in enumerate(pool.run(trace_case, pp, vp=vp, M=M)):
-        assert trace == megatron_order(pp, r, M, vp)
-        warmup = min(pp - r - 1, M) if vp == 1 else min((pp - r - 1) * 2 + (vp - 1) * pp, M * vp)
-        assert peak <= warmup + 1, (r, peak, warmup)
+        table = MEGATRON_SCHEDULES[pp, vp, M, r]
+        assert trace == table, f"rank {r}"
+        warmup = next(i for i, (kind, _, _) in enumerate(table) if kind == "B")
+        assert 1 <= peak <= warmup + 1, (r, peak, warmup)
 
 
-# --------------------------------------------------------------------------------------- 5. bad layouts
+# --------------------------------------------------------------------------------------- 3. the loss-token protocol
+class _Counting(torch.nn.Module):
+    """A submodule with its own loss that wants the global batch's loss-token count (as MoE's Router does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.seen = torch.nn.Parameter(torch.ones(())), []
+
+    def set_num_tokens(self, num_tokens):
+        self.seen.append(num_tokens)
+
+
+def test_schedules_tell_the_model_the_global_token_count():
+    """Every schedule calls set_num_tokens(num_tokens) on each submodule that has it, once, before the first
+    micro-batch's forward."""
+    model = torch.nn.Sequential(_Counting())
+    seen_at_forward = []
+
+    def forward_step(m, mb):
+        seen_at_forward.append(list(m[0].seen))
+        return (m[0].w * mb).sum()
+
+    P.forward_backward([model], [torch.ones(2), torch.ones(3)], forward_step, 10, None)
+    assert seen_at_forward == [[10], [10]]
+    assert float(model[0].w.grad) == 5 / 10  # the loss rule: sum of token losses / num_tokens
+
+
+# --------------------------------------------------------------------------------------- 4. bad layouts
 def test_bad_pipeline_layouts_are_refused():
     with pytest.raises(ValueError, match="num_layers=6 is not divisible by pipeline-model-parallel size 4"):
         gpt.Config(num_layers=6).check_layout(tp=1, pp=4)

@@ -40,6 +40,7 @@ def mappings_case(rank, n, seed):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_mappings_match_formulas(pool, tp):
     res = pool.run(mappings_case, tp, seed=3)
+    assert len(res[0]) == 7  # every mapping of section 2 was run
     for name in res[0]:
         xs, ys, dys, gxs = zip(*[r[name] for r in res])
         for r in range(tp):
@@ -54,7 +55,7 @@ def test_mappings_match_formulas(pool, tp):
                 exp_y, exp_g = torch.cat(xs, -1), dy.chunk(tp, -1)[r]
             elif name == "scatter_to_sp":
                 exp_y, exp_g = x.chunk(tp, 0)[r], torch.cat(dys, 0)
-            elif name == "gather_from_sp":  # ḡ: all-gather / reduce-scatter
+            elif name == "gather_from_sp":  # Korthikanti et al.'s g: all-gather / reduce-scatter
                 exp_y, exp_g = torch.cat(xs, 0), sum(dys).chunk(tp, 0)[r]
             else:  # reduce_scatter_to_sp
                 exp_y, exp_g = sum(xs).chunk(tp, 0)[r], torch.cat(dys, 0)
@@ -93,14 +94,14 @@ def test_vocab_parallel_cross_entropy(pool, tp, vocab, smoothing):
 # --------------------------------------------------------------------------------------- 3. GPT TP == single
 def gpt_tp_case(rank, n, cfg, sp, batch_seed, b, s, break_f=False, eps=1e-8):
     grid = P.Grid(tp=n)
+    real = P._CopyToTP.__dict__["backward"]  # the staticmethod itself, put back below (this worker lives on)
     if break_f:  # negative control: f's backward forgets its all-reduce
         P._CopyToTP.backward = staticmethod(lambda ctx, dy: (dy, None))
     try:
         model = gpt.Model(gpt.Config(**cfg, sequence_parallel=sp), grid)
         rec = train_steps(model, grid, make_batch(cfg["vocab_size"], b, s, batch_seed), eps=eps)
     finally:
-        if break_f:
-            P._CopyToTP.backward = staticmethod(lambda ctx, dy: (P._all_reduce(dy, ctx.g), None))
+        P._CopyToTP.backward = real
     return rec if rank == 0 else None
 
 
@@ -197,6 +198,32 @@ def test_rng_tracker_dropout_masks(pool):
         assert torch.equal(r[0], res[0][0]) and torch.equal(r[2], res[0][2]), "replicated masks must agree"
         assert not torch.equal(r[1], res[0][1]), "sharded masks must differ between TP ranks"
     assert not torch.equal(res[0][0], res[0][2])  # the default stream advanced
+
+
+# --------------------------------------------------------------------------------------- 6. the GEMM hook
+def test_linear_impl_is_the_layers_gemm():
+    """Column/RowParallelLinear run their local GEMM through `linear_impl(x, weight, bias)` (the hook fp8_enable
+    fills): F.linear by default; a replacement is called with the layer's weight and bias (None for the row layer,
+    which adds its bias after the reduction) and its result is the layer's."""
+    col, row = P.ColumnParallelLinear(8, 6), P.RowParallelLinear(6, 4)
+    assert col.linear_impl is F.linear and row.linear_impl is F.linear
+    P.init_params(torch.nn.ModuleList([col, row]), 1, None)
+    with torch.no_grad():
+        col.bias.fill_(0.5), row.bias.fill_(-0.25)
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+    ref = row(col(x))
+    calls = []
+
+    def recording(x, w, b):
+        calls.append((w, b))
+        return 2 * F.linear(x, w, b)
+
+    col.linear_impl = row.linear_impl = recording
+    got = row(col(x))
+    assert len(calls) == 2 and calls[0][0] is col.weight and calls[0][1] is col.bias
+    assert calls[1][0] is row.weight and calls[1][1] is None
+    torch.testing.assert_close(got, 2 * F.linear(2 * F.linear(x, col.weight, col.bias), row.weight) + row.bias)
+    assert not torch.allclose(got, ref)
 
 
 # --------------------------------------------------------------------------------------- 7. bad configurations

@@ -125,7 +125,7 @@ class Model(gpt.Model):
 
 # ---------------------------------------------------------------------------------------------- the loss
 def loss_func(model, mb, num_masked, num_seqs):
-    """The schedule's per-micro-batch SUM for the global-batch rule (design.md §2), to be divided by num_masked:
+    """The schedule's per-micro-batch SUM for the global-batch rule (DESIGN.md §2), to be divided by num_masked:
         loss = Σ masked-LM token losses / num_masked + Σ binary losses / num_seqs      (global counts)
     so this returns Σ lm + Σ binary · num_masked / num_seqs. mb: int [b, 6, s] (ROWS); on inner pipeline stages
     it returns the hidden states."""

@@ -57,8 +57,8 @@ def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True):
     for model in chunks:
         gname = model.global_name if hasattr(model, "global_name") else (lambda name: name)
         for name, m in model.named_modules() if fp8 else ():
-            if isinstance(getattr(m, "fp8", None), P.FP8LinearMeta):
-                for role, t in zip(("input", "weight", "grad_output"), m.fp8.tensors()):
+            if isinstance(getattr(m, "linear_impl", None), P.FP8LinearMeta):
+                for role, t in zip(("input", "weight", "grad_output"), m.linear_impl.tensors()):
                     prefix = f"{gname(name + '.weight')}.{role}"
                     state.setdefault("fp8", {}).update({prefix + ".amax_history": t.amax_history,
                                                         prefix + ".scale": t.scale})

@@ -594,7 +594,7 @@ def finalize_grads(model: nn.Module | list[nn.Module], grid: Grid | None):
     2. Tied embeddings under pipelining: the first stage's word embedding and the last stage's output layer are
        two copies of one weight; sum their grads over the embedding group so both take the same step.
     3. Data parallelism (plain, unbucketed): sum every gradient over the DP x CP group. No 1/dp here: the loss is
-       already divided by the *global* token count (design.md §2), so the sum is the exact global gradient.
+       already divided by the *global* token count (DESIGN.md §2), so the sum is the exact global gradient.
        MoE expert weights (`expert_parallel`) live on one EP rank each: they are summed over `expert_dp` instead.
     `model` may be a list of virtual-pipeline chunks.
     """
@@ -689,7 +689,7 @@ def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], grid:
 # 7. Schedules — mirrors megatron/core/pipeline_parallel/schedules.py (get_forward_backward_func)
 #
 #  A schedule runs forward and backward over the micro-batches of one step. Every schedule applies the one
-#  loss-normalization rule (design.md §2): each micro-batch contributes (sum of its token losses) / num_tokens,
+#  loss-normalization rule (DESIGN.md §2): each micro-batch contributes (sum of its token losses) / num_tokens,
 #  where num_tokens counts the loss tokens of the whole global batch (all micro-batches, all DP ranks).
 #  Losses the model adds inside itself follow the same rule: before the first micro-batch, a schedule calls
 #  `set_num_tokens(num_tokens)` on every submodule that has that method (MoE's Router does: its aux losses).
@@ -880,7 +880,7 @@ def forward_backward(chunks, micro_batches, forward_step, num_tokens, grid: Grid
 #     distributed optimizer: reduce-scatter each bucket         -> rank d holds the sum for its 1/dp slice,
 #                            AdamW on that slice (fp32 master),    so optimizer state is sharded dp ways,
 #                            all-gather the updated parameters     then every rank has the whole model again.
-#  No 1/dp scaling: the loss is already divided by the global token count (design.md §2), so sums are exact.
+#  No 1/dp scaling: the loss is already divided by the global token count (DESIGN.md §2), so sums are exact.
 #  Optimizer (whole parameters, finalize_grads) and DistributedOptimizer (DDP's buffers) share one interface and
 #  one clipping rule (counted_in_norm, clip_by_global_norm), so the training loop never branches on which it has.
 # ============================================================================================================
@@ -1185,7 +1185,7 @@ class DistributedOptimizer:
 #    TP       etp = tp: experts are sharded like the dense MLP — tokens and probs all-gathered over TP under SP
 #             (copied without), fc2's partial sums reduce-scattered (all-reduced); etp = 1: each rank keeps its own
 #             tokens and whole experts (their grads are then SP-partial: summed over TP like LayerNorm's).
-#  Aux losses follow the one loss rule (design.md §2): see Router.
+#  Aux losses follow the one loss rule (DESIGN.md §2): see Router.
 # ============================================================================================================
 class _AuxLossScaler(torch.autograd.Function):
     """Identity on x whose backward also feeds d(aux) = scale: the aux loss joins backward, the main loss stays
@@ -1342,10 +1342,7 @@ class MoELayer(nn.Module):
     def __init__(self, c, grid=None, activation=F.gelu, shared_expert: nn.Module | None = None):
         super().__init__()
         E, ep = c.num_experts, (grid.ep_size if grid is not None else 1)
-        # moe_router_topk and the dispatcher type are checked by the Config. E % ep is checked by gpt's check_layout
-        # too, but mamba's check_layout takes no ep: this check stays until every model's does.
-        if E % ep:
-            raise ValueError(f"num_experts={E} is not divisible by expert-model-parallel size ep={ep}")
+        # moe_router_topk, the dispatcher type and E % ep are the Config's checks (Model calls check_layout(tp, pp, ep))
         self.c, self.E, self.local = c, E, E // ep
         self.first = grid.ep.rank * self.local if grid is not None else 0  # global index of local expert 0
         self.ep = grid.ep if ep > 1 else None
@@ -1615,7 +1612,6 @@ def fp8_enable(model: nn.Module, recipe: FP8Recipe, grid: Grid | None = None, im
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None \
                 and not name.endswith("output_layer"):
             m.linear_impl = FP8LinearMeta(recipe, groups) if impl == "local" else _TELinear(m, recipe, grid)
-            m.fp8 = m.linear_impl  # the layer's FP8 scaling state, where train.py's checkpoints look for it
             metas.append(m.linear_impl)
     return FP8State(recipe, metas)
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import bert
+import checkpoint  # reads a saved run (as `train.py sample` does)
 import data
 
 
@@ -75,7 +76,6 @@ class ChunkEmbedder:
         """The embedder of a BERT run train.py saved (`make train MODEL=bert` -> runs/bert), at its latest checkpoint.
         Its name (part of the database and neighbour cache keys) holds the iteration and a hash of the checkpoint's
         files, so a cache built with other weights is never reused."""
-        import checkpoint  # the run reader `train.py sample` uses too
         model, args, run_tok, (path, meta) = checkpoint.load_model(load_dir, flag="--retro-bert-load")
         if args.model != "bert":
             raise data.DataError(f"--retro-bert-load {load_dir}: a {args.model} run, not a bert run")

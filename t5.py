@@ -78,7 +78,7 @@ class Config(gpt.Config):
 
 # ---------------------------------------------------------------------------------------------- relative positions
 def relative_position_bucket(rel, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
-    """rel = key − query (an integer tensor) -> bucket in [0, num_buckets) (design.md §4, Mesh TensorFlow's T5).
+    """rel = key − query (an integer tensor) -> bucket in [0, num_buckets) (DESIGN.md §4, Mesh TensorFlow's T5).
 
     Bidirectional (encoder): half the buckets for keys after the query, half for keys before. Causal (decoder):
     only keys at or before the query count (rel > 0 -> bucket 0, masked anyway). Of each half, the first max_exact
@@ -311,7 +311,7 @@ def span_corruption(tokens, sentinels, bos: int, eos: int, pad: int, seed: int, 
 
 
 def t5_loss(model: Model, batch: dict):
-    """The SUM of the batch's target-token losses (design.md §2: the caller divides by the global count)."""
+    """The SUM of the batch's target-token losses (DESIGN.md §2: the caller divides by the global count)."""
     per_token = model(batch["text_enc"], batch["text_dec"], batch["enc_mask"], batch["dec_mask"], batch["labels"])
     return (per_token * batch["loss_mask"]).sum()
 

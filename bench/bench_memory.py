@@ -3,7 +3,7 @@
 Run:  .venv/bin/python bench/bench_memory.py        (spawns d = 1, 2, 4 gloo ranks on this CPU; ~30 s)
 
 Counted on rank 0 from the real buffers: model parameters, the fp32 gradient buffer, fp32 master weights (a
-separate copy only when the parameters are bf16) and the two Adam moments. Formula (design.md §4, d = DP size):
+separate copy only when the parameters are bf16) and the two Adam moments. Formula (DESIGN.md §4, d = DP size):
 fp32 parameters 4 + 4 + (4+4)/d = 8 + 8/d;  bf16 parameters + fp32 grads 2 + 4 + (4+4+4)/d = 6 + 12/d.
 Buckets are padded to a multiple of d, so the measured value may exceed the formula by a few elements per bucket.
 """

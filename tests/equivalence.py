@@ -27,7 +27,7 @@ def named_full(model, grid, grads=False) -> dict[str, torch.Tensor]:
 
 
 def train_steps(model, grid, batch, steps: int = 2, lr: float = 1e-3, loss_fn=None, eps: float = 1e-8):
-    """`steps` AdamW steps on `batch`; the loss is sum over tokens / number of tokens (design.md §2)."""
+    """`steps` AdamW steps on `batch`; the loss is sum over tokens / number of tokens (DESIGN.md §2)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=eps, foreach=False)
     losses, grads = [], None
     for step in range(steps):

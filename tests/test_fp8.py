@@ -6,7 +6,7 @@ mantissa bits (e4m3: 2^-4, e5m2: 2^-3) and η half the smallest subnormal (e4m3:
 the normal range keep an absolute error. A GEMM of two casts then errs by at most, element-wise,
     |Ŷ − Y| ≤ eX·(|W| + eW)ᵀ + |X|·eWᵀ + k·2^-23·|X̂|·|Ŵ|ᵀ     (eX, eW the per-element cast bounds; fp32 accumulation)
 Tolerance of the TP test: given equal scales (the amax all-reduce) the casts are bit-equal and only the order of
-sums differs, so 1e-5 relative (the float32 rule, design.md §2; measured ≤ 3.1e-7: _scaled_mm accumulates in fp32).
+sums differs, so 1e-5 relative (the float32 rule, DESIGN.md §2; measured ≤ 3.1e-7: _scaled_mm accumulates in fp32).
 The models run with float64 master weights and activations: an FP8 cast is a step function, and in float32 a
 1-ulp difference from another summation order (or a scale 1 ulp apart, amaxes of such tensors) sometimes moves a
 value across an FP8 rounding boundary — measured: tp 4 + sp, grads 2e-2 apart after one step. In float64 only the

@@ -1,4 +1,4 @@
-"""Parity with Megatron-core itself (GitHub issue #4): the same weights give the same numbers, in float64, at TP 1 and 2.
+"""Parity with Megatron-core itself: the same weights give the same numbers, in float64, at TP 1 and 2.
 
 For each case, on a 2-rank gloo world: build Megatron-core 0.15.3's model (local, non-Transformer-Engine spec) and
 fill it from one full, seeded state dict in Megatron's checkpoint layout, each rank keeping the slice its

@@ -1,4 +1,4 @@
-"""Parity with Megatron-core for Retro and for a GPT with MoE layers (GitHub issue #4): same weights, same numbers.
+"""Parity with Megatron-core for Retro and for a GPT with MoE layers: same weights, same numbers.
 
 The method is test_megatron_parity.py's (its docstring): Megatron-core 0.15.3's model (local spec, CPU shims) and
 ours built from one seeded full state dict in Megatron's layout, on the 2-rank gloo pool at TP=1 (x DP=2, both

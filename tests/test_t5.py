@@ -80,7 +80,7 @@ def test_greedy_generation_matches_hugging_face():
 
 # --------------------------------------------------------------------------------------- 2. bucket table
 # The first relative position (key − query) of every bucket, 32 buckets, max distance 128, worked out by hand from
-# design.md §4: bidirectional nb = 16, max_exact 8, bucket 8 + k starts at ceil(8·16^(k/8)); causal nb = 32,
+# DESIGN.md §4: bidirectional nb = 16, max_exact 8, bucket 8 + k starts at ceil(8·16^(k/8)); causal nb = 32,
 # max_exact 16, bucket 16 + k starts at ceil(16·8^(k/16)).
 BIDIRECTIONAL_FIRST = {0: 0, 1: -1, 2: -2, 3: -3, 4: -4, 5: -5, 6: -6, 7: -7, 8: -8, 9: -12, 10: -16, 11: -23,
                        12: -32, 13: -46, 14: -64, 15: -91,
@@ -135,7 +135,7 @@ def t5_case(rank, n, cfg, tp, sp, b, seed):
     grid = P.Grid(tp=tp, dp=n // tp) if n > 1 else None
     model = t5.Model(t5.Config(**cfg, sequence_parallel=sp), grid)
     batch = make_t5_batch(b, seed)
-    count = batch["loss_mask"].sum()  # the global number of target tokens (design.md §2)
+    count = batch["loss_mask"].sum()  # the global number of target tokens (DESIGN.md §2)
     dp, r = (grid.dp_size, grid.dp.rank) if grid is not None else (1, 0)
     mine = {k: v.chunk(dp)[r] for k, v in batch.items()}
     rec = train_steps(model, grid, mine, loss_fn=lambda m, bt: t5.t5_loss(m, bt) / count)

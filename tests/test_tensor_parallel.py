@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism against the formulas and against the single-process model (design.md §2-3).
+"""Tensor and sequence parallelism against the formulas and against the single-process model (DESIGN.md §2-3).
 
 Tolerances: float64 1e-10 relative (only the order of floating-point reductions differs between layouts);
 float32 1e-5 (the same at single precision; measured: loss bit-equal, grads 3e-7, params after 2 steps 9e-7). The

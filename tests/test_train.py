@@ -331,14 +331,3 @@ def test_t5_trains_and_samples_a_decoded_span(corpus, cache, tmp_path, capsys):
     capsys.readouterr()
     text = train.main(["sample", "--load", str(run), "--prompt", "def add_1(a, b):", "--max-new-tokens", "5"])
     assert text.startswith("def add_1(a, b):") and "--- decoded spans ---" in text
-
-
-def test_imports_flow_one_way():
-    """train.py imports arguments.py and checkpoint.py, never the reverse: the flags and the run reader
-    (checkpoint.load_model, which Retro's BERT embedder uses) come without the training loop. Nested imports count."""
-    import ast
-    for f in ("arguments.py", "checkpoint.py", "retrieval.py", "parallel.py", "data.py"):
-        tree = ast.parse((ROOT / f).read_text())
-        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-        assert "train" not in names, f"{f} imports train"

@@ -954,7 +954,7 @@ class Optimizer:
                 for p in self.params}
 
     def load_full_state(self):
-        pass  # full_state() is the live state: a checkpoint loads straight into it
+        """Nothing to copy: full_state() hands out the live moments, so a checkpoint loads straight into them."""
 
 
 class _Bucket:

@@ -110,6 +110,7 @@ def parse_args(argv):
     a("--save", default=None, help="run directory: checkpoints, metrics.jsonl, tensorboard/, loss.png")
     a("--load", default=None, help="resume from the latest checkpoint in this directory")
     a("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    a("--overwrite-save", action="store_true", help="allow --save to replace a run that this run does not resume")
     a("--save-interval", type=int, default=0, help="0 = only at the end")
     a("--exit-interval", type=int, default=None, help="save and exit after this iteration number")
     a("--exit-duration-in-mins", type=float, default=None, help="save and exit after this many minutes of training")

@@ -6,8 +6,12 @@ readers need it and neither is the loop: train.py saves and resumes, and `load_m
 process for `train.py sample` and Retro's BERT chunk embedder (retrieval.py), which must not import train.py.
 
     SAVE/iter_0000100/  .metadata  __0_0.distcp ...  (DCP: each TP slice written once, by its owner)
-                        rng_rank0.pt ...              (per-rank RNG states)     meta.json (iteration, flags, scaler)
+                        rng_rank0.pt ...              (per-rank RNG states: tensors only, read with weights_only)
+                        meta.json                     (iteration, flags, scaler)
+                        manifest.json                 (size and SHA-256 of every other file: checked before loading)
     SAVE/latest_checkpointed_iteration.txt            written (atomically) only after iter_.../ is complete
+Loading verifies the manifest before anything reads a checkpoint file, so a damaged checkpoint ends in one line
+naming the file. `check_run_dirs` refuses a --load that does not exist and a --save that would overwrite another run.
 TP-sharded tensors are saved as DTensors with their global shape, so DCP reads them back at any TP size.
 A strided shard (SwiGLU fc1: [gate_r; up_r] on rank r) is viewed as [2, f/tp, h] of a global [2, f, h].
 """
@@ -15,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -83,6 +90,106 @@ def _quiet_dcp():  # DCP warns that it runs "in no_dist mode" when there is no p
         yield
 
 
+FORMAT = 2  # meta.json's "checkpoint_format": 2 = with manifest.json and tensor-only RNG files (absent: format 1)
+MANIFEST = "manifest.json"
+POINTER = "latest_checkpointed_iteration.txt"
+ITER_DIR = re.compile(r"iter_(\d{7})")
+
+
+def _rank():  # also before any process group exists: torchrun sets RANK
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digest(files: dict) -> str:  # the manifest's own checksum: a damaged manifest.json is told apart from its files
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(d: Path):
+    """manifest.json: {"files": {name: {"size", "sha256"}} for every other file of the checkpoint directory, "sha256":
+    of that dict}. Rank 0 writes it once every rank's files are complete (after the save's barrier)."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(d.iterdir()) if p.name != MANIFEST}
+    (d / MANIFEST).write_text(json.dumps({"format": 1, "files": files, "sha256": _digest(files)}, indent=1) + "\n")
+
+
+def verify_checkpoint(d: Path) -> bool:
+    """Check checkpoint directory `d` against its manifest.json before anything reads it: False when it has none (a
+    checkpoint saved before manifests existed); otherwise True, or ConfigError naming the first file that is missing,
+    unexpected, of another size or of other content. Pure file reads, so every rank reaches the same verdict."""
+    m = d / MANIFEST
+    if not m.exists():
+        return False
+    try:
+        body = json.loads(m.read_text())
+        files = body["files"]
+        ok = body["sha256"] == _digest(files) and all(set(f) == {"size", "sha256"} for f in files.values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{m} is damaged (its checksum does not match its contents): cannot verify {d}")
+    present = {p.name for p in d.iterdir()} - {MANIFEST}
+    for name in sorted(set(files) - present):
+        raise ConfigError(f"{d / name} is missing (listed in {MANIFEST})")
+    for name in sorted(present - set(files)):
+        raise ConfigError(f"{d / name} is an unexpected file (not in {MANIFEST}): not part of the checkpoint saved")
+    for name, f in sorted(files.items()):
+        size = (d / name).stat().st_size if (d / name).is_file() else None
+        if size != f["size"]:
+            raise ConfigError(f"{d / name}: size differs from when it was saved ({size} bytes, {f['size']} in "
+                              f"{MANIFEST}): truncated or overwritten")
+    for name, f in sorted(files.items()):
+        if _sha256(d / name) != f["sha256"]:
+            raise ConfigError(f"{d / name}: content differs from when it was saved (SHA-256 mismatch with {MANIFEST})")
+    return True
+
+
+def rng_state(chunks) -> dict:
+    """This rank's RNG streams as a flat {name: uint8 tensor}: nothing in it needs pickle to load."""
+    state = {"torch": torch.get_rng_state()}
+    for i, c in enumerate(chunks):
+        for (name, dev), t in c.rng.states.items():
+            state[f"tracker/{i}/{dev}/{name}"] = t
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def read_rng(path: Path) -> dict:
+    """An RNG file -> {"torch", "cuda" (or None), "tracker": [{(name, device): state} per chunk]}, read with
+    torch.load(weights_only=True): tensors and plain containers only, never code. Also reads the format-1 layout
+    ({"torch", "tracker": [...], "cuda"}), which is plain containers too. Anything else: ConfigError naming it."""
+    try:
+        raw = torch.load(path, weights_only=True)
+    except Exception as e:  # the restricted unpickler refused it (or it is no torch file at all)
+        raise ConfigError(f"{path} is not a tensor-only RNG file ({type(e).__name__}); refusing to unpickle it") from None
+    try:
+        if isinstance(raw.get("tracker"), list):  # format 1 (before manifests): the same states, nested
+            out = {"torch": raw["torch"], "cuda": raw.get("cuda"), "tracker": [dict(s) for s in raw["tracker"]]}
+        else:
+            out = {"torch": raw["torch"], "cuda": raw.get("cuda"), "tracker": []}
+            for key, t in raw.items():
+                if key.startswith("tracker/"):
+                    _, i, dev, name = key.split("/", 3)
+                    out["tracker"] += [{} for _ in range(int(i) + 1 - len(out["tracker"]))]
+                    out["tracker"][int(i)][(name, dev)] = t
+                elif key not in ("torch", "cuda"):
+                    raise ValueError(key)
+        tensors = [out["torch"]] + [t for s in out["tracker"] for t in s.values()] + [out["cuda"]] * (out["cuda"] is not None)
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in tensors):
+            raise ValueError("not uint8 tensors")
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise ConfigError(f"{path} does not hold RNG states (uint8 tensors)") from None
+    return out
+
+
 def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = Path(args.save) / f"iter_{it:07d}"
@@ -93,32 +200,88 @@ def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):
     tmp.mkdir(parents=True, exist_ok=True)
     with _quiet_dcp():
         dcp.save(checkpoint_state(chunks, optimizer, mesh), checkpoint_id=str(tmp))
-    rng = {"torch": torch.get_rng_state(), "tracker": [c.rng.states for c in chunks],
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, tmp / f"rng_rank{rank}.pt")
+    torch.save(rng_state(chunks), tmp / f"rng_rank{rank}.pt")
     _barrier()
-    if rank == 0:
-        meta = {"iteration": it, "loss_scale": scaler.scale, "clean_steps": scaler.clean,
+    if rank == 0:  # every rank's files are complete: meta.json, then the manifest of them all
+        meta = {"iteration": it, "checkpoint_format": FORMAT, "loss_scale": scaler.scale, "clean_steps": scaler.clean,
                 "args": {k: v for k, v in vars(args).items() if k != "model_module"}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        pointer = Path(args.save) / "latest_checkpointed_iteration.txt"
+        pointer = Path(args.save) / POINTER
         pointer.with_suffix(".tmp").write_text(f"{it}\n")
         os.replace(pointer.with_suffix(".tmp"), pointer)  # the commit point
     _barrier()
 
 
-def find_checkpoint(load_dir, step=None):
-    """(directory, meta) of the checkpoint to load, or None when load_dir has no checkpoint yet."""
-    pointer = Path(load_dir) / "latest_checkpointed_iteration.txt"
-    if step is None and not pointer.exists():
+def _pointer(run_dir: Path, flag: str):
+    """The iteration latest_checkpointed_iteration.txt names, None without one; ConfigError when it is garbled."""
+    pointer = run_dir / POINTER
+    if not pointer.exists():
         return None
-    it = step if step is not None else int(pointer.read_text().strip())
-    d = Path(load_dir) / f"iter_{it:07d}"
+    text = pointer.read_text(errors="replace").strip()
+    if not re.fullmatch(r"\d{1,7}", text):
+        raise ConfigError(f"{flag} {run_dir}: {pointer} is damaged: expected an iteration number, found {text[:40]!r}")
+    return int(text)
+
+
+def find_checkpoint(load_dir, step=None, flag="--load"):
+    """(directory, meta) of the checkpoint to load, or None when load_dir has no checkpoint yet. The directory is
+    verified against its manifest first (verify_checkpoint) and its RNG files parsed (tensors only), so a damaged
+    checkpoint is refused here, before any process group exists, with one line naming the file. A checkpoint saved
+    before manifests existed loads with a warning (runs saved earlier must not be lost)."""
+    load_dir = Path(load_dir)
+    it = step if step is not None else _pointer(load_dir, flag)
+    if it is None:
+        return None
+    d = load_dir / f"iter_{it:07d}"
+    if not d.is_dir():
+        raise ConfigError(f"{flag} {load_dir}: checkpoint {d} is missing")
+    verified = verify_checkpoint(d)
     if not (d / "meta.json").exists():
-        raise ConfigError(f"--load {load_dir}: checkpoint {d} is missing or incomplete")
-    return d, json.loads((d / "meta.json").read_text())
+        raise ConfigError(f"{flag} {load_dir}: checkpoint {d} is incomplete (no meta.json)")
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        ok = meta["iteration"] == it and isinstance(meta["args"], dict)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{d / 'meta.json'} is damaged: not the JSON a checkpoint of iteration {it} holds")
+    if not verified:
+        if meta.get("checkpoint_format", 1) >= 2:
+            raise ConfigError(f"{d / MANIFEST} is missing: cannot verify {d}")
+        if _rank() == 0:
+            print(f"WARNING: {d} has no {MANIFEST} (saved before checkpoints had one): loading it unverified",
+                  file=sys.stderr, flush=True)
+    for p in sorted(d.glob("rng_rank*.pt")):  # every rank checks every file, so all reach the same verdict
+        read_rng(p)
+    return d, meta
+
+
+def check_run_dirs(args):
+    """--load and --save before anything is built: (checkpoint to load or None, resume), resume meaning --load is
+    the --save directory. A --load that does not exist is an error (unless it is --save: a run's first start);
+    a --save holding a checkpoint is refused unless this run resumes it (--load the same directory) or
+    --overwrite-save; then partial iter_*.tmp/ of interrupted saves in --save are removed (rank 0)."""
+    load, save = (Path(p) if p else None for p in (args.load, args.save))
+    same = load is not None and save is not None and load.resolve() == save.resolve()
+    if load is not None and not load.is_dir() and not same:
+        raise ConfigError(f"--load {load} " + ("is not a directory" if load.exists() else "does not exist")
+                          + " (to start a new run, leave out --load)")
+    ckpt = find_checkpoint(load, args.ckpt_step) if load is not None and load.is_dir() else None
+    if save is not None and save.is_dir() and not same and not getattr(args, "overwrite_save", False):
+        saved = [int(m.group(1)) for p in save.iterdir() if (m := ITER_DIR.fullmatch(p.name)) and p.is_dir()]
+        if saved:
+            start = f"{ckpt[0]} (iteration {ckpt[1]['iteration']})" if ckpt else "scratch"
+            raise ConfigError(f"--save {save} holds a run (checkpoint at iteration {max(saved)}) and this run starts "
+                              f"from {start}: saving would overwrite it; pass --load {save} to resume it, or "
+                              "--overwrite-save to replace it")
+    if save is not None and save.is_dir() and _rank() == 0:
+        for p in sorted(save.glob("iter_*.tmp")):
+            shutil.rmtree(p, ignore_errors=True)
+            print(f"removed {p}: a partial checkpoint left by an interrupted save", flush=True)
+    return ckpt, same and ckpt is not None
 
 
 ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -143,7 +306,7 @@ def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None
     rank = dist.get_rank() if dist.is_initialized() else 0
     same_layout = all(meta["args"].get(k) == v for k, v in layout.items())
     if same_layout:  # RNG streams are per rank: they carry over only to the same layout (as in Megatron)
-        rng = torch.load(path / f"rng_rank{rank}.pt", weights_only=False)
+        rng = read_rng(path / f"rng_rank{rank}.pt")  # verified and parsed (by find_checkpoint) before
         torch.set_rng_state(rng["torch"])
         for c, states in zip(chunks, rng["tracker"]):
             c.rng.states = states
@@ -157,7 +320,7 @@ def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None
 def load_model(load_dir, step=None, flag="--load"):
     """A saved run for inference in one process (TP = PP = 1): (model, its flags, its tokenizer, (checkpoint
     directory, meta)). `train.py sample` and Retro's BERT chunk embedder (retrieval.ChunkEmbedder.load) read runs so."""
-    ckpt = find_checkpoint(load_dir, step)
+    ckpt = find_checkpoint(load_dir, step, flag)
     if ckpt is None:
         raise ConfigError(f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt)")
     args = argparse.Namespace(**ckpt[1]["args"])

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import data
 import parallel as P
 from arguments import ConfigError, check_args, model_config, parse_args
-from checkpoint import ARCH_FLAGS, find_checkpoint, load_checkpoint, load_model, save_checkpoint
+from checkpoint import ARCH_FLAGS, check_run_dirs, load_checkpoint, load_model, save_checkpoint
 
 
 # ============================================================================================================
@@ -209,7 +209,7 @@ def setup(args):
     """Validate everything, then make the process group, the grid and the model. Returns a dict of the pieces."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_args(args, world)
-    ckpt = find_checkpoint(args.load, args.ckpt_step) if args.load else None
+    ckpt, resume = check_run_dirs(args)  # verified checkpoint or None; refuses a missing --load, an overwrite
     if ckpt is not None:
         if args.tokenizer_file is None and (Path(args.load) / "tokenizer.json").exists():
             args.tokenizer_file = str(Path(args.load) / "tokenizer.json")  # the tokenizer the model was trained with
@@ -247,7 +247,7 @@ def setup(args):
     model.layout_args = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size",
                                                        "pipeline_model_parallel_size"]}
     return dict(tok=tok, train=train_ds, valid=valid_ds, grid=grid, model=model, chunks=chunks, mesh=mesh,
-                device=device, ckpt=ckpt, config=config, rank=dist.get_rank() if dist.is_initialized() else 0)
+                device=device, ckpt=ckpt, resume=resume, config=config, rank=dist.get_rank() if dist.is_initialized() else 0)
 
 
 def make_optimizer(chunks, grid, args):
@@ -345,7 +345,7 @@ def train(args):
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         s["tok"].save(str(Path(args.save) / "tokenizer.json"))
-    log = Logger(run_dir, rank, start, args.train_iters, resume=s["ckpt"] is not None)
+    log = Logger(run_dir, rank, start, args.train_iters, resume=s["resume"])  # keeps lines <= start of --save's run
     amp = torch.bfloat16 if args.bf16 else torch.float16
     autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16)
     recipe = None  # set per global batch: (loss_func, the count of its loss tokens), see batch_recipe

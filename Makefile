@@ -1,6 +1,6 @@
 # mini-megatron — the two commands a fresh machine needs: `make train MODEL=gpt` and `make test`.
 #   make train MODEL=gpt [NPROC=2 TP=2 PP=1 ARGS="--train-iters 100"]   -> runs/$(MODEL)/
-#   make sample [PROMPT="def "]     make test     make lint     make bench
+#   make sample [PROMPT="def "]     make test     make lint     make bench     make soak [ARGS="--minutes 3"]
 PYTHON  ?= python3
 PY      := .venv/bin/python
 STAMP   := .venv/.stamp
@@ -18,7 +18,7 @@ RUN     ?= runs/$(MODEL)
 TORCH_INDEX ?=
 LAUNCH  := $(if $(filter 1,$(NPROC)),$(PY),OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 
-.PHONY: setup test lint train sample bench clean
+.PHONY: setup test lint train sample bench soak clean
 
 # A virtualenv with pinned dependencies; idempotent (the stamp is newer than the requirements it was built from).
 $(STAMP): requirements.txt requirements-test.txt
@@ -47,6 +47,11 @@ sample: $(STAMP)
 bench: $(STAMP)
 	$(LAUNCH) train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --train-iters 30 --log-interval 10 \
 		--eval-iters 0 $(ARGS)
+
+# Checkpoint soak test (not in `make test`): a tiny run SIGKILLed and restarted at random moments (some during saves)
+# must end bit-identical to an uninterrupted one; ~10 minutes by default (ARGS="--minutes 3").
+soak: $(STAMP)
+	$(PY) bench/soak.py $(ARGS)
 
 clean:
 	rm -rf runs data_cache

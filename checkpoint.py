@@ -270,6 +270,8 @@ def check_run_dirs(args):
         raise ConfigError(f"--load {load} " + ("is not a directory" if load.exists() else "does not exist")
                           + " (to start a new run, leave out --load)")
     ckpt = find_checkpoint(load, args.ckpt_step) if load is not None and load.is_dir() else None
+    if ckpt is None and load is not None and args.ckpt_step is not None:
+        raise ConfigError(f"--ckpt-step {args.ckpt_step}: --load {load} has no checkpoint yet")
     if save is not None and save.is_dir() and not same and not getattr(args, "overwrite_save", False):
         saved = [int(m.group(1)) for p in save.iterdir() if (m := ITER_DIR.fullmatch(p.name)) and p.is_dir()]
         if saved:

@@ -131,6 +131,9 @@ def test_typo_in_load_leaves_the_run_untouched(run, corpus, cache, tmp_path, cap
     err = one_line_error(tiny(corpus, cache, c, "--load", str(tmp_path / "c_typo"), iters=6), capsys)
     assert f"--load {tmp_path / 'c_typo'} does not exist" in err
     assert [(c / n).read_text() for n in ("latest_checkpointed_iteration.txt", "metrics.jsonl")] == before
+    new = tmp_path / "new"  # --load = --save that does not exist yet: a first start, but not of a given step
+    err = one_line_error(tiny(corpus, cache, new, "--load", str(new), "--ckpt-step", "2"), capsys)
+    assert f"--ckpt-step 2: --load {new} has no checkpoint yet" in err
 
 
 def test_save_over_another_run_is_refused_unless_overwrite_save(run, corpus, cache, tmp_path, capsys):

@@ -6,7 +6,7 @@ readers need it and neither is the loop: train.py saves and resumes, and `load_m
 process for `train.py sample` and Retro's BERT chunk embedder (retrieval.py), which must not import train.py.
 
     SAVE/iter_0000100/  .metadata  __0_0.distcp ...  (DCP: each TP slice written once, by its owner)
-                        rng_rank0.pt ...              (per-rank RNG states: tensors only, read with weights_only)
+                        rng_rank0.pt ...              (per-rank RNG states: tensors, read with weights_only)
                         meta.json                     (iteration, flags, scaler)
                         manifest.json                 (size and SHA-256 of every other file: checked before loading)
     SAVE/latest_checkpointed_iteration.txt            written (atomically) only after iter_.../ is complete
@@ -152,42 +152,28 @@ def verify_checkpoint(d: Path) -> bool:
 
 
 def rng_state(chunks) -> dict:
-    """This rank's RNG streams as a flat {name: uint8 tensor}: nothing in it needs pickle to load."""
-    state = {"torch": torch.get_rng_state()}
-    for i, c in enumerate(chunks):
-        for (name, dev), t in c.rng.states.items():
-            state[f"tracker/{i}/{dev}/{name}"] = t
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    """This rank's RNG streams: {"torch": state, "tracker": [{(stream, device): state} per chunk], "cuda": state or
+    None}, every state a uint8 tensor; plain containers and tensors only, so weights_only=True reads it back."""
+    return {"torch": torch.get_rng_state(), "tracker": [dict(c.rng.states) for c in chunks],
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def read_rng(path: Path) -> dict:
-    """An RNG file -> {"torch", "cuda" (or None), "tracker": [{(name, device): state} per chunk]}, read with
-    torch.load(weights_only=True): tensors and plain containers only, never code. Also reads the format-1 layout
-    ({"torch", "tracker": [...], "cuda"}), which is plain containers too. Anything else: ConfigError naming it."""
+    """An RNG file (rng_state's dict), read with torch.load(weights_only=True): torch's restricted unpickler builds
+    tensors and plain containers only and refuses anything else, so no code in the file runs. Anything but the
+    expected layout of uint8 tensors: ConfigError naming the file."""
     try:
-        raw = torch.load(path, weights_only=True)
+        rng = torch.load(path, weights_only=True)
     except Exception as e:  # the restricted unpickler refused it (or it is no torch file at all)
         raise ConfigError(f"{path} is not a tensor-only RNG file ({type(e).__name__}); refusing to unpickle it") from None
-    try:
-        if isinstance(raw.get("tracker"), list):  # format 1 (before manifests): the same states, nested
-            out = {"torch": raw["torch"], "cuda": raw.get("cuda"), "tracker": [dict(s) for s in raw["tracker"]]}
-        else:
-            out = {"torch": raw["torch"], "cuda": raw.get("cuda"), "tracker": []}
-            for key, t in raw.items():
-                if key.startswith("tracker/"):
-                    _, i, dev, name = key.split("/", 3)
-                    out["tracker"] += [{} for _ in range(int(i) + 1 - len(out["tracker"]))]
-                    out["tracker"][int(i)][(name, dev)] = t
-                elif key not in ("torch", "cuda"):
-                    raise ValueError(key)
-        tensors = [out["torch"]] + [t for s in out["tracker"] for t in s.values()] + [out["cuda"]] * (out["cuda"] is not None)
-        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in tensors):
-            raise ValueError("not uint8 tensors")
-    except (AttributeError, KeyError, TypeError, ValueError):
-        raise ConfigError(f"{path} does not hold RNG states (uint8 tensors)") from None
-    return out
+    state = lambda t: isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+    ok = (isinstance(rng, dict) and set(rng) == {"torch", "tracker", "cuda"} and state(rng["torch"])
+          and (rng["cuda"] is None or state(rng["cuda"])) and isinstance(rng["tracker"], list)
+          and all(isinstance(s, dict) and all(isinstance(k, tuple) and len(k) == 2 and all(isinstance(x, str) for x in k)
+                                              and state(t) for k, t in s.items()) for s in rng["tracker"]))
+    if not ok:
+        raise ConfigError(f"{path} does not hold RNG states (uint8 tensors in the layout checkpoint.rng_state saves)")
+    return rng
 
 
 def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):

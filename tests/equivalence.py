@@ -3,6 +3,8 @@
 `train_steps` is run both in a worker rank (on a shard of the model) and in the parent (on the whole model); it
 returns the per-step losses, every parameter's full gradient after the first backward, and every full parameter
 after the last optimizer step, under the parameters' global names. `assert_same` compares two such records.
+Those comparisons run with dropout 0; `model_dropout_masks_case` and `check_dropout_streams` check the dropout masks
+themselves against Megatron's RNG rule (below), in any TP x PP layout.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ also counts the MoELayers' dispatch calls and requires that exactly the configur
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -197,10 +198,13 @@ def counting_dispatchers(chunks):
     return calls
 
 
-def moe_case(rank, n, cfg, tp, ep, etp, M, b, s, pp=1, break_aux_rule=False):
+def moe_case(rank, n, cfg, tp, ep, etp, M, b, s, pp=1, break_aux_rule=False, ignore_dispatcher=False):
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp), ep=ep, etp=etp)
     c = gpt.Config(**cfg)
     chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid)
+    if ignore_dispatcher:  # negative control: MoELayers that run the all-gather dispatcher whatever the config says
+        for layer in (m for chunk in chunks for m in chunk.modules() if isinstance(m, P.MoELayer)):
+            layer.c = dataclasses.replace(layer.c, moe_token_dispatcher_type="allgather")
     if break_aux_rule:  # negative control: these routers ignore the schedules' token count, so every micro-batch's
         for r in (m for chunk in chunks for m in chunk.modules() if isinstance(m, P.Router)):  # aux loss weighs 1
             r.set_num_tokens = lambda num_tokens: None
@@ -228,9 +232,9 @@ def merge(results):  # every rank reports its experts (and its stage's layers) u
     return out
 
 
-def check_layout(pool, n, cfg, tp, ep, etp, M, b=8, s=8, pp=1):
+def check_layout(pool, n, cfg, tp, ep, etp, M, b=8, s=8, pp=1, **kw):
     dp = n // (tp * pp)
-    results = pool.run(moe_case, n, cfg=cfg, tp=tp, ep=ep, etp=etp, M=M, b=b, s=s, pp=pp)
+    results = pool.run(moe_case, n, cfg=cfg, tp=tp, ep=ep, etp=etp, M=M, b=b, s=s, pp=pp, **kw)
     want = cfg.get("moe_token_dispatcher_type", gpt.Config.moe_token_dispatcher_type)
     for rank, r in enumerate(results):  # the dispatcher the config names is the one that ran, on every rank
         ran = {k for k, v in r["dispatcher_calls"].items() if v}
@@ -268,6 +272,14 @@ def test_expert_parallel_equals_single_process(pool, name):
     named = [d for d in DISPATCHERS if d in name]  # the name says which dispatcher; the config must set that one
     assert named == [changes.get("moe_token_dispatcher_type")], f"{name}: config {changes}"
     check_layout(pool, 4, {**MOE, **changes}, tp, ep, etp, M, pp=pp)
+
+
+def test_dispatcher_check_can_fail(pool):
+    """Negative control: both dispatchers give the same numbers, so only the call count sees a model that runs the
+    all-gather dispatcher when the config asks for all-to-all (the bug the layouts named "alltoall" once had)."""
+    expected = "config says 'alltoall', dispatchers run: {'allgather': 4, 'alltoall': 0}"  # 2 layers x 2 steps
+    with pytest.raises(AssertionError, match=re.escape(expected)):
+        check_layout(pool, 4, {**MOE, **A2A}, 1, 2, 1, 1, ignore_dispatcher=True)
 
 
 @st.composite

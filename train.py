@@ -503,8 +503,9 @@ def main(argv=None):
             return sample(argv[1:])
         train(parse_args(argv))
     except (ConfigError, data.DataError, TrainingError) as e:
-        if os.environ.get("RANK", "0") == "0":  # torchrun: every rank finds the same error; one line says it
-            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) != 0:  # torchrun: every rank finds the same error and rank 0 says it;
+            time.sleep(5)  # when it exits, torchrun stops this rank. Still alive: rank 0 did not fail, so this one speaks
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
         if dist.is_initialized():

@@ -327,6 +327,7 @@ def first_nonfinite_grad(model, rank) -> str:
     for name, p in model.named_parameters():
         g = getattr(p, "main_grad", p.grad)  # DDP: the fp32 buffer view
         if g is not None and not bool(torch.isfinite(g).all()):
+            name = name.split(".", 1)[1] if len(model) == 1 else f"chunk {name}"  # (the ModuleList's index)
             return f" (first non-finite gradient on rank {rank}: {name})"
     return ""
 

@@ -260,3 +260,13 @@ def model_config(module, args):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return c
+
+
+def print_args(args, summary: str):
+    """Megatron's argument dump at start (rank 0), with one line on the model, the layout and the data."""
+    print("------------------------ arguments ------------------------")
+    for k, v in sorted(vars(args).items()):
+        if k != "model_module":
+            print(f"  {k} {'.' * (44 - len(k))} {v}")
+    print(f"  ({summary})")
+    print("-------------------- end of arguments ---------------------", flush=True)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import data
 import parallel as P
-from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args
+from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args, print_args
 from checkpoint import ARCH_FLAGS, find_checkpoint, load_checkpoint, load_model, save_checkpoint
 
 
@@ -89,7 +89,10 @@ def build_data(args):
     make = make or (lambda source, ids, args, tok, seed: data.GPTDataset(source, ids, args.seq_length, seed))
     train = make(source, train_ids, args, tok, args.seed)
     valid = make(source, valid_ids, args, tok, args.seed + 1) if len(valid_ids) else None
-    return tok, train, valid
+    if (valid is None or len(valid) == 0) and args.eval_iters > 0 and int(os.environ.get("RANK", 0)) == 0:
+        print(f"WARNING: the validation set is empty (--split={args.split} leaves no validation document: a corpus of "
+              "one document?): evaluation is off", flush=True)
+    return tok, train, (valid if valid is not None and len(valid) else None)
 
 
 # ============================================================================================================
@@ -106,16 +109,6 @@ def learning_rate(it: int, args) -> float:
     ratio = (it - warm) / max(1, decay - warm)
     coeff = {"constant": 1.0, "linear": 1.0 - ratio, "cosine": 0.5 * (1.0 + math.cos(math.pi * ratio))}
     return args.min_lr + coeff[args.lr_decay_style] * (args.lr - args.min_lr)
-
-
-def moe_metrics(model, load) -> dict:
-    """MoE logging: tokens per expert over the log window [MoE layers][E] (all DP ranks), the worst layer's
-    max/min expert load, and the layers' mean aux losses (last micro-batch, without their coefficients)."""
-    routers = [m for m in model.modules() if isinstance(m, P.Router)]
-    mean = lambda k: sum(float(r.stats[k]) for r in routers) / len(routers)
-    return dict(moe_tokens_per_expert=load.long().tolist(),
-                moe_load_max_over_min=float((load.max(1).values / load.min(1).values.clamp_min(1)).max()),
-                load_balancing_loss=mean("load_balancing_loss"), z_loss=mean("z_loss"))
 
 
 class LossScaler:
@@ -262,17 +255,6 @@ def make_optimizer(chunks, grid, args):
     return P.Optimizer(chunks, grid, **adam)
 
 
-def print_config(args, s):
-    n_params = sum(p.numel() for p in s["model"].parameters())  # this rank's
-    print("------------------------ arguments ------------------------")
-    for k, v in sorted(vars(args).items()):
-        if k != "model_module":
-            print(f"  {k} {'.' * (44 - len(k))} {v}")
-    print(f"  (rank 0 holds {n_params:,} parameters; {s['grid']}; {len(s['train'])} train samples of "
-          f"{args.seq_length} tokens, {len(s['valid']) if s['valid'] else 0} valid; device {s['device']})")
-    print("-------------------- end of arguments ---------------------", flush=True)
-
-
 @torch.no_grad()
 def evaluate(s, valid, args, stage_step, autocast):
     """{'val_loss': mean loss per token over --eval-iters fixed global batches of the validation set (the same ones
@@ -355,12 +337,9 @@ def train(args):
     elif args.load and rank == 0:
         print(f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
     if rank == 0:
-        print_config(args, s)
-    if s["valid"] is not None and len(s["valid"]) == 0:
-        s["valid"] = None
-    if s["valid"] is None and args.eval_iters > 0 and rank == 0:
-        print(f"WARNING: the validation set is empty (--split={args.split} leaves no validation document: a corpus of "
-              "one document?): evaluation is off", flush=True)
+        print_args(args, f"rank 0 holds {sum(p.numel() for p in model.parameters()):,} parameters; {s['grid']}; "
+                   f"{len(s['train'])} train samples of {args.seq_length} tokens, "
+                   f"{len(s['valid']) if s['valid'] else 0} valid; device {s['device']}")
     run_dir = args.save or time.strftime(f"runs/{args.model}-%Y%m%d-%H%M%S")  # no --save: a fresh directory
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
@@ -376,7 +355,7 @@ def train(args):
     tokens_per_batch = args.global_batch_size * args.seq_length
     params = list(model.parameters())
     t0 = time.time()
-    window, it = dict(loss=0.0, n=0, t=t0, skipped=0), start
+    window, it = dict(losses=[], t=t0, skipped=0), start
     for it in range(start, args.train_iters):
         # ---- one global batch; this DP rank's rows; micro-batches (data.global_batch is layout-free)
         batch = data.global_batch(s["train"], it, args.global_batch_size)  # [gbs, s+1]
@@ -419,10 +398,9 @@ def train(args):
             skipped = True
         if not skipped:
             optimizer.step()
-        if fp8 is not None:
-            fp8.update()  # delayed scaling: this step's amaxes (reduced over TP x DP) -> next step's scales
-        window["loss"] += float(loss)
-        window["n"] += 1
+        if fp8 is not None:  # delayed scaling: this step's amaxes (reduced over TP x DP) -> next step's scales
+            fp8.discard() if skipped else fp8.update()
+        window["losses"].append(float(loss))
         window["skipped"] += skipped
         n = it + 1  # iterations done (Megatron counts from 1)
         t_end = time.time()
@@ -430,14 +408,16 @@ def train(args):
             log.bar.update(1)
         if n % args.log_interval == 0 or n == args.train_iters:
             dt = time.time() - window["t"]
-            rec = dict(iteration=n, loss=window["loss"] / window["n"], lr=learning_rate(it, args), grad_norm=grad_norm,
-                       tokens_per_s=window["n"] * tokens_per_batch / dt, skipped=window["skipped"])
+            finite = [x for x in window["losses"] if math.isfinite(x)]  # a skipped NaN step's loss is not averaged
+            rec = dict(iteration=n, loss=sum(finite) / len(finite) if finite else float("nan"), lr=learning_rate(it, args),
+                       grad_norm=grad_norm, tokens_per_s=len(window["losses"]) * tokens_per_batch / dt,
+                       skipped=window["skipped"])
             if args.fp16:
                 rec["loss_scale"] = scaler.scale
             if "moe_load" in window:
-                rec.update(moe_metrics(model, window["moe_load"]))
+                rec.update(P.moe_metrics(model, window["moe_load"]))
             log.log(rec)
-            window = dict(loss=0.0, n=0, t=time.time(), skipped=0)
+            window = dict(losses=[], t=time.time(), skipped=0)
         stop = args.exit_interval is not None and n % args.exit_interval == 0
         if args.exit_duration_in_mins is not None:  # every rank must agree, or some would wait in a collective
             late = torch.tensor([float(time.time() - t0 > 60 * args.exit_duration_in_mins)])

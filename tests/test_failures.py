@@ -82,6 +82,7 @@ def test_skip_nonfinite_steps_skips_and_counts_and_the_check_can_be_turned_off(c
     skipped = [got[i]["skipped"] for i in sorted(got)]
     assert sorted(got) == [1, 2, 3, 4, 5] and skipped[0] == 0 and sum(skipped) >= 1, skipped
     assert (tmp_path / "skip" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert all(got[i]["loss"] < 7 for i in got if got[i]["skipped"] == 0)  # a skipped step's loss is not averaged in
     train.main(tiny(corpus, cache, tmp_path / "off", *NAN, "--no-check-for-nan-in-loss-and-grad", iters=5))
     got, _ = metrics(tmp_path / "off")  # the old behaviour, on request: NaN steps applied, nothing skipped
     assert sorted(got) == [1, 2, 3, 4, 5] and all(got[i]["skipped"] == 0 for i in got)

@@ -24,8 +24,16 @@ class ConfigError(ValueError):
     """A bad flag or combination; the message names the values."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a bad flag raises ConfigError (train.py prints it as one line, on rank 0 only) instead
+    of printing the whole usage and exiting on every rank. --help still prints the usage."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="train.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="train.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--model", default="gpt", choices=MODELS)
     # model (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters)
@@ -72,6 +80,11 @@ def parse_args(argv):
     a("--initial-loss-scale", type=float, default=2.0**16)
     a("--loss-scale-window", type=int, default=1000, help="grow the scale x2 after this many clean steps")
     a("--min-loss-scale", type=float, default=1.0)
+    a("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+      help="stop with an error at a non-finite loss or gradient norm (fp16: after --loss-scale-window skipped steps "
+           "in a row at --min-loss-scale), before the step and before any checkpoint of it")
+    a("--skip-nonfinite-steps", action="store_true",
+      help="with the check: skip such a step (counted as `skipped` in metrics.jsonl) instead of stopping")
     # FP8 (parallel.py section 11): real FP8 GEMMs in every Column/RowParallel linear, fp32 master weights
     a("--fp8", action="store_true", help="FP8 linears (inputs, weights, output grads cast to float8)")
     a("--fp8-format", default="hybrid", choices=["e4m3", "hybrid"], help="hybrid: e4m3 forward, e5m2 grads")
@@ -133,16 +146,45 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+# The range of every numeric flag: (test, what it must be). A flag left at None (its default: derived or off) is not
+# checked. Written so that NaN fails every test.
+_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+_POSITIVE = (lambda v: v > 0, "> 0")
+_FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+RANGES = {
+    **dict.fromkeys(["num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "vocab_size",
+                     "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters", "loss_scale_window",
+                     "fp8_amax_history_len", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "ddp_bucket_size", "expert_model_parallel_size", "num_experts", "moe_router_topk",
+                     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "exit_interval", "log_interval",
+                     "retro_chunk_length", "retro_num_neighbors", "retro_encoder_num_layers", "mamba_state_dim",
+                     "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_chunk_size"], _AT_LEAST_1),
+    **dict.fromkeys(["lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "init_method_std", "fp8_margin",
+                     "moe_aux_loss_coeff", "moe_z_loss_coeff", "seed", "ckpt_step", "save_interval", "eval_interval",
+                     "eval_iters"], _AT_LEAST_0),
+    **dict.fromkeys(["adam_eps", "initial_loss_scale", "min_loss_scale", "exit_duration_in_mins",
+                     "moe_expert_capacity_factor"], _POSITIVE),
+    **dict.fromkeys(["adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"], _FRACTION),
+}
+
+
 def check_args(args, world: int):
     """Every flag and combination, before any process group exists. Fills the derived fields."""
-    for name in ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "global_batch_size", "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "log_interval"]:
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    for name in ["hidden_dropout", "attention_dropout"]:
-        if not 0 <= getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [0, 1)")
+    for name, (ok, must) in RANGES.items():
+        v = getattr(args, name, None)
+        if v is not None and not (ok(v) and math.isfinite(v)):
+            raise ConfigError(f"--{name.replace('_', '-')}={v} must be {'finite' if ok(v) else must}")
+    freq = args.moe_layer_freq
+    if not (isinstance(freq, int) and freq >= 1 or isinstance(freq, list) and freq and all(x in (0, 1) for x in freq)):
+        raise ConfigError(f"--moe-layer-freq={freq} must be an integer >= 1 or a list of 0s and 1s")
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise ConfigError(f"--min-loss-scale={args.min_loss_scale} is larger than --initial-loss-scale="
+                          f"{args.initial_loss_scale}")
+    if args.skip_nonfinite_steps and not args.check_for_nan_in_loss_and_grad:
+        raise ConfigError("--skip-nonfinite-steps acts on what --check-for-nan-in-loss-and-grad finds: "
+                          "drop --no-check-for-nan-in-loss-and-grad")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive")
     if args.transformer_impl == "transformer_engine" and not args.fp8:
@@ -190,6 +232,10 @@ def check_args(args, world: int):
     except (ValueError, IndexError, AssertionError, ZeroDivisionError):
         raise ConfigError(f"--split={args.split!r}: expected 'train,valid' weights like 95,5") from None
     args.model_module = import_model(args.model)
+    # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
+    # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in
+    model_config(args.model_module, argparse.Namespace(**{
+        **vars(args), "vocab_size": args.vocab_size or tp * args.make_vocab_size_divisible_by}))
 
 
 def import_model(name):
@@ -215,3 +261,13 @@ def model_config(module, args):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return c
+
+
+def print_args(args, summary: str):
+    """Megatron's argument dump at start (rank 0), with one line on the model, the layout and the data."""
+    print("------------------------ arguments ------------------------")
+    for k, v in sorted(vars(args).items()):
+        if k != "model_module":
+            print(f"  {k} {'.' * (44 - len(k))} {v}")
+    print(f"  ({summary})")
+    print("-------------------- end of arguments ---------------------", flush=True)

@@ -79,16 +79,11 @@ class Config:
 
     def __post_init__(self):
         h, n = self.hidden_size, self.num_attention_heads
-        if self.num_query_groups is None:
-            self.num_query_groups = n
-        if self.kv_channels is None:
-            if h % n:
-                raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={n}")
-            self.kv_channels = h // n
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * h
-        if self.add_qkv_bias is None:
-            self.add_qkv_bias = self.add_bias_linear
+        if self.kv_channels is None and h % n:
+            raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={n}")
+        self.kv_channels, self.num_query_groups = self.kv_channels or h // n, self.num_query_groups or n
+        self.ffn_hidden_size = self.ffn_hidden_size or 4 * h
+        self.add_qkv_bias = self.add_bias_linear if self.add_qkv_bias is None else self.add_qkv_bias
         if n % self.num_query_groups:
             raise ValueError(f"num_attention_heads={n} is not divisible by num_query_groups={self.num_query_groups}")
         choices = [("position_embedding_type", self.POSITION_EMBEDDING_TYPES), ("normalization", ("LayerNorm", "RMSNorm")),
@@ -99,8 +94,7 @@ class Config:
         for field, allowed in choices:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
-        if self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        self.moe_ffn_hidden_size = self.moe_ffn_hidden_size or self.ffn_hidden_size
         if self.num_experts is not None:
             if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ValueError(f"moe_router_topk={self.moe_router_topk} must be in [1, num_experts={self.num_experts}]")
@@ -134,11 +128,10 @@ class Config:
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
 
 
-def Norm(c: Config, h: int | None = None) -> nn.Module:
+def Norm(c: Config) -> nn.Module:
     """LayerNorm or RMSNorm; under sequence parallelism its weights see s/tp tokens, so their grads are partial."""
-    h = h or c.hidden_size
     cls = nn.LayerNorm if c.normalization == "LayerNorm" else nn.RMSNorm
-    m = cls(h, eps=c.layernorm_epsilon, dtype=c.params_dtype)
+    m = cls(c.hidden_size, eps=c.layernorm_epsilon, dtype=c.params_dtype)
     for name, p in m.named_parameters():
         P.mark(p, ("ones",) if name == "weight" else ("zeros",), sequence_parallel=c.sequence_parallel)
     return m

@@ -41,7 +41,7 @@ SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}  # and "|": a
 # `make train MODEL=mamba` (train.py reads these as its flag defaults): a small hybrid, 3 Mamba + 1 attention +
 # 3 MLP layers, sized for a few minutes on 2 CPU cores.
 TRAIN_DEFAULTS = dict(hybrid_layer_pattern="M-M*-M-", num_layers=7, hidden_size=256, num_attention_heads=8,
-                      mamba_num_groups=1, mamba_head_dim=32, mamba_state_dim=32, mamba_chunk_size=64,
+                      mamba_num_groups=8, mamba_head_dim=32, mamba_state_dim=32, mamba_chunk_size=64,
                       position_embedding_type="none", normalization="RMSNorm")
 
 

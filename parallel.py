@@ -1439,6 +1439,16 @@ def moe_load(model, reset: bool = True) -> torch.Tensor | None:
     return out
 
 
+def moe_metrics(model, load) -> dict:
+    """MoE logging: tokens per expert over the log window [MoE layers][E] (all DP ranks), the worst layer's
+    max/min expert load, and the layers' mean aux losses (last micro-batch, without their coefficients)."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    mean = lambda k: sum(float(r.stats[k]) for r in routers) / len(routers)
+    return dict(moe_tokens_per_expert=load.long().tolist(),
+                moe_load_max_over_min=float((load.max(1).values / load.min(1).values.clamp_min(1)).max()),
+                load_balancing_loss=mean("load_balancing_loss"), z_loss=mean("z_loss"))
+
+
 # ============================================================================================================
 # 11. FP8 — mirrors megatron/core/fp8_utils.py and Transformer Engine's transformer_engine/pytorch/fp8.py
 #     (DelayedScaling, Float8CurrentScaling; FP8GlobalStateManager's amax reduction) and te.pytorch.Linear.
@@ -1590,6 +1600,11 @@ class FP8State:
             t.amax_history = torch.roll(t.amax_history, 1)  # history[i] = the amax of i + 1 steps ago (TE rolls by −1:
             # the same window in another order) ...
             t.amax_history[0] = 0.0  # ... and [0] collects the next step's
+
+    def discard(self):
+        """A skipped step's amaxes (they may be inf or nan) are dropped: the scales stay what they were."""
+        for t in self.tensors():
+            t.amax_history[0] = 0.0
 
 
 def fp8_enable(model: nn.Module, recipe: FP8Recipe, grid: Grid | None = None, impl: str = "local") -> FP8State:

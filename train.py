@@ -18,7 +18,6 @@ one line `train.py: error: ...`. Data order depends only on (seed, iteration): e
 """
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 import data
 import parallel as P
-from arguments import ConfigError, check_args, model_config, parse_args
+from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args, print_args
 from checkpoint import ARCH_FLAGS, check_run_dirs, load_checkpoint, load_model, save_checkpoint
 
 
@@ -90,7 +89,10 @@ def build_data(args):
     make = make or (lambda source, ids, args, tok, seed: data.GPTDataset(source, ids, args.seq_length, seed))
     train = make(source, train_ids, args, tok, args.seed)
     valid = make(source, valid_ids, args, tok, args.seed + 1) if len(valid_ids) else None
-    return tok, train, valid
+    if (valid is None or len(valid) == 0) and args.eval_iters > 0 and int(os.environ.get("RANK", 0)) == 0:
+        print(f"WARNING: the validation set is empty (--split={args.split} leaves no validation document: a corpus of "
+              "one document?): evaluation is off", flush=True)
+    return tok, train, (valid if valid is not None and len(valid) else None)
 
 
 # ============================================================================================================
@@ -109,24 +111,15 @@ def learning_rate(it: int, args) -> float:
     return args.min_lr + coeff[args.lr_decay_style] * (args.lr - args.min_lr)
 
 
-def moe_metrics(model, load) -> dict:
-    """MoE logging: tokens per expert over the log window [MoE layers][E] (all DP ranks), the worst layer's
-    max/min expert load, and the layers' mean aux losses (last micro-batch, without their coefficients)."""
-    routers = [m for m in model.modules() if isinstance(m, P.Router)]
-    mean = lambda k: sum(float(r.stats[k]) for r in routers) / len(routers)
-    return dict(moe_tokens_per_expert=load.long().tolist(),
-                moe_load_max_over_min=float((load.max(1).values / load.min(1).values.clamp_min(1)).max()),
-                load_balancing_loss=mean("load_balancing_loss"), z_loss=mean("z_loss"))
-
-
 class LossScaler:
     """fp16 dynamic loss scaling (megatron/core/optimizer/grad_scaler.py, hysteresis 1): backward runs on
     loss x scale; a step whose grads hold inf/nan on any rank is skipped and halves the scale; `window` clean steps
-    in a row double it. With fp32/bf16 the scale is 1 and nothing is ever skipped."""
+    in a row double it. With fp32/bf16 the scale is 1 and nothing is ever skipped. `stuck` counts the skipped steps
+    in a row taken at the minimum scale: halving can no longer help (the loop stops after `window` of them)."""
 
     def __init__(self, args):
         self.enabled, self.window, self.min = args.fp16, args.loss_scale_window, args.min_loss_scale
-        self.scale, self.clean = (args.initial_loss_scale if args.fp16 else 1.0), 0
+        self.scale, self.clean, self.stuck = (args.initial_loss_scale if args.fp16 else 1.0), 0, 0
 
     def unscale_and_check(self, params) -> bool:
         """Divide the grads by the scale; True if any rank found inf/nan (then the step must be skipped)."""
@@ -141,9 +134,10 @@ class LossScaler:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         overflow = bool(bad.item() > 0)
         if overflow:
+            self.stuck = self.stuck + 1 if self.scale <= self.min else 0
             self.scale, self.clean = max(self.scale / 2, self.min), 0
         else:
-            self.clean += 1
+            self.clean, self.stuck = self.clean + 1, 0
             if self.clean % self.window == 0:
                 self.scale *= 2
         return overflow
@@ -261,17 +255,6 @@ def make_optimizer(chunks, grid, args):
     return P.Optimizer(chunks, grid, **adam)
 
 
-def print_config(args, s):
-    n_params = sum(p.numel() for p in s["model"].parameters())  # this rank's
-    print("------------------------ arguments ------------------------")
-    for k, v in sorted(vars(args).items()):
-        if k != "model_module":
-            print(f"  {k} {'.' * (44 - len(k))} {v}")
-    print(f"  (rank 0 holds {n_params:,} parameters; {s['grid']}; {len(s['train'])} train samples of "
-          f"{args.seq_length} tokens, {len(s['valid']) if s['valid'] else 0} valid; device {s['device']})")
-    print("-------------------- end of arguments ---------------------", flush=True)
-
-
 @torch.no_grad()
 def evaluate(s, valid, args, stage_step, autocast):
     """{'val_loss': mean loss per token over --eval-iters fixed global batches of the validation set (the same ones
@@ -317,6 +300,20 @@ def stage_step(model, mb, recipe):
     return out[0]
 
 
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient): main prints it as one line and exits with 2."""
+
+
+def first_nonfinite_grad(model, rank) -> str:
+    """', first non-finite gradient on this rank: NAME', or '' (local: no collective, so any rank may ask)."""
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", p.grad)  # DDP: the fp32 buffer view
+        if g is not None and not bool(torch.isfinite(g).all()):
+            name = name.split(".", 1)[1] if len(model) == 1 else f"chunk {name}"  # (the ModuleList's index)
+            return f" (first non-finite gradient on rank {rank}: {name})"
+    return ""
+
+
 def train(args):
     s = setup(args)
     fp8 = P.fp8_enable(s["model"], P.FP8Recipe(args.fp8_format, args.fp8_recipe, args.fp8_margin,
@@ -340,7 +337,9 @@ def train(args):
     elif args.load and rank == 0:
         print(f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
     if rank == 0:
-        print_config(args, s)
+        print_args(args, f"rank 0 holds {sum(p.numel() for p in model.parameters()):,} parameters; {s['grid']}; "
+                   f"{len(s['train'])} train samples of {args.seq_length} tokens, "
+                   f"{len(s['valid']) if s['valid'] else 0} valid; device {s['device']}")
     run_dir = args.save or time.strftime(f"runs/{args.model}-%Y%m%d-%H%M%S")  # no --save: a fresh directory
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
@@ -356,7 +355,7 @@ def train(args):
     tokens_per_batch = args.global_batch_size * args.seq_length
     params = list(model.parameters())
     t0 = time.time()
-    window, it = dict(loss=0.0, n=0, t=t0, skipped=0), start
+    window, it = dict(losses=[], t=t0, skipped=0), start
     for it in range(start, args.train_iters):
         # ---- one global batch; this DP rank's rows; micro-batches (data.global_batch is layout-free)
         batch = data.global_batch(s["train"], it, args.global_batch_size)  # [gbs, s+1]
@@ -376,17 +375,32 @@ def train(args):
         load = P.moe_load(model)  # MoE: tokens per expert [MoE layers, E] routed in this step, this DP rank
         if load is not None:
             window["moe_load"] = window.get("moe_load", 0) + P._all_reduce(load.to(device), grid.dp).cpu()
-        skipped = scaler.unscale_and_check(params)
-        grad_norm = float("nan") if skipped else float(optimizer.clip_grad_norm(args.clip_grad))  # each param once
-        if not skipped:
-            optimizer.step()
-        if fp8 is not None:
-            fp8.update()  # delayed scaling: this step's amaxes (reduced over TP x DP) -> next step's scales
         loss = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)
         for g in (grid.pp, grid.dp):  # the last stage holds the loss; each DP rank its part of the global mean
             loss = P._all_reduce(loss, g)
-        window["loss"] += float(loss)
-        window["n"] += 1
+        overflow = scaler.unscale_and_check(params)  # fp16: inf/nan grads on any rank -> skip, halve the scale
+        grad_norm = float("nan") if overflow else float(optimizer.clip_grad_norm(args.clip_grad))  # each param once
+        # ---- non-finite loss or grad norm: stop before the step (so no checkpoint holds it), or skip it. Both values
+        # are reduced already (the loss over PP and DP, identical over TP; the norm over the model's ranks, the DP
+        # ranks agree), so every rank decides the same and no rank is left waiting in a collective
+        bad = [f"{k} is {v}" for k, v in (("the loss", float(loss)), ("the gradient norm", grad_norm))
+               if not math.isfinite(v) and not (overflow and k == "the gradient norm")]
+        if args.fp16 and scaler.stuck >= scaler.window:
+            bad.append(f"fp16: {scaler.stuck} steps in a row overflowed at --min-loss-scale={scaler.min} "
+                       f"(--loss-scale-window={scaler.window})")
+        skipped = overflow
+        if bad and args.check_for_nan_in_loss_and_grad:
+            if not args.skip_nonfinite_steps:
+                log.close()  # metrics.jsonl and loss.png up to the last logged iteration
+                raise TrainingError(f"iteration {it + 1}: {'; '.join(bad)}"
+                                    + first_nonfinite_grad(model, rank) + "; the step is not applied, "
+                                    "nothing of it is saved (--skip-nonfinite-steps skips such steps instead)")
+            skipped = True
+        if not skipped:
+            optimizer.step()
+        if fp8 is not None:  # delayed scaling: this step's amaxes (reduced over TP x DP) -> next step's scales
+            fp8.discard() if skipped else fp8.update()
+        window["losses"].append(float(loss))
         window["skipped"] += skipped
         n = it + 1  # iterations done (Megatron counts from 1)
         t_end = time.time()
@@ -394,14 +408,16 @@ def train(args):
             log.bar.update(1)
         if n % args.log_interval == 0 or n == args.train_iters:
             dt = time.time() - window["t"]
-            rec = dict(iteration=n, loss=window["loss"] / window["n"], lr=learning_rate(it, args), grad_norm=grad_norm,
-                       tokens_per_s=window["n"] * tokens_per_batch / dt, skipped=window["skipped"])
+            finite = [x for x in window["losses"] if math.isfinite(x)]  # a skipped NaN step's loss is not averaged
+            rec = dict(iteration=n, loss=sum(finite) / len(finite) if finite else float("nan"), lr=learning_rate(it, args),
+                       grad_norm=grad_norm, tokens_per_s=len(window["losses"]) * tokens_per_batch / dt,
+                       skipped=window["skipped"])
             if args.fp16:
                 rec["loss_scale"] = scaler.scale
             if "moe_load" in window:
-                rec.update(moe_metrics(model, window["moe_load"]))
+                rec.update(P.moe_metrics(model, window["moe_load"]))
             log.log(rec)
-            window = dict(loss=0.0, n=0, t=time.time(), skipped=0)
+            window = dict(losses=[], t=time.time(), skipped=0)
         stop = args.exit_interval is not None and n % args.exit_interval == 0
         if args.exit_duration_in_mins is not None:  # every rank must agree, or some would wait in a collective
             late = torch.tensor([float(time.time() - t0 > 60 * args.exit_duration_in_mins)])
@@ -432,14 +448,22 @@ def train(args):
 # 5. Sampling from a saved run (checkpoint.load_model reads it)
 # ============================================================================================================
 def sample(argv):
-    p = argparse.ArgumentParser(prog="train.py sample")
+    p = ArgumentParser(prog="train.py sample")
     p.add_argument("--load", required=True)
     p.add_argument("--prompt", default="def ")
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if not a.prompt:
+        raise ConfigError("--prompt is empty: give the text to continue")
+    if a.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
+    if not (a.temperature >= 0 and math.isfinite(a.temperature)):
+        raise ConfigError(f"--temperature={a.temperature} must be >= 0 (0 = greedy)")
+    if a.top_k < 1:
+        raise ConfigError(f"--top-k={a.top_k} must be >= 1")
     model, args, tok, _ = load_model(a.load)
     module = args.model_module
     torch.manual_seed(a.seed)
@@ -459,8 +483,10 @@ def main(argv=None):
         if argv[:1] == ["sample"]:
             return sample(argv[1:])
         train(parse_args(argv))
-    except (ConfigError, data.DataError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+    except (ConfigError, data.DataError, TrainingError) as e:
+        if int(os.environ.get("RANK", "0")) != 0:  # torchrun: every rank finds the same error and rank 0 says it;
+            time.sleep(5)  # when it exits, torchrun stops this rank. Still alive: rank 0 did not fail, so this one speaks
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
         if dist.is_initialized():

@@ -3,6 +3,8 @@
 `train_steps` is run both in a worker rank (on a shard of the model) and in the parent (on the whole model); it
 returns the per-step losses, every parameter's full gradient after the first backward, and every full parameter
 after the last optimizer step, under the parameters' global names. `assert_same` compares two such records.
+Those comparisons run with dropout 0; `model_dropout_masks_case` and `check_dropout_streams` check the dropout masks
+themselves against Megatron's RNG rule (below), in any TP x PP layout.
 """
 from __future__ import annotations
 
@@ -66,3 +68,95 @@ def assert_same(got: dict, ref: dict, rtol: float, what: str = ""):
     err, name = max(worst)
     assert err <= rtol, f"{what}: worst relative error {err:.3e} > {rtol:.0e} at {name}"
     return err
+
+
+# --------------------------------------------------------------------------------------- dropout streams
+# Megatron's RNG rule (DESIGN.md §2; megatron/core/tensor_parallel/random.py, training/initialize.py): the default
+# stream is seeded seed + 100·pp_rank (same on every TP and DP rank); the model-parallel stream seed + 100·pp_rank +
+# 2718 + tp_rank. Hidden dropout on replicated activations draws from the default stream; under sequence
+# parallelism the activations are sequence shards and every hidden dropout (the embedding's included) draws from
+# the model-parallel stream. With rope (no nn.Embedding positions) building a model draws nothing from the default
+# stream (every parameter is initialized from its own generator), so a stage's masks in its first forward are
+# exactly the first draws of those streams, which `megatron_masks` makes with a torch.Generator of that seed.
+DROPOUT_CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                   vocab_size=101, max_position_embeddings=16, position_embedding_type="rope",
+                   normalization="RMSNorm", activation="silu", gated_linear_unit=True, add_bias_linear=False,
+                   hidden_dropout=0.5, attention_dropout=0.0, params_dtype=torch.float64, seed=1234)
+
+
+class _NoStageOffset(P.RNGTracker):
+    """Negative control: a tracker that forgets the 100·pp_rank offset (every stage draws the same streams)."""
+
+    def __init__(self, seed, grid=None):
+        super().__init__(seed, grid)
+        self.seed = seed
+        torch.manual_seed(seed)
+        self.seeds = {"model-parallel-rng": seed + 2718 + (grid.tp.rank if grid is not None else 0)}
+
+
+def model_dropout_masks_case(rank, n, tp, pp, sp, b=2, s=8, no_stage_offset=False):
+    """One training-mode forward of this rank's stage of a GPT with hidden dropout 0.5; returns its TP and PP rank
+    and the keep-mask of every hidden dropout it ran, in order (parallel.dropout is wrapped to record them)."""
+    import gpt
+
+    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
+    c = gpt.Config(**DROPOUT_CFG, sequence_parallel=sp)
+    real_tracker = P.RNGTracker
+    P.RNGTracker = _NoStageOffset if no_stage_offset else real_tracker
+    try:
+        (model,) = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers,
+                                  grid)
+    finally:
+        P.RNGTracker = real_tracker
+    model.train()
+    masks, real = [], P.dropout
+
+    def recording(x, p, training, rng=None, sharded=False):
+        y = real(x, p, training, rng, sharded)
+        if p > 0 and training:
+            assert (x != 0).all(), "a zero activation would hide the mask"
+            masks.append(y != 0)
+        return y
+
+    batch = make_batch(c.vocab_size, b, s, seed=3)
+    P.dropout = recording
+    try:
+        if not model.pre_process:  # an inner stage's input: hidden states [s(/tp), b, h]
+            shape = (s // tp if model.config.sequence_parallel else s, b, c.hidden_size)
+            model.input_tensor = torch.randn(shape, dtype=c.params_dtype, generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            model(batch[:, :-1], labels=batch[:, 1:] if model.post_process else None)
+    finally:
+        P.dropout = real
+    return dict(tp=grid.tp.rank, pp=grid.pp.rank, masks=masks, drops=int(model.pre_process) + 2 * len(model.decoder.layers))
+
+
+def megatron_masks(seed: int, like: list[torch.Tensor], p: float = 0.5) -> list[torch.Tensor]:
+    """The keep-masks F.dropout(·, p) draws from a stream seeded `seed`, one per tensor of `like`, in turn."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.empty(m.shape, dtype=DROPOUT_CFG["params_dtype"]).bernoulli_(1 - p, generator=g) != 0 for m in like]
+
+
+def check_dropout_streams(results: list[dict], sp: bool):
+    """The recorded masks against Megatron's rule: TP ranks of a stage agree without SP and differ with it,
+    pipeline stages differ, and every mask is the draw of the stream the rule names."""
+    seed = DROPOUT_CFG["seed"]
+    by = {(r["pp"], r["tp"]): r["masks"] for r in results}
+    for r in results:  # the embedding's (first stage) and two per layer
+        assert len(r["masks"]) == r["drops"], f"stage {r['pp']} tp rank {r['tp']}: {len(r['masks'])} hidden dropouts"
+    for (pp, tp), masks in by.items():
+        for i, (a, b) in enumerate(zip(masks, by[pp, 0]) if tp > 0 else ()):
+            if sp:
+                assert not torch.equal(a, b), (f"stage {pp}: under SP, TP ranks 0 and {tp} drew the same mask for "
+                                               f"hidden dropout #{i} on their sequence shards")
+            else:
+                assert torch.equal(a, b), (f"stage {pp}: TP ranks 0 and {tp} drew different masks for hidden "
+                                           f"dropout #{i} on replicated activations")
+        if pp > 0:
+            assert not torch.equal(masks[0], by[0, tp][0]), f"pipeline stages 0 and {pp} drew the same dropout masks"
+    for (pp, tp), masks in by.items():  # and exactly the draws the rule names
+        stream = seed + 100 * pp + (2718 + tp if sp else 0)
+        want = megatron_masks(stream, masks)
+        for i, (got, exp) in enumerate(zip(masks, want)):
+            assert torch.equal(got, exp), (f"stage {pp} tp rank {tp}: hidden dropout #{i} is not the draw of the "
+                                           f"{'model-parallel' if sp else 'default'} stream seeded {stream}")

@@ -2,13 +2,15 @@
 
 Tolerances: from_hf float32 1e-4 (measured ~1e-7: same ops, different order; a wrong layout moves logits ~1e-1);
 layouts float64 1e-10 relative (reduction order only); padding invariance float64 1e-12 (padded keys get exactly zero
-attention weight; only the blocking of the sums may change). Statistics: 5 binomial standard deviations.
+attention weight; only the blocking of the sums may change); the loss recipe against its formula by hand float64
+1e-12 (the same sums in another order). Statistics: 5 binomial standard deviations.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from hypothesis import given
 from hypothesis import strategies as st
@@ -189,6 +191,32 @@ def broken_pooler_case(rank, n, cfg, batch):
         return layout_case(rank, n, cfg, 4, 1, True, 1, batch)
     finally:
         P.gather_from_sp = orig
+
+
+# --------------------------------------------------------------------------------------- 2b. the loss formula
+@pytest.mark.parametrize("M", [1, 3])
+def test_global_loss_equals_the_formula_by_hand(M):
+    """The layout tests share bert.loss_func between the parallel runs and the reference, so they cannot check its
+    formula. Here the global loss train.py's recipe gives (bert.batch_recipe through the schedule: Σ over
+    micro-batches of loss_func / num_masked) must equal DESIGN.md §2's rule computed from the model's raw outputs
+    with F.cross_entropy:  Σ masked-LM token losses / num_masked + Σ sentence-order losses / num_seqs.
+    Tolerance float64 1e-12 relative: the same numbers summed in another order."""
+    cfg = dict(CFG, vocab_size=152, max_position_embeddings=32)  # 152 = 19·8: no padded logits to account for
+    model = bert.Model(bert.Config(**cfg))
+    assert model.config.padded_vocab_size == cfg["vocab_size"]
+    batch = make_batch(cfg["vocab_size"], 6, 32, seed=4)
+    recipe, num_masked = bert.batch_recipe(batch)
+    num_seqs = batch.shape[0]
+    assert num_masked == int(batch[:, bert.LOSS_MASK].sum()) and num_masked != num_seqs  # the weighting matters
+    got = float(P.forward_backward([model], list(batch.chunk(M)), recipe, num_masked, None))
+    with torch.no_grad():
+        logits, binary = model(batch[:, bert.TEXT], batch[:, bert.PADDING_MASK], batch[:, bert.TYPES])
+    mask = batch[:, bert.LOSS_MASK].bool()
+    lm = F.cross_entropy(logits[mask], batch[:, bert.LABELS][mask], reduction="sum")
+    sop = F.cross_entropy(binary, batch[:, bert.IS_RANDOM, 0], reduction="sum")
+    want = float(lm / num_masked + sop / num_seqs)
+    assert float(sop) > 0.01 * want, "the sentence-order term must weigh in the total"
+    assert abs(got - want) <= 1e-12 * abs(want), f"recipe loss {got!r} != hand formula {want!r}"
 
 
 # --------------------------------------------------------------------------------------- 3. padding invariance

@@ -4,9 +4,12 @@ their formulas, and expert-parallel models (with TP, SP, DP, expert-DP, both dis
 Tolerances: float64 1e-10 relative (reduction order only: the dispatched layer sums each token's k expert outputs
 in another order than the dense loop, the parallel runs sum gradients over ranks). The float32 grouped GEMM
 (torch._grouped_mm) is checked against a float64 loop at 1e-5.
+Both dispatchers compute the same numbers, so the equivalence alone cannot tell which one ran: every layout case
+also counts the MoELayers' dispatch calls and requires that exactly the configured dispatcher ran.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -178,15 +181,37 @@ def train(chunks, grid, micro, num_tokens, steps=2):
     return dict(losses=torch.cat(losses), grads=grads, params=named_full(model, grid), load=torch.stack(loads))
 
 
-def moe_case(rank, n, cfg, tp, ep, etp, M, b, s, pp=1, break_aux_rule=False):
+DISPATCHERS = ("allgather", "alltoall")
+
+
+def counting_dispatchers(chunks):
+    """Wrap every MoELayer's two dispatch methods (on the instance) to count their calls: {name: calls}."""
+    calls = dict.fromkeys(DISPATCHERS, 0)
+    for layer in (m for chunk in chunks for m in chunk.modules() if isinstance(m, P.MoELayer)):
+        for name in DISPATCHERS:
+            real = getattr(layer, f"_{name}")
+
+            def counted(*a, _real=real, _name=name):
+                calls[_name] += 1
+                return _real(*a)
+            setattr(layer, f"_{name}", counted)
+    return calls
+
+
+def moe_case(rank, n, cfg, tp, ep, etp, M, b, s, pp=1, break_aux_rule=False, ignore_dispatcher=False):
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp), ep=ep, etp=etp)
     c = gpt.Config(**cfg)
     chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid)
+    if ignore_dispatcher:  # negative control: MoELayers that run the all-gather dispatcher whatever the config says
+        for layer in (m for chunk in chunks for m in chunk.modules() if isinstance(m, P.MoELayer)):
+            layer.c = dataclasses.replace(layer.c, moe_token_dispatcher_type="allgather")
     if break_aux_rule:  # negative control: these routers ignore the schedules' token count, so every micro-batch's
         for r in (m for chunk in chunks for m in chunk.modules() if isinstance(m, P.Router)):  # aux loss weighs 1
             r.set_num_tokens = lambda num_tokens: None
+    calls = counting_dispatchers(chunks)
     batch = make_batch(cfg["vocab_size"], b, s, 5)
     rec = train(chunks, grid, list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M)), batch[:, 1:].numel())
+    rec["dispatcher_calls"] = calls
     rec["losses"] = P._all_reduce(P._all_reduce(rec["losses"], grid.dp), grid.pp)  # the last stage has them
     rec["load"] = P._all_reduce(rec["load"], grid.dp)  # each micro-batch's counts are whole on every TP rank
     rec["load"] = P._gather(rec["load"], grid.pp if pp > 1 else None, 1)  # [steps, MoE layers, E] of all stages
@@ -207,9 +232,14 @@ def merge(results):  # every rank reports its experts (and its stage's layers) u
     return out
 
 
-def check_layout(pool, n, cfg, tp, ep, etp, M, b=8, s=8, pp=1):
+def check_layout(pool, n, cfg, tp, ep, etp, M, b=8, s=8, pp=1, **kw):
     dp = n // (tp * pp)
-    got = merge(pool.run(moe_case, n, cfg=cfg, tp=tp, ep=ep, etp=etp, M=M, b=b, s=s, pp=pp))
+    results = pool.run(moe_case, n, cfg=cfg, tp=tp, ep=ep, etp=etp, M=M, b=b, s=s, pp=pp, **kw)
+    want = cfg.get("moe_token_dispatcher_type", gpt.Config.moe_token_dispatcher_type)
+    for rank, r in enumerate(results):  # the dispatcher the config names is the one that ran, on every rank
+        ran = {k for k, v in r["dispatcher_calls"].items() if v}
+        assert ran == {want}, f"rank {rank}: config says {want!r}, dispatchers run: {r['dispatcher_calls']}"
+    got = merge(results)
     ref = single(cfg, M * dp, b, s)
     assert len(ref["grads"]) == len(got["grads"])
     assert torch.equal(got["load"], ref["load"]), (got["load"], ref["load"])  # the same routing, token for token
@@ -217,27 +247,39 @@ def check_layout(pool, n, cfg, tp, ep, etp, M, b=8, s=8, pp=1):
 
 
 GATED = dict(gated_linear_unit=True, activation="silu", add_bias_linear=False)
+AG, A2A = dict(moe_token_dispatcher_type="allgather"), dict(moe_token_dispatcher_type="alltoall")
 LAYOUTS = {  # name: (tp, ep, etp, M, pp, config changes); 4 ranks, dp = 4 / (tp·pp)
-    "ep4-allgather-capacity": (1, 4, 1, 1, 1, dict(moe_expert_capacity_factor=1.0)),
-    "ep4-alltoall-E8-top1-shared": (1, 4, 1, 2, 1, dict(num_experts=8, moe_router_topk=1, moe_router_pre_softmax=True,
+    "ep4-allgather-capacity": (1, 4, 1, 1, 1, dict(**AG, moe_expert_capacity_factor=1.0)),
+    "ep4-alltoall-E8-top1-shared": (1, 4, 1, 2, 1, dict(**A2A, num_experts=8, moe_router_topk=1,
+                                                        moe_router_pre_softmax=True,
                                                         moe_shared_expert_intermediate_size=16)),
-    "ep2-edp2-allgather-sigmoid": (1, 2, 1, 2, 1, dict(moe_router_score_function="sigmoid")),
-    "ep2-edp2-alltoall-E8-padded": (1, 2, 1, 1, 1, dict(num_experts=8, moe_expert_capacity_factor=1.5,
+    "ep2-edp2-allgather-sigmoid": (1, 2, 1, 2, 1, dict(**AG, moe_router_score_function="sigmoid")),
+    "ep2-edp2-alltoall-E8-padded": (1, 2, 1, 1, 1, dict(**A2A, num_experts=8, moe_expert_capacity_factor=1.5,
                                                         moe_pad_expert_input_to_capacity=True)),
-    "tp2-sp-ep2-etp2-allgather-shared": (2, 2, 2, 2, 1, dict(sequence_parallel=True,
+    "tp2-sp-ep2-etp2-allgather-shared": (2, 2, 2, 2, 1, dict(**AG, sequence_parallel=True,
                                                              moe_shared_expert_intermediate_size=16)),
-    "tp2-sp-ep2-etp1-alltoall-capacity": (2, 2, 1, 1, 1, dict(sequence_parallel=True, moe_expert_capacity_factor=1.0,
-                                                              **GATED)),
-    "tp2-ep2-etp2-alltoall-gated": (2, 2, 2, 2, 1, dict(moe_router_pre_softmax=True, **GATED)),
-    "tp2-ep2-etp1-allgather-freq2": (2, 2, 1, 1, 1, dict(num_layers=4, moe_layer_freq=2)),
-    "pp2-ep2-alltoall": (1, 2, 1, 2, 2, dict(share_embeddings_and_output_weights=False)),
+    "tp2-sp-ep2-etp1-alltoall-capacity": (2, 2, 1, 1, 1, dict(**A2A, sequence_parallel=True,
+                                                              moe_expert_capacity_factor=1.0, **GATED)),
+    "tp2-ep2-etp2-alltoall-gated": (2, 2, 2, 2, 1, dict(**A2A, moe_router_pre_softmax=True, **GATED)),
+    "tp2-ep2-etp1-allgather-freq2": (2, 2, 1, 1, 1, dict(**AG, num_layers=4, moe_layer_freq=2)),
+    "pp2-ep2-alltoall": (1, 2, 1, 2, 2, dict(**A2A, share_embeddings_and_output_weights=False)),
 }
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_expert_parallel_equals_single_process(pool, name):
     tp, ep, etp, M, pp, changes = LAYOUTS[name]
+    named = [d for d in DISPATCHERS if d in name]  # the name says which dispatcher; the config must set that one
+    assert named == [changes.get("moe_token_dispatcher_type")], f"{name}: config {changes}"
     check_layout(pool, 4, {**MOE, **changes}, tp, ep, etp, M, pp=pp)
+
+
+def test_dispatcher_check_can_fail(pool):
+    """Negative control: both dispatchers give the same numbers, so only the call count sees a model that runs the
+    all-gather dispatcher when the config asks for all-to-all (the bug the layouts named "alltoall" once had)."""
+    expected = "config says 'alltoall', dispatchers run: {'allgather': 4, 'alltoall': 0}"  # 2 layers x 2 steps
+    with pytest.raises(AssertionError, match=re.escape(expected)):
+        check_layout(pool, 4, {**MOE, **A2A}, 1, 2, 1, 1, ignore_dispatcher=True)
 
 
 @st.composite

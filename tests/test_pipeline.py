@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import gpt
 import parallel as P
-from equivalence import assert_same, make_batch
+from equivalence import assert_same, check_dropout_streams, make_batch, model_dropout_masks_case
 
 
 # --------------------------------------------------------------------------------------- the training driver
@@ -146,6 +146,20 @@ def test_virtual_chunks_draw_from_one_rng_stream(pool):
     chunk, all seeded alike, chunk 1 repeated chunk 0's dropout masks (layer 0's and layer 2's, say): caught here."""
     for draws in pool.run(rng_streams_case, 2):
         assert not torch.equal(draws[0], draws[1])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sequence-parallel"])
+def test_pipeline_stages_draw_their_own_dropout_masks(pool, sp):
+    """tp=2 x pp=2, hidden dropout 0.5: stage p's default stream is seeded seed + 100·p and its model-parallel
+    stream seed + 100·p + 2718 + tp_rank (Megatron's _set_random_seed and model_parallel_cuda_manual_seed), so the
+    stages draw different masks while a stage's TP ranks agree on replicated activations. Masks compared exactly."""
+    check_dropout_streams(pool.run(model_dropout_masks_case, 4, tp=2, pp=2, sp=sp), sp)
+
+
+def test_stages_sharing_one_stream_are_caught(pool):
+    """Negative control: trackers without the 100·pp_rank offset make stage 1 repeat stage 0's masks."""
+    with pytest.raises(AssertionError, match="pipeline stages 0 and 1 drew the same dropout masks"):
+        check_dropout_streams(pool.run(model_dropout_masks_case, 4, tp=2, pp=2, sp=False, no_stage_offset=True), False)
 
 
 def forget_embedding_sync_case(rank, n):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import gpt
 import parallel as P
-from equivalence import assert_same, make_batch, train_steps
+from equivalence import assert_same, check_dropout_streams, make_batch, model_dropout_masks_case, train_steps
 from harness import CaseFailed
 
 
@@ -198,6 +198,16 @@ def test_rng_tracker_dropout_masks(pool):
         assert torch.equal(r[0], res[0][0]) and torch.equal(r[2], res[0][2]), "replicated masks must agree"
         assert not torch.equal(r[1], res[0][1]), "sharded masks must differ between TP ranks"
     assert not torch.equal(res[0][0], res[0][2])  # the default stream advanced
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sequence-parallel"])
+def test_model_hidden_dropout_streams(pool, sp):
+    """A whole model's hidden dropouts on tp=2 (dropout 0.5): without SP the activations are replicated and both
+    TP ranks drop the same elements (default stream, seed); with SP every hidden dropout, the embedding's included,
+    acts on a sequence shard and draws from the model-parallel stream (seed + 2718 + tp_rank), as in Megatron's
+    LanguageModelEmbedding and TransformerLayer. The equivalence tests run with dropout 0 and cannot see this.
+    Masks are compared exactly (equal draws of one generator)."""
+    check_dropout_streams(pool.run(model_dropout_masks_case, 2, tp=2, pp=1, sp=sp), sp)
 
 
 # --------------------------------------------------------------------------------------- 6. the GEMM hook

@@ -159,10 +159,11 @@ def main():
             before, t0 = latest(soak), time.time()
             final = time.time() >= kill_until
             mode = "none" if final else rng.choice(["random", "random", "save", "save+delay"])
-            # progress per launch so that the kills go on until kill_until: n launches of (startup + p iterations)
+            # progress per launch so that the kills go on until kill_until (n launches of startup + p iterations),
+            # and at least ~30 launches
             todo, time_left = iters - before, kill_until - time.time()
             p_its = todo * startup / (time_left - todo * per_iter) if time_left > todo * per_iter else todo
-            delay = rng.uniform(0.5 * startup, startup + 2 * per_iter * min(max(p_its, 3), todo))
+            delay = rng.uniform(0.5 * startup, startup + 2 * per_iter * min(max(p_its, 3), todo, iters / 30))
             before_delay = None  # "save" modes: the partial saves present at the delay; kill at the next new one
             stale = bool(list(soak.glob("iter_*.tmp")))  # left by the last kill: the launch removes it first
             p = launch(argv, a.nproc, log)

@@ -38,7 +38,7 @@ lint: $(STAMP)
 # (and saves) early on a slow or busy machine so the command always ends within ~$(MINUTES)+1 minutes.
 train: $(STAMP)
 	$(LAUNCH) train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --pipeline-model-parallel-size $(PP) \
-		--save $(RUN) --exit-duration-in-mins $(MINUTES) $(ARGS)
+		--load $(RUN) --save $(RUN) --exit-duration-in-mins $(MINUTES) $(ARGS)
 
 sample: $(STAMP)
 	$(PY) train.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)

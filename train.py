@@ -335,7 +335,8 @@ def train(args):
             print(f"resumed from {s['ckpt'][0]} at iteration {start}"
                   + ("" if rng_restored else " (different layout: RNG streams not restored)"))
     elif args.load and rank == 0:
-        print(f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
+        print(f"a new run in {args.load}" if args.load == args.save else
+              f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
     if rank == 0:
         print_args(args, f"rank 0 holds {sum(p.numel() for p in model.parameters()):,} parameters; {s['grid']}; "
                    f"{len(s['train'])} train samples of {args.seq_length} tokens, "

@@ -67,9 +67,11 @@ def test_nan_stops_before_the_step_and_keeps_the_last_good_checkpoint(corpus, ca
     check_stopped_before_saving(run, line)
 
 
-def test_nan_under_torchrun_tp2_stops_every_rank_and_says_it_once(corpus, cache, tmp_path):
-    run = tmp_path / "tp2"
-    r = torchrun(2, tiny(corpus, cache, run, *NAN, "--tensor-model-parallel-size", "2"))  # a hang: the timeout
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--use-distributed-optimizer"]],
+                         ids=["tp2", "dp2-distopt"])
+def test_nan_under_torchrun_stops_every_rank_and_says_it_once(corpus, cache, tmp_path, layout):
+    run = tmp_path / "run"
+    r = torchrun(2, tiny(corpus, cache, run, *NAN, *layout))  # a rank left waiting in a collective: the timeout
     lines = [ln for ln in r.stderr.splitlines() if "train.py: error" in ln]
     assert r.returncode != 0 and len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith("train.py: error: iteration ") and "exitcode  : 2" in r.stderr, lines

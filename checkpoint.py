@@ -190,6 +190,7 @@ def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):
     _barrier()
     if rank == 0:  # every rank's files are complete: meta.json, then the manifest of them all
         meta = {"iteration": it, "checkpoint_format": FORMAT, "loss_scale": scaler.scale, "clean_steps": scaler.clean,
+                "stuck_steps": scaler.stuck,
                 "args": {k: v for k, v in vars(args).items() if k != "model_module"}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp)
@@ -302,6 +303,7 @@ def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None
             torch.cuda.set_rng_state(rng["cuda"])
     if optimizer is not None:
         scaler.scale, scaler.clean = meta["loss_scale"], meta["clean_steps"]
+        scaler.stuck = meta.get("stuck_steps", 0)  # fp16 overflows in a row at the minimum scale (older: none saved)
     return meta["iteration"], same_layout
 
 

@@ -98,6 +98,11 @@ def test_fp16_stuck_at_the_minimum_scale_stops(corpus, cache, tmp_path, capsys):
                       str(2.0**38), "--loss-scale-window", "2", "--save-interval", "1", iters=8), capsys)
     assert line.startswith("train.py: error: iteration 4: fp16: 2 steps in a row overflowed at --min-loss-scale="), line
     assert not (run / "latest_checkpointed_iteration.txt").exists() or check_stopped_before_saving(run, line)
+    stopped = tmp_path / "stopped"  # the count of stuck steps survives a resume: the same iteration stops
+    fp16 = ["--fp16", "--initial-loss-scale", str(2.0**40), "--min-loss-scale", str(2.0**38), "--loss-scale-window", "2"]
+    train.main(tiny(corpus, cache, stopped, *fp16, "--exit-interval", "3", iters=8))
+    assert fails(tiny(corpus, cache, stopped, *fp16, "--load", str(stopped), iters=8), capsys).startswith(
+        "train.py: error: iteration 4: fp16: 2 steps in a row overflowed"), "the stuck count was not restored"
 
 
 # ------------------------------------------------------------------------------------------ bad flags, one line

@@ -25,7 +25,9 @@ LAYOUTS = {  # name -> the Grid's degrees and switches
     "tp2": dict(tp=2),
     "tp2_sp": dict(tp=2, sp=True),
     "pp2": dict(pp=2),
-    "dp2_distopt": dict(dp=2, distopt=True),
+    "dp2": dict(dp=2),  # parallel.Optimizer: finalize_grads' one flat all-reduce
+    "dp2_ddp": dict(dp=2, ddp=True),  # parallel.DDP's bucketed all-reduce (overlapped with backward)
+    "dp2_distopt": dict(dp=2, ddp=True, distopt=True),
     "ep2_moe": dict(dp=2, ep=2, moe=True),
 }
 
@@ -37,7 +39,7 @@ def config(L, h, heads, s, V, E, k, sp=False, moe=False, **_):
                       sequence_parallel=sp, **moe_kw)
 
 
-def iteration_case(rank, n, shape, tp=1, pp=1, dp=1, ep=1, sp=False, distopt=False, moe=False, extra=False):
+def iteration_case(rank, n, shape, tp=1, pp=1, dp=1, ep=1, sp=False, ddp=False, distopt=False, moe=False, extra=False):
     """One training iteration, as train.py runs it, inside count_collectives(); returns this rank's log."""
     grid = P.Grid(tp=tp, pp=pp, dp=dp, ep=ep)
     c = config(**shape, sp=sp, moe=moe)
@@ -45,7 +47,7 @@ def iteration_case(rank, n, shape, tp=1, pp=1, dp=1, ep=1, sp=False, distopt=Fal
     make = lambda pre, post, offset, nl: gpt.Model(c, grid, pre_process=pre, post_process=post, layer_offset=offset,
                                                    num_layers=nl)
     chunks = P.build_chunks(make, L, grid)
-    opt = P.DistributedOptimizer(P.DDP(chunks, grid, distributed_optimizer=True)) if distopt else P.Optimizer(chunks, grid)
+    opt = P.DistributedOptimizer(P.DDP(chunks, grid, distributed_optimizer=distopt)) if ddp else P.Optimizer(chunks, grid)
     batch = make_batch(V, b * M * dp, s)
     micro = batch.chunk(dp)[grid.dp.rank].split(b)
 
@@ -129,6 +131,10 @@ def expected(shape: dict, name: str) -> dict:
         add("all_reduce", "pp", 1, 1)  # train.py's logged loss: the last stage holds it
     if dp > 1:
         add("all_reduce", "dp", 1, 1)  # train.py's logged loss: each DP rank holds its part of the global mean
+    if name == "dp2":  # plain DP (finalize_grads): every gradient element summed in one flat all-reduce
+        add("all_reduce", "dp_cp", 1, params)
+    if name == "dp2_ddp":  # DDP: the same sum, of one bucket padded to a multiple of dp (the norm needs nothing more)
+        add("all_reduce", "dp_cp", 1, -(-params // dp) * dp)
     if lay.get("distopt"):  # ZeRO stage 1 (Rajbhandari et al. 2020): reduce-scatter the grads, all-gather the params
         padded = -(-params // dp) * dp  # one bucket (4M-element buckets), padded to a multiple of dp
         add("reduce_scatter", "dp_cp", 1, padded)

@@ -29,6 +29,7 @@ LAYOUTS = {  # name -> the Grid's degrees and switches
     "dp2_ddp": dict(dp=2, ddp=True),  # parallel.DDP's bucketed all-reduce (overlapped with backward)
     "dp2_distopt": dict(dp=2, ddp=True, distopt=True),
     "ep2_moe": dict(dp=2, ep=2, moe=True),
+    "tp2_pp2_sp": dict(tp=2, pp=2, sp=True),  # the formulas composed: TP inside each stage, SP shards sent over PP
 }
 
 
@@ -86,70 +87,74 @@ def measure(pool, name, shape=SHAPE, **kw) -> dict:
 
 def expected(shape: dict, name: str) -> dict:
     """{(kind, group): (calls, bytes)} summed over ranks, from the formulas. e = 8 bytes (float64); T = s·b tokens of
-    a micro-batch; A = s·b·h, one micro-batch's activations; M micro-batches; L layers."""
+    a micro-batch; A = s·b·h, one micro-batch's activations; M micro-batches; L layers, L/pp on each stage."""
     L, h, s, b, M, V, E, k = (shape[x] for x in "L h s b M V E k".split())
     lay, e = LAYOUTS[name], 8
-    tp, pp, dp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1)
-    T, A = s * b, s * b * h
+    tp, pp, dp, sp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1), lay.get("sp", False)
+    W, stage = tp * pp * dp, tp * dp  # ranks in the world, in one pipeline stage
+    T, A, Ls = s * b, s * b * h, L // pp
     out = Counter()
 
-    def add(kind, group, calls, elems, size=e):  # `calls` collectives of `elems` elements each, on every member
-        n = {"tp": tp, "pp": pp, "dp": dp, "dp_cp": dp, "mp": tp * pp, "ep": lay.get("ep", 1), "embedding": 2}[group]
-        c, nb = out.get((kind, group), (0, 0))
-        out[kind, group] = (c + calls * n, nb + calls * n * elems * size)
+    def add(kind, group, ranks, calls, elems, size=e):  # on each of `ranks` ranks, `calls` collectives of `elems`
+        if ranks * calls:
+            c, nb = out.get((kind, group), (0, 0))
+            out[kind, group] = (c + ranks * calls, nb + ranks * calls * elems * size)
 
     # the GPT's parameters (Narayanan et al. 2021 §5.1: 12·L·h² + 13·L·h + (V + s)·h, + 2h for the final norm):
     #   layer = LN 2h + QKV 3h² + 3h + proj h² + h + LN 2h + fc1 4h² + 4h + fc2 4h² + h; output layer tied (no weight)
     params = V * h + s * h + L * (12 * h * h + 13 * h) + 2 * h
     if tp > 1:  # Shoeybi et al. 2019 §3 (per layer: g after attention and MLP forward, f before them in backward)
-        ce = 3 * M  # vocab-parallel cross-entropy, per micro-batch: max, target logit, sum-exp, T elements each
-        add("all_reduce", "tp", ce, T)
-        add("all_reduce", "tp", M, A)  # the vocab-parallel embedding's g (forward; its backward is the identity)
-        if not lay.get("sp"):
-            add("all_reduce", "tp", 2 * L * M, A)  # forward g: attention out (linear_proj), MLP out (linear_fc2)
-            add("all_reduce", "tp", 2 * L * M, A)  # backward f: before linear_qkv and linear_fc1
-            add("all_reduce", "tp", M, A)  # backward f before the output layer (logits = h -> V/tp)
+        add("all_reduce", "tp", stage, 3 * M, T)  # last stage: vocab-parallel cross-entropy's max, target logit, sum-exp
+        add("all_reduce", "tp", stage, M, A)  # first stage: the vocab-parallel embedding's g (backward: identity)
+        if not sp:
+            add("all_reduce", "tp", W, 2 * Ls * M, A)  # forward g: attention out (linear_proj), MLP out (linear_fc2)
+            add("all_reduce", "tp", W, 2 * Ls * M, A)  # backward f: before linear_qkv and linear_fc1
+            add("all_reduce", "tp", stage, M, A)  # last stage: backward f before the output layer (h -> V/tp)
         else:  # Korthikanti et al. 2022 §4.2.2: f -> all-gather (g), g -> reduce-scatter (ḡ), conjugate in backward
-            add("all_gather", "tp", 2 * L * M, A)  # forward g: the sequence gathered before linear_qkv and linear_fc1
-            add("reduce_scatter", "tp", 2 * L * M, A)  # forward ḡ: after linear_proj and linear_fc2
-            add("reduce_scatter", "tp", 2 * L * M, A)  # backward of g
-            add("all_gather", "tp", 2 * L * M, A)  # backward of ḡ
-            add("all_gather", "tp", M, A)  # the output layer's g (forward) ...
-            add("reduce_scatter", "tp", M, A)  # ... and its backward
-            add("all_gather", "tp", M, A)  # backward of the embedding's scatter to the sequence shards (learned
-            # position embeddings are added to the whole sequence, so the embedding all-reduces then splits, as Megatron
-            # does unless reduce_scatter_embeddings, which needs no position/tokentype embeddings)
+            add("all_gather", "tp", W, 2 * Ls * M, A)  # forward g: the sequence gathered before linear_qkv, linear_fc1
+            add("reduce_scatter", "tp", W, 2 * Ls * M, A)  # forward ḡ: after linear_proj and linear_fc2
+            add("reduce_scatter", "tp", W, 2 * Ls * M, A)  # backward of g
+            add("all_gather", "tp", W, 2 * Ls * M, A)  # backward of ḡ
+            add("all_gather", "tp", stage, M, A)  # last stage: the output layer's g (forward) ...
+            add("reduce_scatter", "tp", stage, M, A)  # ... and its backward
+            add("all_gather", "tp", stage, M, A)  # first stage: backward of the embedding's scatter to the sequence
+            # shards (learned position embeddings are added to the whole sequence, so the embedding all-reduces then
+            # splits, as Megatron does unless reduce_scatter_embeddings, which needs no position/tokentype embeddings)
             # SP norm grads (finalize_model_grads): LN weight + bias x 2 per layer, the row-parallel biases of
-            # linear_proj and linear_fc2, and the final LN; summed over TP in one flat all-reduce after the step's backward
-            add("all_reduce", "tp", 1, L * (4 * h + 2 * h) + 2 * h)
-        add("all_reduce", "mp", 1, 2)  # grad norm: [dense, expert] sums of squares over the model replica (TP x PP)
+            # linear_proj and linear_fc2, the last stage's final LN; summed over TP in one flat all-reduce per step
+            add("all_reduce", "tp", W - stage, 1, Ls * 6 * h)
+            add("all_reduce", "tp", stage, 1, Ls * 6 * h + 2 * h)
+    if tp * pp > 1:
+        add("all_reduce", "mp", W, 1, 2)  # grad norm: [dense, expert] sums of squares over the model replica (TP x PP)
     if pp > 1:  # Narayanan et al. 2021: one activation each way per stage boundary and micro-batch
-        add("send", "pp", M, A)  # stage 0 sends the forward activation, stage 1 the gradient back
-        add("recv", "pp", M, A)
-        add("all_reduce", "embedding", 1, V * h)  # tied word embedding: first + last stage's grads summed
-        add("all_reduce", "mp", 1, 2)  # grad norm over the model replica (TP x PP)
-        add("all_reduce", "pp", 1, 1)  # train.py's logged loss: the last stage holds it
+        msg = A // tp if sp else A  # under SP a stage sends its s/tp sequence shard
+        for kind in ("send", "recv"):
+            add(kind, "pp", W - stage, M, msg)  # every stage but the last sends activations forward (its next receives)
+            add(kind, "pp", W - stage, M, msg)  # every stage but the first sends the gradients back
+        add("all_reduce", "embedding", 2 * stage, 1, V // tp * h)  # tied word embedding: first + last stage's grads
+        add("all_reduce", "pp", W, 1, 1)  # train.py's logged loss: the last stage holds it
     if dp > 1:
-        add("all_reduce", "dp", 1, 1)  # train.py's logged loss: each DP rank holds its part of the global mean
+        add("all_reduce", "dp", W, 1, 1)  # train.py's logged loss: each DP rank holds its part of the global mean
+        assert tp * pp == 1, "the DP formulas below count the parameters of a whole model (tp = pp = 1)"
     if name == "dp2":  # plain DP (finalize_grads): every gradient element summed in one flat all-reduce
-        add("all_reduce", "dp_cp", 1, params)
+        add("all_reduce", "dp_cp", W, 1, params)
     if name == "dp2_ddp":  # DDP: the same sum, of one bucket padded to a multiple of dp (the norm needs nothing more)
-        add("all_reduce", "dp_cp", 1, -(-params // dp) * dp)
+        add("all_reduce", "dp_cp", W, 1, -(-params // dp) * dp)
     if lay.get("distopt"):  # ZeRO stage 1 (Rajbhandari et al. 2020): reduce-scatter the grads, all-gather the params
         padded = -(-params // dp) * dp  # one bucket (4M-element buckets), padded to a multiple of dp
-        add("reduce_scatter", "dp_cp", 1, padded)
-        add("all_gather", "dp_cp", 1, padded)
-        add("all_reduce", "dp_cp", 1, 2)  # grad norm: each DP rank holds a slice of the grads
+        add("reduce_scatter", "dp_cp", W, 1, padded)
+        add("all_gather", "dp_cp", W, 1, padded)
+        add("all_reduce", "dp_cp", W, 1, 2)  # grad norm: each DP rank holds a slice of the grads
     if lay.get("moe"):  # every layer MoE, E experts, top-k, dropless; the alltoall dispatcher over ep = dp ranks
         # non-expert parameters: a layer is LN 2h + attention 4h² + 4h + LN 2h + router E·h + E (experts: no bias)
         dense = V * h + s * h + L * (2 * h + 4 * h * h + 4 * h + 2 * h + E * h + E) + 2 * h
-        add("all_reduce", "dp_cp", 1, dense)  # plain DP: every non-expert grad summed (experts: expert_dp = 1 rank)
-        add("all_to_all", "ep", L * M, E, size=8)  # token counts per (rank, expert): int64 [ep, E/ep]
+        add("all_reduce", "dp_cp", W, 1, dense)  # plain DP: every non-expert grad summed (experts: expert_dp = 1 rank)
+        add("all_to_all", "ep", W, L * M, E)  # token counts per (rank, expert): int64 [ep, E/ep]
         # tokens: x out and the expert outputs back in forward, both again in backward; over all ranks each moves
-        # every routed (token, expert) pair of every rank once: dp·T·k rows of h (the add() below counts per rank)
-        add("all_to_all", "ep", 4 * L * M, T * k * h)
-        add("all_reduce", "dp", 1, L * E, size=4)  # train.py's tokens-per-expert log (float32 [L, E])
-        add("all_reduce", "ep", 1, 1)  # grad norm: the expert part, over the EP ranks that hold different experts
+        # every routed (token, expert) pair of every rank once: W·T·k rows of h (written as T·k rows per rank)
+        add("all_to_all", "ep", W, 4 * L * M, T * k * h)
+        add("all_reduce", "dp", W, 1, L * E, size=4)  # train.py's tokens-per-expert log (float32 [L, E])
+        add("all_reduce", "ep", W, 1, 1)  # grad norm: the expert part, over the EP ranks that hold different experts
     return dict(out)
 
 

@@ -195,3 +195,28 @@ def test_off_by_default():
         P._log("all_reduce", P.Group([0], 0, name="tp"), torch.zeros(3, dtype=torch.float64))
     assert P.COMM_LOG is None and log == [("all_reduce", "tp", 24)]
 
+
+
+COLLECTIVE = re.compile(r"\b(dist\.(all_reduce|all_gather|all_to_all_single|isend|irecv|send|recv|broadcast|reduce_scatter"
+                        r"\w*)|all_gather_single|reduce_scatter_single)\(")
+
+
+def unlogged_collectives(source: str) -> list[tuple[int, str]]:
+    """(line number, line) of each collective call with no `_log(` on it or the 5 lines above."""
+    lines = source.splitlines()
+    return [(i + 1, line.strip()) for i, line in enumerate(lines) if COLLECTIVE.search(line)
+            and not any("_log(" in x for x in lines[max(0, i - 5):i + 1])]
+
+
+def test_every_collective_of_sections_1_to_10_is_logged():
+    """The audit sees only what calls _log: a collective added without it would escape the exact comparison above.
+    Section 11 (FP8: the amax all-reduce of _reduce_max) is not in the audited layouts and may go unlogged."""
+    source = open(P.__file__).read()
+    fp8 = source[:source.index("\n# 11. FP8")].count("\n") + 1
+    assert [(n, line) for n, line in unlogged_collectives(source) if n < fp8] == []
+
+
+def test_an_unlogged_collective_is_found():
+    src = "def f(x, g):\n    _log('all_reduce', g, x)\n    dist.all_reduce(x, group=g.pg)\n\n\n\n\n\n" \
+          "def h(x, g):\n    dist.all_to_all_single(x, x, group=g.pg)\n"
+    assert unlogged_collectives(src) == [(10, "dist.all_to_all_single(x, x, group=g.pg)")]

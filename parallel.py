@@ -68,8 +68,8 @@ class Group:
     size 1 means "no communication": every collective below returns its input untouched.
     """
 
-    def __init__(self, ranks: list[int], me: int, pg=None):
-        self.ranks, self.size, self.rank, self.pg = ranks, len(ranks), ranks.index(me), pg
+    def __init__(self, ranks: list[int], me: int, pg=None, name: str = ""):
+        self.ranks, self.size, self.rank, self.pg, self.name = ranks, len(ranks), ranks.index(me), pg, name
 
     def __repr__(self):
         return f"Group(ranks={self.ranks}, rank={self.rank})"
@@ -141,7 +141,7 @@ class Grid:
                 row = [int(r) for r in row]
                 pg = _group(row)
                 if me in row:
-                    mine[name] = Group(row, me, pg)
+                    mine[name] = Group(row, me, pg, name)
         self.tp, self.cp, self.dp, self.dp_cp = mine["tp"], mine["cp"], mine["dp"], mine["dp_cp"]
         self.pp, self.mp, self.ep, self.expert_dp = mine["pp"], mine["mp"], mine["ep"], mine["expert_dp"]
         self.embedding = mine.get("embedding")  # middle pipeline stages hold no embedding
@@ -170,11 +170,38 @@ def tp_of(grid: Grid | None) -> Group | None:
 #       reduce_scatter_to_sp     reduce-scatter dim 0       all-gather dim 0    ḡ (g-bar, Korthikanti): replaces g
 #  Megatron's names: copy_to_tensor_model_parallel_region, reduce_from_..., scatter_to_..., gather_from_...,
 #  scatter_to_sequence_parallel_region, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_...
+#
+#  The communication audit: every collective of this file calls `_log(kind, group, tensor)` right before it runs.
+#  Off (COMM_LOG None, the default) that is one `if`; inside `with count_collectives() as log:` each call appends
+#  (kind, group name, bytes) to `log`. bytes = numel·element size of the FULL tensor the collective works on:
+#  all_reduce: the tensor; all_gather: the gathered output; reduce_scatter: the input; all_to_all, send, recv:
+#  what this rank sends or receives. So an all-reduce of N bytes and its SP split (reduce-scatter + all-gather)
+#  log N each. tests/test_comm_audit.py holds one iteration's log against the analytic volumes (DESIGN.md §4).
 # ============================================================================================================
+COMM_LOG: list | None = None
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Log this process's collectives as (kind, group name, bytes) while inside the block; yields the list."""
+    global COMM_LOG
+    prev, COMM_LOG = COMM_LOG, []
+    try:
+        yield COMM_LOG
+    finally:
+        COMM_LOG = prev
+
+
+def _log(kind: str, g: Group, t: torch.Tensor, times: int = 1):
+    if COMM_LOG is not None:
+        COMM_LOG.append((kind, g.name, times * t.numel() * t.element_size()))
+
+
 def _all_reduce(x, g: Group | None):
     if g is None or g.size == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)  # never reduce a caller's tensor (e.g. a grad) in place
+    _log("all_reduce", g, x)
     dist.all_reduce(x, group=g.pg)
     return x
 
@@ -192,6 +219,7 @@ def _gather(x, g: Group | None, dim: int):
         return x
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+    _log("all_gather", g, out)
     all_gather_single(out, x, group=g.pg)
     return out.movedim(0, dim)
 
@@ -202,6 +230,7 @@ def _reduce_scatter(x, g: Group | None):  # along dim 0
     if x.shape[0] % g.size:
         raise ValueError(f"cannot reduce-scatter dim 0 of size {x.shape[0]} over {g.size} ranks")
     out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
+    _log("reduce_scatter", g, x)
     reduce_scatter_single(out, x.contiguous(), group=g.pg)
     return out
 
@@ -477,6 +506,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vp = logits.shape[-1]
         zmax = logits.max(dim=-1).values
         if g is not None:
+            _log("all_reduce", g, zmax)
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=g.pg)  # 1: global max for stability
         z = logits - zmax.unsqueeze(-1)
         local = target - r * vp
@@ -630,6 +660,7 @@ def gather_full(t: torch.Tensor, p: nn.Parameter, grid: Grid | None) -> torch.Te
     if tp is None or not getattr(p, "tensor_model_parallel", False):
         return t
     out = [torch.empty_like(t) for _ in range(tp.size)]
+    _log("all_gather", tp, t, times=tp.size)
     dist.all_gather(out, t.contiguous(), group=tp.pg)
     return unshard(out, p.partition_dim, p.partition_stride)
 
@@ -815,6 +846,7 @@ def run_schedule(actions, chunks: list[nn.Module], micro_batches, forward_step, 
             x = None
             if not model.pre_process:  # from (r−1, v), or from (pp−1, v−1) when the ring wraps round
                 x = torch.empty(shape, dtype=dtype)
+                _log("recv", grid.pp, x)
                 dist.irecv(x, ranks[(r - 1) % pp], group=grid.pp.pg, tag=tag(mb, v, False)).wait()
                 x.requires_grad_()
             model.input_tensor = x
@@ -825,6 +857,7 @@ def run_schedule(actions, chunks: list[nn.Module], micro_batches, forward_step, 
                 if tuple(out.shape) != tuple(shape):
                     raise ValueError(f"pipeline: stage {r} chunk {v} sends {tuple(out.shape)}, expected {tuple(shape)}")
                 dst_chunk = v if r < pp - 1 else v + 1
+                _log("send", grid.pp, out)
                 sends.append(dist.isend(out.detach().contiguous(), ranks[(r + 1) % pp], group=grid.pp.pg,
                                         tag=tag(mb, dst_chunk, False)))
             inputs[mb, v], outputs[mb, v] = x, out
@@ -836,10 +869,12 @@ def run_schedule(actions, chunks: list[nn.Module], micro_batches, forward_step, 
                 (out / num_tokens).backward()
             else:
                 dy = torch.empty(shape, dtype=dtype)
+                _log("recv", grid.pp, dy)
                 dist.irecv(dy, ranks[(r + 1) % pp], group=grid.pp.pg, tag=tag(mb, v, True)).wait()
                 torch.autograd.backward(out, dy)
             if x is not None:
                 src_chunk = v if r > 0 else v - 1
+                _log("send", grid.pp, x.grad)
                 sends.append(dist.isend(x.grad.contiguous(), ranks[(r - 1) % pp], group=grid.pp.pg,
                                         tag=tag(mb, src_chunk, True)))
             in_flight -= 1
@@ -1035,6 +1070,7 @@ class DDP:
         if self.dp.size == 1:
             return
         buf = self.grad_buffer[b.start:b.end]
+        _log("reduce_scatter" if self.distopt else "all_reduce", self.dp, buf)
         if self.distopt:
             b.shard = buf.new_empty(buf.numel() // self.dp.size)
             b.handle = reduce_scatter_single(b.shard, buf, group=self.dp.pg, async_op=True)
@@ -1114,6 +1150,7 @@ class DistributedOptimizer:
             m.addcdiv_(ea, denom, value=-lr / (1 - b1 ** t))
             if self.ddp.distopt and self.ddp.dp.size > 1:
                 self.ddp.param_buffer[s].copy_(m)
+                _log("all_gather", self.ddp.dp, self.ddp.param_buffer[b.start:b.end])
                 all_gather_single(self.ddp.param_buffer[b.start:b.end], self.ddp.param_buffer[s].clone(),
                                        group=self.ddp.dp.pg)
             elif m.data_ptr() != self.ddp.param_buffer[s].data_ptr():
@@ -1133,6 +1170,7 @@ class DistributedOptimizer:
             full = torch.zeros_like(self.ddp.grad_buffer)
             for s, m, b in zip(self.slices, moments, self.ddp.buckets):
                 if self.ddp.distopt and self.ddp.dp.size > 1:
+                    _log("all_gather", self.ddp.dp, full[b.start:b.end])
                     all_gather_single(full[b.start:b.end], m.clone(), group=self.ddp.dp.pg)
                 else:
                     full[s] = m
@@ -1321,6 +1359,7 @@ class GroupedMLP(nn.Module):
 
 def _a2a(x, g: Group, out_splits, in_splits):
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    _log("all_to_all", g, x)
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.pg)
     return out
 
@@ -1404,6 +1443,7 @@ class MoELayer(nn.Module):
         exp, tok = rmap.t().nonzero(as_tuple=True)  # permute: routed (expert, token) pairs sorted by expert
         send = rmap.sum(0).view(g.size, L)  # [ep, E/ep] rows for each rank's experts
         recv = torch.empty_like(send)  # [ep, E/ep] rows from each rank for my experts
+        _log("all_to_all", g, send)
         dist.all_to_all_single(recv, send.contiguous(), group=g.pg)
         s_splits, r_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         xs = _AllToAll.apply(x[tok], g, r_splits, s_splits)  # [rows, h] as (source rank, expert) blocks

@@ -1531,10 +1531,19 @@ def _reduce_max(t: torch.Tensor, groups: tuple) -> torch.Tensor:
 
 
 def _scaled_mm(a, b, sa, sb, out_dtype):  # a [M, k] row-major · b [k, n] column-major -> [M, n]
-    """torch._scaled_mm with the layouts it needs: a row-major, b column-major (also what cuBLASLt wants).
-    The products are accumulated in fp32 whatever the output dtype, so a float64 output (which cuBLASLt, and CPU
-    torch before 2.13, refuse) is the fp32 result cast up: the same numbers on every backend."""
-    if a.is_cuda and any(d % 16 for d in (*a.shape, b.shape[1])):
+    """The FP8 GEMM (1/sa · 1/sb) · (a @ b), products accumulated in fp32, cast to out_dtype (no bias: the caller
+    adds it). CUDA: torch._scaled_mm with the layouts it needs, a row-major and b column-major (also what cuBLASLt
+    wants). CPU: the fp32 GEMM of the FP8 values, then the scales. The product of two FP8 numbers is exact in
+    fp32 (at most 4 + 4 significant bits, exponents well inside fp32's range), so this is the FP8 GEMM itself;
+    the only difference from an FP8 tensor core (or from CPU torch._scaled_mm) is the order of the fp32 sums.
+    It is also what _scaled_mm computes: the fp32 accumulator times scale_a·scale_b, then the cast to out_dtype.
+    Why: CPU torch._scaled_mm (oneDNN on AMX machines; torch 2.13) ran 2,300-3,000x slower than the fp32 GEMM
+    (bench/bench_fp8.py measures the step time now). A float64 output (which cuBLASLt, and CPU torch before 2.13,
+    refuse) is the fp32 result cast up: the same numbers on every backend."""
+    if not a.is_cuda:
+        acc = a.float() @ b.float()  # [M, n] fp32: the exact FP8 x FP8 products, summed in fp32
+        return acc.mul_((1.0 / sa).float() * (1.0 / sb).float()).to(out_dtype)
+    if any(d % 16 for d in (*a.shape, b.shape[1])):
         raise ValueError(f"FP8 GEMM on CUDA needs every dimension a multiple of 16: got [{a.shape[0]}, "
                          f"{a.shape[1]}] x [{b.shape[0]}, {b.shape[1]}] (pad the batch x sequence or the hidden size)")
     dev, out = a.device, torch.float32 if out_dtype == torch.float64 else out_dtype

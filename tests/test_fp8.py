@@ -75,6 +75,37 @@ def test_fp8_gemm_within_format_bound_forward_and_backward(fmt):
         assert rel > 1e-3, f"{name}: relative error {rel:.1e} is too small to come from an FP8 cast"
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("da,db", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e4m3fn)])
+def test_cpu_gemm_equals_torch_scaled_mm(da, db, out_dtype):
+    """On CPU, _scaled_mm is the fp32 GEMM of the FP8 values times 1/sa·1/sb (CPU torch._scaled_mm runs thousands
+    of times slower). Reference: torch._scaled_mm itself, on tiny shapes; both layouts of each operand as the
+    backward passes them. The FP8×FP8 products are exact in fp32, so only the fp32 rounding of the sums (and of the
+    scale products) differs: element-wise within the summation bound 2·(k+2)·2^-24·(|a|·|b|)/(sa·sb) of the two
+    orders together, and in norm within 1e-6 of the output (measured ≤ 2e-7). bf16 (and float64) outputs are the
+    fp32 result cast, so they differ at most where the two fp32 results straddle a rounding boundary: by one bf16
+    ulp (2^-8 relative) and in ≤ 1 % of the elements (measured: 1 of 2048). CPU torch._scaled_mm multiplies the
+    operands by their scales before the GEMM (bit-equal to (a·1/sa)@(b·1/sb) here), cuBLASLt the accumulator."""
+    g = torch.Generator().manual_seed(1)
+    for M, k, n, transposed in [(32, 48, 16, False), (16, 64, 32, True)]:
+        a = (torch.randn(M, k, generator=g) * torch.logspace(-2, 2, k)).clamp(-440, 440).to(da)
+        b = (torch.randn(n, k, generator=g) * 30).clamp(-440, 440).to(db)
+        b = b.t() if not transposed else b.t().contiguous()  # column-major (forward, dX) or row-major (dW's xq)
+        sa, sb = torch.tensor(3.7e2), torch.tensor(0.021)  # quantization scales: dequantize by 1/sa, 1/sb
+        ref_dtype = torch.float32 if out_dtype == torch.float64 else out_dtype
+        ref = torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=1 / sa, scale_b=1 / sb,
+                               out_dtype=ref_dtype).double()
+        got = P._scaled_mm(a, b, sa, sb, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (M, n)
+        got, err = got.double(), (got.double() - ref).abs()
+        if out_dtype == torch.bfloat16:
+            assert (err <= 2.0**-8 * ref.abs()).all() and float((err > 0).double().mean()) <= 0.01
+        else:
+            bound = 2 * (k + 2) * 2.0**-24 * (a.double().abs() @ b.double().abs()) / float(sa * sb)
+            assert (err <= bound).all(), float((err - bound).max())
+            assert float(err.norm() / ref.norm()) < 1e-6
+
+
 def test_cast_is_not_float32_rounding():
     """The cast saturates at fp8_max and rounds to 3 (e4m3) / 2 (e5m2) mantissa bits."""
     t = torch.tensor([1.0 + 2**-4 + 2**-6, 1.0 + 2**-3 + 2**-5, 1000.0, -3e-3, 9e-4])

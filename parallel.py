@@ -1511,14 +1511,14 @@ class FP8TensorMeta:
         """t (any shape) -> (fp8 tensor, the float32 scale it was cast with)."""
         if self.scale.device != t.device:  # state lives where the tensors do (NCCL reduces CUDA tensors)
             self.amax_history, self.scale = self.amax_history.to(t.device), self.scale.to(t.device)
-        amax = t.detach().abs().max().float()
+        amax = torch.linalg.vector_norm(t.detach(), float("inf")).float()  # max |t| (nan, inf kept): one pass, no copy
         if self.recipe.recipe == "tensorwise":
             scale = self.scale = self.compute_scale(_reduce_max(amax, self.groups))  # kept: the last one used
         else:
             scale = self.scale
             if record:  # eval forwards (no grad) leave the history alone
                 self.amax_history[0] = torch.maximum(self.amax_history[0], amax)  # max over micro-batches
-        q = (t.float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.dtype)
+        q = (t.float() * scale).clamp_(-self.fp8_max, self.fp8_max).to(self.dtype)  # clamp_: on the product, in place
         return q, scale
 
 
@@ -1540,7 +1540,7 @@ def _scaled_mm(a, b, sa, sb, out_dtype):  # a [M, k] row-major · b [k, n] colum
     Why: CPU torch._scaled_mm (oneDNN on AMX machines; torch 2.13) ran 2,300-3,000x slower than the fp32 GEMM
     (bench/bench_fp8.py measures the step time now). A float64 output (which cuBLASLt, and CPU torch before 2.13,
     refuse) is the fp32 result cast up: the same numbers on every backend."""
-    if not a.is_cuda:
+    if not a.is_cuda:  # a, b: float8, or (backward's dY) its values already cast to fp32
         acc = a.float() @ b.float()  # [M, n] fp32: the exact FP8 x FP8 products, summed in fp32
         return acc.mul_((1.0 / sa).float() * (1.0 / sb).float()).to(out_dtype)
     if any(d % 16 for d in (*a.shape, b.shape[1])):
@@ -1564,6 +1564,7 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy):  # dy [M, n]
         xq, wq, sx, sw = ctx.saved_tensors
         gq, sg = ctx.meta.grad_output.quantize(dy)
+        gq = gq if gq.is_cuda else gq.float()  # CPU: the FP8 values as fp32 once, for both GEMMs (see _scaled_mm)
         dx = _scaled_mm(gq, wq, sg, sw, ctx.x_dtype) if ctx.needs_input_grad[0] else None  # [M, k]
         dw = _scaled_mm(gq.t(), xq, sg, sx, ctx.w_dtype) if ctx.needs_input_grad[1] else None  # [n, k]
         return dx, dw, None, None

@@ -62,6 +62,7 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()[0]
     torch.manual_seed(0)
     batch = torch.randint(0, VOCAB, (MBS, SEQ + 1))
     rows = []
@@ -80,7 +81,7 @@ def main():
                      losses["fp32"][-1], losses["fp8"][-1]))
     cmd = "python bench/bench_fp8.py " + " ".join(sys.argv[1:])
     print(f"command: {cmd.strip()}   (torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"load average {os.getloadavg()[0]:.2f} at the end)")
+          f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)")
     print("| model | fp32 s/step | fp8 s/step | fp8 / fp32 (medians) | fp8 / fp32 (minima) | last loss fp32 | "
           "last loss fp8 |\n|---|---|---|---|---|---|---|")
     for size, t32, t8, r, rmin, l32, l8 in rows:

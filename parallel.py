@@ -1536,10 +1536,12 @@ def _scaled_mm(a, b, sa, sb, out_dtype):  # a [M, k] row-major · b [k, n] colum
     wants). CPU: the fp32 GEMM of the FP8 values, then the scales. The product of two FP8 numbers is exact in
     fp32 (at most 4 + 4 significant bits, exponents well inside fp32's range), so this is the FP8 GEMM itself;
     the only difference from an FP8 tensor core (or from CPU torch._scaled_mm) is the order of the fp32 sums.
-    It is also what _scaled_mm computes: the fp32 accumulator times scale_a·scale_b, then the cast to out_dtype.
-    Why: CPU torch._scaled_mm (oneDNN on AMX machines; torch 2.13) ran 2,300-3,000x slower than the fp32 GEMM
-    (bench/bench_fp8.py measures the step time now). A float64 output (which cuBLASLt, and CPU torch before 2.13,
-    refuse) is the fp32 result cast up: the same numbers on every backend."""
+    It is also what cuBLASLt computes: the fp32 accumulator times scale_a·scale_b, then the cast to out_dtype.
+    Why not CPU torch._scaled_mm (torch 2.13): on a CPU with AMX it runs oneDNN's FP8 kernel, measured 2,300-3,000x
+    slower than the fp32 GEMM on a Xeon; without AMX it scales both operands in fp32 and calls matmul (fast, equal
+    to this up to fp32 rounding). This path is one and the same on every CPU (bench/bench_fp8.py: the step time).
+    A float64 output (which cuBLASLt, and CPU torch before 2.13, refuse) is the fp32 result cast up: the same
+    numbers on every backend."""
     if not a.is_cuda:  # a, b: float8, or (backward's dY) its values already cast to fp32
         acc = a.float() @ b.float()  # [M, n] fp32: the exact FP8 x FP8 products, summed in fp32
         return acc.mul_((1.0 / sa).float() * (1.0 / sb).float()).to(out_dtype)

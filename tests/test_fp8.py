@@ -86,8 +86,8 @@ def test_cpu_gemm_equals_torch_scaled_mm(da, db, out_dtype):
     scale products) differs: element-wise within the summation bound 2·(k+2)·2^-24·(|a|·|b|)/(sa·sb) of the two
     orders together, and in norm within 1e-6 of the output (measured ≤ 2e-7). bf16 (and float64) outputs are the
     fp32 result cast, so they differ at most where the two fp32 results straddle a rounding boundary: by one bf16
-    ulp (2^-8 relative) and in ≤ 1 % of the elements (measured: 1 of 2048). CPU torch._scaled_mm multiplies the
-    operands by their scales before the GEMM (bit-equal to (a·1/sa)@(b·1/sb) here), cuBLASLt the accumulator."""
+    ulp (2^-8 relative) and in ≤ 1 % of the elements (measured: 1 of 2048). The reference is oneDNN's FP8 kernel
+    on a CPU with AMX; without AMX torch scales the operands before an fp32 matmul (bit-equal to (a/sa)@(b/sb))."""
     g = torch.Generator().manual_seed(1)
     for M, k, n, transposed in [(32, 48, 16, False), (16, 64, 32, True)]:
         a = (torch.randn(M, k, generator=g) * torch.logspace(-2, 2, k)).clamp(-440, 440).to(da)

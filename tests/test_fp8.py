@@ -108,6 +108,21 @@ def test_cpu_gemm_equals_torch_scaled_mm(da, db, out_dtype):
             assert float(err.norm() / ref.norm()) < 1e-6
 
 
+def test_cpu_fp8_linear_does_not_call_torch_scaled_mm(monkeypatch):
+    """The CPU forward and backward go through the fp32 GEMM, never CPU torch._scaled_mm (oneDNN's FP8 kernel on
+    AMX CPUs: thousands of times slower); the result is the same as with it, to fp32 rounding."""
+    x, w = torch.randn(32, 16, requires_grad=True), torch.randn(24, 16, requires_grad=True)
+    meta = P.FP8LinearMeta(P.FP8Recipe("hybrid", "tensorwise"), ())
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(AssertionError("called")))
+    y = meta(x, w, None)
+    xq, wq, sx, sw = y.grad_fn.next_functions[0][0].saved_tensors  # _FP8Linear's (under the view)
+    y.backward(torch.ones_like(y))
+    assert x.grad is not None and w.grad is not None
+    ref = real(xq, wq.t(), scale_a=1 / sx, scale_b=1 / sw, out_dtype=torch.float32)
+    assert float((y.detach() - ref).norm() / ref.norm()) < 1e-6
+
+
 def test_cast_is_not_float32_rounding():
     """The cast saturates at fp8_max and rounds to 3 (e4m3) / 2 (e5m2) mantissa bits."""
     t = torch.tensor([1.0 + 2**-4 + 2**-6, 1.0 + 2**-3 + 2**-5, 1000.0, -3e-3, 9e-4])

@@ -1458,7 +1458,8 @@ def moe_metrics(model, load) -> dict:
 #     "e4m3"  : inputs, weights and output gradients all e4m3      "hybrid": e4m3 forward, e5m2 gradients
 #  A tensor t is sent to FP8 as  q = fp8(t · scale)  and the GEMM undoes the scales:  Y = (1/sx · 1/sw) · Xq·Wqᵀ.
 #  `torch._scaled_mm(a, b, scale_a, scale_b)` takes the DEQUANTIZATION scales (1/scale) and computes
-#  scale_a·scale_b·(a @ b) with the products accumulated in fp32 — the real FP8 GEMM on Hopper and on CPU.
+#  scale_a·scale_b·(a @ b) with the products accumulated in fp32 — the real FP8 GEMM on Hopper. On CPU the same
+#  product is the fp32 GEMM of the FP8 values (FP8 × FP8 products are exact in fp32), scaled after (_scaled_mm).
 #
 #     forward   Y  [M, n] = Xq [M, k] · Wqᵀ [k, n]       Xq, Wq e4m3
 #     backward  dX [M, k] = dYq [M, n] · Wq  [n, k]      dYq e4m3 or e5m2 (hybrid)

@@ -1498,7 +1498,8 @@ def moe_metrics(model, load) -> dict:
 #     "e4m3"  : inputs, weights and output gradients all e4m3      "hybrid": e4m3 forward, e5m2 gradients
 #  A tensor t is sent to FP8 as  q = fp8(t · scale)  and the GEMM undoes the scales:  Y = (1/sx · 1/sw) · Xq·Wqᵀ.
 #  `torch._scaled_mm(a, b, scale_a, scale_b)` takes the DEQUANTIZATION scales (1/scale) and computes
-#  scale_a·scale_b·(a @ b) with the products accumulated in fp32 — the real FP8 GEMM on Hopper and on CPU.
+#  scale_a·scale_b·(a @ b) with the products accumulated in fp32 — the real FP8 GEMM on Hopper. On CPU the same
+#  product is the fp32 GEMM of the FP8 values (FP8 × FP8 products are exact in fp32), scaled after (_scaled_mm).
 #
 #     forward   Y  [M, n] = Xq [M, k] · Wqᵀ [k, n]       Xq, Wq e4m3
 #     backward  dX [M, k] = dYq [M, n] · Wq  [n, k]      dYq e4m3 or e5m2 (hybrid)
@@ -1551,14 +1552,14 @@ class FP8TensorMeta:
         """t (any shape) -> (fp8 tensor, the float32 scale it was cast with)."""
         if self.scale.device != t.device:  # state lives where the tensors do (NCCL reduces CUDA tensors)
             self.amax_history, self.scale = self.amax_history.to(t.device), self.scale.to(t.device)
-        amax = t.detach().abs().max().float()
+        amax = torch.linalg.vector_norm(t.detach(), float("inf")).float()  # max |t| (nan, inf kept): one pass, no copy
         if self.recipe.recipe == "tensorwise":
             scale = self.scale = self.compute_scale(_reduce_max(amax, self.groups))  # kept: the last one used
         else:
             scale = self.scale
             if record:  # eval forwards (no grad) leave the history alone
                 self.amax_history[0] = torch.maximum(self.amax_history[0], amax)  # max over micro-batches
-        q = (t.float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.dtype)
+        q = (t.float() * scale).clamp_(-self.fp8_max, self.fp8_max).to(self.dtype)  # clamp_: on the product, in place
         return q, scale
 
 
@@ -1571,10 +1572,21 @@ def _reduce_max(t: torch.Tensor, groups: tuple) -> torch.Tensor:
 
 
 def _scaled_mm(a, b, sa, sb, out_dtype):  # a [M, k] row-major · b [k, n] column-major -> [M, n]
-    """torch._scaled_mm with the layouts it needs: a row-major, b column-major (also what cuBLASLt wants).
-    The products are accumulated in fp32 whatever the output dtype, so a float64 output (which cuBLASLt, and CPU
-    torch before 2.13, refuse) is the fp32 result cast up: the same numbers on every backend."""
-    if a.is_cuda and any(d % 16 for d in (*a.shape, b.shape[1])):
+    """The FP8 GEMM (1/sa · 1/sb) · (a @ b), products accumulated in fp32, cast to out_dtype (no bias: the caller
+    adds it). CUDA: torch._scaled_mm with the layouts it needs, a row-major and b column-major (also what cuBLASLt
+    wants). CPU: the fp32 GEMM of the FP8 values, then the scales. The product of two FP8 numbers is exact in
+    fp32 (at most 4 + 4 significant bits, exponents well inside fp32's range), so this is the FP8 GEMM itself;
+    the only difference from an FP8 tensor core (or from CPU torch._scaled_mm) is the order of the fp32 sums.
+    It is also what cuBLASLt computes: the fp32 accumulator times scale_a·scale_b, then the cast to out_dtype.
+    Why not CPU torch._scaled_mm (torch 2.13): on a CPU with AMX it runs oneDNN's FP8 kernel, measured 2,300-3,000x
+    slower than the fp32 GEMM on a Xeon; without AMX it scales both operands in fp32 and calls matmul (fast, equal
+    to this up to fp32 rounding). This path is one and the same on every CPU (bench/bench_fp8.py: the step time).
+    A float64 output (which cuBLASLt, and CPU torch before 2.13, refuse) is the fp32 result cast up: the same
+    numbers on every backend."""
+    if not a.is_cuda:  # a, b: float8, or (backward's dY) its values already cast to fp32
+        acc = a.float() @ b.float()  # [M, n] fp32: the exact FP8 x FP8 products, summed in fp32
+        return acc.mul_((1.0 / sa).float() * (1.0 / sb).float()).to(out_dtype)
+    if any(d % 16 for d in (*a.shape, b.shape[1])):
         raise ValueError(f"FP8 GEMM on CUDA needs every dimension a multiple of 16: got [{a.shape[0]}, "
                          f"{a.shape[1]}] x [{b.shape[0]}, {b.shape[1]}] (pad the batch x sequence or the hidden size)")
     dev, out = a.device, torch.float32 if out_dtype == torch.float64 else out_dtype
@@ -1595,6 +1607,7 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy):  # dy [M, n]
         xq, wq, sx, sw = ctx.saved_tensors
         gq, sg = ctx.meta.grad_output.quantize(dy)
+        gq = gq if gq.is_cuda else gq.float()  # CPU: the FP8 values as fp32 once, for both GEMMs (see _scaled_mm)
         dx = _scaled_mm(gq, wq, sg, sw, ctx.x_dtype) if ctx.needs_input_grad[0] else None  # [M, k]
         dw = _scaled_mm(gq.t(), xq, sg, sx, ctx.w_dtype) if ctx.needs_input_grad[1] else None  # [n, k]
         return dx, dw, None, None

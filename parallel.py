@@ -514,7 +514,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         idx = local.masked_fill(outside, 0).unsqueeze(-1)
         z_target = z.gather(-1, idx).squeeze(-1).masked_fill(outside, 0.0)
         sums = torch.stack([z_target, z.sum(-1)]) if eps > 0 else z_target.unsqueeze(0)
-        sum_exp = z.exp().sum(-1)
+        softmax = z.exp()  # normalized in place below, once the denominator is known (one exp, not two)
+        sum_exp = softmax.sum(-1)
         sums = _all_reduce(sums, g)  # 2: the target logit (owned by one rank) [and Σ z]
         sum_exp = _all_reduce(sum_exp, g)  # 3: the softmax denominator
         log_z = sum_exp.log()
@@ -522,7 +523,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if eps > 0:
             V = vp * n
             loss = (1 - eps) * loss + eps * (log_z - sums[1] / V)
-        softmax = z.exp() / sum_exp.unsqueeze(-1)
+        softmax.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, idx, outside)
         ctx.eps, ctx.V = eps, vp * n
         return loss
@@ -542,6 +543,10 @@ def vocab_parallel_cross_entropy(logits, target, grid_or_group=None, label_smoot
     g = tp_of(grid_or_group) if isinstance(grid_or_group, Grid) else grid_or_group
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    if g is None or g.size == 1:  # one vocabulary shard: the same function, computed by the fused log-softmax kernel
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none",
+                               label_smoothing=float(label_smoothing)).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, g, float(label_smoothing))
 
 

@@ -43,10 +43,12 @@ train: $(STAMP)
 sample: $(STAMP)
 	$(PY) train.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)
 
-# Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s.
+# Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs
+# Hugging Face transformers at the same shapes, one process, fp32 (bench/bench_hf.py, ~1 min; its table in README).
 bench: $(STAMP)
 	$(LAUNCH) train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --train-iters 30 --log-interval 10 \
 		--eval-iters 0 $(ARGS)
+	$(PY) bench/bench_hf.py
 
 # Checkpoint soak test (not in `make test`): a tiny run SIGKILLed and restarted at random moments (some during saves)
 # must end bit-identical to an uninterrupted one; ~10 minutes by default (ARGS="--minutes 3").

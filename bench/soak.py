@@ -13,6 +13,7 @@ Run:  .venv/bin/python bench/soak.py [--minutes 10] [--nproc 1]     (or: make so
 Bounded: every launch has a timeout, and every process it started is killed on exit. Not part of `make test`.
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -66,10 +67,8 @@ def launch(argv, nproc, log):
 
 
 def kill(p):
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the launch may have ended on its own
         os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     p.wait()
     if p in LIVE:
         LIVE.remove(p)

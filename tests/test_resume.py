@@ -10,22 +10,15 @@ The helpers are test_train.py's (imported, so the two files build their runs ali
 """
 from pathlib import Path
 
-import pytest
+import test_train
 import torch
-from test_train import SNIPPET, metrics, tiny, torchrun
+from test_train import metrics, tiny, torchrun
 
 import checkpoint
 
 ZERO1 = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
          "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    for i in range(40):
-        (d / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
-    return d
+corpus = test_train.corpus  # test_train's fixture: the synthetic corpus
 
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -28,15 +28,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SNIPPET = '''def add_{i}(a, b):
-    """Return a + b."""
-    return a + b * {i}
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # test_train imports the project modules
+from test_train import SNIPPET  # noqa: E402  the test suite's synthetic corpus, so the soak trains on the same files
 
-
-class Point{i}:
-    def __init__(self, x=0, y=0):
-        self.x, self.y = x, y
-'''
 LIVE = []  # process groups of running launches, killed on exit
 
 

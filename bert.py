@@ -29,6 +29,7 @@ import convert
 import data
 import gpt
 import parallel as P
+import transformer
 
 
 @dataclass
@@ -59,7 +60,7 @@ class BertLMHead(nn.Module):
     def __init__(self, c: Config):
         super().__init__()
         self.dense = _linear(c, c.hidden_size, c.hidden_size, sequence_parallel=c.sequence_parallel)
-        self.layer_norm = gpt.Norm(c)
+        self.layer_norm = transformer.Norm(c)
 
     def forward(self, x):
         return self.layer_norm(F.gelu(self.dense(x)))

@@ -34,6 +34,7 @@ from torch import nn
 import convert
 import gpt
 import parallel as P
+import transformer
 
 SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}  # and "|": a pipeline-stage boundary
 
@@ -286,8 +287,8 @@ def init_ssm_params(module: nn.Module, seed: int, grid, rename=lambda n: n):
 class Layer(nn.Module):
     """One pre-norm residual layer, x + dropout(f(norm(x))), named as Megatron's MambaStack names it:
         M  MambaLayer                          norm, mixer                       (ssm/mamba_layer.py)
-        *  TransformerLayer, attention only    input_layernorm, self_attention   (gpt.Attention)
-        -  MLPLayer, MLP only                  pre_mlp_layernorm, mlp            (ssm/mlp_layer.py, gpt.MLP)
+        *  TransformerLayer, attention only    input_layernorm, self_attention   (transformer.Attention)
+        -  MLPLayer, MLP only                  pre_mlp_layernorm, mlp            (ssm/mlp_layer.py, transformer.MLP)
         E  MoE layer, MoE only                 pre_mlp_layernorm, mlp            (parallel.MoELayer)"""
     NAMES = {"M": ("norm", "mixer"), "*": ("input_layernorm", "self_attention"), "-": ("pre_mlp_layernorm", "mlp"),
              "E": ("pre_mlp_layernorm", "mlp")}
@@ -296,12 +297,12 @@ class Layer(nn.Module):
         super().__init__()
         self.symbol, self.c, self.rng = symbol, c, rng
         norm, f = self.NAMES[symbol]
-        setattr(self, norm, gpt.Norm(c))
+        setattr(self, norm, transformer.Norm(c))
         shared = c.moe_shared_expert_intermediate_size
-        setattr(self, f, {"M": lambda: MambaMixer(c, grid), "*": lambda: gpt.Attention(c, grid, rng=rng),
-                          "-": lambda: gpt.MLP(c, grid),
-                          "E": lambda: P.MoELayer(c, grid, gpt.ACTIVATIONS[c.activation],
-                                                  gpt.MLP(c, grid, shared) if shared else None)}[symbol]())
+        setattr(self, f, {"M": lambda: MambaMixer(c, grid), "*": lambda: transformer.Attention(c, grid, rng=rng),
+                          "-": lambda: transformer.MLP(c, grid),
+                          "E": lambda: P.MoELayer(c, grid, transformer.ACTIVATIONS[c.activation],
+                                                  transformer.MLP(c, grid, shared) if shared else None)}[symbol]())
 
     def parts(self):
         return (getattr(self, n) for n in self.NAMES[self.symbol])
@@ -331,7 +332,7 @@ class Stack(nn.Module):
     def __init__(self, c: Config, grid, rng, symbols: str, post_process: bool):
         super().__init__()
         self.layers = nn.ModuleList([Layer(s, c, grid, rng) for s in symbols])
-        self.final_norm = gpt.Norm(c) if post_process else None
+        self.final_norm = transformer.Norm(c) if post_process else None
 
     def forward(self, x, rope=None, mask=None):
         for layer in self.layers:

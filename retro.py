@@ -40,6 +40,7 @@ import convert
 import gpt
 import parallel as P
 import retrieval
+import transformer
 
 
 @dataclass
@@ -86,7 +87,7 @@ class RetroEncoderCrossAttention(nn.Module):
     def __init__(self, c: Config, grid, rng):
         super().__init__()
         self.k = c.retro_num_neighbors
-        self.attn = gpt.Attention(c, grid, cross=True, rng=rng)
+        self.attn = transformer.Attention(c, grid, cross=True, rng=rng)
 
     def forward(self, x, chunks):  # x [r, (b l k), h] normed neighbours; chunks [m, (b l), h]
         kv = repeat(chunks, "m bl h -> m (bl k) h", k=self.k)  # the k neighbours of a chunk share its keys/values
@@ -96,18 +97,18 @@ class RetroEncoderCrossAttention(nn.Module):
 class RetroEncoderLayerNorm(nn.Module):  # Megatron norms each neighbour separately; per token, that is one norm
     def __init__(self, c: Config):
         super().__init__()
-        self.norm = gpt.Norm(c)
+        self.norm = transformer.Norm(c)
 
     def forward(self, x):
         return self.norm(x)
 
 
-class RetroEncoderLayer(gpt.TransformerLayer):
+class RetroEncoderLayer(transformer.TransformerLayer):
     """Layer 1 of the encoder: self-attention over each neighbour, cross-attention to its chunk, MLP."""
 
     def __init__(self, c: Config, grid, rng, layer_number: int):
         super().__init__(c, grid, rng, layer_number)
-        self.pre_cross_attn_layernorm = gpt.Norm(c)
+        self.pre_cross_attn_layernorm = transformer.Norm(c)
         self.cross_attention = RetroEncoderCrossAttention(c, grid, rng)
         self.pre_mlp_layernorm = RetroEncoderLayerNorm(c)
 
@@ -125,7 +126,7 @@ class RetroEncoder(nn.Module):  # Megatron's TransformerBlock(pre_process=True, 
         c = _no_sp(c, hidden_dropout=c.retro_encoder_hidden_dropout,
                    attention_dropout=c.retro_encoder_attention_dropout)
         self.layers = nn.ModuleList([RetroEncoderLayer(c, grid, rng, 0)] + [
-            gpt.TransformerLayer(c, grid, rng, i, moe=False) for i in range(1, c.retro_encoder_num_layers)])
+            transformer.TransformerLayer(c, grid, rng, i, moe=False) for i in range(1, c.retro_encoder_num_layers)])
 
     def forward(self, x, chunks, rope=None):  # x [r, (b l k), h] embedded neighbours; chunks [m, (b l), h]
         x = self.layers[0](x, chunks, rope)
@@ -143,7 +144,7 @@ class RetroDecoderCrossAttention(nn.Module):
     def __init__(self, c: Config, grid, rng, encoder: bool):
         super().__init__()
         self.m, self.k = c.retro_chunk_length, c.retro_num_neighbors
-        self.attn = gpt.Attention(_no_sp(c), grid, cross=True, rng=rng)
+        self.attn = transformer.Attention(_no_sp(c), grid, cross=True, rng=rng)
         self.encoder = RetroEncoder(c, grid, rng) if encoder else None
 
     def forward(self, x, context, rope=None):  # x [n, b, h] (normed, whole sequence); context: see below
@@ -159,13 +160,13 @@ class RetroDecoderCrossAttention(nn.Module):
         return self.attn(q, kv_input=context, causal=False), context, pad  # [m, (b l), h], [(k r), (b l), h]
 
 
-class RetroDecoderLayer(gpt.TransformerLayer):
+class RetroDecoderLayer(transformer.TransformerLayer):
     """GPT layer + (pre_cross_attn_layernorm, cross_attention, RetroDecoderBiasDropoutAdd) between attention and MLP."""
 
     def __init__(self, c: Config, grid, rng, layer_number: int, encoder: bool):
         super().__init__(c, grid, rng, layer_number)
         self.grid = grid
-        self.pre_cross_attn_layernorm = gpt.Norm(c)
+        self.pre_cross_attn_layernorm = transformer.Norm(c)
         self.cross_attention = RetroDecoderCrossAttention(c, grid, rng, encoder)
 
     def forward(self, x, context=None, rope=None, mask=None, context_rope=None):  # x [n(/tp), b, h]

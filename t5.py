@@ -36,6 +36,7 @@ import convert
 import data
 import gpt
 import parallel as P
+import transformer
 
 
 @dataclass
@@ -117,7 +118,7 @@ class RelativePositionEmbedding(nn.Module):
 
 
 def attention_mask(keys, sq: int, causal: bool, bias=None):
-    """What gpt.Attention takes. keys: [b, sk] with 1 = a token, 0 = padding (or None = no padding).
+    """What transformer.Attention takes. keys: [b, sk] with 1 = a token, 0 = padding (or None = no padding).
     Without a bias: None or bool [b|1, 1, sq, sk] (True = attend); with a bias [1, n/tp, sq, sk]: the bias with the
     masked entries at the dtype's minimum (not −inf, so a fully masked row cannot make NaNs)."""
     keep = None if keys is None else keys.bool()[:, None, None, :]  # [b, 1, 1, sk]
@@ -132,7 +133,7 @@ def attention_mask(keys, sq: int, causal: bool, bias=None):
 
 
 # ---------------------------------------------------------------------------------------------- the two stacks
-class Layer(gpt.TransformerLayer):
+class Layer(transformer.TransformerLayer):
     """gpt.py's pre-norm layer; a decoder layer adds x + dropout(cross_attn(norm(x), encoder output)) between its
     self-attention and its MLP (Megatron's pre_cross_attn_layernorm / cross_attention). layer_number: 0-based
     within its stack (an MoE layer where moe_layer_freq says)."""
@@ -140,8 +141,8 @@ class Layer(gpt.TransformerLayer):
     def __init__(self, c: Config, grid, rng, layer_number: int, cross: bool):
         super().__init__(c, grid, rng, layer_number)
         if cross:
-            self.pre_cross_attn_layernorm = gpt.Norm(c)
-            self.cross_attention = gpt.Attention(c, grid, cross=True, rng=rng)
+            self.pre_cross_attn_layernorm = transformer.Norm(c)
+            self.cross_attention = transformer.Attention(c, grid, cross=True, rng=rng)
 
     def forward(self, x, mask=None, rope=None, context=None, context_mask=None):  # x [s(/tp), b, h]
         x = x + self.drop(self.self_attention(self.input_layernorm(x), rope=rope, mask=mask, causal=False))
@@ -155,7 +156,7 @@ class Stack(nn.Module):  # Megatron's TransformerBlock
     def __init__(self, c: Config, grid, rng, num_layers: int, cross: bool):
         super().__init__()
         self.layers = nn.ModuleList([Layer(c, grid, rng, i, cross) for i in range(num_layers)])
-        self.final_layernorm = gpt.Norm(c)
+        self.final_layernorm = transformer.Norm(c)
 
     def forward(self, x, mask=None, rope=None, context=None, context_mask=None):
         for layer in self.layers:  # the same relative bias (in `mask`) enters every layer, as in HF and Megatron

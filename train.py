@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import math
 import os
 import sys
@@ -34,6 +33,7 @@ import data
 import parallel as P
 from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args, print_args
 from checkpoint import ARCH_FLAGS, check_run_dirs, load_checkpoint, load_model, save_checkpoint
+from metrics import Logger
 
 
 # ============================================================================================================
@@ -144,60 +144,7 @@ class LossScaler:
 
 
 # ============================================================================================================
-# 3. Logging: progress bar (rank 0), metrics.jsonl, TensorBoard, loss.png
-# ============================================================================================================
-class Logger:
-    def __init__(self, run_dir, rank, start, total, resume):
-        self.on = rank == 0
-        if not self.on:
-            return
-        from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
-        self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
-        old = self.path.read_text().splitlines() if resume and self.path.exists() else []
-        keep = [line for line in old if json.loads(line)["iteration"] <= start]  # drop lines past the checkpoint
-        self.path.write_text("".join(line + "\n" for line in keep))
-        self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start + 1)
-        self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=1.0)
-
-    def log(self, rec):
-        if not self.on:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        for k, v in rec.items():
-            if k != "iteration" and isinstance(v, (int, float)):
-                self.tb.add_scalar(k, v, rec["iteration"])
-        if "val_loss" in rec:
-            self.bar.write(f"iteration {rec['iteration']}: validation loss {rec['val_loss']:.4f}")
-        else:
-            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
-                                 tok_s=f"{rec['tokens_per_s']:.0f}")
-
-    def close(self):
-        if not self.on:
-            return
-        self.bar.close()
-        self.tb.close()
-        recs = [json.loads(line) for line in self.path.read_text().splitlines()]
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        tr = [r for r in recs if "loss" in r]
-        va = [r for r in recs if "val_loss" in r]
-        ax.plot([r["iteration"] for r in tr], [r["loss"] for r in tr], label="train")
-        ax.plot([r["iteration"] for r in va], [r["val_loss"] for r in va], "o-", label="validation")
-        ax.set(xlabel="iteration", ylabel="loss (nats/token)", title=str(self.dir))
-        ax.legend()
-        fig.savefig(self.dir / "loss.png", dpi=100, bbox_inches="tight")
-        plt.close(fig)
-
-
-# ============================================================================================================
-# 4. Training
+# 3. Training
 # ============================================================================================================
 def setup(args):
     """Validate everything, then make the process group, the grid and the model. Returns a dict of the pieces."""
@@ -446,7 +393,7 @@ def train(args):
 
 
 # ============================================================================================================
-# 5. Sampling from a saved run (checkpoint.load_model reads it)
+# 4. Sampling from a saved run (checkpoint.load_model reads it)
 # ============================================================================================================
 def sample(argv):
     p = ArgumentParser(prog="train.py sample")

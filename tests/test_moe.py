@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import gpt
 import parallel as P
+import transformer
 from equivalence import assert_same, make_batch, named_full
 from harness import CaseFailed
 
@@ -31,7 +32,7 @@ MOE = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=
 # --------------------------------------------------------------------------------------- 1. dispatched == dense
 def layer_and_input(cfg, seed):
     c = gpt.Config(**cfg)
-    layer = P.MoELayer(c, None, gpt.ACTIVATIONS[c.activation])
+    layer = P.MoELayer(c, None, transformer.ACTIVATIONS[c.activation])
     P.init_params(layer, seed, None)
     with torch.no_grad():  # larger router weights: confident, varied routings
         layer.router.weight.mul_(20)

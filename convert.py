@@ -1,11 +1,12 @@
 """convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
 Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
 
-It imports no model file (only parallel.py), and returns plain data: a Hugging Face converter takes the HF model
-and the model file's Config class (for derived values such as padded_vocab_size and num_query_groups) and returns
-(Config, full state dict); `megatron_state` takes the state dict and our config. Each model file's `from_hf` /
-`from_megatron` builds its Model and hands it the full state dict with `load`. So the imports run one way,
-parallel <- convert <- gpt <- bert / t5 / retro / mamba, and every external layout sits here side by side.
+It imports no model file (only parallel.py, and rope.py for YaRN's mscale), and returns plain data: a Hugging Face
+converter takes the HF model and the model file's Config class (for derived values such as padded_vocab_size and
+num_query_groups) and returns (Config, full state dict); `megatron_state` takes the state dict and our config. Each
+model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with `load`. So the imports
+run one way, parallel, rope <- convert <- gpt <- bert / t5 / retro / mamba, and every external layout sits here side
+by side.
   Hugging Face   GPT-2 and Llama (gpt.py), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
                  tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import parallel as P
+from rope import yarn_mscale
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: GPT-2, Llama
@@ -64,7 +66,7 @@ def gpt_from_hf(hf, Config, dtype=None) -> tuple:
                        num_attention_heads=hc.num_attention_heads, num_query_groups=hc.num_key_value_heads,
                        kv_channels=getattr(hc, "head_dim", None),
                        ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
-                       position_embedding_type="rope", rotary_base=_rope_theta(hc), normalization="RMSNorm",
+                       normalization="RMSNorm", **_rope_fields(hc),
                        layernorm_epsilon=hc.rms_norm_eps, activation="silu", gated_linear_unit=True,
                        add_bias_linear=False, add_qkv_bias=bool(getattr(hc, "attention_bias", False)),
                        share_embeddings_and_output_weights=hc.tie_word_embeddings, **common)
@@ -95,6 +97,57 @@ def gpt_from_hf(hf, Config, dtype=None) -> tuple:
 def _rope_theta(hc) -> float:
     rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
     return float(rp.get("rope_theta", getattr(hc, "rope_theta", 10000.0)))
+
+
+_ROPE_KEYS = {"default": set(), "linear": {"factor"},
+              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+              "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "attention_factor", "truncate"}}
+
+
+def _rope_fields(hc) -> dict:
+    """HF Llama's rope_parameters (transformers 5; `rope_scaling` before) -> our Config's position fields (rope.py).
+    Maps "default", "linear" (-> seq_len_interpolation_factor), "llama3" (-> rope_scaling*) and "yarn" (-> yarn_*,
+    position_embedding_type "yarn"); refuses any other rope_type (dynamic, longrope, ...) and any key it does not
+    know, naming it: ignoring one would silently change the logits."""
+    rp = dict(getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {})
+    kind = rp.pop("rope_type", None) or rp.pop("type", None) or "default"
+    rp.pop("type", None)
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"gpt.from_hf: rope_type {kind!r} is not supported (default, linear, llama3, yarn are)")
+    rp.pop("rope_theta", None)
+    partial = rp.pop("partial_rotary_factor", None)
+    if partial not in (None, 1, 1.0):  # its default rope rotates every dim anyway, its scaled ropes fail on it
+        raise ValueError(f"gpt.from_hf: partial_rotary_factor={partial}: HF's Llama does not apply it, so no "
+                         "rotary_percent reproduces its logits")
+    unknown = sorted(set(rp) - _ROPE_KEYS[kind])
+    if unknown:
+        raise ValueError(f"gpt.from_hf: rope_type {kind!r} with unknown key(s) {unknown}")
+    out = dict(position_embedding_type="rope", rotary_base=_rope_theta(hc))
+    orig = rp.get("original_max_position_embeddings") or hc.max_position_embeddings
+    if kind == "linear":
+        out.update(seq_len_interpolation_factor=float(rp["factor"]))
+    elif kind == "llama3":
+        out.update(rope_scaling=True, rope_scaling_factor=float(rp["factor"]),
+                   rope_scaling_low_freq_factor=float(rp.get("low_freq_factor", 1.0)),
+                   rope_scaling_high_freq_factor=float(rp.get("high_freq_factor", 4.0)),
+                   rope_scaling_original_max_position_embeddings=int(orig))
+    elif kind == "yarn":  # HF's _compute_yarn_parameters, written as Megatron's yarn_* fields
+        factor = float(rp.get("factor") or hc.max_position_embeddings / orig)
+        mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+        if not (mscale and mscale_all_dim):  # HF then uses m(factor, 1) alone: Megatron's m(f, 1) / m(f, 0)
+            mscale, mscale_all_dim = 1.0, 0.0
+        out.update(position_embedding_type="yarn", yarn_rotary_scaling_factor=factor,
+                   yarn_original_max_position_embeddings=int(orig), yarn_beta_fast=float(rp.get("beta_fast") or 32),
+                   yarn_beta_slow=float(rp.get("beta_slow") or 1), yarn_mscale=float(mscale),
+                   yarn_mscale_all_dim=float(mscale_all_dim),
+                   yarn_correction_range_round_to_int=bool(rp.get("truncate", True)))
+        implied = yarn_mscale(factor, mscale, mscale_all_dim)
+        if rp.get("attention_factor") is not None and abs(rp["attention_factor"] - implied) > 1e-12:
+            raise ValueError(f"gpt.from_hf: yarn attention_factor={rp['attention_factor']} differs from the mscale "
+                             f"{implied} that factor/mscale/mscale_all_dim give (Megatron has no separate field)")
+    return out
+
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: BERT

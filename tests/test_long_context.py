@@ -22,10 +22,13 @@ import math
 import pytest
 import torch
 import transformers
+from test_pipeline import train_pipelined
 
 import gpt
+import parallel as P
 import rope
-from equivalence import make_batch
+import transformer
+from equivalence import make_batch, train_steps
 
 # --------------------------------------------------------------------------------------- 1. scalings vs HF
 ORIG = 32  # original_max_position_embeddings of the HF models; the tests run at 3·ORIG
@@ -131,3 +134,99 @@ def test_rotary_percent_rotates_only_the_first_dims():
     assert torch.equal(y[..., 8:], x[..., 8:]) and not torch.allclose(y[..., :8], x[..., :8])
     with pytest.raises(ValueError, match="rotary_percent=0.01"):
         gpt.Config(num_layers=1, hidden_size=64, num_attention_heads=2, rotary_percent=0.01)
+
+
+# --------------------------------------------------------------------------------------- 2. recomputation
+RC = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=101,
+          max_position_embeddings=16, position_embedding_type="rope", normalization="RMSNorm", activation="silu",
+          gated_linear_unit=True, add_bias_linear=False, hidden_dropout=0.3, attention_dropout=0.3,
+          params_dtype=torch.float32)
+FULL = dict(recompute_granularity="full")
+RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
+             "uniform-2": dict(FULL, recompute_method="uniform", recompute_num_layers=2),
+             "uniform-3": dict(FULL, recompute_method="uniform", recompute_num_layers=3),
+             "block-1": dict(FULL, recompute_method="block", recompute_num_layers=1)}
+
+
+def expected_calls(name, L):
+    """(layer forwards, attention-core calls) per training step of a stage of L layers: every layer runs once
+    forward; full recomputation runs its recomputed layers again in backward, selective only the attention core."""
+    again = {"none": 0, "selective": 0, "block-1": min(1, L)}.get(name, L)  # uniform: every layer, in chunks
+    return L + again, L + (L if name == "selective" else again)
+
+
+def recompute_case(rank, n, tp, pp, sp, names, no_replay=False, cfg=RC, steps=2):
+    """Train each recompute setting `steps` steps from the same start (dropout on), in a tp x pp layout; per setting
+    its record (losses, full gradients, parameters) and how often layers and attention cores ran."""
+    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp)) if n > 1 else None
+    calls = {"layer": 0, "core": 0}
+    real = (transformer.TransformerLayer.forward, transformer.Attention.core_attention, transformer.set_rng_state)
+
+    def layer(self, *a, **k):
+        calls["layer"] += 1
+        return real[0](self, *a, **k)
+
+    def core(self, *a, **k):
+        calls["core"] += 1
+        return real[1](self, *a, **k)
+
+    transformer.TransformerLayer.forward, transformer.Attention.core_attention = layer, core
+    if no_replay:  # negative control: the recompute draws from wherever the streams are at backward time
+        transformer.set_rng_state = lambda rng, device, state: None
+    out = {}
+    try:
+        for name in names:
+            calls.update(layer=0, core=0)
+            c = dict(cfg, **RECOMPUTE[name])
+            if pp == 1:
+                model = gpt.Model(gpt.Config(**c, sequence_parallel=sp), grid)
+                rec = train_steps(model, grid, make_batch(c["vocab_size"], 4, 8, seed=5), steps=steps)
+                L = len(model.decoder.layers)
+            else:
+                rec = train_pipelined(grid, c, sp, 1, M=2, b=4, s=8, steps=steps)
+                rec = {k: rec[k] for k in ("losses", "grads", "params")}
+                L = c["num_layers"] // pp
+            out[name] = dict(rec, calls=(calls["layer"], calls["core"]), L=L)
+    finally:
+        transformer.TransformerLayer.forward, transformer.Attention.core_attention, transformer.set_rng_state = real
+    return out
+
+
+def bit_identical(a, b) -> bool:
+    assert set(a["grads"]) == set(b["grads"]) and a["grads"], "records of different models"
+    return torch.equal(a["losses"], b["losses"]) and all(
+        torch.equal(a[k][name], b[k][name]) for k in ("grads", "params") for name in b[k])
+
+
+LAYOUTS = {"tp2-sp": dict(tp=2, pp=1, sp=True), "pp2": dict(tp=1, pp=2, sp=False)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_recompute_changes_no_number(pool, layout):
+    """float32, dropout 0.3 (hidden and attention): every setting's losses, gradients and parameters after 2 steps
+    are torch.equal to the run without recomputation, on every rank; and the recomputation did run (call counts)."""
+    names = [k for k in RECOMPUTE if not (layout == "pp2" and k == "uniform-3")]  # 3 > a stage's 2 layers
+    for r, res in enumerate(pool.run(recompute_case, 2, **LAYOUTS[layout], names=names)):
+        for name in names:
+            want = tuple(2 * x for x in expected_calls(name, res[name]["L"]))  # two steps
+            if layout == "pp2":  # two micro-batches a step
+                want = tuple(2 * x for x in want)
+            assert res[name]["calls"] == want, f"{layout} rank {r} {name}: (layer, core) calls {res[name]['calls']}"
+            assert bit_identical(res[name], res["none"]), f"{layout} rank {r}: {name} changed a number"
+
+
+def test_recompute_without_rng_replay_changes_numbers(pool):
+    """Negative control: the recompute without the saved RNG states draws other dropout masks, so the gradients
+    differ from the run without recomputation — the comparison above can fail."""
+    names = ["none", "selective", "uniform-2"]
+    for layout in LAYOUTS.values():
+        for r, res in enumerate(pool.run(recompute_case, 2, **layout, names=names, no_replay=True, steps=1)):
+            for name in names[1:]:
+                assert not bit_identical(res[name], res["none"]), f"{layout} rank {r}: {name} matched without replay"
+
+
+def test_recompute_moe_single_process():
+    """MoE layers (router, aux loss injected in backward) under full recomputation: bit-identical too."""
+    cfg = dict(RC, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, hidden_dropout=0.3)
+    res = recompute_case(0, 1, 1, 1, False, ["none", "uniform-2"], cfg=cfg)
+    assert bit_identical(res["uniform-2"], res["none"]), "MoE: full recomputation changed a number"

@@ -44,7 +44,7 @@ def parse_args(argv):
     a("--ffn-hidden-size", type=int, default=None, help="default 4h, or 8h/3 rounded up to 64 with --swiglu")
     a("--seq-length", type=int, default=128)
     a("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    a("--position-embedding-type", default="rope", choices=["learned_absolute", "rope", "none"])
+    a("--position-embedding-type", default="rope", choices=["learned_absolute", "rope", "yarn", "none"])
     a("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
     a("--swiglu", action=argparse.BooleanOptionalAction, default=True)
     a("--disable-bias-linear", action=argparse.BooleanOptionalAction, default=True)
@@ -136,6 +136,24 @@ def parse_args(argv):
     a("--retro-encoder-num-layers", type=int, default=None, help="Retro: neighbour encoder layers (default 2)")
     a("--retro-bert-load", default=None, help="Retro: embed chunks with this BERT run (train.py --model bert --save "
                                                "DIR; same tokenizer) instead of the deterministic bag of tokens")
+    # long context (rope.py, transformer.py): position scaling and activation recomputation. Defaults None = the
+    # Config's (as a run saved before these flags existed has them), so checkpoint.ARCH_FLAGS compares them as equal
+    a("--rotary-percent", type=float, default=None, help="rotate this fraction of each head's dims (default 1.0)")
+    a("--rotary-seq-len-interpolation-factor", dest="seq_len_interpolation_factor", type=float, default=None,
+      help="linear position interpolation: positions / factor")
+    a("--use-rope-scaling", dest="rope_scaling", action="store_true", default=None, help="Llama 3.x frequency scaling")
+    a("--rope-scaling-factor", type=float, default=None, help="Llama 3.x scaling factor (default 8)")
+    a("--yarn-rotary-scaling-factor", type=float, default=None, help="YaRN: context extension factor (default 1)")
+    a("--yarn-original-max-position-embeddings", type=int, default=None, help="YaRN: pre-training context (4096)")
+    a("--yarn-beta-fast", type=float, default=None, help="YaRN: ramp starts at dims turning this often (32)")
+    a("--yarn-beta-slow", type=float, default=None, help="YaRN: ramp ends at dims turning this often (1)")
+    a("--yarn-mscale", type=float, default=None, help="YaRN: attention concentration numerator (1)")
+    a("--yarn-mscale-all-dim", type=float, default=None, help="YaRN: attention concentration denominator (0)")
+    a("--recompute-granularity", default=None, choices=["full", "selective"],
+      help="full: whole layers; selective: the attention core softmax(QK^T)V")
+    a("--recompute-method", default=None, choices=["uniform", "block"],
+      help="full only: uniform = chunks of --recompute-num-layers layers; block = the first N layers of each stage")
+    a("--recompute-num-layers", type=int, default=None)
     # Mamba (mamba.py): the hybrid stack and the mixer's dimensions (Megatron's flag names)
     a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
     for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
@@ -169,6 +187,39 @@ RANGES = {
     **dict.fromkeys(["adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"], _FRACTION),
 }
 
+RANGES.update({  # long context
+    **dict.fromkeys(["recompute_num_layers", "yarn_original_max_position_embeddings"], _AT_LEAST_1),
+    **dict.fromkeys(["rotary_percent", "yarn_beta_fast", "yarn_beta_slow"], _POSITIVE),
+    **dict.fromkeys(["yarn_mscale", "yarn_mscale_all_dim"], _AT_LEAST_0),
+    **dict.fromkeys(["seq_len_interpolation_factor", "rope_scaling_factor", "yarn_rotary_scaling_factor"],
+                    (lambda v: v >= 1, ">= 1"))})
+
+
+def check_long_context_args(args):
+    """Position scaling and recomputation flags that only make sense together (Megatron's validate_args rules)."""
+    pos = args.position_embedding_type
+    yarn = [f"--{k.replace('_', '-')}" for k in vars(args) if k.startswith("yarn_") and getattr(args, k) is not None]
+    if yarn and pos != "yarn":
+        raise ConfigError(f"{', '.join(yarn)} need --position-embedding-type yarn (it is {pos})")
+    if (args.rope_scaling or args.rope_scaling_factor is not None) and pos != "rope":
+        raise ConfigError(f"--use-rope-scaling/--rope-scaling-factor need --position-embedding-type rope (it is {pos})")
+    if args.rope_scaling_factor is not None and not args.rope_scaling:
+        raise ConfigError(f"--rope-scaling-factor={args.rope_scaling_factor} acts only with --use-rope-scaling")
+    if (args.rotary_percent is not None or args.seq_len_interpolation_factor is not None) and pos not in ("rope",
+                                                                                                          "yarn"):
+        raise ConfigError(f"--rotary-percent/--rotary-seq-len-interpolation-factor need a rotary "
+                          f"--position-embedding-type (it is {pos})")
+    g, m, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if g != "full" and (m is not None or n is not None):
+        raise ConfigError(f"--recompute-method={m} / --recompute-num-layers={n} need --recompute-granularity full "
+                          f"(it is {g})")
+    if g == "full" and (m is None or n is None):
+        raise ConfigError(f"--recompute-granularity full needs --recompute-method (uniform|block) and "
+                          f"--recompute-num-layers (got {m}, {n})")
+    per_stage = args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_model_parallel_size)
+    if n is not None and n > per_stage:
+        raise ConfigError(f"--recompute-num-layers={n} > the {per_stage} layers of a pipeline stage (chunk)")
+
 
 def check_args(args, world: int):
     """Every flag and combination, before any process group exists. Fills the derived fields."""
@@ -201,6 +252,7 @@ def check_args(args, world: int):
                               f"--num-layers={args.num_layers} divisible by pp x it = {pp} x {per}")
         vp = args.num_layers // (pp * per)
     args.virtual_pipeline_model_parallel_size = vp
+    check_long_context_args(args)
     args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
     if args.use_ddp and args.fp16:
         raise ConfigError("--fp16 with --use-distributed-optimizer/--overlap-grad-reduce is not supported; use --bf16")

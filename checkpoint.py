@@ -276,6 +276,9 @@ def check_run_dirs(args):
 ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "vocab_size",
               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
+ARCH_FLAGS += ["rotary_percent", "seq_len_interpolation_factor", "rope_scaling", "rope_scaling_factor",  # position
+               "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",  # scaling
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"]  # (recomputation is not architecture)
 
 
 def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None):

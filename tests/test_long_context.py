@@ -16,6 +16,7 @@ Run:    .venv/bin/python -m pytest -q tests/test_long_context.py
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -230,3 +231,55 @@ def test_recompute_moe_single_process():
     cfg = dict(RC, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, hidden_dropout=0.3)
     res = recompute_case(0, 1, 1, 1, False, ["none", "uniform-2"], cfg=cfg)
     assert bit_identical(res["uniform-2"], res["none"]), "MoE: full recomputation changed a number"
+
+
+# --------------------------------------------------------------------------------------- 3. flags
+@pytest.mark.parametrize("flags,expect", [
+    (["--recompute-method", "block"], "--recompute-method=block / --recompute-num-layers=None need "
+                                      "--recompute-granularity full (it is None)"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], "need --recompute-granularity full"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3",
+      "--pipeline-model-parallel-size", "2"], "--recompute-num-layers=3 > the 2 layers of a pipeline stage"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
+     "--recompute-num-layers=0 must be >= 1"),
+    (["--recompute-granularity", "everything"], "invalid choice: 'everything'"),
+    (["--yarn-beta-fast", "16"], "--yarn-beta-fast need --position-embedding-type yarn (it is rope)"),
+    (["--rope-scaling-factor", "4", "--use-rope-scaling", "--position-embedding-type", "yarn"],
+     "need --position-embedding-type rope (it is yarn)"),
+    (["--rope-scaling-factor", "4"], "--rope-scaling-factor=4.0 acts only with --use-rope-scaling"),
+    (["--use-rope-scaling", "--rope-scaling-factor", "0.5"], "--rope-scaling-factor=0.5 must be >= 1"),
+    (["--rotary-percent", "0.3"], "rotary_percent=0.3 must be in (0, 1] and rotate an even number"),
+    (["--rotary-percent", "0.5", "--position-embedding-type", "learned_absolute"], "need a rotary"),
+    (["--position-embedding-type", "yarn", "--rotary-seq-len-interpolation-factor", "2"],
+     "does not apply to yarn"),
+])
+def test_bad_long_context_flags_give_one_line(flags, expect):
+    import arguments
+
+    with pytest.raises(arguments.ConfigError) as e:
+        arguments.check_args(arguments.parse_args(flags), 2 if "--pipeline-model-parallel-size" in flags else 1)
+    assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_long_context_flags_reach_the_config():
+    import arguments
+    import checkpoint
+
+    a = arguments.parse_args(["--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4",
+                              "--yarn-original-max-position-embeddings", "64", "--rotary-percent", "0.5",
+                              "--recompute-granularity", "full", "--recompute-method", "block",
+                              "--recompute-num-layers", "2"])
+    arguments.check_args(a, 1)
+    c = arguments.model_config(a.model_module, argparse.Namespace(**{**vars(a), "vocab_size": 1000}))
+    assert (c.position_embedding_type, c.yarn_rotary_scaling_factor, c.yarn_original_max_position_embeddings,
+            c.rotary_percent, c.recompute_method, c.recompute_num_layers) == ("yarn", 4.0, 64, 0.5, "block", 2)
+    assert c.yarn_beta_fast == 32.0  # an unset flag leaves the Config default
+    b = arguments.parse_args(["--use-rope-scaling", "--rope-scaling-factor", "16"])
+    arguments.check_args(b, 1)
+    c = arguments.model_config(b.model_module, argparse.Namespace(**{**vars(b), "vocab_size": 1000}))
+    assert c.rope_scaling and c.rope_scaling_factor == 16.0
+    flags = set(checkpoint.ARCH_FLAGS)
+    assert {"rotary_percent", "rope_scaling", "yarn_rotary_scaling_factor", "seq_len_interpolation_factor"} <= flags
+    assert not any(k.startswith("recompute") for k in flags)  # recomputation changes no number: not architecture
+    assert all(k in vars(a) for k in flags), "an ARCH_FLAGS entry is no flag's dest"

@@ -29,7 +29,7 @@ import gpt
 import parallel as P
 import rope
 import transformer
-from equivalence import make_batch, train_steps
+from equivalence import make_batch, named_full, train_steps
 
 # --------------------------------------------------------------------------------------- 1. scalings vs HF
 ORIG = 32  # original_max_position_embeddings of the HF models; the tests run at 3·ORIG
@@ -283,3 +283,27 @@ def test_long_context_flags_reach_the_config():
     assert {"rotary_percent", "rope_scaling", "yarn_rotary_scaling_factor", "seq_len_interpolation_factor"} <= flags
     assert not any(k.startswith("recompute") for k in flags)  # recomputation changes no number: not architecture
     assert all(k in vars(a) for k in flags), "an ARCH_FLAGS entry is no flag's dest"
+
+
+def test_recompute_fp8_delayed_single_process():
+    """FP8 delayed scaling records amaxes only in grad mode (DESIGN.md §5): under recomputation the no-grad forward
+    records none and the recompute records the same values in backward, so the scales, and every number, agree."""
+    def run(name):
+        model = gpt.Model(gpt.Config(**dict(RC, **RECOMPUTE[name])))
+        state = P.fp8_enable(model, P.FP8Recipe("hybrid", "delayed"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batch, losses = make_batch(RC["vocab_size"], 4, 8, seed=5), []
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(batch[:, :-1], labels=batch[:, 1:]).mean()
+            loss.backward()
+            state.update()
+            losses.append(loss.detach())
+            if step == 0:
+                grads = named_full(model, None, grads=True)
+            opt.step()
+        return dict(losses=torch.stack(losses), grads=grads, params=named_full(model, None))
+
+    ref = run("none")
+    for name in ("uniform-2", "selective"):
+        assert bit_identical(run(name), ref), f"FP8 delayed: {name} changed a number"

@@ -33,6 +33,7 @@ from transformer import ACTIVATIONS, Decoder
 class Config:
     """Megatron's TransformerConfig field names. Derived fields are filled in __post_init__."""
     POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("learned_absolute", "rope", "yarn", "none")  # a model file may add its own
+    FULL_RECOMPUTE: ClassVar[bool] = True  # its layer stack runs transformer.Decoder.forward (False: a model file's own)
     num_layers: int = 4
     hidden_size: int = 256
     num_attention_heads: int = 8
@@ -148,6 +149,9 @@ class Config:
         if g != "full" and (m is not None or n is not None):
             raise ValueError(f"recompute_method={m!r} and recompute_num_layers={n} apply to recompute_granularity "
                              f"'full' only (it is {g!r})")
+        if g == "full" and not self.FULL_RECOMPUTE:
+            raise ValueError(f"recompute_granularity 'full' is not implemented for {type(self).__module__}'s layer "
+                             "stack (selective is)")
         if g == "full" and (m is None or n is None or n < 1):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method (uniform|block) and "
                              f"recompute_num_layers >= 1 (got {m!r}, {n})")

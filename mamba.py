@@ -49,6 +49,7 @@ TRAIN_DEFAULTS = dict(hybrid_layer_pattern="M-M*-M-", num_layers=7, hidden_size=
 @dataclass
 class Config(gpt.Config):
     """gpt.Config plus Megatron's Mamba fields; defaults follow Megatron's MambaModel (no positions, RMSNorm)."""
+    FULL_RECOMPUTE = False  # full recomputation: its hybrid stack is its own, not transformer.Decoder's
     num_layers: int | None = None  # None = the pattern's length
     hybrid_layer_pattern: str | None = None  # e.g. "M-M*-M", "MM*|M-M-"; None = "M" * num_layers
     mamba_state_dim: int = 128  # N

@@ -45,6 +45,7 @@ import transformer
 
 @dataclass
 class Config(gpt.Config):
+    FULL_RECOMPUTE = False  # full recomputation: Model.forward runs the layers itself, not transformer.Decoder's
     retro_chunk_length: int = 64  # m
     retro_num_neighbors: int = 2  # k
     retro_num_retrieved_chunks: int = 2  # a neighbour and its continuation

@@ -43,6 +43,7 @@ import transformer
 class Config(gpt.Config):
     """gpt.Config plus T5's fields (Megatron's flag names). num_layers is the depth of both stacks unless
     encoder_num_layers / decoder_num_layers say otherwise."""
+    FULL_RECOMPUTE = False  # full recomputation: its encoder and decoder stacks are its own, not transformer.Decoder's
     POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("relative", "rope", "learned_absolute")
     position_embedding_type: str = "relative"
     encoder_num_layers: int | None = None

@@ -4,10 +4,13 @@ Mirrors Megatron-LM's `megatron/core/transformer/` — `attention.py`, `mlp.py`,
 `transformer_block.py` — with the same parameter names and tensor layouts, so a Megatron-core checkpoint loads by
 name (fused QKV grouped per query group, SwiGLU fc1 as [gate; up]). A file of its own, as in Megatron, so that
 gpt.py holds only the model skeleton (Config, embedding, Model, generation) and each layer is read once, here.
+Activation recomputation lives here too (Decoder: full; Attention.core_attention: selective), with the RNG replay
+of Megatron's `megatron/core/tensor_parallel/random.py` CheckpointFunction (section "recomputation", at the end).
 Papers: Vaswani et al. 2017 (attention); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU); Ainslie et al. 2023 (GQA);
-        Shoeybi et al. 2019 (Megatron-LM tensor parallelism: the column/row-parallel split of attention and MLP).
+        Shoeybi et al. 2019 (Megatron-LM tensor parallelism: the column/row-parallel split of attention and MLP);
+        Chen et al. 2016 and Korthikanti et al. 2022 (activation recomputation, full and selective).
 
-Run:    .venv/bin/python -m pytest -q tests/test_tensor_parallel.py
+Run:    .venv/bin/python -m pytest -q tests/test_tensor_parallel.py tests/test_long_context.py
 
 Dimension glossary
   b batch    s sequence (s/tp under sequence parallelism)    h hidden

@@ -307,3 +307,14 @@ def test_recompute_fp8_delayed_single_process():
     ref = run("none")
     for name in ("uniform-2", "selective"):
         assert bit_identical(run(name), ref), f"FP8 delayed: {name} changed a number"
+
+
+@pytest.mark.parametrize("model", ["t5", "mamba", "retro"])
+def test_full_recompute_refused_where_the_stack_is_not_decoder(model):
+    """Their stacks do not run transformer.Decoder.forward, so full recomputation would silently do nothing there."""
+    import importlib
+
+    cls = importlib.import_module(model).Config
+    with pytest.raises(ValueError, match=f"'full' is not implemented for {model}'s layer stack"):
+        cls(num_layers=6, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    cls(num_layers=6, recompute_granularity="selective")  # their attention is transformer.Attention

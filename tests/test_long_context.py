@@ -158,9 +158,10 @@ def expected_calls(name, L):
     return L + again, L + (L if name == "selective" else again)
 
 
-def recompute_case(rank, n, tp, pp, sp, names, no_replay=False, cfg=RC, steps=2):
-    """Train each recompute setting `steps` steps from the same start (dropout on), in a tp x pp layout; per setting
-    its record (losses, full gradients, parameters) and how often layers and attention cores ran."""
+def recompute_case(rank, n, tp, pp, sp, names, vp=1, no_replay=False, cfg=RC, steps=2):
+    """Train each recompute setting `steps` steps from the same start (dropout on), in a tp x pp (x vp) layout; per
+    setting its record (losses, full gradients, parameters), how often layers and attention cores ran, and the
+    layers of one model chunk (recomputation acts per chunk, as Megatron's per TransformerBlock)."""
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp)) if n > 1 else None
     calls = {"layer": 0, "core": 0}
     real = (transformer.TransformerLayer.forward, transformer.Attention.core_attention, transformer.set_rng_state)
@@ -186,10 +187,10 @@ def recompute_case(rank, n, tp, pp, sp, names, no_replay=False, cfg=RC, steps=2)
                 rec = train_steps(model, grid, make_batch(c["vocab_size"], 4, 8, seed=5), steps=steps)
                 L = len(model.decoder.layers)
             else:
-                rec = train_pipelined(grid, c, sp, 1, M=2, b=4, s=8, steps=steps)
+                rec = train_pipelined(grid, c, sp, vp, M=2, b=4, s=8, steps=steps)
                 rec = {k: rec[k] for k in ("losses", "grads", "params")}
-                L = c["num_layers"] // pp
-            out[name] = dict(rec, calls=(calls["layer"], calls["core"]), L=L)
+                L = c["num_layers"] // (pp * vp)
+            out[name] = dict(rec, calls=(calls["layer"], calls["core"]), L=L, chunks=vp)
     finally:
         transformer.TransformerLayer.forward, transformer.Attention.core_attention, transformer.set_rng_state = real
     return out
@@ -201,19 +202,19 @@ def bit_identical(a, b) -> bool:
         torch.equal(a[k][name], b[k][name]) for k in ("grads", "params") for name in b[k])
 
 
-LAYOUTS = {"tp2-sp": dict(tp=2, pp=1, sp=True), "pp2": dict(tp=1, pp=2, sp=False)}
+LAYOUTS = {"tp2-sp": dict(tp=2, pp=1, sp=True), "pp2": dict(tp=1, pp=2, sp=False),
+           "pp2-vp2": dict(tp=1, pp=2, sp=False, vp=2)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_recompute_changes_no_number(pool, layout):
     """float32, dropout 0.3 (hidden and attention): every setting's losses, gradients and parameters after 2 steps
     are torch.equal to the run without recomputation, on every rank; and the recomputation did run (call counts)."""
-    names = [k for k in RECOMPUTE if not (layout == "pp2" and k == "uniform-3")]  # 3 > a stage's 2 layers
+    names = [k for k in RECOMPUTE if not (layout != "tp2-sp" and k == "uniform-3")]  # 3 > a stage's 2 layers
     for r, res in enumerate(pool.run(recompute_case, 2, **LAYOUTS[layout], names=names)):
         for name in names:
-            want = tuple(2 * x for x in expected_calls(name, res[name]["L"]))  # two steps
-            if layout == "pp2":  # two micro-batches a step
-                want = tuple(2 * x for x in want)
+            chunks, micro = res[name]["chunks"], 1 if layout == "tp2-sp" else 2  # pipelines: 2 micro-batches
+            want = tuple(2 * micro * chunks * x for x in expected_calls(name, res[name]["L"]))  # two steps
             assert res[name]["calls"] == want, f"{layout} rank {r} {name}: (layer, core) calls {res[name]['calls']}"
             assert bit_identical(res[name], res["none"]), f"{layout} rank {r}: {name} changed a number"
 

@@ -39,7 +39,11 @@ SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": ORIG},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG},
+    "llama3-factors": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                       "original_max_position_embeddings": ORIG},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG,
+             "attention_factor": 0.1 * math.log(4.0) + 1.0},  # = the implied one: accepted
+    "yarn-mscale-only": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG, "mscale": 0.8},
     "yarn-deepseek": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG, "beta_fast": 16,
                       "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 1.0},
     "yarn-old-key": {"type": "yarn", "factor": 3.0, "original_max_position_embeddings": ORIG, "truncate": False},

@@ -2,15 +2,19 @@
 (transformer.py) against the model without it.
 
 1. Scalings. gpt.from_hf of a random-weight LlamaForCausalLM with rope_parameters "linear", "llama3" and "yarn"
-   gives HF's logits at lengths past original_max_position_embeddings (1e-4 in float32, as tests/test_hf.py: the
-   same float32 ops in other orders, measured ~1e-6; an unscaled rope misses by ~1e-2, the negative control). A
-   rope_type or key we cannot represent is refused, naming it. The vectorised formulas are checked against plain
-   loops (llama3's three branches) and Megatron's own functions (YaRN's range, ramp and mscale; partial rotation).
-2. Recomputation changes no number: losses and every gradient are torch.equal (float32, dropout ON) with and
-   without it — full (uniform, block) and selective, under TP 2 + SP and under PP 2 — because the recompute
-   replays the RNG streams (torch's default and the tracker's model-parallel one) saved at forward. Negative
-   control: the same run with the replay disabled draws other dropout masks, and the comparison fails.
-3. Flags: arguments.py refuses bad combinations with one line.
+   (several key sets) gives HF's logits at 3x original_max_position_embeddings. Tolerance 1e-4 in float32, as
+   tests/test_hf.py: the same float32 ops in other orders (measured 0 to 1.5e-7); the negative control, the same
+   weights with unscaled rope, misses by 5e-3 to 8e-3. A rope_type or key we cannot represent is refused, naming
+   it. The vectorised formulas are checked against a plain loop (llama3's three branches) and Megatron's own
+   functions (llama3 scaling; YaRN's range, ramp and mscale; partial rotation).
+2. Recomputation changes no number: losses, every gradient and the parameters after 2 steps are torch.equal
+   (float32, dropout 0.3 ON) with and without it — full (uniform, block) and selective, under TP 2 + SP, PP 2 and
+   PP 2 x VP 2; MoE and FP8 (delayed) in one process; any depth / method / N drawn by hypothesis — because the
+   recompute replays the RNG streams (torch's default and the tracker's) saved at forward. Call counts prove the
+   recompute ran (Megatron's uniform / block / selective semantics). Negative control: the same runs with the
+   replay disabled draw other dropout masks, and the comparison fails.
+3. Flags: arguments.py refuses bad combinations with one line; the flags reach the Config; the position-scaling
+   flags are in checkpoint.ARCH_FLAGS, the recompute ones are not.
 
 Run:    .venv/bin/python -m pytest -q tests/test_long_context.py
 """

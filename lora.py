@@ -108,8 +108,8 @@ def apply_lora(model: nn.Module, targets, rank: int, alpha: float | None = None,
     found = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets]
     other = [n for n, m in found if not isinstance(m, linear)]  # MoE's grouped experts: no adapter for them here
     if other:
-        raise ValueError(f"LoRA target {other[0]} is a {type(dict(found)[other[0]]).__name__}, not a tensor-parallel "
-                         "linear: adapters on MoE experts are not supported (leave linear_fc1/linear_fc2 out)")
+        raise ValueError(f"LoRA target {other[0]} is not a tensor-parallel linear (MoE's grouped experts): adapters "
+                         "on experts are not supported (leave linear_fc1/linear_fc2 out)")
     have = {n.rsplit(".", 1)[-1] for n, _ in found}
     missing = [t for t in targets if t not in have]
     if missing:

@@ -323,6 +323,7 @@ def test_base_changed_under_a_lora_run_is_refused(base_run, tmp_path, capsys):
     d = copy / "iter_0000004"  # overwritten by another consistent checkpoint: files and manifest agree, but differ
     (d / "meta.json").write_text((d / "meta.json").read_text().replace('"iteration": 4', '"iteration":  4'))
     checkpoint.write_manifest(d)
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         train.main(tiny(corpus, cache, run, "--lora-rank", "2", "--load", str(run), iters=2))
     err = capsys.readouterr().err.strip().splitlines()
@@ -331,7 +332,7 @@ def test_base_changed_under_a_lora_run_is_refused(base_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("case,expect", [
     (["--lora-rank", "4", "--lora-target-modules", "linear_qkv", "linear_foo"],
-     "invalid choice: 'linear_foo' (choose from linear_qkv, linear_proj, linear_fc1, linear_fc2)"),
+     "invalid choice: 'linear_foo' (choose from 'linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2')"),
     (["--finetune"], "--finetune loads a checkpoint's weights: pass --load DIR or --pretrained-checkpoint DIR"),
     (["--finetune", "--load", "EMPTY"], "--finetune: --load"),
     (["--lora-rank", "4"], "--lora-rank=4 adapts a trained model"),

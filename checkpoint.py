@@ -337,6 +337,9 @@ def plan_load(args, ckpt):
         raise ConfigError(f"--lora-rank with --load {args.load}, a run without adapters: add --finetune to adapt its "
                           "model (or --pretrained-checkpoint with a fresh --load)")
     if args.lora_rank is not None:
+        if base is None:
+            raise ConfigError(f"--lora-rank: --load {args.load} has no checkpoint, so there is no model to adapt: "
+                              "pass --pretrained-checkpoint DIR")
         args.lora_base = {"path": str(base[0].resolve()), "sha256": _manifest_digest(base[0])}
     if (ckpt or base) is not None:  # the tokenizer and vocabulary the model was trained with
         run = (ckpt or base)[0].parent

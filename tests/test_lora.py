@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import checkpoint
 import gpt
@@ -282,7 +283,7 @@ def losses(run):
             if "loss" in r}
 
 
-def test_lora_run_resumes_merges_and_finetunes(base_run, tmp_path):
+def test_lora_run_resumes_merges_and_finetunes(base_run, tmp_path, capsys):
     corpus, cache, base = base_run
     run = tmp_path / "lora"
     lora_args = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint", str(base), "--load", str(run)]
@@ -306,9 +307,36 @@ def test_lora_run_resumes_merges_and_finetunes(base_run, tmp_path):
     with torch.no_grad():
         assert rel_err(merged(ids), adapted) < 1e-5  # float32: one rounding of W + c·B·A per weight
     assert margs.lora_rank is None and not any(".lora." in k for k, _ in merged.named_parameters())
-    # --finetune from the merged weights: iteration 0, new optimizer; its first loss is the adapted model's last one
+    train.main(["export", "--load", str(run), "--hf-out", str(tmp_path / "hf")])  # a LoRA run exports merged
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert rel_err(hf(ids).logits, adapted) < 1e-5  # float32 (tests/test_export.py)
+    # --finetune from the merged weights: iteration 0, a new optimizer (a merged checkpoint holds none)
     train.main(tiny(corpus, cache, tmp_path / "ft", "--finetune", "--load", str(tmp_path / "merged"), iters=1))
     assert (tmp_path / "ft" / "iter_0000001").is_dir()
+    with pytest.raises(SystemExit):  # resuming it instead: refused in one line
+        train.main(tiny(corpus, cache, tmp_path / "merged", "--load", str(tmp_path / "merged"), iters=8))
+    assert "holds model weights only" in capsys.readouterr().err
+
+
+def test_torchrun_tp2_sp_lora_matches_one_process_and_merges_at_tp1(base_run, tmp_path):
+    """`make train NPROC=2 TP=2 ARGS="--lora-rank 8 --pretrained-checkpoint ..."` in small: float32, 1e-5 relative
+    (reduction order only; measured ~1e-7); the TP-sharded adapters then load in one process (train.py merge)."""
+    from test_train import torchrun
+
+    corpus, cache, base = base_run
+    flags = ["--lora-rank", "4", "--pretrained-checkpoint", str(base)]
+    train.main(tiny(corpus, cache, tmp_path / "one", *flags, iters=3))
+    torchrun(2, tiny(corpus, cache, tmp_path / "tp2", *flags, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                     iters=3))
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "tp2")
+    assert one.keys() == two.keys() == {1, 2, 3}
+    assert all(abs(one[k] - two[k]) <= 1e-5 * abs(one[k]) for k in one), (one, two)
+    train.main(["merge", "--load", str(tmp_path / "tp2"), "--save", str(tmp_path / "merged")])
+    ids = make_batch(384, 2, 16, 3)[:, :-1]
+    with torch.no_grad():
+        a, b = train.load_model(tmp_path / "one")[0](ids), train.load_model(tmp_path / "merged")[0](ids)
+    assert rel_err(b, a) < 1e-5
 
 
 def test_base_changed_under_a_lora_run_is_refused(base_run, tmp_path, capsys):
@@ -340,6 +368,8 @@ def test_base_changed_under_a_lora_run_is_refused(base_run, tmp_path, capsys):
     (["--config", "BADYAML"], "unknown key 'lora-rnak' (no flag --lora-rnak; did you mean 'lora-rank'?)"),
     (["--config", "NOTMAP"], "expected a mapping of flag names to values, found a list"),
     (["--lora-rank", "2", "--load", "BASE"], "a run without adapters: add --finetune"),
+    (["--lora-rank", "2", "--load", "EMPTY"], "has no checkpoint, so there is no model to adapt"),
+    (["--pretrained-checkpoint", "EMPTY"], "--pretrained-checkpoint EMPTYDIR: no checkpoint there"),
 ])
 def test_bad_input_gives_one_clear_error(base_run, tmp_path, capsys, case, expect):
     corpus, cache, base = base_run
@@ -351,7 +381,7 @@ def test_bad_input_gives_one_clear_error(base_run, tmp_path, capsys, case, expec
     with pytest.raises(SystemExit) as e:
         train.main(tiny(corpus, cache, tmp_path / "run", *[subst.get(a, a) for a in case]))
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and expect in err[0], err
+    assert e.value.code == 2 and len(err) == 1 and expect.replace("EMPTYDIR", subst["EMPTY"]) in err[0], err
 
 
 def test_config_yaml_sets_flags_and_the_command_line_overrides_it(tmp_path):

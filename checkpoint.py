@@ -331,6 +331,9 @@ def plan_load(args, ckpt):
     if base is not None and "lora_base" in base[1]:
         raise ConfigError(f"{base[0]} holds LoRA adapters, not a whole model: merge them into it first "
                           f"(train.py merge --load {base[0].parent} --save DIR)")
+    if base is not None and args.save and base[0].parent.resolve() == Path(args.save).resolve():
+        raise ConfigError(f"--save {args.save} is the run whose weights this run starts from: its checkpoints would "
+                          "overwrite that run's; --save elsewhere")
     if ckpt is not None and "lora_base" in ckpt[1]:
         base = lora_base(ckpt)
     elif ckpt is not None and args.lora_rank is not None:

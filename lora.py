@@ -1,8 +1,9 @@
 """lora.py — LoRA: low-rank adapters on the frozen tensor-parallel linears, trained alone, then merged into the weights.
 
-Mirrors Megatron-Bridge's megatron/bridge/peft/lora.py and lora_layers.py (LoRALinear: a frozen Megatron linear plus
-an adapter, linear_in = A and linear_out = B) and NeMo's ParallelLinearAdapter, on this repo's
-ColumnParallelLinear / RowParallelLinear (parallel.py section 4).
+Mirrors Megatron-Bridge's megatron/bridge/peft/lora.py (LoRA(target_modules=["linear_qkv", "linear_proj",
+"linear_fc1", "linear_fc2"], dim, alpha, dropout) on a frozen Megatron model) and the split of Hugging Face PEFT's
+peft/tuners/lora/tp_layer.py (LoraParallelLinear: A split for a RowParallelLinear, B for a ColumnParallelLinear),
+on this repo's ColumnParallelLinear / RowParallelLinear (parallel.py section 4).
 Paper: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (A Gaussian, B = 0, scale alpha/r).
 
 Run:    .venv/bin/python -m pytest -q tests/test_lora.py

@@ -285,6 +285,9 @@ def check_args(args, world: int):
     if args.lora_rank is not None and not (args.load or args.pretrained_checkpoint):
         raise ConfigError(f"--lora-rank={args.lora_rank} adapts a trained model: pass --pretrained-checkpoint DIR "
                           "(or --finetune --load DIR), or --load a LoRA run to resume it")
+    if args.lora_rank is not None and args.num_experts and {"linear_fc1", "linear_fc2"} & set(args.lora_target_modules):
+        raise ConfigError("--lora-rank with --num-experts: adapters on MoE experts are not supported; pass "
+                          "--lora-target-modules linear_qkv linear_proj")
     args.model_module = import_model(args.model)
     # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
     # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in

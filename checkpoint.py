@@ -198,7 +198,10 @@ def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):
         meta = {"iteration": it, "checkpoint_format": FORMAT, "loss_scale": scaler.scale, "clean_steps": scaler.clean,
                 "stuck_steps": scaler.stuck,
                 "args": {k: v for k, v in vars(args).items() if k != "model_module"}}
-        meta.update({"lora_base": args.lora_base} if adapters else {}, **{"weights_only": True} if optimizer is None else {})
+        if adapters:
+            meta["lora_base"] = args.lora_base  # {"path": base checkpoint directory, "sha256": its manifest's digest}
+        if optimizer is None:
+            meta["weights_only"] = True  # no optimizer state (train.py merge): a run starts from it with --finetune
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
@@ -334,6 +337,9 @@ def plan_load(args, ckpt):
     if base is not None and args.save and base[0].parent.resolve() == Path(args.save).resolve():
         raise ConfigError(f"--save {args.save} is the run whose weights this run starts from: its checkpoints would "
                           "overwrite that run's; --save elsewhere")
+    if ckpt is not None and ckpt[1].get("weights_only"):
+        raise ConfigError(f"--load {ckpt[0]} holds model weights only (no optimizer state: train.py merge wrote it): "
+                          "start from it with --finetune")
     if ckpt is not None and "lora_base" in ckpt[1]:
         base = lora_base(ckpt)
     elif ckpt is not None and args.lora_rank is not None:
@@ -384,9 +390,6 @@ def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None
     if fp8_args is not None and not fp8 and (dist.get_rank() if dist.is_initialized() else 0) == 0:
         saved = {k: meta["args"].get(k) for k in keys}
         print(f"note: {path} was saved with other FP8 settings ({saved}): FP8 scaling starts afresh")
-    if meta.get("weights_only"):
-        raise ConfigError(f"--load {path} holds model weights only (no optimizer state: train.py merge wrote it): "
-                          "start from it with --finetune")
     state = checkpoint_state(chunks, optimizer, mesh, fp8, only=lora.is_adapter if "lora_base" in meta else None)
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))

@@ -51,6 +51,10 @@ import parallel as P
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's names of the attention/MLP linears
 
 
+class LoRAError(ValueError):
+    """A target this model cannot take an adapter on; the message names it (train.py prints one line)."""
+
+
 class LoRA(nn.Module):
     """The adapter of one tensor-parallel linear `base`: forward(x) = c·(x·Aᵀ)·Bᵀ with the base layer's collective
     (see the module's docstring). `base` itself is not held (it owns this module as `base.lora`)."""
@@ -101,21 +105,21 @@ def is_adapter(p: nn.Parameter) -> bool:
 def apply_lora(model: nn.Module, targets, rank: int, alpha: float | None = None, dropout: float = 0.0) -> list[str]:
     """Freeze every parameter of `model` and give each linear named in `targets` (TARGETS' names) an adapter,
     initialized from (model.config.seed, its global name). Returns the adapted modules' names. A target that names no
-    tensor-parallel linear of this model: ValueError naming it and the names this model has."""
+    tensor-parallel linear of this model: LoRAError naming it and the names this model has."""
     bad = [t for t in targets if t not in TARGETS]
     if bad:
-        raise ValueError(f"LoRA target {bad[0]!r} is not one of {', '.join(TARGETS)}")
+        raise LoRAError(f"LoRA target {bad[0]!r} is not one of {', '.join(TARGETS)}")
     linear = (P.ColumnParallelLinear, P.RowParallelLinear)
     found = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets]
     other = [n for n, m in found if not isinstance(m, linear)]  # MoE's grouped experts: no adapter for them here
     if other:
-        raise ValueError(f"LoRA target {other[0]} is not a tensor-parallel linear (MoE's grouped experts): adapters "
+        raise LoRAError(f"LoRA target {other[0]} is not a tensor-parallel linear (MoE's grouped experts): adapters "
                          "on experts are not supported (leave linear_fc1/linear_fc2 out)")
     have = {n.rsplit(".", 1)[-1] for n, _ in found}
     missing = [t for t in targets if t not in have]
     if missing:
         present = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, linear)} & set(TARGETS))
-        raise ValueError(f"LoRA target {missing[0]!r}: this model has no such linear (it has: {', '.join(present)})")
+        raise LoRAError(f"LoRA target {missing[0]!r}: this model has no such linear (it has: {', '.join(present)})")
     for p in model.parameters():
         p.requires_grad_(False)
     rng = getattr(model, "rng", None)

@@ -445,7 +445,7 @@ def main(argv=None):
         if argv[:1] in (["sample"], ["merge"], ["export"]):
             return sample(argv[1:]) if argv[0] == "sample" else post_training(argv)
         train(parse_args(argv))
-    except (ConfigError, data.DataError, TrainingError, convert.ExportError) as e:
+    except (ConfigError, data.DataError, TrainingError, convert.ExportError, lora.LoRAError) as e:
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun: every rank finds the same error and rank 0 says it;
             time.sleep(5)  # when it exits, torchrun stops this rank. Still alive: rank 0 did not fail, so this one speaks
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)

@@ -371,6 +371,7 @@ def test_base_changed_under_a_lora_run_is_refused(base_run, tmp_path, capsys):
     (["--lora-rank", "2", "--load", "EMPTY"], "has no checkpoint, so there is no model to adapt"),
     (["--pretrained-checkpoint", "EMPTY"], "--pretrained-checkpoint EMPTYDIR: no checkpoint there"),
     (["--finetune", "--load", "BASE", "--save", "BASE"], "is the run whose weights this run starts from"),
+    (["--lora-rank", "2", "--num-experts", "2", "--load", "EMPTY"], "adapters on MoE experts are not supported"),
 ])
 def test_bad_input_gives_one_clear_error(base_run, tmp_path, capsys, case, expect):
     corpus, cache, base = base_run

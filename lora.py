@@ -14,7 +14,7 @@ Dimension glossary
   b batch    s sequence (s/tp under sequence parallelism)    i in features    o out features    r LoRA rank
   tp tensor-parallel size
 
-The plain oracle (one process, `reference`):   y = x·Wᵀ + (alpha/r)·(x·Aᵀ)·Bᵀ,   A [r, i],  B [o, r]
+The plain oracle (one process, `reference`):   y = x·Wᵀ + c·(x·Aᵀ)·Bᵀ,   c = alpha/r,   A [r, i],  B [o, r]
 
 Tensor parallelism. The adapter is split like its base weight, so that the low-rank product needs only one small
 collective on [s, b, r] — the same mapping the base layer applies, moved to the rank-r side of A:

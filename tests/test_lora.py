@@ -100,6 +100,31 @@ def test_adapter_layer_equals_the_oracle(pool, column, sp):
         assert rel_err(got[k], want) < 1e-12, f"tp=2 sp={sp}, {k}: {rel_err(got[k], want):.1e}"
 
 
+def dropout_case(rank, n, sp, column, s=8, b=2, i=12, o=16):
+    """The keep-mask --lora-dropout draws on this rank (parallel.dropout wrapped to record it)."""
+    grid = P.Grid(tp=n, pp=1, dp=1)
+    cls = P.ColumnParallelLinear if column else P.RowParallelLinear
+    base = cls(i, o, grid, bias=False, sequence_parallel=sp, dtype=torch.float64)
+    base.lora = lora.LoRA(base, RANK, ALPHA, dropout=0.5, rng=P.RNGTracker(1234, grid))
+    shape = (s // n if sp else s, b, i) if column else (s, b, i // n)
+    x, masks, real = torch.ones(shape, dtype=torch.float64), [], P.dropout
+    P.dropout = lambda x, p, training, rng=None, sharded=False: masks.append(real(x, p, training, rng, sharded) != 0) or x
+    try:
+        base.lora(x)
+    finally:
+        P.dropout = real
+    return masks[0]
+
+
+@pytest.mark.parametrize("sp,column,same", [(False, True, True), (True, True, False), (False, False, False)],
+                         ids=["column-replicated-input", "column-sp", "row"])
+def test_lora_dropout_masks_follow_the_rng_rule(pool, sp, column, same):
+    """Megatron's RNG rule (DESIGN.md §2): TP ranks drop the same elements of a replicated input (or the ranks' adapter
+    terms would disagree) and different ones of their shards (sequence or hidden dim)."""
+    a, b = pool.run(dropout_case, 2, sp=sp, column=column)
+    assert torch.equal(a, b) == same
+
+
 # --------------------------------------------------------------------------------------- 2. training, any layout
 def lora_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, b=8, s=8, steps=2, drop_sp_mark=False):
     """distopt None: the plain P.Optimizer; else DDP + P.DistributedOptimizer (the train.py interface)."""

@@ -38,7 +38,7 @@ OPT = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 RANK, ALPHA, CLIP = 4, 8.0, 0.05  # CLIP: small enough that clipping is active, so the norm's correctness matters
 
 
-def adapt(model, b_std=0.05, seed_shift=0):
+def adapt(model, b_std=0.05):
     """LoRA on every target; B drawn like A (layout-free, from its global name) instead of 0, so that A's gradient is
     not 0 at the first step and the comparison sees both factors."""
     lora.apply_lora(model, lora.TARGETS, RANK, ALPHA)
@@ -303,19 +303,30 @@ def base_run(tmp_path_factory):
     return corpus, cache, base
 
 
+@pytest.fixture(scope="module")
+def lora_whole(base_run, tmp_path_factory):
+    """An uninterrupted single-process LoRA run of 4 iterations on the base run: the reference of the tests below."""
+    corpus, cache, base = base_run
+    whole = tmp_path_factory.mktemp("whole")
+    train.main(tiny(corpus, cache, whole, *LORA_FLAGS, str(base), "--load", str(whole), iters=4))
+    return whole
+
+
+LORA_FLAGS = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint"]  # + the base run
+
+
 def losses(run):
     return {r["iteration"]: r["loss"] for r in map(json.loads, (Path(run) / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}
 
 
-def test_lora_run_resumes_merges_and_finetunes(base_run, tmp_path, capsys):
+def test_lora_run_resumes_merges_and_finetunes(base_run, lora_whole, tmp_path, capsys):
     corpus, cache, base = base_run
     run = tmp_path / "lora"
-    lora_args = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint", str(base), "--load", str(run)]
-    train.main(tiny(corpus, cache, tmp_path / "whole", *lora_args[:-2], "--load", str(tmp_path / "whole"), iters=4))
+    lora_args = [*LORA_FLAGS, str(base), "--load", str(run)]
     train.main(tiny(corpus, cache, run, *lora_args, iters=2))  # starts from the base's weights
     train.main(tiny(corpus, cache, run, *lora_args, iters=4))  # resumes the adapters; the base found by its pointer
-    assert losses(run) == losses(tmp_path / "whole")  # stop + resume = uninterrupted
+    assert losses(run) == losses(lora_whole)  # stop + resume = uninterrupted
     meta = json.loads((run / "iter_0000004" / "meta.json").read_text())
     assert meta["lora_base"]["path"] == str((base / "iter_0000004").resolve())
     model, args, _, _ = train.load_model(run, merge=False)
@@ -344,23 +355,21 @@ def test_lora_run_resumes_merges_and_finetunes(base_run, tmp_path, capsys):
     assert "holds model weights only" in capsys.readouterr().err
 
 
-def test_torchrun_tp2_sp_lora_matches_one_process_and_merges_at_tp1(base_run, tmp_path):
+def test_torchrun_tp2_sp_lora_matches_one_process_and_merges_at_tp1(base_run, lora_whole, tmp_path):
     """`make train NPROC=2 TP=2 ARGS="--lora-rank 8 --pretrained-checkpoint ..."` in small: float32, 1e-5 relative
     (reduction order only; measured ~1e-7); the TP-sharded adapters then load in one process (train.py merge)."""
     from test_train import torchrun
 
     corpus, cache, base = base_run
-    flags = ["--lora-rank", "4", "--pretrained-checkpoint", str(base)]
-    train.main(tiny(corpus, cache, tmp_path / "one", *flags, iters=3))
-    torchrun(2, tiny(corpus, cache, tmp_path / "tp2", *flags, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                     iters=3))
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "tp2")
-    assert one.keys() == two.keys() == {1, 2, 3}
+    torchrun(2, tiny(corpus, cache, tmp_path / "tp2", *LORA_FLAGS, str(base), "--tensor-model-parallel-size", "2",
+                     "--sequence-parallel", iters=4))
+    one, two = losses(lora_whole), losses(tmp_path / "tp2")
+    assert one.keys() == two.keys() == {1, 2, 3, 4}
     assert all(abs(one[k] - two[k]) <= 1e-5 * abs(one[k]) for k in one), (one, two)
     train.main(["merge", "--load", str(tmp_path / "tp2"), "--save", str(tmp_path / "merged")])
     ids = make_batch(384, 2, 16, 3)[:, :-1]
     with torch.no_grad():
-        a, b = train.load_model(tmp_path / "one")[0](ids), train.load_model(tmp_path / "merged")[0](ids)
+        a, b = train.load_model(lora_whole)[0](ids), train.load_model(tmp_path / "merged")[0](ids)
     assert rel_err(b, a) < 1e-5
 
 

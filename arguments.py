@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
 import json
 import math
 from pathlib import Path
+
+import yaml
+
+import lora
 
 MODELS = ("gpt", "bert", "t5", "retro", "mamba")  # --model NAME imports NAME.py (the model-file contract)
 
@@ -35,6 +40,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv):
     p = ArgumentParser(prog="train.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
+    a("--config", default=None, help="a YAML file {flag name: value} (examples/); flags on the command line override it")
     a("--model", default="gpt", choices=MODELS)
     # model (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters)
     a("--num-layers", type=int, default=4)
@@ -158,6 +164,16 @@ def parse_args(argv):
     a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
     for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
         a(f"--mamba-{name}", type=int, default=None)
+    # post-training (lora.py, checkpoint.py): LoRA adapters on a frozen model; weights-only loading (--finetune)
+    a("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on the frozen model (default: off)")
+    a("--lora-alpha", type=float, default=None, help="LoRA scale = alpha / rank (default: alpha = rank)")
+    a("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    a("--lora-target-modules", nargs="+", default=list(lora.TARGETS), choices=lora.TARGETS)
+    a("--finetune", action="store_true", help="load only the model weights of --load (or --pretrained-checkpoint): "
+                                              "iteration 0, a fresh optimizer and RNG (continued pretraining, SFT, LoRA)")
+    a("--pretrained-checkpoint", default=None, help="the run to start from (weights only) while --load has no checkpoint")
+    config = p.parse_known_args(argv)[0].config  # --config: its flags first, so the command line overrides them
+    argv = (config_argv(p, config) if config else []) + list(argv)
     model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
     if Path(__file__).with_name(f"{model}.py").exists():
         p.set_defaults(**getattr(importlib.import_module(model), "TRAIN_DEFAULTS", {}))
@@ -219,6 +235,39 @@ def check_long_context_args(args):
     per_stage = args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_model_parallel_size)
     if n is not None and n > per_stage:
         raise ConfigError(f"--recompute-num-layers={n} > the {per_stage} layers of a pipeline stage (chunk)")
+
+
+RANGES.update(lora_rank=_AT_LEAST_1, lora_alpha=_POSITIVE, lora_dropout=_FRACTION)  # post-training flags
+
+
+def config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
+    """--config FILE: a YAML mapping {flag name: value} -> the command-line tokens it stands for, so that argparse
+    checks every value as if typed. Keys are flag names without the dashes (`lora-rank: 8` or `lora_rank: 8`);
+    true/false for switches, a list for a many-valued flag; null leaves the default. Unknown keys: ConfigError."""
+    try:
+        body = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {path}: {' '.join(str(e).split())}") from None
+    if not isinstance(body, dict | None):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, found a {type(body).__name__}")
+    actions = {o: act for act in p._actions for o in act.option_strings if o not in ("--config", "-h", "--help")}
+    out = []
+    for key, v in (body or {}).items():
+        flag = "--" + str(key).replace("_", "-")
+        act = actions.get(flag)
+        if act is None:
+            near = difflib.get_close_matches(flag, actions, n=1)
+            raise ConfigError(f"--config {path}: unknown key {key!r} (no flag {flag}"
+                              + (f"; did you mean {near[0][2:]!r}?)" if near else ")"))
+        if act.nargs == 0:  # a switch: store_true, or --x / --no-x
+            if not isinstance(v, bool):
+                raise ConfigError(f"--config {path}: {key}: expected true or false, found {v!r}")
+            out += [flag] if v else ([f"--no-{flag[2:]}"] if f"--no-{flag[2:]}" in actions else [])
+        elif v is not None:
+            many = act.nargs in ("+", "*")
+            vals = [str(x) for x in v] if many and isinstance(v, list) else [json.dumps(v) if isinstance(v, list) else str(v)]
+            out += [flag, *vals]
+    return out
 
 
 def check_args(args, world: int):
@@ -283,6 +332,14 @@ def check_args(args, world: int):
         assert len(w) in (2, 3) and min(w) >= 0 and args.valid_fraction < 1
     except (ValueError, IndexError, AssertionError, ZeroDivisionError):
         raise ConfigError(f"--split={args.split!r}: expected 'train,valid' weights like 95,5") from None
+    if args.finetune and not (args.load or args.pretrained_checkpoint):
+        raise ConfigError("--finetune loads a checkpoint's weights: pass --load DIR or --pretrained-checkpoint DIR")
+    if args.lora_rank is not None and not (args.load or args.pretrained_checkpoint):
+        raise ConfigError(f"--lora-rank={args.lora_rank} adapts a trained model: pass --pretrained-checkpoint DIR "
+                          "(or --finetune --load DIR), or --load a LoRA run to resume it")
+    if args.lora_rank is not None and args.num_experts and {"linear_fc1", "linear_fc2"} & set(args.lora_target_modules):
+        raise ConfigError("--lora-rank with --num-experts: adapters on MoE experts are not supported; pass "
+                          "--lora-target-modules linear_qkv linear_proj")
     args.model_module = import_model(args.model)
     # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
     # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in

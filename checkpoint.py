@@ -33,16 +33,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import data
+import lora
 import parallel as P
 from arguments import ConfigError, import_model, model_config
 
 
-def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True):
+def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True, only=None):
     """{'model': {global name: tensor}, 'optimizer': {global name: {exp_avg, exp_avg_sq, step}}} as views of
     the live tensors, so dcp.load writes straight into them. Pipeline stages save disjoint names (a last stage's
     copy of the tied embedding saves the same values under the same name: DCP keeps one). With `fp8`, also
     'fp8': {global weight name.role.amax_history / .scale} of every FP8 linear: the delayed recipe's state, the
-    same on every TP and DP rank (amaxes are reduced), so it loads at any layout."""
+    same on every TP and DP rank (amaxes are reduced), so it loads at any layout. `only(p)`: keep just those
+    parameters (a LoRA run saves its adapters, lora.is_adapter; its base is loaded without them)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def as_dtensor(t, p, dim):
@@ -70,6 +72,8 @@ def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True):
                     state.setdefault("fp8", {}).update({prefix + ".amax_history": t.amax_history,
                                                         prefix + ".scale": t.scale})
         for name, p in model.named_parameters():
+            if only is not None and not only(p):
+                continue
             g = gname(name)
             state["model"][g] = view(p.data, p)
             if optimizer is not None:
@@ -184,14 +188,20 @@ def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
     _barrier()
     tmp.mkdir(parents=True, exist_ok=True)
+    adapters = getattr(args, "lora_rank", None) is not None  # a LoRA run saves its adapters and names its base
     with _quiet_dcp():
-        dcp.save(checkpoint_state(chunks, optimizer, mesh), checkpoint_id=str(tmp))
+        dcp.save(checkpoint_state(chunks, optimizer, mesh, only=lora.is_adapter if adapters else None),
+                 checkpoint_id=str(tmp))
     torch.save(rng_state(chunks), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:  # every rank's files are complete: meta.json, then the manifest of them all
         meta = {"iteration": it, "checkpoint_format": FORMAT, "loss_scale": scaler.scale, "clean_steps": scaler.clean,
                 "stuck_steps": scaler.stuck,
                 "args": {k: v for k, v in vars(args).items() if k != "model_module"}}
+        if adapters:
+            meta["lora_base"] = args.lora_base  # {"path": base checkpoint directory, "sha256": its manifest's digest}
+        if optimizer is None:
+            meta["weights_only"] = True  # no optimizer state (train.py merge): a run starts from it with --finetune
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
@@ -281,6 +291,99 @@ ARCH_FLAGS += ["rotary_percent", "seq_len_interpolation_factor", "rope_scaling",
                "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"]  # (recomputation is not architecture)
 
 
+# ---------------------------------------------------------------------------------------------- post-training
+# A LoRA run's checkpoints hold its adapters only (lora.is_adapter) and, in meta.json, "lora_base": the path of the
+# base checkpoint directory and the SHA-256 digest of its manifest, so --load finds the weights the adapters belong to
+# and refuses other ones. --finetune / --pretrained-checkpoint load a checkpoint's weights only (Megatron's flags).
+LORA_FLAGS = ["lora_rank", "lora_alpha", "lora_target_modules"]  # a LoRA run resumes only with the same adapters
+
+
+def _manifest_digest(d: Path):
+    return json.loads((d / MANIFEST).read_text())["sha256"] if (d / MANIFEST).exists() else None
+
+
+def lora_base(ckpt, flag="--load"):
+    """(directory, meta) of the base checkpoint a LoRA run's checkpoint names, verified: its files against its manifest,
+    its manifest against the digest recorded when the adapters started training."""
+    ptr = ckpt[1]["lora_base"]
+    d = Path(ptr["path"])
+    if not (d / "meta.json").is_file():
+        raise ConfigError(f"{flag} {ckpt[0].parent}: its base checkpoint {d} is missing (the adapters need it)")
+    verify_checkpoint(d)
+    if _manifest_digest(d) != ptr["sha256"]:
+        raise ConfigError(f"{flag} {ckpt[0].parent}: its base checkpoint {d} is not the one the adapters were trained "
+                          "on (its manifest's SHA-256 differs)")
+    return d, json.loads((d / "meta.json").read_text())
+
+
+def plan_load(args, ckpt):
+    """What a run starts from, given the checkpoint check_run_dirs found in --load: (checkpoint to resume or None,
+    base checkpoint whose model weights load first, or None). Megatron's rules, plus LoRA's base:
+      --finetune                   base = --load's checkpoint, else --pretrained-checkpoint's; nothing is resumed
+                                   (iteration 0, a fresh optimizer and RNG)
+      --pretrained-checkpoint P    base = P's checkpoint while --load has none; once it has one, the run resumes it
+      resuming a LoRA run          base = the checkpoint its meta.json names (lora_base), verified
+    A LoRA run records its base in args.lora_base (saved in every checkpoint's meta.json). The run takes the tokenizer
+    (tokenizer.json beside the checkpoints) and --vocab-size of the checkpoint it starts from, unless given."""
+    base = None
+    if args.finetune and ckpt is not None:
+        ckpt, base = None, ckpt
+    elif ckpt is None and args.pretrained_checkpoint:
+        base = find_checkpoint(args.pretrained_checkpoint, flag="--pretrained-checkpoint")
+        if base is None:
+            raise ConfigError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no checkpoint there")
+    if args.finetune and base is None:
+        raise ConfigError(f"--finetune: --load {args.load} has no checkpoint to take the weights from")
+    if base is not None and "lora_base" in base[1]:
+        raise ConfigError(f"{base[0]} holds LoRA adapters, not a whole model: merge them into it first "
+                          f"(train.py merge --load {base[0].parent} --save DIR)")
+    if base is not None and args.save and base[0].parent.resolve() == Path(args.save).resolve():
+        raise ConfigError(f"--save {args.save} is the run whose weights this run starts from: its checkpoints would "
+                          "overwrite that run's; --save elsewhere")
+    if ckpt is not None and ckpt[1].get("weights_only"):
+        raise ConfigError(f"--load {ckpt[0]} holds model weights only (no optimizer state: train.py merge wrote it): "
+                          "start from it with --finetune")
+    if ckpt is not None and "lora_base" in ckpt[1]:
+        base = lora_base(ckpt)
+    elif ckpt is not None and args.lora_rank is not None:
+        raise ConfigError(f"--lora-rank with --load {args.load}, a run without adapters: add --finetune to adapt its "
+                          "model (or --pretrained-checkpoint with a fresh --load)")
+    if args.lora_rank is not None:
+        if base is None:
+            raise ConfigError(f"--lora-rank: --load {args.load} has no checkpoint, so there is no model to adapt: "
+                              "pass --pretrained-checkpoint DIR")
+        args.lora_base = {"path": str(base[0].resolve()), "sha256": _manifest_digest(base[0])}
+    if (ckpt or base) is not None:  # the tokenizer and vocabulary the model was trained with
+        run = (ckpt or base)[0].parent
+        if args.tokenizer_file is None and (run / "tokenizer.json").exists():
+            args.tokenizer_file = str(run / "tokenizer.json")
+        if args.vocab_size is None:
+            args.vocab_size = (ckpt or base)[1]["args"]["vocab_size"]
+    return ckpt, base
+
+
+def check_same_model(args, ckpt, base):
+    """The flags that shape the model must be the checkpoints': ARCH_FLAGS for the base and for a resumed run, and
+    LORA_FLAGS too for a resumed LoRA run. ConfigError naming every difference."""
+    for c, what in ((base, f"base checkpoint {base and base[0]}"), (ckpt, f"--load {args.load}")):
+        if c is None:
+            continue
+        saved = c[1]["args"]
+        flags = ARCH_FLAGS + (LORA_FLAGS if c is ckpt and (saved.get("lora_rank") or args.lora_rank) else [])
+        diff = {k: (saved.get(k), getattr(args, k)) for k in flags if saved.get(k) != getattr(args, k)}
+        if diff:
+            raise ConfigError(f"{what}: the checkpoint's model differs: "
+                              + ", ".join(f"{k}={a} in the checkpoint, {b} now" for k, (a, b) in diff.items()))
+
+
+def load_weights(ckpt, chunks, mesh):
+    """Only the model weights of checkpoint `ckpt` into `chunks` (no optimizer, iteration, RNG or FP8 state): the
+    start of a --finetune run, or a LoRA run's frozen base (adapters excluded: the base has none). Any layout."""
+    state = checkpoint_state(chunks, None, mesh, fp8=False, only=lambda p: not lora.is_adapter(p))
+    with _quiet_dcp():
+        dcp.load({"model": state["model"]}, checkpoint_id=str(ckpt[0]))
+
+
 def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None):
     """`fp8_args` (this run's --fp8* flags, or None): the FP8 scaling state is loaded when the checkpoint was saved
     with the same ones; otherwise scaling starts afresh."""
@@ -290,7 +393,7 @@ def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None
     if fp8_args is not None and not fp8 and (dist.get_rank() if dist.is_initialized() else 0) == 0:
         saved = {k: meta["args"].get(k) for k in keys}
         print(f"note: {path} was saved with other FP8 settings ({saved}): FP8 scaling starts afresh")
-    state = checkpoint_state(chunks, optimizer, mesh, fp8)
+    state = checkpoint_state(chunks, optimizer, mesh, fp8, only=lora.is_adapter if "lora_base" in meta else None)
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:  # the distributed optimizer keeps this rank's slices of the loaded moments
@@ -310,9 +413,10 @@ def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None
     return meta["iteration"], same_layout
 
 
-def load_model(load_dir, step=None, flag="--load"):
+def load_model(load_dir, step=None, flag="--load", merge=True):
     """A saved run for inference in one process (TP = PP = 1): (model, its flags, its tokenizer, (checkpoint
-    directory, meta)). `train.py sample` and Retro's BERT chunk embedder (retrieval.ChunkEmbedder.load) read runs so."""
+    directory, meta)). `train.py sample` and Retro's BERT chunk embedder (retrieval.ChunkEmbedder.load) read runs so.
+    A LoRA run: its base model with the adapters, merged into the weights (lora.merge) unless merge=False."""
     ckpt = find_checkpoint(load_dir, step, flag)
     if ckpt is None:
         raise ConfigError(f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt)")
@@ -321,6 +425,34 @@ def load_model(load_dir, step=None, flag="--load"):
     tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
     module = args.model_module = import_model(args.model)
     model = module.Model(model_config(module, args))
+    adapters = "lora_base" in ckpt[1]
+    if adapters:
+        load_weights(lora_base(ckpt, flag), [model], None)
+        lora.apply_lora(model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
     with _quiet_dcp():
-        dcp.load({"model": checkpoint_state([model], None, None)["model"]}, checkpoint_id=str(ckpt[0]))
+        dcp.load({"model": checkpoint_state([model], None, None, only=lora.is_adapter if adapters else None)["model"]},
+                 checkpoint_id=str(ckpt[0]))
+    if adapters and merge:
+        lora.merge(model)
+        args.lora_rank = None
+        vars(args).pop("lora_base", None)
     return model, args, tok, ckpt
+
+
+def save_merged(load_dir, save_dir):
+    """`train.py merge`: a LoRA run's base with its adapters merged (W + (alpha/r)·B·A) saved to `save_dir` as a plain
+    checkpoint of model weights (its iteration; its flags without LoRA's; its tokenizer). Start from it with
+    --finetune, or sample or export it."""
+    model, args, tok, ckpt = load_model(load_dir, merge=False)
+    if "lora_base" not in ckpt[1]:
+        raise ConfigError(f"--load {load_dir}: not a LoRA run (no adapters to merge)")
+    out = Path(save_dir)
+    if out.is_dir() and any(ITER_DIR.fullmatch(p.name) for p in out.iterdir()):
+        raise ConfigError(f"--save {out} holds a run already: merge into an empty directory")
+    lora.merge(model)
+    args.save, args.load, args.lora_rank = str(out), None, None
+    vars(args).pop("lora_base", None)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    save_checkpoint(args, ckpt[1]["iteration"], [model], None, argparse.Namespace(scale=1.0, clean=0, stuck=0), None)
+    return out

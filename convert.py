@@ -11,6 +11,8 @@ by side.
                  tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
+  Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`train.py export`) —
+                 tests/test_export.py loads them with transformers and compares the logits.
 Mirrors the name maps of Megatron-LM's tools/checkpoint/ loaders and of transformers' Megatron conversion scripts.
 
 Layouts met on the way in
@@ -26,7 +28,11 @@ Dimension glossary: gpt.py's (n heads, g query groups, d head dim, h hidden, V v
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -339,3 +345,128 @@ def megatron_state(state_dict: dict, c, rename=None) -> dict:
             raise ValueError(f"{name} has {rows} rows, fewer than vocab_size={c.vocab_size}")
         full[name] = F.pad(t[: c.padded_vocab_size], (0, 0) * (t.ndim - 1) + (0, max(0, c.padded_vocab_size - rows)))
     return full
+
+
+# ---------------------------------------------------------------------------------------------- export: ours -> Hugging Face
+class ExportError(ValueError):
+    """A model Hugging Face's classes cannot represent; the message names the setting (train.py prints one line)."""
+
+
+# Config fields that do not change what an exported model computes (training-only), or that gpt_to_hf reads itself.
+_EXPORT_IGNORED = {"hidden_dropout", "attention_dropout", "init_method_std", "sequence_parallel", "params_dtype",
+                   "label_smoothing", "seed", "make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                   "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity"}
+_EXPORT_READ = {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+                "vocab_size", "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization",
+                "layernorm_epsilon", "activation", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "softmax_scale",
+                "share_embeddings_and_output_weights", "num_tokentypes", "apply_residual_connection_post_layernorm",
+                "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+                "moe_router_pre_softmax", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size"}
+
+
+def gpt_to_hf(c, full: dict, model: str = "gpt") -> tuple[dict, dict]:
+    """The inverse of gpt_from_hf: (config.json as a dict, {HF name: tensor}) of a GPT2LMHeadModel (learned positions,
+    LayerNorm, biases, tied embeddings), a LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, no biases) or, with MoE in every
+    layer, a MixtralForCausalLM (Hugging Face hub layout: block_sparse_moe.experts.{j}.w1/w2/w3). `full`: our full
+    state dict (one process). Anything else, or any setting those classes cannot express: ExportError naming it."""
+    if model != "gpt":
+        raise ExportError(f"export: --model {model} has no Hugging Face export here (gpt has)")
+    for f in dataclasses.fields(c):  # a field this exporter does not know (a later feature) must be at its default
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name not in _EXPORT_IGNORED | _EXPORT_READ and getattr(c, f.name) != default:
+            raise ExportError(f"export: {f.name}={getattr(c, f.name)!r} has no Hugging Face equivalent here")
+    n, g, d, h, L = c.num_attention_heads, c.num_query_groups, c.kv_channels, c.hidden_size, c.num_layers
+    need = [("num_tokentypes", 0), ("apply_residual_connection_post_layernorm", False)]
+    if c.softmax_scale is not None and abs(c.softmax_scale * math.sqrt(d) - 1) > 1e-12:
+        need.append(("softmax_scale", None))
+    gpt2 = c.position_embedding_type == "learned_absolute"
+    acts = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+    if gpt2:
+        need += [("normalization", "LayerNorm"), ("gated_linear_unit", False), ("add_bias_linear", True),
+                 ("add_qkv_bias", True), ("share_embeddings_and_output_weights", True), ("num_query_groups", n),
+                 ("kv_channels", h // n), ("num_experts", None)]
+    else:
+        need += [("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("gated_linear_unit", True),
+                 ("activation", "silu"), ("add_bias_linear", False), ("add_qkv_bias", False)]
+        if c.num_experts:
+            need += [("moe_router_score_function", "softmax"), ("moe_router_pre_softmax", False),
+                     ("moe_expert_capacity_factor", None), ("moe_shared_expert_intermediate_size", None)]
+            if not all(c.is_moe_layer(i) for i in range(L)):
+                raise ExportError(f"export: moe_layer_freq={c.moe_layer_freq}: Mixtral has MoE in every layer")
+    for field, want in need:
+        if getattr(c, field) != want:
+            raise ExportError(f"export: {field}={getattr(c, field)!r} cannot be represented in Hugging Face's "
+                              f"{'GPT-2' if gpt2 else 'Llama/Mixtral'} (needs {want!r})")
+    V = c.vocab_size
+    sd = {k: v.detach() for k, v in full.items()}
+    dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+    out = {}
+    if gpt2:
+        hc = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=V, n_positions=c.max_position_embeddings,
+                  n_embd=h, n_layer=L, n_head=n, n_inner=c.ffn_hidden_size, activation_function=acts[c.activation],
+                  layer_norm_epsilon=c.layernorm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                  tie_word_embeddings=True, dtype=dtype)
+        out = {"transformer.wte.weight": sd["embedding.word_embeddings.weight"][:V],
+               "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
+               "transformer.ln_f.weight": sd["decoder.final_layernorm.weight"],
+               "transformer.ln_f.bias": sd["decoder.final_layernorm.bias"]}
+        names = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv", "ln_2": "pre_mlp_layernorm",
+                 "attn.c_proj": "self_attention.linear_proj", "mlp.c_fc": "mlp.linear_fc1", "mlp.c_proj": "mlp.linear_fc2"}
+        for i in range(L):
+            for dst, src in names.items():
+                for kind in ("weight", "bias"):
+                    t = sd[f"decoder.layers.{i}.{src}.{kind}"]
+                    if dst == "attn.c_attn":  # Megatron's per-head [q_h; k_h; v_h] -> [q; k; v] of all heads
+                        t = rearrange(t, "(n three d) ... -> (three n d) ...", three=3, n=n)
+                    out[f"transformer.h.{i}.{dst}.{kind}"] = t.t() if kind == "weight" and not dst.startswith("ln") else t
+        return hc, {k: v.contiguous().clone() for k, v in out.items()}
+    moe = bool(c.num_experts)
+    hc = dict(architectures=["MixtralForCausalLM" if moe else "LlamaForCausalLM"], model_type="mixtral" if moe else "llama",
+              vocab_size=V, hidden_size=h, intermediate_size=c.moe_ffn_hidden_size if moe else c.ffn_hidden_size,
+              num_hidden_layers=L, num_attention_heads=n, num_key_value_heads=g, head_dim=d,
+              max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon, hidden_act="silu",
+              rope_theta=c.rotary_base, rope_parameters={"rope_type": "default", "rope_theta": c.rotary_base},
+              tie_word_embeddings=c.share_embeddings_and_output_weights, attention_bias=False, dtype=dtype)
+    if moe:
+        hc.update(num_local_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk, router_jitter_noise=0.0,
+                  sliding_window=None, output_router_logits=False)
+    else:
+        hc.update(mlp_bias=False)
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:V],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    if not c.share_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["output_layer.weight"][:V]
+    for i in range(L):
+        o, s = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = rearrange(sd[s + "self_attention.linear_qkv.weight"], "(g r) h -> g r h", g=g).split([n // g * d, d, d], 1)
+        out.update({o + "input_layernorm.weight": sd[s + "input_layernorm.weight"],
+                    o + "self_attn.q_proj.weight": rearrange(q, "g r h -> (g r) h"),
+                    o + "self_attn.k_proj.weight": rearrange(k, "g r h -> (g r) h"),
+                    o + "self_attn.v_proj.weight": rearrange(v, "g r h -> (g r) h"),
+                    o + "self_attn.o_proj.weight": sd[s + "self_attention.linear_proj.weight"],
+                    o + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"]})
+        if not moe:
+            gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2)  # [gate; up]
+            out.update({o + "mlp.gate_proj.weight": gate, o + "mlp.up_proj.weight": up,
+                        o + "mlp.down_proj.weight": sd[s + "mlp.linear_fc2.weight"]})
+            continue
+        out[o + "block_sparse_moe.gate.weight"] = sd[s + "mlp.router.weight"]
+        for j in range(c.num_experts):
+            gate, up = sd[s + f"mlp.experts.linear_fc1.weight{j}"].chunk(2)
+            e = o + f"block_sparse_moe.experts.{j}."
+            out.update({e + "w1.weight": gate, e + "w3.weight": up, e + "w2.weight": sd[s + f"mlp.experts.linear_fc2.weight{j}"]})
+    return hc, {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def save_hf(out_dir, hf_config: dict, state: dict, tokenizer=None):
+    """Write a Hugging Face model directory: config.json, model.safetensors (and tokenizer.json when given), which
+    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads offline."""
+    from safetensors.torch import save_file  # (requirements.txt; installed with transformers too)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(str(out / "tokenizer.json"))
+    return out

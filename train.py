@@ -29,10 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import checkpoint
+import convert
 import data
+import lora
 import parallel as P
 from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args, print_args
-from checkpoint import ARCH_FLAGS, check_run_dirs, load_checkpoint, load_model, save_checkpoint
+from checkpoint import check_run_dirs, load_checkpoint, load_model, save_checkpoint
 from metrics import Logger
 
 
@@ -151,19 +154,11 @@ def setup(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_args(args, world)
     ckpt, resume = check_run_dirs(args)  # verified checkpoint or None; refuses a missing --load, an overwrite
-    if ckpt is not None:
-        if args.tokenizer_file is None and (Path(args.load) / "tokenizer.json").exists():
-            args.tokenizer_file = str(Path(args.load) / "tokenizer.json")  # the tokenizer the model was trained with
-        if args.vocab_size is None:
-            args.vocab_size = ckpt[1]["args"]["vocab_size"]
+    # base: weights only (--finetune, --pretrained-checkpoint, a LoRA run's base); sets its tokenizer and vocabulary
+    ckpt, base = checkpoint.plan_load(args, ckpt)
     tok, train_ds, valid_ds = build_data(args)
     config = model_config(args.model_module, args)
-    if ckpt is not None:
-        diff = {k: (ckpt[1]["args"].get(k), getattr(args, k)) for k in ARCH_FLAGS
-                if ckpt[1]["args"].get(k) != getattr(args, k)}
-        if diff:
-            raise ConfigError(f"--load {args.load}: the checkpoint's model differs: "
-                              + ", ".join(f"{k}={a} in the checkpoint, {b} now" for k, (a, b) in diff.items()))
+    checkpoint.check_same_model(args, ckpt, base)
     # ---- nothing above made a process group; everything below may
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
@@ -184,10 +179,12 @@ def setup(args):
         make = lambda pre, post, offset, n: args.model_module.Model(
             config, grid, pre_process=pre, post_process=post, layer_offset=offset, num_layers=n).to(device)
         chunks = P.build_chunks(make, config.num_layers, grid, args.virtual_pipeline_model_parallel_size)
+    for c in chunks if args.lora_rank else []:  # LoRA: the model frozen, adapters on its linears (lora.py)
+        lora.apply_lora(c, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
     model = torch.nn.ModuleList(chunks)  # all of this rank's parameters, for the optimizer and the audits
     model.layout_args = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size",
                                                        "pipeline_model_parallel_size"]}
-    return dict(tok=tok, train=train_ds, valid=valid_ds, grid=grid, model=model, chunks=chunks, mesh=mesh,
+    return dict(tok=tok, train=train_ds, valid=valid_ds, grid=grid, model=model, chunks=chunks, mesh=mesh, base=base,
                 device=device, ckpt=ckpt, resume=resume, config=config, rank=dist.get_rank() if dist.is_initialized() else 0)
 
 
@@ -274,6 +271,10 @@ def train(args):
     s["p2p_shape"] = (args.seq_length // tp if s["config"].sequence_parallel and tp > 1 else args.seq_length,
                       args.micro_batch_size, s["config"].hidden_size)  # [s(/tp), b, h] between pipeline stages
     start = 0
+    if s["base"] is not None:  # model weights only: iteration 0, fresh optimizer and RNG (or a LoRA run's base)
+        checkpoint.load_weights(s["base"], chunks, s["mesh"])
+        if rank == 0:
+            print(f"model weights from {s['base'][0]}" + (" (frozen: LoRA adapters train)" if args.lora_rank else ""))
     if s["ckpt"] is not None:
         start, rng_restored = load_checkpoint(s["ckpt"], chunks, optimizer, scaler, s["mesh"], model.layout_args,
                                               {k: getattr(args, k) for k in ["fp8", "fp8_format", "fp8_recipe",
@@ -281,7 +282,7 @@ def train(args):
         if rank == 0:
             print(f"resumed from {s['ckpt'][0]} at iteration {start}"
                   + ("" if rng_restored else " (different layout: RNG streams not restored)"))
-    elif args.load and rank == 0:
+    elif args.load and s["base"] is None and rank == 0:
         print(f"a new run in {args.load}" if args.load == args.save else
               f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
     if rank == 0:
@@ -425,13 +426,26 @@ def sample(argv):
     return text
 
 
+def post_training(argv):
+    """train.py merge --load RUN --save OUT: a LoRA run's adapters merged into its base, a plain checkpoint;
+    train.py export --load RUN --hf-out DIR: a Hugging Face model directory (config.json, model.safetensors)."""
+    p = ArgumentParser(prog=f"train.py {argv[0]}")
+    p.add_argument("--load", required=True)
+    p.add_argument("--save" if argv[0] == "merge" else "--hf-out", required=True)
+    a = p.parse_args(argv[1:])
+    if argv[0] == "merge":
+        return checkpoint.save_merged(a.load, a.save)
+    model, args, tok, _ = load_model(a.load)  # a LoRA run: merged
+    return convert.save_hf(a.hf_out, *convert.gpt_to_hf(model.config, model.state_dict(), args.model), tok)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if argv[:1] == ["sample"]:
-            return sample(argv[1:])
+        if argv[:1] in (["sample"], ["merge"], ["export"]):
+            return sample(argv[1:]) if argv[0] == "sample" else post_training(argv)
         train(parse_args(argv))
-    except (ConfigError, data.DataError, TrainingError) as e:
+    except (ConfigError, data.DataError, TrainingError, convert.ExportError, lora.LoRAError) as e:
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun: every rank finds the same error and rank 0 says it;
             time.sleep(5)  # when it exits, torchrun stops this rank. Still alive: rank 0 did not fail, so this one speaks
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)

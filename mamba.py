@@ -334,6 +334,9 @@ class Stack(nn.Module):
         self.final_norm = transformer.Norm(c) if post_process else None
 
     def forward(self, x, rope=None, mask=None, inference_context=None):
+        if inference_context is not None and any(layer.symbol == "M" for layer in self.layers):
+            raise ValueError("Mamba layers decode from their recurrent state (Model.step, mamba.generate), "
+                             "not from a KV cache")
         for layer in self.layers:
             x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
         return self.final_norm(x) if self.final_norm is not None else x

@@ -16,6 +16,7 @@ process only in the order of TP/DP sums. Measured ~1e-15 and below.
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -196,3 +197,23 @@ def test_recipe_packs_only_with_the_flags():
     assert train.batch_recipe(gpt, batch, plain) == (train.next_token_loss, 32)
     recipe, count = train.batch_recipe(gpt, batch, argparse.Namespace(**{**vars(plain), "reset_attention_mask": True}))
     assert recipe.keywords["pack"] == data.Packing(EOD, reset_attention_mask=True) and count == 32
+
+
+def test_train_py_trains_on_packed_documents(tmp_path, monkeypatch):
+    """End to end: the flags reach the recipe with the tokenizer's eod id, and every global batch (train and
+    validation) is divided by its own count of loss tokens, fewer than its tokens (each row holds EODs)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(24):
+        (corpus / f"m{i:02d}.py").write_text(f"def f{i}(a):\n    return a * {i}\n")
+    counts, real = [], data.Packing.num_loss_tokens
+    monkeypatch.setattr(data.Packing, "num_loss_tokens", lambda self, batch: counts.append(
+        (self.eod, real(self, batch), batch[:, :-1].numel())) or counts[-1][1])
+    train.main(["--data-path", str(corpus), "--data-cache-dir", str(tmp_path / "cache"), "--vocab-size", "384",
+                "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+                "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "2",
+                "--eval-iters", "1", "--log-interval", "1", "--split", "70,30", "--save", str(tmp_path / "run"), *(
+                    f"--{f.replace('_', '-')}" for f in FLAGS)])
+    assert len(counts) == 3 and all(eod == EOD and 0 < n < total for eod, n, total in counts), counts
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and all(torch.isfinite(torch.tensor(list(json.loads(x).values()))).all() for x in lines)

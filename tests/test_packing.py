@@ -11,7 +11,7 @@ train.py's GPT recipe): several documents in one sequence, each seen exactly as 
   - the flags' checks in arguments.py.
 Tolerances: float64 1e-10 relative (DESIGN.md §2): packed vs alone differ only in the order of reductions (masked
 keys add exact zeros to the softmax sums, longer matmuls add the same terms in another order); layouts vs one
-process only in the order of TP/DP sums. Measured ~1e-15 and below.
+process only in the order of TP/DP sums. Measured: packed vs alone ≤ 8e-16 (learned and RoPE).
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def packed_vs_alone(cfg, pack):
             out = model(piece[None, :-1], piece[None, 1:])[0]  # [len - 1]: the document alone, from position 0
             out.sum().backward()
             alone[r, a:a + len(piece) - 1] = out.detach()
-            total, n_docs = total + float(out.sum()), n_docs + 1
+            total, n_docs = total + float(out.detach().sum()), n_docs + 1
     assert n_docs >= 6, f"only {n_docs} documents in the packed batch"
     sums = (loss.detach(), torch.tensor(total, dtype=f64))
     return sums, per_token, alone, got, {n: p.grad for n, p in model.named_parameters()}

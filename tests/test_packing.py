@@ -2,6 +2,10 @@
 train.py's GPT recipe): several documents in one sequence, each seen exactly as if it were alone.
 
   - the masks, loss mask and positions equal Megatron-core's `_get_ltor_masks_and_position_ids` sample by sample;
+  - Megatron-core's GPTModel given those positions and mask computes the same logits, masked per-token loss and
+    gradients as ours (GPT-2-like, learned positions, TP 1 and 2; with our mask replaced by None the logits differ
+    by 7e-1, checked by hand). Not with RoPE: Megatron's GPTModel rotates by 0..s-1 whatever position_ids say,
+    which the block-causal mask makes equal in exact arithmetic but not in float32 angles (DESIGN.md §4);
   - a packed batch gives each document exactly the per-token losses it has alone, and its summed loss the gradient
     of the documents' summed losses alone (GPT with learned and with rotary positions, float64); a plain causal mask
     fails that comparison (the negative control);
@@ -27,7 +31,7 @@ import data
 import gpt
 import parallel as P
 import train
-from equivalence import assert_same, rel_err
+from equivalence import assert_same, named_full, rel_err
 
 EOD = 0
 f64 = torch.float64
@@ -126,6 +130,52 @@ def test_plain_causal_mask_is_caught(cfg):
     previous documents in their window and the comparison fails."""
     with pytest.raises(AssertionError, match="worst relative error"):
         assert_packed_equals_alone(cfg, data.Packing(EOD, reset_position_ids=True, eod_mask_loss=True))
+
+
+def megatron_packed_case(rank, n, tp, seed=7):
+    """A packed batch through Megatron-core's GPTModel (learned positions; position_ids and its True = masked
+    attention mask from `_get_ltor_masks_and_position_ids`) and through ours (data.Packing), from one state dict."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids as megatron_masks
+    from test_megatron_parity import (
+        GPT2_LIKE,
+        gather_logits,
+        gather_megatron,
+        load_into_megatron,
+        megatron_gpt,
+        megatron_on_cpu,
+        seeded_full_state,
+    )
+
+    cfg = dict(GPT2_LIKE, vocab_size=GPT["vocab_size"], hidden_dropout=0.0, attention_dropout=0.0, params_dtype=f64)
+    c, grid, batch = gpt.Config(**cfg), P.Grid(tp=tp, dp=n // tp), packed_batch(2, 16, seed=3)
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    rows = [megatron_masks(row.clone(), EOD, True, True, True, True) for row in inputs]
+    mega_mask, mega_loss_mask, mega_pos = (torch.stack(t) for t in zip(*rows))  # [b, 1, s, s], [b, s], [b, s]
+    with megatron_on_cpu(tp, seed):
+        mc = megatron_gpt(c, tp)
+        full = seeded_full_state(mc, tp, seed)
+        load_into_megatron(mc, full, tp, c.gated_linear_unit)
+        ours = gpt.from_megatron(full, c, grid)
+        logits = gather_logits(mc(inputs, mega_pos, mega_mask), tp)[..., : c.vocab_size]
+        loss = mc(inputs, mega_pos, mega_mask, labels=labels) * mega_loss_mask  # [b, s]
+        loss.sum().backward()
+        ref = dict(logits=logits.detach(), loss=loss.detach(), grads=gather_megatron(mc, tp, c.gated_linear_unit))
+        mask, loss_mask, pos = data.Packing(EOD, **FLAGS)(inputs)
+        out = ours(inputs, position_ids=pos, mask=mask).detach()
+        loss = train.next_token_loss(ours, batch, data.Packing(EOD, **FLAGS))
+        loss.backward()
+        got = dict(logits=out, loss=ours(inputs, labels, position_ids=pos, mask=mask).detach() * loss_mask,
+                   grads=named_full(ours, grid, grads=True))
+    return (got, ref) if rank == 0 else None
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_batch_matches_megatron(pool, tp):
+    """Megatron-core's own GPTModel on the same packed batch: logits, masked per-token loss, every gradient."""
+    from test_megatron_parity import WORLD, assert_parity, compare
+
+    got, ref = pool.run(megatron_packed_case, WORLD, tp=tp)[0]
+    assert_parity(compare(got, ref), f"packed gpt2-like tp={tp}")
 
 
 # --------------------------------------------------------------------------------------- 3. layouts == one process

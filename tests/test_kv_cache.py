@@ -5,7 +5,7 @@
     (where the cached path falls back to the oracle's sliding window), and at TP 2 (each rank caches its own heads);
   - gpt.generate uses the cache by default: after the prompt every forward sees one token;
   - the Mamba hybrid: its attention layers decode from the cache inside the recurrent step; mamba.generate equals a
-    full recompute of the whole hybrid each step, and the step's logits the parallel forward's;
+    full recompute of the whole hybrid each step, and the step's logits the parallel forward's; at TP 2 too;
   - negative controls: a cache whose new positions ignore the offset (RoPE at position 0) fails the comparison;
     a KV cache offered to Mamba layers, which have no keys, is refused.
 Tolerance: logits 1e-10 relative in float64: the cached path computes each position's attention over the same keys
@@ -119,6 +119,19 @@ def test_mamba_hybrid_generation_equals_recompute(pos):
     assert rel_err(steps, full) <= 1e-10
     kv = cache["kv"].key_value_memory_dict
     assert len(kv) == 2 and all(k.shape[2] >= got.shape[1] for k, _ in kv.values())  # both attention layers cached
+
+
+def tp_mamba_case(rank, n):
+    model = mamba.Model(mamba.Config(**HYBRID, hybrid_layer_pattern="M*-M*", position_embedding_type="rope"),
+                        P.Grid(tp=n)).eval()
+    return mamba.generate(model, prompt(), 19, temperature=0)
+
+
+def test_mamba_hybrid_generation_at_tp2_equals_single_process(pool):
+    single = mamba.Model(mamba.Config(**HYBRID, hybrid_layer_pattern="M*-M*", position_embedding_type="rope")).eval()
+    ref = gpt.generate(single, prompt(), 19, temperature=0, use_cache=False)
+    for got in pool.run(tp_mamba_case, 2):
+        assert torch.equal(got, ref)
 
 
 def test_mamba_layers_refuse_a_kv_cache():

@@ -3,8 +3,8 @@ train.py's GPT recipe): several documents in one sequence, each seen exactly as 
 
   - the masks, loss mask and positions equal Megatron-core's `_get_ltor_masks_and_position_ids` sample by sample;
   - Megatron-core's GPTModel given those positions and mask computes the same logits, masked per-token loss and
-    gradients as ours (GPT-2-like, learned positions, TP 1 and 2; with our mask replaced by None the logits differ
-    by 7e-1, checked by hand). Not with RoPE: Megatron's GPTModel rotates by 0..s-1 whatever position_ids say,
+    gradients as ours (GPT-2-like, learned positions, TP 1 and 2; our model with a plain causal mask fails, logits
+    off by ~7e-1). Not with RoPE: Megatron's GPTModel rotates by 0..s-1 whatever position_ids say,
     which the block-causal mask makes equal in exact arithmetic but not in float32 angles (DESIGN.md §4);
   - a packed batch gives each document exactly the per-token losses it has alone, and its summed loss the gradient
     of the documents' summed losses alone (GPT with learned and with rotary positions, float64); a plain causal mask
@@ -132,7 +132,7 @@ def test_plain_causal_mask_is_caught(cfg):
         assert_packed_equals_alone(cfg, data.Packing(EOD, reset_position_ids=True, eod_mask_loss=True))
 
 
-def megatron_packed_case(rank, n, tp, seed=7):
+def megatron_packed_case(rank, n, tp, seed=7, plain_mask=False):
     """A packed batch through Megatron-core's GPTModel (learned positions; position_ids and its True = masked
     attention mask from `_get_ltor_masks_and_position_ids`) and through ours (data.Packing), from one state dict."""
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids as megatron_masks
@@ -161,6 +161,7 @@ def megatron_packed_case(rank, n, tp, seed=7):
         loss.sum().backward()
         ref = dict(logits=logits.detach(), loss=loss.detach(), grads=gather_megatron(mc, tp, c.gated_linear_unit))
         mask, loss_mask, pos = data.Packing(EOD, **FLAGS)(inputs)
+        mask = None if plain_mask else mask  # negative control: ours causal, Megatron block-causal
         out = ours(inputs, position_ids=pos, mask=mask).detach()
         loss = train.next_token_loss(ours, batch, data.Packing(EOD, **FLAGS))
         loss.backward()
@@ -176,6 +177,14 @@ def test_packed_batch_matches_megatron(pool, tp):
 
     got, ref = pool.run(megatron_packed_case, WORLD, tp=tp)[0]
     assert_parity(compare(got, ref), f"packed gpt2-like tp={tp}")
+
+
+def test_plain_causal_mask_against_megatron_is_caught(pool):
+    from test_megatron_parity import WORLD, assert_parity, compare
+
+    got, ref = pool.run(megatron_packed_case, WORLD, tp=1, plain_mask=True)[0]
+    with pytest.raises(AssertionError, match="worst relative error"):
+        assert_parity(compare(got, ref), "packed gpt2-like, our mask plain causal")
 
 
 # --------------------------------------------------------------------------------------- 3. layouts == one process

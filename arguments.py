@@ -67,6 +67,11 @@ def parse_args(argv):
     a("--tokenizer-file", default=None, help="a HF tokenizers tokenizer.json (default: train a byte-level BPE)")
     a("--vocab-size", type=int, default=None, help="the BPE to train (default 8192), or the model's vocabulary")
     a("--data-cache-dir", default="data_cache")
+    # packed documents (data.Packing; megatron/core/datasets/gpt_dataset.py): the documents a sample holds, apart
+    a("--reset-position-ids", action="store_true", help="GPT: positions restart at 0 after each end-of-document token")
+    a("--reset-attention-mask", action="store_true",
+      help="GPT: a token attends only to its own document (block-causal mask)")
+    a("--eod-mask-loss", action="store_true", help="GPT: no loss on the prediction made at an end-of-document token")
     # training
     a("--micro-batch-size", type=int, default=16)
     a("--global-batch-size", type=int, default=16)
@@ -340,6 +345,11 @@ def check_args(args, world: int):
     if args.lora_rank is not None and args.num_experts and {"linear_fc1", "linear_fc2"} & set(args.lora_target_modules):
         raise ConfigError("--lora-rank with --num-experts: adapters on MoE experts are not supported; pass "
                           "--lora-target-modules linear_qkv linear_proj")
+    packing = [f for f in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(args, f)]
+    if packing and args.model != "gpt":  # others have their own samples, or (Mamba) state that crosses documents
+        raise ConfigError(f"--{packing[0].replace('_', '-')} is for --model gpt, not --model {args.model}")
+    if args.reset_position_ids and args.position_embedding_type == "none":
+        raise ConfigError("--reset-position-ids with --position-embedding-type none: there are no positions to reset")
     args.model_module = import_model(args.model)
     # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
     # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in

@@ -2,7 +2,8 @@
 
 Shared by every model (gpt, bert, t5, retro, mamba) and by train.py. It mirrors, in Megatron-LM:
   megatron/core/datasets/indexed_dataset.py  the .bin/.idx format      (write_indexed_dataset, IndexedDataset)
-  megatron/core/datasets/gpt_dataset.py      token stream -> samples   (GPTDataset, global_batch)
+  megatron/core/datasets/gpt_dataset.py      token stream -> samples   (GPTDataset, global_batch; packed
+                                             documents: get_ltor_masks_and_position_ids, Packing)
   tools/preprocess_data.py                   jsonl -> .bin/.idx        (`python data.py preprocess`)
 
     python data.py preprocess --output-prefix data/stdlib                # the default corpus, a fresh 8192 BPE
@@ -22,6 +23,7 @@ import re
 import struct
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -356,6 +358,61 @@ def global_batch(dataset, iteration, global_batch_size):
         raise DataError(f"bad iteration {iteration} / global_batch_size {global_batch_size}")
     start = iteration * global_batch_size
     return torch.from_numpy(np.stack([dataset[start + j] for j in range(global_batch_size)]))
+
+
+# ----------------------------------------------------------------------------- packed documents
+# A GPT sample is a window of the token stream, so it holds the end of one document, its eod, the next document...
+# Megatron's --reset-position-ids / --reset-attention-mask / --eod-mask-loss make each document in the window see
+# only itself (megatron/core/datasets/gpt_dataset.py `_get_ltor_masks_and_position_ids`): positions restart after
+# each eod, attention is block-causal (a token attends to the earlier tokens of its own document), and the
+# prediction made AT an eod (the next document's first token, from the previous document) carries no loss. The eod
+# belongs to the document it ends. Megatron's mask is True = masked out; ours is SDPA's True = attend. The
+# variable-length ("THD", cu_seqlens) form, torch.nn.attention.varlen.varlen_attn, is flash-attention only (CUDA):
+# on CPU it raises NotImplementedError, so the dense block-causal mask is what runs here (O(s²) bools per sample).
+
+def get_ltor_masks_and_position_ids(tokens, eod: int, reset_position_ids=False, reset_attention_mask=False,
+                                    eod_mask_loss=False):
+    """Input ids [b, s] -> (mask: bool [b, 1, s, s], True = attend, or None = plain causal; loss_mask: float [b, s],
+    0 where the input token is eod under eod_mask_loss; position_ids: [b, s]). Vectorized; the same as Megatron's
+    per-eod loop (tests/test_packing.py compares the two)."""
+    b, s = tokens.shape
+    is_eod = tokens == eod  # [b, s]
+    loss_mask = (~is_eod if eod_mask_loss else torch.ones_like(is_eod)).to(torch.float32)
+    doc = is_eod.long().cumsum(-1) - is_eod.long()  # [b, s] document index; an eod belongs to the document it ends
+    pos = torch.arange(s, device=tokens.device).expand(b, s)
+    if reset_position_ids:  # position - the index of the document's first token (the running max of the starts)
+        starts = torch.where(torch.cat([torch.ones_like(doc[:, :1]), doc.diff(dim=-1)], -1) > 0, pos, 0)
+        pos = pos - starts.cummax(-1).values
+    mask = None
+    if reset_attention_mask:  # block-causal: the same document, and not in the future
+        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+        mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # [b, 1, s, s]
+    return mask, loss_mask, pos.contiguous()
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The packed-document flags with the tokenizer's eod id, for the GPT recipe (train.py next_token_loss):
+    `pack(tokens)` -> (mask, loss_mask, position_ids); `num_loss_tokens(batch)` counts the loss tokens of a whole
+    global batch [gbs, s+1] — the layout-free denominator of the loss rule (DESIGN.md §2)."""
+    eod: int
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    @classmethod
+    def from_args(cls, args):
+        """None unless one of --reset-position-ids, --reset-attention-mask, --eod-mask-loss is set."""
+        flags = {k: getattr(args, k, False) for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")}
+        return cls(args.eod_token, **flags) if any(flags.values()) else None
+
+    def __call__(self, tokens):
+        return get_ltor_masks_and_position_ids(tokens, self.eod, self.reset_position_ids, self.reset_attention_mask,
+                                               self.eod_mask_loss)
+
+    def num_loss_tokens(self, batch) -> int:
+        tokens = batch[:, :-1]
+        return int((tokens != self.eod).sum()) if self.eod_mask_loss else tokens.numel()
 
 
 # ----------------------------------------------------------------------------- preprocess CLI

@@ -26,7 +26,7 @@ from torch import nn
 import convert
 import parallel as P
 from rope import rope_for
-from transformer import ACTIVATIONS, Decoder
+from transformer import ACTIVATIONS, Decoder, InferenceContext
 
 
 @dataclasses.dataclass
@@ -275,10 +275,24 @@ class Model(nn.Module):
         if c.sequence_parallel and s % tp:
             raise ValueError(f"sequence parallelism needs the {what} length {s} divisible by tp={tp}")
 
-    def forward(self, input_ids, labels=None, position_ids=None, mask=None):
+    def rope_at(self, position_ids):
+        """RoPE angles of explicit positions [b|1, s] (packed documents, decoding after a cache): [s, b|1, 1, d]."""
+        rope = self.rope(int(position_ids.max()) + 1, position_ids.device)
+        return None if rope is None else tuple(rearrange(t[position_ids], "b s 1 1 d -> s b 1 d") for t in rope)
+
+    def forward(self, input_ids, labels=None, position_ids=None, mask=None, inference_context=None):
+        """position_ids [b, s] / mask bool [b, 1, s, s] (True = attend): packed documents (data.Packing), else 0..s-1
+        and causal. inference_context (transformer.InferenceContext): the KV cache; input_ids are the positions
+        after the cached ones."""
         self.check_input(input_ids)
+        s, dev = input_ids.shape[1], input_ids.device
+        if inference_context is not None and position_ids is None:
+            position_ids = torch.arange(s, device=dev)[None] + inference_context.sequence_len_offset  # [1, s]
+        rope = self.rope(s, dev) if position_ids is None else self.rope_at(position_ids)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor  # [s(/tp), b, h]
-        x = self.decoder(x, rope=self.rope(input_ids.shape[1], input_ids.device), mask=mask)
+        x = self.decoder(x, rope=rope, mask=mask, inference_context=inference_context)
+        if inference_context is not None:
+            inference_context.sequence_len_offset += s
         return self.postprocess(x, labels) if self.post_process else x
 
     def logits(self, x):
@@ -308,16 +322,34 @@ def sample_next(logits, temperature: float, top_k: int | None):
     return torch.multinomial(torch.softmax(logits, -1), 1)
 
 
+def cached_next_logits(model: Model, window: int):
+    """next_logits(ids) with a KV cache (transformer.InferenceContext): the first call runs the whole prompt once
+    (prefill), each later call only the newest token (decode), attending to the cached keys and values. Past
+    `window` tokens the recompute path slides its window, every position shifts, and no cached key stays valid:
+    from there on each step recomputes the last `window` tokens exactly as the recompute path does."""
+    cache = InferenceContext(max_sequence_length=window)
+
+    def next_logits(ids):  # ids [b, t]: everything so far, of which the cache holds the first sequence_len_offset
+        if ids.shape[1] > window:
+            return model(ids[:, -window:])[:, -1, :]
+        return model(ids[:, cache.sequence_len_offset:], inference_context=cache)[:, -1, :]
+    return next_logits
+
+
 @torch.no_grad()
 def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, eod: int | None = None, next_logits=None) -> torch.Tensor:
+             top_k: int | None = None, eod: int | None = None, next_logits=None, use_cache: bool = True) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `ids` [b, s]. `next_logits(ids)` gives the last position's logits
-    [b, V]; by default a full recompute of the (windowed) sequence each step: short and obviously right
-    (mamba.generate passes its O(1) recurrent step instead, t5.generate its decoder over one encoder output)."""
+    [b, V]; by default from a KV cache (`cached_next_logits`: O(t) work per token). use_cache=False is the oracle:
+    a full recompute of the (windowed) sequence each step, O(t²), short and obviously right (tests/test_kv_cache.py
+    checks the two agree token for token). mamba.generate passes its recurrent step, t5.generate its decoder over
+    one encoder output."""
     was_training = model.training
     model.eval()
     window = model.config.max_position_embeddings
-    next_logits = next_logits or (lambda ids: model(ids[:, -window:])[:, -1, :])
+    if next_logits is None:
+        next_logits = (cached_next_logits(model, window) if use_cache
+                       else lambda ids: model(ids[:, -window:])[:, -1, :])
     for _ in range(max_new_tokens):
         nxt = sample_next(next_logits(ids), temperature, top_k)  # [b, 1]
         ids = torch.cat([ids, nxt], dim=1)

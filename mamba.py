@@ -308,20 +308,19 @@ class Layer(nn.Module):
     def parts(self):
         return (getattr(self, n) for n in self.NAMES[self.symbol])
 
-    def forward(self, x, rope=None, mask=None):  # [s(/tp), b, h]
+    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
         norm, f = self.parts()
-        y = f(norm(x), rope=rope, mask=mask) if self.symbol == "*" else f(norm(x))
+        y = f(norm(x), rope=rope, mask=mask, inference_context=inference_context) if self.symbol == "*" else f(norm(x))
         return x + P.dropout(y, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
 
-    def step(self, x, cache, rope=None):
-        """x [1, b, h], one new position. Cache: Mamba (conv, ssm) states; attention the normed inputs so far
-        (recomputed each step: short and obviously right, O(t) per token); MLP none."""
+    def step(self, x, cache, rope=None, inference_context=None):
+        """x [1, b, h], one new position. Cache: Mamba (conv, ssm) states; attention its keys and values in
+        `inference_context` (transformer.InferenceContext, O(t) per token); MLP none."""
         norm, f = self.parts()
         if self.symbol == "M":
             y, cache = f.step(norm(x), cache)
         elif self.symbol == "*":
-            cache = norm(x) if cache is None else torch.cat([cache, norm(x)])
-            y = f(cache, rope=rope)[-1:]
+            y = f(norm(x), rope=rope, inference_context=inference_context)
         else:
             y = f(norm(x))
         return x + y, cache
@@ -335,9 +334,12 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList([Layer(s, c, grid, rng) for s in symbols])
         self.final_norm = transformer.Norm(c) if post_process else None
 
-    def forward(self, x, rope=None, mask=None):
+    def forward(self, x, rope=None, mask=None, inference_context=None):
+        if inference_context is not None and any(layer.symbol == "M" for layer in self.layers):
+            raise ValueError("Mamba layers decode from their recurrent state (Model.step, mamba.generate), "
+                             "not from a KV cache")
         for layer in self.layers:
-            x = layer(x, rope=rope, mask=mask)
+            x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
         return self.final_norm(x) if self.final_norm is not None else x
 
 
@@ -364,16 +366,19 @@ class Model(gpt.Model):
 
     @torch.no_grad()
     def step(self, ids, cache: dict):
-        """Logits [b, V] for the newest tokens ids [b], given `cache` (start with {}), which it updates."""
+        """Logits [b, V] for the newest tokens ids [b], given `cache` (start with {}), which it updates: "t" the
+        position, "layers" the Mamba layers' states, "kv" the attention layers' KV cache."""
         if self.config.sequence_parallel or not (self.pre_process and self.post_process):
             raise ValueError("step() runs a whole model without sequence parallelism")
         t = cache.get("t", 0)
         layers = cache.setdefault("layers", [None] * len(self.decoder.layers))
-        x = self.embedding(ids[:, None], torch.tensor([t], device=ids.device))  # [1, b, h]
-        rope = self.rope(t + 1, ids.device)
+        kv = cache.setdefault("kv", transformer.InferenceContext())
+        pos = torch.tensor([[t]], device=ids.device)  # [1, 1]
+        x = self.embedding(ids[:, None], pos[0])  # [1, b, h]
+        rope = self.rope_at(pos)
         for i, layer in enumerate(self.decoder.layers):
-            x, layers[i] = layer.step(x, layers[i], rope=rope)
-        cache["t"] = t + 1
+            x, layers[i] = layer.step(x, layers[i], rope=rope, inference_context=kv)
+        cache["t"] = kv.sequence_len_offset = t + 1
         return self.postprocess(self.decoder.final_norm(x))[:, 0]  # [b, V]
 
 

@@ -19,6 +19,7 @@ one line `train.py: error: ...`. Data order depends only on (seed, iteration): e
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import math
 import os
@@ -42,9 +43,14 @@ from metrics import Logger
 # ============================================================================================================
 # 1. Data — corpus -> tokenizer -> token cache -> document split -> datasets (data.py does the work)
 # ============================================================================================================
-def next_token_loss(model, mb):
-    """The GPT recipe: micro-batch [b, s+1] -> the SUM of its b·s next-token losses (a scalar)."""
-    return model(mb[:, :-1], mb[:, 1:]).float().sum()
+def next_token_loss(model, mb, pack=None):
+    """The GPT recipe: micro-batch [b, s+1] -> the SUM of its b·s next-token losses (a scalar). With `pack`
+    (data.Packing: --reset-position-ids, --reset-attention-mask, --eod-mask-loss) documents packed in a sequence."""
+    if pack is None:
+        return model(mb[:, :-1], mb[:, 1:]).float().sum()
+    mask, loss_mask, position_ids = pack(mb[:, :-1])
+    out = model(mb[:, :-1], mb[:, 1:], position_ids=position_ids, mask=mask)  # [b, s] (an inner stage: [s, b, h])
+    return (out * loss_mask).sum() if model.post_process else out  # the float32 mask: a sum in >= float32
 
 
 def batch_recipe(module, batch, args):
@@ -52,6 +58,8 @@ def batch_recipe(module, batch, args):
     A model file may bring batch_recipe(batch) (BERT: divided by the masked tokens) or loss_func(model, mb)."""
     if hasattr(module, "batch_recipe"):
         return module.batch_recipe(batch)
+    if (pack := data.Packing.from_args(args)) is not None:  # GPT only (arguments.check_args)
+        return functools.partial(next_token_loss, pack=pack), pack.num_loss_tokens(batch)
     return getattr(module, "loss_func", next_token_loss), batch.shape[0] * args.seq_length
 
 
@@ -87,6 +95,7 @@ def build_data(args):
         raise data.DataError(f"the tokenizer has {n_tok} tokens, more than the model's --vocab-size={args.vocab_size}"
                              f" (tokenizer: {args.tokenizer_file or 'trained BPE'})")
     args.vocab_size = args.vocab_size or n_tok
+    args.eod_token = data.special_ids(tok)["eod"]  # Megatron's tokenizer.eod: separates packed documents
     train_ids, valid_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)
     make = getattr(args.model_module, "dataset", None)  # a model file may bring its samples (BERT: MLM + SOP)
     make = make or (lambda source, ids, args, tok, seed: data.GPTDataset(source, ids, args.seq_length, seed))

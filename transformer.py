@@ -43,6 +43,29 @@ def Norm(c) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------- attention and MLP
+class InferenceContext:
+    """The KV cache of incremental decoding (Megatron's StaticInferenceContext,
+    megatron/core/inference/contexts/static_context.py, and attention.py `_adjust_key_value_for_inference`): for each
+    attention layer, this rank's keys and values (its g/tp heads under TP) of every position fed so far, keys after
+    RoPE (as Megatron's flash-decode and dynamic paths store them, so an old key is never rotated again).
+    `sequence_len_offset` = positions already cached; the model advances it after each forward. Buffers are
+    preallocated to max_sequence_length, and doubled if a call goes past it (amortized O(1) per token)."""
+
+    def __init__(self, max_sequence_length: int | None = None):
+        self.max_sequence_length, self.sequence_len_offset, self.key_value_memory_dict = max_sequence_length, 0, {}
+
+    def append(self, layer, k, v):
+        """This call's keys and values [b, g, s, d] -> those of every position so far [b, g, t + s, d]."""
+        t, s = self.sequence_len_offset, k.shape[2]
+        K, V = self.key_value_memory_dict.get(layer, (k[:, :, :0], v[:, :, :0]))
+        if t + s > K.shape[2]:  # (re)allocate, keeping the t cached positions
+            n = max(t + s, self.max_sequence_length or 0, 2 * K.shape[2])
+            K, V = (torch.cat([B[:, :, :t], B.new_empty(*B.shape[:2], n - t, B.shape[3])], dim=2) for B in (K, V))
+            self.key_value_memory_dict[layer] = (K, V)
+        K[:, :, t:t + s], V[:, :, t:t + s] = k, v
+        return K[:, :, :t + s], V[:, :, :t + s]
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention, heads split over TP. Self-attention uses one fused `linear_qkv` whose
     output is grouped per query group, [q heads of the group; k; v] (Megatron's layout); cross-attention uses
@@ -65,8 +88,10 @@ class Attention(nn.Module):
         self.linear_proj = P.RowParallelLinear(n * d, h, grid, bias=c.add_bias_linear, std=c.output_std,
                                                sequence_parallel=c.sequence_parallel, dtype=c.params_dtype)
 
-    def forward(self, x, rope=None, mask=None, kv_input=None, causal=True):
-        """x [s(/tp), b, h] -> [s(/tp), b, h]. mask: bool [b|1, n|1, sq, sk] True = attend, or a float bias."""
+    def forward(self, x, rope=None, mask=None, kv_input=None, causal=True, inference_context=None):
+        """x [s(/tp), b, h] -> [s(/tp), b, h]. mask: bool [b|1, n|1, sq, sk] True = attend, or a float bias.
+        inference_context: decoding with a KV cache — this call's positions follow the cached ones (rope holds their
+        angles), their keys and values join the cache, and the queries attend to every cached position."""
         if kv_input is None:
             qkv = rearrange(self.linear_qkv(x), "s b (g m d) -> s b g m d", g=self.g, d=self.d)  # m = n/g + 2
             q = rearrange(qkv[:, :, :, :-2], "s b g m d -> s b (g m) d")  # [s, b, n, d]
@@ -77,6 +102,11 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
+        if inference_context is not None:
+            k, v = inference_context.append(self, k, v)  # [b, g, t + s, d]
+            sq, sk = q.shape[2], k.shape[2]
+            if causal and mask is None and sq != sk:  # query i is position t + i: it sees keys 0 .. t + i
+                mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(sk - sq)
         if self.recompute and self.training and torch.is_grad_enabled():  # selective recomputation
             o = checkpoint(self.core_attention, self.rng, q, k, v, mask, causal)
         else:
@@ -141,10 +171,11 @@ class TransformerLayer(nn.Module):
     def drop(self, x):  # hidden dropout; under SP the activations are sequence shards -> model-parallel stream
         return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
 
-    def forward(self, x, rope=None, mask=None):  # [s(/tp), b, h]
+    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
         post = self.c.apply_residual_connection_post_layernorm
         ln = self.input_layernorm(x)
-        x = (ln if post else x) + self.drop(self.self_attention(ln, rope=rope, mask=mask))
+        x = (ln if post else x) + self.drop(self.self_attention(ln, rope=rope, mask=mask,
+                                                                inference_context=inference_context))
         ln = self.pre_mlp_layernorm(x)
         return (ln if post else x) + self.drop(self.mlp(ln))
 
@@ -160,11 +191,11 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i) for i in range(num_layers)])
         self.final_layernorm = Norm(c) if post_process else None
 
-    def forward(self, x, rope=None, mask=None):  # [s(/tp), b, h]
+    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
         def run(start, end):  # layers start..end−1 as one function of (x, mask)
             def f(x, mask):
                 for layer in self.layers[start:end]:
-                    x = layer(x, rope=rope, mask=mask)
+                    x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
                 return x
             return f
 

@@ -60,6 +60,8 @@ class Attention(nn.Module):
             self.linear_qkv = P.ColumnParallelLinear(h, (n + 2 * g) * d, **kw)
         self.linear_proj = P.RowParallelLinear(n * d, h, grid, bias=c.add_bias_linear, std=c.output_std,
                                                sequence_parallel=c.sequence_parallel, dtype=c.params_dtype)
+        cp = grid is not None and grid.cp_size > 1  # context parallelism: K/V of the other cp ranks (parallel.py §12)
+        self.core_attention = P.context_parallel_attention(grid, c.cp_comm_type) if cp and not cross else None
 
     def forward(self, x, rope=None, mask=None, kv_input=None, causal=True):
         """x [s(/tp), b, h] -> [s(/tp), b, h]. mask: bool [b|1, n|1, sq, sk] True = attend, or a float bias."""
@@ -73,6 +75,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
+        if self.core_attention is not None:  # [b, n, s/cp, d]; causal as SDPA's is_causal: only without a mask
+            return self.linear_proj(rearrange(self.core_attention(q, k, v, mask, causal and mask is None, self.scale),
+                                              "b n s d -> s b (n d)"))
         p = self.p if self.training else 0.0
         ctx = self.rng.fork(device=x.device) if (p > 0 and self.rng is not None) else contextlib.nullcontext()
         with ctx:  # attention dropout acts on heads, which are TP shards: the model-parallel RNG stream

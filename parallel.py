@@ -1765,6 +1765,13 @@ def cp_order(s: int, cp: int, device=None) -> torch.Tensor:
     return torch.cat([cp_positions(s, cp, r, device) for r in range(cp)])
 
 
+def cp_split(grid: Grid | None, t, dim: int = 1):
+    """This cp rank's positions of a per-token tensor (ids, labels, a loss mask) along `dim`; None stays None."""
+    if t is None or grid is None or grid.cp_size == 1:
+        return t
+    return t.index_select(dim, cp_positions(t.shape[dim], grid.cp_size, grid.cp.rank, t.device))
+
+
 def get_batch_on_this_cp_rank(grid: Grid | None, input_ids, labels=None, position_ids=None, rope=None, mask=None):
     """This cp rank's share of a micro-batch — the one place the sequence is split (gpt.Model.forward calls it).
     ids, labels [b, s] -> [b, s/cp]; positions [s] or [b, s] (arange(s) if None: learned positions and RoPE angles
@@ -1775,15 +1782,13 @@ def get_batch_on_this_cp_rank(grid: Grid | None, input_ids, labels=None, positio
     s, cp, dev = input_ids.shape[1], grid.cp_size, input_ids.device
     if s % (2 * cp):
         raise ValueError(f"context parallelism needs the sequence length {s} divisible by 2 x cp = {2 * cp}")
-    mine = cp_positions(s, cp, grid.cp.rank, dev)
-    pick = lambda t, dim: None if t is None else t.index_select(dim, mine)
     position_ids = torch.arange(s, device=dev) if position_ids is None else position_ids
     if mask is not None:
         if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] != s:
             raise ValueError(f"context parallelism takes a key mask [b|1, 1, 1, s={s}], not {tuple(mask.shape)}")
         mask = mask.index_select(-1, cp_order(s, cp, dev))
-    rope = tuple(pick(t, 0) for t in rope) if rope is not None else None
-    return pick(input_ids, 1), pick(labels, 1), pick(position_ids, -1), rope, mask
+    rope = tuple(cp_split(grid, t, 0) for t in rope) if rope is not None else None
+    return cp_split(grid, input_ids), cp_split(grid, labels), cp_split(grid, position_ids, -1), rope, mask
 
 
 def _allowed(q_pos, k_pos, causal: bool, key_mask):

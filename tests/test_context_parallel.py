@@ -105,6 +105,51 @@ def test_a2a_refuses_heads_not_divisible_by_cp(pool):
         pool.run(attention_case, 4, comm="a2a", causal=True, heads=8, groups=2, s=32)
 
 
+def cp_bytes_case(rank, n, comm, b, heads, groups, s, d, dtype=torch.float64, repeats=1):
+    """One layer's attention forward and backward on this rank: {phase: {kind: bytes}} of the collectives on the cp
+    group (parallel.count_collectives) and the mean seconds of forward + backward over `repeats` runs."""
+    import time
+    grid = P.Grid(cp=n)
+    q, k, v, do = (t.to(dtype) for t in qkvo(b, heads, groups, s // n, d, seed=rank))
+    attend = P.context_parallel_attention(grid, comm)
+    out, t0 = {}, time.perf_counter()
+    for _ in range(repeats):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        with P.count_collectives() as fwd:
+            o = attend(q_, k_, v_, None, True, 0.5)
+        with P.count_collectives() as bwd:
+            o.backward(do)
+    seconds = (time.perf_counter() - t0) / repeats
+    for phase, log in (("forward", fwd), ("backward", bwd)):
+        out[phase] = {}
+        for kind, group, nbytes in log:
+            assert group == "cp", group
+            out[phase][kind] = out[phase].get(kind, 0) + nbytes
+    return dict(bytes=out, seconds=seconds)
+
+
+def cp_theory(comm, cp, b, heads, groups, s, d, e=8):
+    """The bytes per rank of one layer's attention, by the audit's rule (section 2: an all-gather counts its output,
+    a reduce-scatter its input, all-to-all / send / recv what this rank sends or receives), e bytes per element."""
+    kv, qo = 2 * b * groups * (s // cp) * d * e, b * heads * (s // cp) * d * e  # this rank's K/V; its q (or o)
+    if comm == "p2p":  # cp−1 hops of the K/V block forward; backward cp−1 hops of [K/V; dK/dV]
+        return {"forward": {"send": (cp - 1) * kv, "recv": (cp - 1) * kv},
+                "backward": {"send": 2 * (cp - 1) * kv, "recv": 2 * (cp - 1) * kv}}
+    if comm == "all_gather":  # the whole K/V gathered; its gradient reduce-scattered
+        return {"forward": {"all_gather": cp * kv}, "backward": {"reduce_scatter": cp * kv}}
+    return {"forward": {"all_to_all": 2 * qo + kv}, "backward": {"all_to_all": 2 * qo + kv}}  # q, k, v in; o out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_collective_bytes_equal_theory(pool, cp):
+    """Per rank and layer, the cp group's collectives are exactly the variant's volume (the ring: (cp−1)/cp of the
+    whole K/V each way forward, twice that backward)."""
+    shape = dict(b=2, heads=8, groups=4, s=8 * cp, d=4)
+    for comm in P.CP_COMM_TYPES:
+        for r in pool.run(cp_bytes_case, cp, comm=comm, **shape):
+            assert r["bytes"] == cp_theory(comm, cp, **shape), (comm, r["bytes"])
+
+
 # --------------------------------------------------------------------------------------- 2. models vs one process
 def cp_case(rank, n, cfg, tp, pp, cp, sp, distopt, comm, M=2, b=8, s=8, steps=3, local_mean=False):
     """test_data_parallel's dp_case with a cp dimension: distopt None = the plain optimizer (finalize_grads), else

@@ -187,7 +187,7 @@ def setup(args):
         chunks = P.build_chunks(make, config.num_layers, grid, args.virtual_pipeline_model_parallel_size)
     model = torch.nn.ModuleList(chunks)  # all of this rank's parameters, for the optimizer and the audits
     model.layout_args = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size",
-                                                       "pipeline_model_parallel_size", "context_parallel_size"]}
+                                                       "pipeline_model_parallel_size"]}
     return dict(tok=tok, train=train_ds, valid=valid_ds, grid=grid, model=model, chunks=chunks, mesh=mesh,
                 device=device, ckpt=ckpt, resume=resume, config=config, rank=dist.get_rank() if dist.is_initialized() else 0)
 
@@ -225,7 +225,7 @@ def evaluate(s, valid, args, stage_step, autocast):
             for name, hits in extra(chunks[0], mb).items():
                 counts[name] = counts.get(name, 0) + torch.tensor(hits, dtype=torch.float64, device=device)
     total = torch.cat([total] + list(counts.values()))
-    for g in (grid.pp, grid.dp_cp):  # the last stage holds the loss; each DP (and CP) rank its part
+    for g in (grid.pp, grid.dp, grid.cp):  # the last stage holds the loss; each DP and CP rank its part
         total = P._all_reduce(total, g)
     for c in chunks:
         c.train()
@@ -326,7 +326,7 @@ def train(args):
         if load is not None:
             window["moe_load"] = window.get("moe_load", 0) + P._all_reduce(load.to(device), grid.dp).cpu()
         loss = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)
-        for g in (grid.pp, grid.dp_cp):  # the last stage holds the loss; each DP (and CP) rank its part of the mean
+        for g in (grid.pp, grid.dp, grid.cp):  # the last stage holds the loss; each DP and CP rank its part of the mean
             loss = P._all_reduce(loss, g)
         overflow = scaler.unscale_and_check(params)  # fp16: inf/nan grads on any rank -> skip, halve the scale
         grad_norm = float("nan") if overflow else float(optimizer.clip_grad_norm(args.clip_grad))  # each param once

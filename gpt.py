@@ -129,8 +129,8 @@ class Config:
         if cp == 1:
             return
         if self.attention_dropout > 0:
-            raise ValueError(f"attention_dropout={self.attention_dropout} with context-parallel size {cp}: the "
-                             "split attention has no whole probability rows to drop (set it to 0)")
+            raise ValueError(f"attention_dropout={self.attention_dropout} with context-parallel size {cp}: dropout on "
+                             "the split attention is not implemented (set it to 0)")
         if self.num_experts:
             raise ValueError(f"num_experts={self.num_experts} with context-parallel size {cp}: MoE's router statistics "
                              "(aux losses, capacity) are per micro-batch over all its tokens, a cp rank sees 1/cp")

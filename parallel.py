@@ -1748,8 +1748,8 @@ class _TELinear:
 #     a2a          Ulysses: all-to-all q, k, v from sequence-split [b, n, s/cp, d] to head-split [b, n/cp, s, d],
 #                  whole-sequence attention on n/cp heads, all-to-all the output back. Heads and groups % cp == 0.
 #  `attention_oracle` is plain attention on the whole sequence: every variant must equal it.
-#  Not here: attention dropout (a ring softmax has no whole rows to drop), and Megatron's halving of the
-#  off-diagonal causal blocks (a half-masked block is computed whole, with its mask: 2x the FLOPs it needs).
+#  Not here: attention dropout (each block's mask would have to be replayed in the backward ring), and Megatron's
+#  halving of the off-diagonal causal blocks (a half-masked block is computed whole, with its mask: 2x the FLOPs).
 # ============================================================================================================
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -1773,7 +1773,8 @@ def cp_split(grid: Grid | None, t, dim: int = 1):
 
 
 def get_batch_on_this_cp_rank(grid: Grid | None, input_ids, labels=None, position_ids=None, rope=None, mask=None):
-    """This cp rank's share of a micro-batch — the one place the sequence is split (gpt.Model.forward calls it).
+    """This cp rank's share of a micro-batch — the one place the sequence is split (gpt.Model.forward and
+    bert.Model.encode call it; the loss recipes cut their per-token masks with `cp_split`).
     ids, labels [b, s] -> [b, s/cp]; positions [s] or [b, s] (arange(s) if None: learned positions and RoPE angles
     follow their tokens) -> [.., s/cp]; RoPE (cos, sin) [s, 1, 1, d] -> [s/cp, 1, 1, d]; a key mask [b|1, 1, 1, s]
     (True = attend) -> its columns in cp order (the keys every variant sees). cp = 1: all returned as given."""

@@ -1748,8 +1748,9 @@ class _TELinear:
 #     a2a          Ulysses: all-to-all q, k, v from sequence-split [b, n, s/cp, d] to head-split [b, n/cp, s, d],
 #                  whole-sequence attention on n/cp heads, all-to-all the output back. Heads and groups % cp == 0.
 #  `attention_oracle` is plain attention on the whole sequence: every variant must equal it.
-#  Not here: attention dropout (each block's mask would have to be replayed in the backward ring), and Megatron's
-#  halving of the off-diagonal causal blocks (a half-masked block is computed whole, with its mask: 2x the FLOPs).
+#  Causal, the ring computes only the visible part of a block (`_visible`): its own block whole (masked), half of
+#  each other rank's, unmasked — the same work on every rank, as in Megatron. Not here: attention dropout (each
+#  block's mask would have to be replayed in the backward ring).
 # ============================================================================================================
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -1862,24 +1863,49 @@ def _ring_exchange(x, g: Group, to: int, frm: int, tag: int):
     return buf, reqs
 
 
+def _visible(q_pos, k_pos, causal: bool, key_mask):
+    """One ring block: (rows, cols, mask) — the query rows and key columns that see anything, and the mask on that
+    sub-block (None: all of it visible). Causal, load-balanced: the diagonal block is whole with its mask; a block
+    of an earlier rank is its first chunk of keys for every query, of a later rank all keys for the second chunk of
+    queries — half a block, unmasked (Megatron computes only that half, as here). A padding mask is per batch row:
+    every row and column is kept, with the mask."""
+    allowed = _allowed(q_pos, k_pos, causal, key_mask)
+    rows, cols = torch.arange(len(q_pos), device=q_pos.device), torch.arange(len(k_pos), device=k_pos.device)
+    if causal:
+        c = q_pos[:, None] >= k_pos[None, :]  # [sq, sk]
+        rows, cols = c.any(1).nonzero().squeeze(1), c.any(0).nonzero().squeeze(1)
+    if allowed is not None:
+        allowed = allowed.index_select(-2, rows) if allowed.shape[-2] > 1 else allowed
+        allowed = allowed.index_select(-1, cols)
+        allowed = None if bool(allowed.all()) else allowed
+    return rows, cols, allowed
+
+
 class _RingAttention(torch.autograd.Function):
     """p2p: q, k, v [b, n|g, s/cp, d] this rank's tokens -> o [b, n, s/cp, d]. Step i: rank r holds the K/V block of
-    rank r−i, passes it to r+1, attends to it, merges (online softmax). Backward: the ring in reverse (blocks go to
-    r−1), starting from the block forward ended with (rank r+1's); dK/dV travel with their block, home after cp−1 hops."""
+    rank r−i, passes it to r+1, attends to it (its visible part), merges (online softmax). Backward: the ring in
+    reverse (blocks go to r−1), starting from the block forward ended with (rank r+1's); dK/dV travel with their
+    block, home after cp−1 hops. `scores` counts the score entries this rank computed (the load balance)."""
+    scores = 0
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, causal, scale, g):
         cp, r, sl = g.size, g.rank, q.shape[2]
         q_pos = cp_positions(sl * cp, cp, r, q.device)
-        kv, o, lse = torch.stack([k, v]), None, None  # [2, b, g, s/cp, d]: the block that travels
+        kv = torch.stack([k, v])  # [2, b, g, s/cp, d]: the block that travels
+        o, lse = torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"))  # nothing seen yet
+        _RingAttention.scores = 0
         for i in range(cp):
             j = (r - i) % cp  # whose block this is
             if i < cp - 1:
                 nxt, reqs = _ring_exchange(kv, g, r + 1, r - 1, tag=i)
-            block_mask = key_mask[..., j * sl:(j + 1) * sl] if key_mask is not None else None
-            o_j, lse_j = _attend(q, kv[0], kv[1], _allowed(q_pos, cp_positions(sl * cp, cp, j, q.device), causal,
-                                                           block_mask), scale)
-            o, lse = (o_j, lse_j) if o is None else _merge(o, lse, o_j, lse_j)
+            rows, cols, mask = _visible(q_pos, cp_positions(sl * cp, cp, j, q.device), causal,
+                                        key_mask[..., j * sl:(j + 1) * sl] if key_mask is not None else None)
+            o_j, lse_j = _attend(q.index_select(2, rows), *kv.index_select(3, cols), mask, scale)
+            _RingAttention.scores += len(rows) * len(cols)
+            o_j, lse_j = torch.zeros_like(o).index_copy_(2, rows, o_j), torch.full_like(lse, float("-inf")).index_copy_(
+                2, rows, lse_j)  # back to all rows: the rows that saw nothing add nothing
+            o, lse = _merge(o, lse, o_j, lse_j)
             if i < cp - 1:
                 for req in reqs:
                     req.wait()
@@ -1896,12 +1922,13 @@ class _RingAttention(torch.autograd.Function):
         dq, travel = torch.zeros_like(q), torch.stack([kv, torch.zeros_like(kv)])  # [K/V; dK/dV] [2, 2, b, g, s/cp, d]
         for i in range(cp):
             j = (r + 1 + i) % cp  # whose block this is; at i = cp − 1 this rank's own
-            block_mask = key_mask[..., j * sl:(j + 1) * sl] if key_mask is not None else None
-            dq_j, dk, dv = _attend_backward(q, travel[0, 0], travel[0, 1], _allowed(
-                q_pos, cp_positions(sl * cp, cp, j, q.device), causal=ctx.causal, key_mask=block_mask),
-                ctx.scale, lse, do, delta)
-            dq += dq_j
-            travel = torch.stack([travel[0], travel[1] + torch.stack([dk, dv])])
+            rows, cols, mask = _visible(q_pos, cp_positions(sl * cp, cp, j, q.device), ctx.causal,
+                                        key_mask[..., j * sl:(j + 1) * sl] if key_mask is not None else None)
+            sub = lambda t: t.index_select(2, rows)  # noqa: E731 — this block's visible query rows
+            dq_j, dk, dv = _attend_backward(sub(q), *travel[0].index_select(3, cols), mask, ctx.scale, sub(lse),
+                                            sub(do), sub(delta))
+            dq.index_add_(2, rows, dq_j)
+            travel = torch.stack([travel[0], travel[1].index_add(3, cols, torch.stack([dk, dv]))])
             if i < cp - 1:
                 travel, reqs = _ring_exchange(travel, g, r - 1, r + 1, tag=cp + i)
                 for req in reqs:

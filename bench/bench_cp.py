@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from test_context_parallel import cp_bytes_case, cp_theory  # noqa: E402
+from test_context_parallel import cp_bytes_case, cp_theory, work  # noqa: E402
 
 import parallel as P  # noqa: E402
 from harness import Pools  # noqa: E402
@@ -58,6 +58,12 @@ def main():
     finally:
         pools.close()
     print("\nevery rank, every row: measured / theory = 1.00" if ok else "\nMISMATCH: see the rows whose ratio is not 1.00")
+    s = SHAPE["s"]
+    for cp in args.cp:  # the causal ring's work: score entries per rank (x b·heads), visible parts only
+        balanced = work(lambda r: P.cp_positions(s, cp, r), s, cp)
+        contiguous = work(lambda r: torch.arange(s).view(cp, -1)[r], s, cp)
+        print(f"cp {cp}, causal ring, score entries per rank (x b·heads): load-balanced chunks {balanced}; "
+              f"contiguous chunks {contiguous}")
     sys.exit(0 if ok else 1)
 
 

@@ -60,8 +60,9 @@ def attention_case(rank, n, comm, causal, heads, groups, s, seed=0, no_merge=Fal
         o = P.context_parallel_attention(grid, comm)(*local, cp_mask, causal, 0.5)
     finally:
         P._merge = merge_
+    scores = P._RingAttention.scores
     o.backward(do.index_select(2, mine))
-    return dict(positions=mine, o=o.detach(), dq=local[0].grad, dk=local[1].grad, dv=local[2].grad)
+    return dict(positions=mine, o=o.detach(), dq=local[0].grad, dk=local[1].grad, dv=local[2].grad, scores=scores)
 
 
 def check_attention(res, causal, heads, groups, s, seed=0):
@@ -89,6 +90,24 @@ def test_attention_variants_equal_full_attention(pool, cp, causal, comm):
     heads, groups = 8, 4  # GQA: 2 heads per key/value head; a2a needs both divisible by cp
     res = pool.run(attention_case, cp, comm=comm, causal=causal, heads=heads, groups=groups, s=8 * cp)
     check_attention(res, causal, heads, groups, 8 * cp)
+    if comm == "p2p" and causal:  # each rank: its diagonal block, then half of each other rank's block
+        sl = 8
+        assert [r["scores"] for r in res] == [sl * sl + (cp - 1) * sl * sl // 2] * cp
+
+
+def work(positions, s, cp):
+    """Score entries per rank of a causal ring over a layout (positions(rank) -> that rank's positions)."""
+    return [sum(len(rows) * len(cols) for rows, cols, _ in
+                (P._visible(positions(r), positions(j), True, None) for j in range(cp))) for r in range(cp)]
+
+
+def test_load_balancing_evens_the_causal_work():
+    """Chunks r and 2cp−1−r: every rank computes the same score entries. Contiguous chunks (the control): rank r
+    computes r + 1 blocks, the last rank cp times the first."""
+    s, cp = 64, 4
+    sl = s // cp
+    assert work(lambda r: P.cp_positions(s, cp, r), s, cp) == [sl * sl + (cp - 1) * sl * sl // 2] * cp
+    assert work(lambda r: torch.arange(s).view(cp, -1)[r], s, cp) == [(r + 1) * sl * sl for r in range(cp)]
 
 
 @pytest.mark.parametrize("control,expect", [(dict(no_merge=True), "worst relative error"),

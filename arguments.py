@@ -221,8 +221,8 @@ def check_args(args, world: int):
     if cp < 1:
         raise ConfigError(f"--context-parallel-size={cp} must be >= 1")
     if world % (tp * pp * cp):
-        raise ConfigError(f"world size {world} is not divisible by tensor x pipeline x context parallel size "
-                          f"{tp} x {pp} x {cp}")
+        raise ConfigError(f"world size {world} is not divisible by tensor x pipeline parallel size {tp} x {pp}"
+                          + (f" x context-parallel size {cp}" if cp > 1 else ""))
     args.world_size, args.data_parallel_size = world, world // (tp * pp * cp)
     step_rows = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % step_rows:

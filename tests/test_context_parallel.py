@@ -225,17 +225,17 @@ def run_layout(pool, layout, comm, cfg):
 
 
 @pytest.mark.parametrize("layout,comm,cfg", [
-    (LAYOUTS[0], "p2p", CFG), (LAYOUTS[0], "a2a", LLAMA), (LAYOUTS[1], "p2p", LLAMA), (LAYOUTS[1], "all_gather", CFG),
-    (LAYOUTS[2], "p2p", LLAMA), (LAYOUTS[3], "all_gather", CFG), (LAYOUTS[4], "a2a", LLAMA), (LAYOUTS[5], "p2p", CFG)],
-    ids=["cp2-ring", "cp2-a2a", "cp4-ring", "cp4-allgather", "cp2-tp2-sp-distopt-ring", "cp2-pp2-allgather",
-         "cp2-dp2-distopt-a2a", "cp2-dp2-ring"])
+    (LAYOUTS[0], "p2p", CFG), (LAYOUTS[1], "p2p", LLAMA), (LAYOUTS[2], "p2p", LLAMA), (LAYOUTS[3], "all_gather", CFG),
+    (LAYOUTS[4], "a2a", LLAMA)],
+    ids=["cp2-ring", "cp4-ring", "cp2-tp2-sp-distopt-ring", "cp2-pp2-allgather", "cp2-dp2-distopt-a2a"])
 def test_context_parallel_model_equals_single_process(pool, layout, comm, cfg):
     run_layout(pool, layout, comm, cfg)
 
 
 @given(layout=st.sampled_from(LAYOUTS), comm=st.sampled_from(P.CP_COMM_TYPES), llama=st.booleans())
 def test_context_parallel_layouts_property(pool, layout, comm, llama):
-    """Any layout x variant x model (learned positions + LayerNorm, or RoPE + GQA); a2a where the heads allow it."""
+    """Any layout x variant x model (learned positions + LayerNorm, or RoPE + GQA); a2a where the heads allow it.
+    The explicit cases above cover each layout once; HYPOTHESIS_PROFILE=deep draws 60 combinations."""
     n, tp, pp, cp, sp, distopt = layout
     cfg = LLAMA if llama else CFG
     if comm == "a2a" and (cfg["num_query_groups"] // tp) % cp:
@@ -257,8 +257,7 @@ def bert_cp_case(rank, n, tp, cp, sp, batch):
     return test_bert.train_bert(grid, dict(test_bert.CFG, add_binary_head=False), sp, 2, batch)
 
 
-@pytest.mark.parametrize("n,tp,cp,sp", [(2, 1, 2, False), (4, 2, 2, True)], ids=["cp2", "cp2-tp2-sp"])
-def test_bert_with_padding_equals_single_process(pool, n, tp, cp, sp):
+def test_bert_with_padding_equals_single_process(pool, n=4, tp=2, cp=2, sp=True):
     """Bidirectional attention with a padding mask (the key mask travels in cp order), the masked-LM loss over this
     rank's masked tokens, learned positions: a BERT without binary head against one process (float64, 1e-10)."""
     import test_bert
@@ -280,7 +279,7 @@ def check(argv, world):
     (["--context-parallel-size", "2", "--seq-length", "30"], 2, "--seq-length=30 divisible by 2 x cp = 4"),
     (["--context-parallel-size", "2", "--seq-length", "36", "--tensor-model-parallel-size", "4", "--sequence-parallel"],
      8, "--seq-length=36 divisible by cp x TP = 8"),
-    (["--context-parallel-size", "2"], 3, "not divisible by tensor x pipeline x context parallel size 1 x 1 x 2"),
+    (["--context-parallel-size", "2"], 3, "not divisible by tensor x pipeline parallel size 1 x 1 x context-parallel size 2"),
     (["--context-parallel-size", "0"], 1, "--context-parallel-size=0 must be >= 1"),
     (["--context-parallel-size", "2", "--model", "t5"], 2, "T5's cross-attention reads another sequence"),
     (["--context-parallel-size", "2", "--model", "retro"], 2, "Retro's chunked cross-attention"),

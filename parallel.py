@@ -30,7 +30,7 @@ A section calls only the sections above it. MoE and FP8 plug into the core throu
 the schedules call on every submodule that has it (section 7; MoE's Router does, for its aux losses).
 
 Dimension glossary (used in every shape comment of the project)
-  b  micro-batch size          s  sequence length (s/tp under sequence parallelism)
+  b  micro-batch size          s  sequence length (s/tp under sequence parallelism, s/cp per context-parallel rank)
   h  hidden size               V  vocabulary size (padded; V/tp per TP rank)
   tp tensor-parallel size      pp pipeline-parallel size     dp data-parallel size     cp context-parallel size
 """

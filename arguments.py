@@ -23,6 +23,15 @@ import yaml
 import lora
 
 MODELS = ("gpt", "bert", "t5", "retro", "mamba")  # --model NAME imports NAME.py (the model-file contract)
+# Models context parallelism does not cover, and why (it lives in the self-attention of gpt's layer stack)
+CP_UNSUPPORTED = {
+    "t5": "T5's cross-attention reads another sequence (the encoder's) and its relative-position buckets span the "
+          "whole sequence; neither is split here",
+    "retro": "Retro's chunked cross-attention ties each chunk of the sequence to its retrieved neighbours; a split "
+             "sequence would cut chunks apart",
+    "mamba": "Mamba's scan is a recurrence along the sequence: splitting it needs the SSM state passed from rank to "
+             "rank, which is not implemented",
+}
 
 
 class ConfigError(ValueError):
@@ -117,6 +126,10 @@ def parse_args(argv):
     a("--ddp-bucket-size", type=int, default=4_000_000, help="elements per gradient bucket")
     a("--expert-model-parallel-size", type=int, default=1, help="MoE: experts sharded over this many DP ranks")
     a("--expert-tensor-parallel-size", type=int, default=None, help="MoE: 1 or TP (default TP)")
+    # context parallelism (parallel.py section 12): the sequence split over cp ranks, attention exchanges K/V
+    a("--context-parallel-size", type=int, default=1, help="cp: each rank holds 2 of 2·cp sequence chunks")
+    a("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"],
+      help="p2p: ring attention; all_gather: all-gather K/V; a2a: Ulysses all-to-all (heads % cp == 0)")
     # mixture of experts (parallel.py section 10)
     a("--num-experts", type=int, default=None, help="MoE layers with this many experts (default: dense MLPs)")
     a("--moe-router-topk", type=int, default=2)
@@ -310,9 +323,13 @@ def check_args(args, world: int):
     args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
     if args.use_ddp and args.fp16:
         raise ConfigError("--fp16 with --use-distributed-optimizer/--overlap-grad-reduce is not supported; use --bf16")
-    if world % (tp * pp):
-        raise ConfigError(f"world size {world} is not divisible by tensor x pipeline parallel size {tp} x {pp}")
-    args.world_size, args.data_parallel_size = world, world // (tp * pp)
+    cp = args.context_parallel_size
+    if cp < 1:
+        raise ConfigError(f"--context-parallel-size={cp} must be >= 1")
+    if world % (tp * pp * cp):
+        raise ConfigError(f"world size {world} is not divisible by tensor x pipeline parallel size {tp} x {pp}"
+                          + (f" x context-parallel size {cp}" if cp > 1 else ""))
+    args.world_size, args.data_parallel_size = world, world // (tp * pp * cp)
     step_rows = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % step_rows:
         raise ConfigError(f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size x "
@@ -331,6 +348,21 @@ def check_args(args, world: int):
         raise ConfigError(f"--expert-tensor-parallel-size={args.expert_tensor_parallel_size} must be 1 or TP={tp}")
     if args.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length={args.seq_length} divisible by TP={tp}")
+    if cp > 1:  # context parallelism (parallel.py section 12): what it does not split
+        if args.model in CP_UNSUPPORTED:
+            raise ConfigError(f"--model {args.model} with --context-parallel-size={cp}: {CP_UNSUPPORTED[args.model]}")
+        if args.seq_length % (2 * cp):
+            raise ConfigError(f"--context-parallel-size={cp} needs --seq-length={args.seq_length} divisible by "
+                              f"2 x cp = {2 * cp} (each rank holds 2 of 2·cp chunks)")
+        if args.sequence_parallel and args.seq_length // cp % tp:
+            raise ConfigError(f"--sequence-parallel with --context-parallel-size={cp} needs --seq-length="
+                              f"{args.seq_length} divisible by cp x TP = {cp * tp}")
+        if args.reset_attention_mask:  # the split attention takes a key (padding) mask, not a [s, s] one
+            raise ConfigError(f"--reset-attention-mask with --context-parallel-size={cp}: the block-causal mask of "
+                              "packed documents is not split over cp ranks")
+        if args.recompute_granularity == "selective":
+            raise ConfigError(f"--recompute-granularity selective with --context-parallel-size={cp}: the split "
+                              "attention is not recomputed (use full)")
     try:
         w = [float(x) for x in args.split.split(",")]
         args.valid_fraction = w[1] / sum(w)
@@ -353,8 +385,12 @@ def check_args(args, world: int):
     args.model_module = import_model(args.model)
     # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
     # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in
-    model_config(args.model_module, argparse.Namespace(**{
+    c = model_config(args.model_module, argparse.Namespace(**{
         **vars(args), "vocab_size": args.vocab_size or tp * args.make_vocab_size_divisible_by}))
+    try:
+        c.check_context_parallel(cp, tp)  # attention dropout, MoE, a2a's heads (gpt.Config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def import_model(name):

@@ -45,6 +45,12 @@ class Config(gpt.Config):
             raise ValueError(f"the binary head needs num_tokentypes >= 2 (segments A and B), got {self.num_tokentypes}")
         super().__post_init__()
 
+    def check_context_parallel(self, cp: int, tp: int = 1):
+        if cp > 1 and self.add_binary_head:
+            raise ValueError(f"BERT's binary head pools [CLS], which only cp rank 0 holds: context-parallel size {cp} "
+                             "needs add_binary_head=False (--bert-no-binary-head)")
+        super().check_context_parallel(cp, tp)
+
 
 def _linear(c: Config, i: int, o: int, sequence_parallel=False) -> nn.Linear:
     """A replicated Linear (Megatron's get_linear_layer). Under SP, one that sees s/tp tokens has partial grads."""
@@ -108,20 +114,23 @@ class Model(gpt.Model):
         mask = (attention_mask > 0.5)[:, None, None, :]  # [b, 1, 1, s] True = attend: padded keys are never seen
         if tokentype_ids is not None and c.num_tokentypes == 0:
             raise ValueError("tokentype_ids given, but the model has num_tokentypes=0 (no binary head)")
+        if tokentype_ids is None and c.num_tokentypes > 0:
+            tokentype_ids = torch.zeros_like(input_ids)  # Hugging Face's default: all segment A
+        # context parallelism: this rank's 2 of 2·cp chunks [b, s/cp], the key mask's columns in cp order (parallel.py)
+        input_ids, _, position_ids, rope, mask = P.get_batch_on_this_cp_rank(
+            self.grid, input_ids, None, None, self.rope(input_ids.shape[1], input_ids.device), mask)
         if self.pre_process:
-            if tokentype_ids is None and c.num_tokentypes > 0:
-                tokentype_ids = torch.zeros_like(input_ids)  # Hugging Face's default: all segment A
-            x = self.embedding(input_ids, tokentype_ids=tokentype_ids)  # [s(/tp), b, h]
+            x = self.embedding(input_ids, position_ids, P.cp_split(self.grid, tokentype_ids))  # [s(/cp)(/tp), b, h]
         else:
             x = self.input_tensor
-        return self.decoder(x, rope=self.rope(input_ids.shape[1], input_ids.device), mask=mask)  # not causal: a mask
+        return self.decoder(x, rope=rope, mask=mask)  # not causal: a mask
 
     def forward(self, input_ids, attention_mask=None, tokentype_ids=None, lm_labels=None):
         x = self.encode(input_ids, attention_mask, tokentype_ids)
         if not self.post_process:
             return x
         binary_logits = self.binary_head(self.pooler(x)) if self.config.add_binary_head else None  # [b, 2]
-        return self.postprocess(x, lm_labels), binary_logits
+        return self.postprocess(x, P.cp_split(self.grid, lm_labels)), binary_logits
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -135,7 +144,7 @@ def loss_func(model, mb, num_masked, num_seqs):
     if not model.post_process:
         return out
     lm_loss, binary_logits = (_fp32(t) for t in out)
-    total = (lm_loss * mb[:, LOSS_MASK]).sum()
+    total = (lm_loss * P.cp_split(model.grid, mb[:, LOSS_MASK])).sum()  # (this cp rank's tokens)
     if binary_logits is not None:
         sop = F.cross_entropy(binary_logits, mb[:, IS_RANDOM, 0], reduction="sum")
         total = total + sop * (float(num_masked) / float(num_seqs))
@@ -296,8 +305,8 @@ def mlm_accuracy(model, batch) -> tuple[int, int]:
     """(correct, total) masked-token predictions of a batch [B, 6, s] (argmax over the real vocabulary)."""
     types = batch[:, TYPES] if model.config.num_tokentypes > 0 else None
     logits, _ = model(batch[:, TEXT], batch[:, PADDING_MASK], types)
-    m = batch[:, LOSS_MASK].bool()
-    return int((logits.argmax(-1)[m] == batch[:, LABELS][m]).sum()), int(m.sum())
+    m, labels = P.cp_split(model.grid, batch[:, LOSS_MASK]).bool(), P.cp_split(model.grid, batch[:, LABELS])
+    return int((logits.argmax(-1)[m] == labels[m]).sum()), int(m.sum())
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)

@@ -95,6 +95,8 @@ class Config:
     recompute_granularity: str | None = None  # None | "full" (whole layers) | "selective" (the attention core)
     recompute_method: str | None = None  # full only: "uniform" (chunks of N layers) | "block" (the first N layers)
     recompute_num_layers: int | None = None  # N (full only; per pipeline stage)
+    # Context parallelism (parallel.py section 12; the cp size is the Grid's, Megatron's --context-parallel-size)
+    cp_comm_type: str = "p2p"  # how attention sees the other ranks' keys: "p2p" (ring) | "all_gather" | "a2a" (Ulysses)
 
     def __post_init__(self):
         h, n = self.hidden_size, self.num_attention_heads
@@ -106,7 +108,7 @@ class Config:
         if n % self.num_query_groups:
             raise ValueError(f"num_attention_heads={n} is not divisible by num_query_groups={self.num_query_groups}")
         choices = [("position_embedding_type", self.POSITION_EMBEDDING_TYPES), ("normalization", ("LayerNorm", "RMSNorm")),
-                   ("activation", tuple(ACTIVATIONS))]
+                   ("activation", tuple(ACTIVATIONS)), ("cp_comm_type", P.CP_COMM_TYPES)]
         if self.num_experts is not None:
             choices += [("moe_router_score_function", ("softmax", "sigmoid")),
                         ("moe_token_dispatcher_type", ("allgather", "alltoall"))]
@@ -179,6 +181,21 @@ class Config:
             raise ValueError(f"recompute_num_layers={self.recompute_num_layers} > the {self.num_layers // pp} "
                              f"layers of a pipeline stage (num_layers={self.num_layers}, pp={pp})")
 
+    def check_context_parallel(self, cp: int, tp: int = 1):
+        """Refuse what context parallelism (parallel.py section 12) does not cover, naming the values."""
+        if cp == 1:
+            return
+        if self.attention_dropout > 0:
+            raise ValueError(f"attention_dropout={self.attention_dropout} with context-parallel size {cp}: dropout on "
+                             "the split attention is not implemented (set it to 0)")
+        if self.num_experts:
+            raise ValueError(f"num_experts={self.num_experts} with context-parallel size {cp}: MoE's router statistics "
+                             "(aux losses, capacity) are per micro-batch over all its tokens, a cp rank sees 1/cp")
+        if self.cp_comm_type == "a2a":
+            for what, v in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups)):
+                if (v // tp) % cp:
+                    raise ValueError(f"cp_comm_type a2a: {what}={v} / tp={tp} is not divisible by context-parallel size {cp}")
+
 
 # ---------------------------------------------------------------------------------------------- the GPT model
 class Embedding(nn.Module):
@@ -224,6 +241,11 @@ class Model(nn.Module):
         super().__init__()
         tp, pp, ep = (grid.tp_size, grid.pp_size, grid.ep_size) if grid is not None else (1, 1, 1)
         config.check_layout(tp, pp, ep)
+        if grid is not None and grid.cp_size > 1:  # CP lives in transformer.Attention inside gpt's Decoder
+            if type(self).build_decoder is not Model.build_decoder:
+                raise ValueError(f"{type(self).__module__}.Model builds its own layer stack: context parallelism "
+                                 f"(cp={grid.cp_size}) covers the models built on gpt's Decoder (GPT, BERT)")
+            config.check_context_parallel(grid.cp_size, tp)
         if config.sequence_parallel and tp == 1:  # SP is a TP feature: a no-op without TP
             config = dataclasses.replace(config, sequence_parallel=False)
         c = self.config = config
@@ -272,6 +294,10 @@ class Model(nn.Module):
         s = input_ids.shape[1]
         if c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
             raise ValueError(f"{what} length {s} > max_position_embeddings={c.max_position_embeddings}")
+        cp = self.grid.cp_size if self.grid is not None else 1
+        if cp > 1 and (s % (2 * cp) or c.sequence_parallel and s // cp % tp):
+            raise ValueError(f"context parallelism needs the {what} length {s} divisible by 2 x cp = {2 * cp}"
+                             + (f" and by cp x tp = {cp * tp} (sequence parallelism)" if c.sequence_parallel else ""))
         if c.sequence_parallel and s % tp:
             raise ValueError(f"sequence parallelism needs the {what} length {s} divisible by tp={tp}")
 
@@ -289,7 +315,10 @@ class Model(nn.Module):
         if inference_context is not None and position_ids is None:
             position_ids = torch.arange(s, device=dev)[None] + inference_context.sequence_len_offset  # [1, s]
         rope = self.rope(s, dev) if position_ids is None else self.rope_at(position_ids)
-        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor  # [s(/tp), b, h]
+        # context parallelism: this rank's 2 of the 2·cp sequence chunks, positions and labels with them [b, s/cp]
+        input_ids, labels, position_ids, rope, mask = P.get_batch_on_this_cp_rank(
+            self.grid, input_ids, labels, position_ids, rope, mask)
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor  # [s(/cp)(/tp), b, h]
         x = self.decoder(x, rope=rope, mask=mask, inference_context=inference_context)
         if inference_context is not None:
             inference_context.sequence_len_offset += s

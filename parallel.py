@@ -6,7 +6,8 @@ layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer
 Papers: Shoeybi et al. 2019, "Megatron-LM" (tensor parallelism, the f and g operators);
         Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence parallelism);
         Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters" (1F1B, interleaving);
-        Rajbhandari et al. 2020, "ZeRO"; Fedus et al. 2021, "Switch Transformers"; Micikevicius et al. 2022, "FP8".
+        Rajbhandari et al. 2020, "ZeRO"; Fedus et al. 2021, "Switch Transformers"; Micikevicius et al. 2022, "FP8";
+        Liu et al. 2023, "Ring Attention"; Jacobs et al. 2023, "DeepSpeed Ulysses" (context parallelism).
 
 Run its tests:  make test   (or: .venv/bin/python -m pytest -q tests/test_tensor_parallel.py tests/test_pipeline.py ...)
 
@@ -22,12 +23,14 @@ Sections
   9. Data parallelism: bucketed overlapped reduction, the distributed optimizer.         ~ distributed/, distrib_optimizer.py
  10. Mixture of Experts: router, dispatchers, grouped experts.                           ~ transformer/moe/
  11. FP8: scaling recipes and the FP8 linear.                                            ~ fp8_utils.py, TE fp8.py
+ 12. Context parallelism: the load-balanced sequence split; ring (p2p), all-gather and all-to-all (Ulysses)
+     attention beside a plain oracle.                                   ~ utils.get_batch_on_this_cp_rank, TE's CP attention
 A section calls only the sections above it. MoE and FP8 plug into the core through two hooks: a TP layer's
 `linear_impl(x, weight, bias)` (section 4; fp8_enable installs the FP8 GEMM there), and `set_num_tokens(n)`, which
 the schedules call on every submodule that has it (section 7; MoE's Router does, for its aux losses).
 
 Dimension glossary (used in every shape comment of the project)
-  b  micro-batch size          s  sequence length (s/tp under sequence parallelism)
+  b  micro-batch size          s  sequence length (s/tp under sequence parallelism, s/cp per context-parallel rank)
   h  hidden size               V  vocabulary size (padded; V/tp per TP rank)
   tp tensor-parallel size      pp pipeline-parallel size     dp data-parallel size     cp context-parallel size
 """
@@ -1720,3 +1723,267 @@ class _TELinear:
         with self.autocast():
             y = self.lin(x)
         return y + bias if bias is not None else y
+
+
+# ============================================================================================================
+# 12. Context parallelism — mirrors megatron/core/utils.py (get_batch_on_this_cp_rank) and the context-parallel
+#     attention Megatron takes from Transformer Engine (transformer_engine/pytorch/attention: AttnFuncWithCPAndKVP2P,
+#     AttnFuncWithCPAndKVAllGather, AttnFuncWithCPAndQKVOA2A, chosen by Megatron's --cp-comm-type).
+#     Papers: Liu et al. 2023, "Ring Attention with Blockwise Transformers" (arXiv:2310.01889); Jacobs et al. 2023,
+#     "DeepSpeed Ulysses" (arXiv:2309.14509); Dao et al. 2022, "FlashAttention" (online softmax and its backward).
+#
+#  The sequence is cut into 2·cp chunks and rank r holds chunks r and 2cp−1−r, so that under a causal mask every
+#  rank has the same work (an early chunk sees few keys, its partner many):
+#      cp = 2, s = 8:   rank 0 holds positions [0 1 | 6 7]    rank 1 holds [2 3 | 4 5]
+#  Only attention mixes positions: embeddings, MLP, norms and the loss run on the rank's s/cp tokens as they are.
+#  Parameters are replicated over cp as over dp, so their grads are summed over dp x cp (`dp_cp`, sections 6 and 9);
+#  each rank's loss is the sum over its tokens, divided by the global count (DESIGN.md §2) — no mean over cp.
+#  The ranks' positions one after the other are the "cp order" ([0 1 6 7 2 3 4 5] above): keys gathered over cp
+#  arrive in it, and `get_batch_on_this_cp_rank` puts a key mask's columns in it.
+#     p2p (ring)   K/V blocks go round the ring (rank r sends to r+1) while each rank attends its queries to the
+#                  block it holds; partial outputs are merged by their log-sum-exp (online softmax). Backward walks
+#                  the ring the other way with the K/V blocks and their gradients, dK/dV arriving home at the last
+#                  hop. Bytes per rank: (cp−1)/cp of the full K/V forward; twice that backward (K/V and dK/dV).
+#     all_gather   all-gather K/V (forward), the local queries attend to every key, reduce-scatter dK/dV (backward).
+#     a2a          Ulysses: all-to-all q, k, v from sequence-split [b, n, s/cp, d] to head-split [b, n/cp, s, d],
+#                  whole-sequence attention on n/cp heads, all-to-all the output back. Heads and groups % cp == 0.
+#  `attention_oracle` is plain attention on the whole sequence: every variant must equal it.
+#  Causal, the ring computes only the visible part of a block (`_visible`): its own block whole (masked), half of
+#  each other rank's, unmasked — the same work on every rank, as in Megatron. Not here: attention dropout (each
+#  block's mask would have to be replayed in the backward ring).
+# ============================================================================================================
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def cp_positions(s: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The positions [s/cp] that cp rank `rank` holds: chunks rank and 2cp−1−rank of the 2·cp equal chunks."""
+    chunks = torch.arange(s, device=device).view(2 * cp, s // (2 * cp))
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
+def cp_order(s: int, cp: int, device=None) -> torch.Tensor:
+    """Every rank's positions, rank after rank [s]: the order of anything gathered over cp."""
+    return torch.cat([cp_positions(s, cp, r, device) for r in range(cp)])
+
+
+def cp_split(grid: Grid | None, t, dim: int = 1):
+    """This cp rank's positions of a per-token tensor (ids, labels, a loss mask) along `dim`; None stays None."""
+    if t is None or grid is None or grid.cp_size == 1:
+        return t
+    return t.index_select(dim, cp_positions(t.shape[dim], grid.cp_size, grid.cp.rank, t.device))
+
+
+def get_batch_on_this_cp_rank(grid: Grid | None, input_ids, labels=None, position_ids=None, rope=None, mask=None):
+    """This cp rank's share of a micro-batch — the one place the sequence is split (gpt.Model.forward and
+    bert.Model.encode call it; the loss recipes cut their per-token masks with `cp_split`).
+    ids, labels [b, s] -> [b, s/cp]; positions [s] or [b, s] (arange(s) if None: learned positions and RoPE angles
+    follow their tokens) -> [.., s/cp]; RoPE (cos, sin) [s, 1, 1, d] -> [s/cp, 1, 1, d]; a key mask [b|1, 1, 1, s]
+    (True = attend) -> its columns in cp order (the keys every variant sees). cp = 1: all returned as given."""
+    if grid is None or grid.cp_size == 1:
+        return input_ids, labels, position_ids, rope, mask
+    s, cp, dev = input_ids.shape[1], grid.cp_size, input_ids.device
+    if s % (2 * cp):
+        raise ValueError(f"context parallelism needs the sequence length {s} divisible by 2 x cp = {2 * cp}")
+    position_ids = torch.arange(s, device=dev) if position_ids is None else position_ids
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] != s:
+            raise ValueError(f"context parallelism takes a key mask [b|1, 1, 1, s={s}], not {tuple(mask.shape)}")
+        mask = mask.index_select(-1, cp_order(s, cp, dev))
+    rope = tuple(cp_split(grid, t, 0) for t in rope) if rope is not None else None
+    return cp_split(grid, input_ids), cp_split(grid, labels), cp_split(grid, position_ids, -1), rope, mask
+
+
+def _allowed(q_pos, k_pos, causal: bool, key_mask):
+    """bool [b|1, 1, sq|1, sk], which key each query may see (None: every one): causal (key position <= query's)
+    and the key mask [b|1, 1, 1, sk] (padding)."""
+    allowed = (q_pos[:, None] >= k_pos[None, :])[None, None] if causal else None
+    if key_mask is not None:
+        allowed = key_mask if allowed is None else allowed & key_mask
+    return allowed
+
+
+def _finite(lse):  # a row that sees no key has lse = −inf; subtracting 0 instead keeps its probabilities 0, not NaN
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _attend(q, k, v, allowed, scale: float):
+    """Softmax attention of q [b, n, sq, d] over k, v [b, g, sk, d] where `allowed`; query group i serves heads
+    i·n/g ... (i+1)·n/g − 1 (GQA). Returns (o [b, n, sq, d], lse [b, n, sq]); a row with no key: o = 0, lse = −inf."""
+    m = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(m, dim=1), v.repeat_interleave(m, dim=1)  # [b, n, sk, d]
+    scores = torch.einsum("bnqd,bnkd->bnqk", q, k) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, n, sq]
+    p = torch.exp(scores - _finite(lse)[..., None])  # [b, n, sq, sk]
+    return torch.einsum("bnqk,bnkd->bnqd", p, v), lse
+
+
+def attention_oracle(q, k, v, mask=None, causal: bool = True, scale: float | None = None):
+    """Plain attention on the whole sequence, the reference of every variant: q [b, n, s, d], k, v [b, g, s, d],
+    mask a key mask [b|1, 1, 1, s] -> [b, n, s, d]."""
+    pos = torch.arange(q.shape[2], device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _attend(q, k, v, _allowed(pos, pos, causal, mask), scale)[0]
+
+
+def _merge(o, lse, o_j, lse_j):
+    """Online softmax: two partial outputs over disjoint key sets, each normalised over its own keys -> the output
+    normalised over both: weights exp(lse_i − lse), lse = log(e^lse + e^lse_j)."""
+    new = torch.logaddexp(lse, lse_j)
+    w, w_j = torch.exp(lse - _finite(new))[..., None], torch.exp(lse_j - _finite(new))[..., None]
+    return o * w + o_j * w_j, new
+
+
+def _attend_backward(q, k, v, allowed, scale, lse, do, delta):
+    """FlashAttention's backward for one key block, from the FINAL lse and delta = rowsum(dO ∘ O):
+    P = exp(S − lse), dV = Pᵀ·dO, dS = P ∘ (dO·Vᵀ − delta), dQ = scale·dS·K, dK = scale·dSᵀ·Q (GQA: summed per group)."""
+    m = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(m, dim=1), v.repeat_interleave(m, dim=1)  # [b, n, sk, d]
+    scores = torch.einsum("bnqd,bnkd->bnqk", q, ke) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    p = torch.exp(scores - _finite(lse)[..., None])
+    ds = p * (torch.einsum("bnqd,bnkd->bnqk", do, ve) - delta[..., None])
+    dq = torch.einsum("bnqk,bnkd->bnqd", ds, ke) * scale
+    per_group = lambda t: rearrange(t, "b (g m) k d -> b g m k d", m=m).sum(2)  # [b, g, sk, d]
+    dk = per_group(torch.einsum("bnqk,bnqd->bnkd", ds, q) * scale)
+    dv = per_group(torch.einsum("bnqk,bnqd->bnkd", p, do))
+    return dq, dk, dv
+
+
+def _ring_exchange(x, g: Group, to: int, frm: int, tag: int):
+    """Post the send of x to ring neighbour `to` and the receive of the same shape from `frm` (asynchronous: the
+    caller computes on its block meanwhile). Returns (the receive buffer, the requests to wait on)."""
+    buf = torch.empty_like(x)
+    _log("send", g, x)
+    _log("recv", g, buf)
+    reqs = [dist.isend(x.contiguous(), g.ranks[to % g.size], group=g.pg, tag=tag),
+            dist.irecv(buf, g.ranks[frm % g.size], group=g.pg, tag=tag)]
+    return buf, reqs
+
+
+def _visible(q_pos, k_pos, causal: bool, key_mask):
+    """One ring block: (rows, cols, mask) — the query rows and key columns that see anything, and the mask on that
+    sub-block (None: all of it visible). Causal, load-balanced: the diagonal block is whole with its mask; a block
+    of an earlier rank is its first chunk of keys for every query, of a later rank all keys for the second chunk of
+    queries — half a block, unmasked (Megatron computes only that half, as here). A padding mask is per batch row:
+    every row and column is kept, with the mask."""
+    allowed = _allowed(q_pos, k_pos, causal, key_mask)
+    rows, cols = torch.arange(len(q_pos), device=q_pos.device), torch.arange(len(k_pos), device=k_pos.device)
+    if causal:
+        c = q_pos[:, None] >= k_pos[None, :]  # [sq, sk]
+        rows, cols = c.any(1).nonzero().squeeze(1), c.any(0).nonzero().squeeze(1)
+    if allowed is not None:
+        allowed = allowed.index_select(-2, rows) if allowed.shape[-2] > 1 else allowed
+        allowed = allowed.index_select(-1, cols)
+        allowed = None if bool(allowed.all()) else allowed
+    return rows, cols, allowed
+
+
+class _RingAttention(torch.autograd.Function):
+    """p2p: q, k, v [b, n|g, s/cp, d] this rank's tokens -> o [b, n, s/cp, d]. Step i: rank r holds the K/V block of
+    rank r−i, passes it to r+1, attends to it (its visible part), merges (online softmax). Backward: the ring in
+    reverse (blocks go to r−1), starting from the block forward ended with (rank r+1's); dK/dV travel with their
+    block, home after cp−1 hops. `scores` counts the score entries this rank computed (the load balance)."""
+    scores = 0
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, causal, scale, g):
+        cp, r, sl = g.size, g.rank, q.shape[2]
+        q_pos = cp_positions(sl * cp, cp, r, q.device)
+        kv = torch.stack([k, v])  # [2, b, g, s/cp, d]: the block that travels
+        o, lse = torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"))  # nothing seen yet
+        _RingAttention.scores = 0
+        for i in range(cp):
+            j = (r - i) % cp  # whose block this is
+            if i < cp - 1:
+                nxt, reqs = _ring_exchange(kv, g, r + 1, r - 1, tag=i)
+            rows, cols, mask = _visible(q_pos, cp_positions(sl * cp, cp, j, q.device), causal,
+                                        key_mask[..., j * sl:(j + 1) * sl] if key_mask is not None else None)
+            o_j, lse_j = _attend(q.index_select(2, rows), *kv.index_select(3, cols), mask, scale)
+            _RingAttention.scores += len(rows) * len(cols)
+            o_j, lse_j = torch.zeros_like(o).index_copy_(2, rows, o_j), torch.full_like(lse, float("-inf")).index_copy_(
+                2, rows, lse_j)  # back to all rows: the rows that saw nothing add nothing
+            o, lse = _merge(o, lse, o_j, lse_j)
+            if i < cp - 1:
+                for req in reqs:
+                    req.wait()
+                kv = nxt
+        ctx.save_for_backward(q, kv, o, lse, key_mask)  # kv: the last block held, rank r+1's
+        ctx.causal, ctx.scale, ctx.g = causal, scale, g
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, o, lse, key_mask = ctx.saved_tensors
+        g, cp, r, sl = ctx.g, ctx.g.size, ctx.g.rank, q.shape[2]
+        q_pos, delta = cp_positions(sl * cp, cp, r, q.device), (do * o).sum(-1)  # delta [b, n, s/cp]
+        dq, travel = torch.zeros_like(q), torch.stack([kv, torch.zeros_like(kv)])  # [K/V; dK/dV] [2, 2, b, g, s/cp, d]
+        for i in range(cp):
+            j = (r + 1 + i) % cp  # whose block this is; at i = cp − 1 this rank's own
+            rows, cols, mask = _visible(q_pos, cp_positions(sl * cp, cp, j, q.device), ctx.causal,
+                                        key_mask[..., j * sl:(j + 1) * sl] if key_mask is not None else None)
+            sub = lambda t: t.index_select(2, rows)  # noqa: E731 — this block's visible query rows
+            dq_j, dk, dv = _attend_backward(sub(q), *travel[0].index_select(3, cols), mask, ctx.scale, sub(lse),
+                                            sub(do), sub(delta))
+            dq.index_add_(2, rows, dq_j)
+            travel = torch.stack([travel[0], travel[1].index_add(3, cols, torch.stack([dk, dv]))])
+            if i < cp - 1:
+                travel, reqs = _ring_exchange(travel, g, r - 1, r + 1, tag=cp + i)
+                for req in reqs:
+                    req.wait()
+        return dq, travel[1, 0], travel[1, 1], None, None, None, None
+
+
+def ring_attention(g: Group, q, k, v, mask, causal: bool, scale: float):
+    return _RingAttention.apply(q, k, v, mask, causal, scale, g)
+
+
+class _GatherSequence(torch.autograd.Function):  # all-gather along dim −2 (the sequence) over cp; reduce-scatter back
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _gather(x, g, -2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce_scatter(dy.movedim(-2, 0), ctx.g).movedim(0, -2), None
+
+
+def all_gather_attention(g: Group, q, k, v, mask, causal: bool, scale: float):
+    s = q.shape[2] * g.size
+    kv = _GatherSequence.apply(torch.stack([k, v]), g)  # [2, b, g, s, d], cp order
+    allowed = _allowed(cp_positions(s, g.size, g.rank, q.device), cp_order(s, g.size, q.device), causal, mask)
+    return _attend(q, kv[0], kv[1], allowed, scale)[0]
+
+
+def ulysses_attention(g: Group, q, k, v, mask, causal: bool, scale: float):
+    cp, s = g.size, q.shape[2] * g.size
+    for what, heads in (("attention heads", q.shape[1]), ("query groups", k.shape[1])):
+        if heads % cp:
+            raise ValueError(f"cp-comm-type a2a: {heads} {what} per TP rank are not divisible by cp={cp}")
+    one = [1] * cp
+
+    def to_heads(x):  # [b, h, s/cp, d] -> [b, h/cp, s, d]: piece c of the heads to rank c, the sequence in cp order
+        x = _AllToAll.apply(rearrange(x, "b (c h) s d -> c b h s d", c=cp).contiguous(), g, one, one)
+        return rearrange(x, "c b h s d -> b h (c s) d")
+
+    def to_sequence(x):  # the inverse: [b, h/cp, s, d] -> [b, h, s/cp, d]
+        x = _AllToAll.apply(rearrange(x, "b h (c s) d -> c b h s d", c=cp).contiguous(), g, one, one)
+        return rearrange(x, "c b h s d -> b (c h) s d")
+
+    order = cp_order(s, cp, q.device)
+    return to_sequence(_attend(to_heads(q), to_heads(k), to_heads(v), _allowed(order, order, causal, mask), scale)[0])
+
+
+def context_parallel_attention(grid: Grid, comm_type: str):
+    """transformer.Attention's attention when cp > 1: attend(q, k, v, mask, causal, scale) -> o, with q [b, n, s/cp, d],
+    k, v [b, g, s/cp, d] this rank's tokens (get_batch_on_this_cp_rank's) and mask None or a key mask in cp order.
+    Computed in at least float32 (the log-sum-exp merge), returned in q's dtype."""
+    impl = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": ulysses_attention}[comm_type]
+
+    def attend(q, k, v, mask, causal, scale):
+        acc = torch.promote_types(q.dtype, torch.float32)
+        return impl(grid.cp, q.to(acc), k.to(acc), v.to(acc), mask, causal, scale).to(q.dtype)
+    return attend

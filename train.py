@@ -172,16 +172,17 @@ def setup(args):
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     mesh, tp, pp, dp = None, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size
+    cp = args.context_parallel_size
     if world > 1:
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo")
         from torch.distributed.device_mesh import DeviceMesh
-        mesh = DeviceMesh(device.type, torch.arange(world).view(pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-        mesh = mesh["dp", "tp"]  # this pipeline stage's ranks: checkpoint shards are laid out over them
+        mesh = DeviceMesh(device.type, torch.arange(world).view(pp, dp * cp, tp), mesh_dim_names=("pp", "dp_cp", "tp"))
+        mesh = mesh["dp_cp", "tp"]  # this stage's ranks: shards over tp, replicated over dp x cp (the Grid's order)
     else:
         torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may use (taskset, cgroups)
-    grid = P.Grid(tp=tp, pp=pp, dp=dp, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+    grid = P.Grid(tp=tp, pp=pp, dp=dp, cp=cp, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
     if pp == 1:
         chunks = [args.model_module.Model(config, grid).to(device)]
     else:  # this rank's pipeline stage (v chunks of it with the interleaved schedule)
@@ -230,7 +231,7 @@ def evaluate(s, valid, args, stage_step, autocast):
             for name, hits in extra(chunks[0], mb).items():
                 counts[name] = counts.get(name, 0) + torch.tensor(hits, dtype=torch.float64, device=device)
     total = torch.cat([total] + list(counts.values()))
-    for g in (grid.pp, grid.dp):  # the last stage holds the loss; each DP rank its part
+    for g in (grid.pp, grid.dp, grid.cp):  # the last stage holds the loss; each DP and CP rank its part
         total = P._all_reduce(total, g)
     for c in chunks:
         c.train()
@@ -277,8 +278,9 @@ def train(args):
         print("note: --fp8 covers the attention and MLP linears; the routed MoE experts keep the parameters' dtype")
     optimizer, scaler = make_optimizer(chunks, grid, args), LossScaler(args)
     tp = args.tensor_model_parallel_size
-    s["p2p_shape"] = (args.seq_length // tp if s["config"].sequence_parallel and tp > 1 else args.seq_length,
-                      args.micro_batch_size, s["config"].hidden_size)  # [s(/tp), b, h] between pipeline stages
+    s_local = args.seq_length // args.context_parallel_size  # [s/cp(/tp), b, h] between pipeline stages
+    s["p2p_shape"] = (s_local // tp if s["config"].sequence_parallel and tp > 1 else s_local,
+                      args.micro_batch_size, s["config"].hidden_size)
     start = 0
     if s["base"] is not None:  # model weights only: iteration 0, fresh optimizer and RNG (or a LoRA run's base)
         checkpoint.load_weights(s["base"], chunks, s["mesh"])
@@ -334,7 +336,7 @@ def train(args):
         if load is not None:
             window["moe_load"] = window.get("moe_load", 0) + P._all_reduce(load.to(device), grid.dp).cpu()
         loss = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)
-        for g in (grid.pp, grid.dp):  # the last stage holds the loss; each DP rank its part of the global mean
+        for g in (grid.pp, grid.dp, grid.cp):  # the last stage holds the loss; each DP and CP rank its part of the mean
             loss = P._all_reduce(loss, g)
         overflow = scaler.unscale_and_check(params)  # fp16: inf/nan grads on any rank -> skip, halve the scale
         grad_norm = float("nan") if overflow else float(optimizer.clip_grad_norm(args.clip_grad))  # each param once

@@ -87,6 +87,8 @@ class Attention(nn.Module):
             self.linear_qkv = P.ColumnParallelLinear(h, (n + 2 * g) * d, **kw)
         self.linear_proj = P.RowParallelLinear(n * d, h, grid, bias=c.add_bias_linear, std=c.output_std,
                                                sequence_parallel=c.sequence_parallel, dtype=c.params_dtype)
+        cp = grid is not None and grid.cp_size > 1  # context parallelism: K/V of the other cp ranks (parallel.py §12)
+        self.cp_attention = P.context_parallel_attention(grid, c.cp_comm_type) if cp and not cross else None
 
     def forward(self, x, rope=None, mask=None, kv_input=None, causal=True, inference_context=None):
         """x [s(/tp), b, h] -> [s(/tp), b, h]. mask: bool [b|1, n|1, sq, sk] True = attend, or a float bias.
@@ -107,7 +109,9 @@ class Attention(nn.Module):
             sq, sk = q.shape[2], k.shape[2]
             if causal and mask is None and sq != sk:  # query i is position t + i: it sees keys 0 .. t + i
                 mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(sk - sq)
-        if self.recompute and self.training and torch.is_grad_enabled():  # selective recomputation
+        if self.cp_attention is not None:  # context parallelism [b, n, s/cp, d]; causal as SDPA's: only without a mask
+            o = self.cp_attention(q, k, v, mask, causal and mask is None, self.scale)
+        elif self.recompute and self.training and torch.is_grad_enabled():  # selective recomputation
             o = checkpoint(self.core_attention, self.rng, q, k, v, mask, causal)
         else:
             o = self.core_attention(q, k, v, mask, causal)

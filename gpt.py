@@ -134,8 +134,8 @@ class Embedding(nn.Module):
         # shards become one reduce-scatter (Megatron's reduce_scatter_embeddings in LanguageModelEmbedding)
         self.reduce_scatter = c.sequence_parallel and c.position_embedding_type != "learned_absolute" \
             and c.num_tokentypes == 0 and P.tp_of(grid) is not None
-        self.word_embeddings = P.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, grid, std=c.init_method_std,
-                                                        dtype=c.params_dtype, reduce_scatter=self.reduce_scatter)
+        self.word_embeddings = P.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, grid,
+                                                        std=c.init_method_std, dtype=c.params_dtype)
         if c.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=c.params_dtype)
             P.mark(self.position_embeddings.weight, ("normal", c.init_method_std))
@@ -145,7 +145,7 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids, position_ids=None, tokentype_ids=None):  # [b, s]
         if self.reduce_scatter:
-            x = self.word_embeddings(input_ids)  # [s/tp, b, h], reduce-scattered
+            x = self.word_embeddings(input_ids, reduce_scatter=True)  # [s/tp, b, h]
             return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=True)
         x = self.word_embeddings(input_ids)  # [b, s, h]
         if hasattr(self, "position_embeddings"):

@@ -471,13 +471,13 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows are split over TP: rank r owns ids [r·V/tp, (r+1)·V/tp); others contribute zeros, then g.
-    reduce_scatter (Megatron's reduce_scatter_embeddings, for sequence parallelism when nothing is added to the whole
-    sequence after the lookup): ḡ instead of g, the output already sequence-first and split, [s/tp, b, h] — one
-    reduce-scatter where g + the split would all-reduce the full sequence (the same bytes, 1/tp of the result)."""
+    forward(ids, reduce_scatter=True) (Megatron's reduce_scatter_embeddings, for sequence parallelism when nothing is
+    added to the whole sequence after the lookup): ḡ instead of g, the output already sequence-first and split,
+    [s/tp, b, h] — one reduce-scatter where g + the split would all-reduce the full sequence (the same bytes)."""
 
-    def __init__(self, num_embeddings, embedding_dim, grid=None, std=0.02, dtype=None, reduce_scatter=False):
+    def __init__(self, num_embeddings, embedding_dim, grid=None, std=0.02, dtype=None):
         super().__init__()
-        self.tp, self.reduce_scatter = tp_of(grid), reduce_scatter
+        self.tp = tp_of(grid)
         n, r = (self.tp.size, self.tp.rank) if self.tp else (1, 0)
         if num_embeddings % n:
             raise ValueError(f"VocabParallelEmbedding: vocabulary {num_embeddings} not divisible by tp={n}")
@@ -485,15 +485,15 @@ class VocabParallelEmbedding(nn.Module):
         self.start = r * self.per_rank
         self.weight = mark(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype)), ("normal", std), 0)
 
-    def forward(self, ids):  # ids [b, s] -> [b, s, h]; reduce_scatter: [s/tp, b, h]
+    def forward(self, ids, reduce_scatter: bool = False):  # ids [b, s] -> [b, s, h]; reduce_scatter: [s/tp, b, h]
         if self.tp is None:
             y = F.embedding(ids, self.weight)
-            return rearrange(y, "b s h -> s b h").contiguous() if self.reduce_scatter else y
+            return rearrange(y, "b s h -> s b h").contiguous() if reduce_scatter else y
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         y = F.embedding(local.masked_fill(outside, 0), self.weight)
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)  # ids owned by another rank contribute nothing here
-        if self.reduce_scatter:
+        if reduce_scatter:
             return reduce_scatter_to_sp(rearrange(y, "b s h -> s b h"), self.tp)  # ḡ: [s/tp, b, h]
         return reduce_from_tp(y, self.tp)  # g
 

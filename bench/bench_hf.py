@@ -13,7 +13,7 @@ with one thread no thread waits for another, so what the process computes is tim
 core (the ratio it gives is the one to compare; absolute tokens per CPU-second are not a wall-clock throughput).
 
     .venv/bin/python bench/bench_hf.py [--rounds 5] [--steps 2] [--threads 2] [--only gpt2 llama bert t5 mamba2]
-                                       [--clock wall|cpu] [--profile]
+                                       [--clock wall|cpu] [--profile] [--parts]
 """
 from __future__ import annotations
 
@@ -142,6 +142,39 @@ def bench(which: str, rounds: int, n: int, warmup: int, profile: bool, clock=tim
     return desc, b, s, med, tps
 
 
+def parts(rounds: int, clock):
+    """The Llama row's layer 0, piece by piece (forward + backward of .sum()), ours vs HF on the same input: the
+    attention block (QKV, RoPE, SDPA, output projection), the MLP, the whole layer, and the head (ours: logits + CE;
+    HF: final norm + lm_head + CE). Medians in ms of `clock`."""
+    hf = build_hf("llama", 128).float().train()
+    ours = gpt.from_hf(hf).train()
+    b, s, h = 16, 128, 256
+    x = torch.randn(b, s, h, requires_grad=True)
+    xs = x.detach().transpose(0, 1).contiguous().requires_grad_()  # ours: [s, b, h]
+    rope, pe = ours.rope(s, None), hf.model.rotary_emb(x, torch.arange(s)[None])
+    lo, lh = ours.decoder.layers[0], hf.model.layers[0]
+    y = torch.randint(0, V, (b, s))
+    cases = {
+        "attention": (lambda: lo.self_attention(xs, rope=rope), lambda: lh.self_attn(x, pe, None)[0]),
+        "MLP": (lambda: lo.mlp(xs), lambda: lh.mlp(x)),
+        "layer": (lambda: lo(xs, rope=rope), lambda: lh(x, position_embeddings=pe)),
+        "head": (lambda: ours.postprocess(xs, y),
+                 lambda: F.cross_entropy(hf.lm_head(hf.model.norm(x)).view(-1, V), y.view(-1), reduction="none")),
+    }
+    print("\n| Llama layer 0, forward + backward | ours ms | HF ms | ours / HF (time) |\n|---|---|---|---|")
+    for name, (fo, fh) in cases.items():
+        t = {"ours": [], "hf": []}
+        for r in range(rounds + 1):
+            for k, f in (("ours", fo), ("hf", fh)):
+                t0 = clock()
+                out = f()
+                (out[0] if isinstance(out, tuple) else out).sum().backward()
+                if r:  # the first round warms up
+                    t[k].append(1e3 * (clock() - t0))
+        m = {k: statistics.median(v) for k, v in t.items()}
+        print(f"| {name} | {m['ours']:.1f} | {m['hf']:.1f} | {m['ours'] / m['hf']:.2f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -151,6 +184,7 @@ def main():
     ap.add_argument("--only", nargs="+", choices=list(SHAPES), default=None)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables (2 steps each) first")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: this process's CPU time (busy machine)")
+    ap.add_argument("--parts", action="store_true", help="only time the Llama row's attention / MLP / layer / head")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import transformers
@@ -161,9 +195,13 @@ def main():
     print(f"machine: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{a.threads} threads, fp32, {a.clock} clock")
     print(f"load at start: {load()}")
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
+    if a.parts:
+        parts(3 * a.rounds, clock)
+        print(f"load at end: {load()}")
+        return
     rows = []
     for which in (a.only or list(SHAPES)):
-        clock = time.process_time if a.clock == "cpu" else time.perf_counter
         desc, b, s, med, tps = bench(which, a.rounds, a.steps, a.warmup, a.profile, clock)
         rows.append((desc, b, s, med))
         print(f"{which}: ours {[round(t) for t in tps['ours']]}  hf {[round(t) for t in tps['hf']]}", flush=True)

@@ -29,11 +29,11 @@ GPT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, 
 LLAMA = dict(GPT, num_query_groups=2, ffn_hidden_size=48, gated_linear_unit=True, activation="silu",
              normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False)
 MOE = dict(LLAMA, num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=[1, 0, 1],
-           moe_shared_expert_intermediate_size=40)
+           moe_shared_expert_intermediate_size=40, share_embeddings_and_output_weights=False)
 MAMBA = dict(hybrid_layer_pattern="M-M*E", hidden_size=32, num_attention_heads=4, num_query_groups=2,
              ffn_hidden_size=48, gated_linear_unit=True, activation="silu", vocab_size=100, mamba_head_dim=16,
              mamba_num_groups=2, mamba_state_dim=8, mamba_chunk_size=8, num_experts=4, moe_router_topk=2,
-             params_dtype=torch.float64)
+             moe_shared_expert_intermediate_size=40, params_dtype=torch.float64)
 
 
 def hand_count(model, b: int, s: int) -> int:

@@ -204,6 +204,10 @@ class Embedding(nn.Module):
     def __init__(self, c: Config, grid=None, rng=None):
         super().__init__()
         self.c, self.grid, self.rng = c, grid, rng
+        # SP with nothing added to the whole sequence after the lookup: the lookup's g and the split to sequence
+        # shards become one reduce-scatter (Megatron's reduce_scatter_embeddings in LanguageModelEmbedding)
+        self.reduce_scatter = c.sequence_parallel and c.position_embedding_type != "learned_absolute" \
+            and c.num_tokentypes == 0 and P.tp_of(grid) is not None
         self.word_embeddings = P.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, grid,
                                                         std=c.init_method_std, dtype=c.params_dtype)
         if c.position_embedding_type == "learned_absolute":
@@ -214,6 +218,9 @@ class Embedding(nn.Module):
             P.mark(self.tokentype_embeddings.weight, ("normal", c.init_method_std))
 
     def forward(self, input_ids, position_ids=None, tokentype_ids=None):  # [b, s]
+        if self.reduce_scatter:
+            x = self.word_embeddings(input_ids, reduce_scatter=True)  # [s/tp, b, h]
+            return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=True)
         x = self.word_embeddings(input_ids)  # [b, s, h]
         if hasattr(self, "position_embeddings"):
             if position_ids is None:

@@ -1,14 +1,101 @@
-"""metrics.py — what a training run reports: the progress bar, metrics.jsonl, TensorBoard and loss.png.
+"""metrics.py — what a training run reports: the progress bar, metrics.jsonl, TensorBoard and loss.png, and the
+model FLOPs behind its `tflops` (and, on CUDA, `mfu`).
 
-Mirrors the logging half of Megatron-LM's `megatron/training/training.py` (training_log, the TensorBoard writer).
+Mirrors the logging half of Megatron-LM's `megatron/training/training.py` (training_log, the TensorBoard writer,
+and num_floating_point_operations: the model FLOPs of one iteration, for the GPT, MoE and hybrid Mamba models).
 A file of its own so train.py stays a loop a reader takes in at once: the loop hands each record here.
+Paper: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters" (§5.1, the FLOPs
+count: every GEMM 2·m·n·k, run 3 times per iteration: forward, backward's dgrad and wgrad; no recomputation).
 
 Run:    make train MODEL=gpt     (writes runs/gpt/metrics.jsonl, runs/gpt/tensorboard/, runs/gpt/loss.png)
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------- model FLOPs
+#   Dimension glossary: B sequences in the iteration (the global batch), s sequence length, h hidden, L layers,
+#   n heads, g query groups, d head dim (kv_channels), f ffn hidden, V padded vocabulary, E experts, k top-k,
+#   and for Mamba: d_in = H·P the mixer's width, H heads, G groups, N state size.
+#   Counted, as Megatron counts them: the GEMMs (weights and core attention, causal: half of QKᵀ and of PV) and the
+#   logit layer. Not counted: norms, softmax, activations, RoPE, dropout, the MoE router's h x E GEMM, the
+#   embedding lookup, the cross-entropy — and no recomputation (model FLOPs, not hardware FLOPs).
+def flops(c, batch: int, seq: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) on `batch` sequences of `seq` tokens: Megatron's
+    num_floating_point_operations (megatron/training/training.py), dispatching on the config's fields — a
+    `hybrid_layer_pattern` (mamba.Config) takes its hybrid_flops, everything else its transformer_flops (as in
+    Megatron, which calls the one GPT formula for BERT and T5 too: bidirectional attention is counted as causal, and
+    T5's decoder and cross-attention are not counted; see DESIGN.md §6)."""
+    if getattr(c, "hybrid_layer_pattern", None) is not None:
+        return _hybrid_flops(c, batch, seq)
+    h, L, n, g, d = c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups, c.kv_channels
+    ffn_gemms = 3 if c.gated_linear_unit else 2  # SwiGLU: h -> 2f (gate, up) and f -> h; else h -> f, f -> h
+    moe = sum(c.is_moe_layer(i) for i in range(L)) if c.num_experts else 0
+    topk, shared = (c.moe_router_topk, c.moe_shared_expert_intermediate_size or 0) if moe else (0, 0)
+    mlp = h * ffn_gemms * (c.ffn_hidden_size * (L - moe) + (c.moe_ffn_hidden_size * topk + shared) * moe)
+    attn = L * (h * (n * d + 2 * g * d)  # QKV projection (GQA: g key/value heads)
+                + n * d * seq / 2 * 2  # core attention, causal (half the s x s scores): QKᵀ and PV
+                + n * d * h)  # output projection
+    logits = h * c.padded_vocab_size
+    return 3 * 2 * batch * seq * (mlp + attn + logits)  # 3: forward, dgrad, wgrad; 2: a multiply-add is 2 FLOPs
+
+
+def _hybrid_flops(c, B: int, s: int) -> float:
+    """Megatron's hybrid_flops: per layer symbol of the pattern (M Mamba, * attention, - MLP, E MoE), forward x 3.
+    Megatron writes the Mamba width as d_in = 2·h (expand 2); here it is the config's H·P, the same number unless
+    mamba_num_heads is set to another width (then this counts the mixer that runs)."""
+    h, t = c.hidden_size, c.layer_types
+    d_in, H, G, N = c.d_inner, c.mamba_num_heads, c.mamba_num_groups, c.mamba_state_dim
+    mamba = (2 * B * s * h * (2 * d_in + 2 * G * N + H)  # in_proj: h -> [z, x, B, C, dt]
+             + 7 * B * s * d_in * N  # the scan (Megatron's estimate of the SSD kernels)
+             + 2 * B * s * d_in * h)  # out_proj
+    q = c.kv_channels * c.num_attention_heads
+    attn = 4 * B * s * q * (h + h * c.num_query_groups / c.num_attention_heads + s / 2)  # QKV, proj, causal core
+    swiglu = 1.5 if c.gated_linear_unit else 1.0
+    mlp = 4 * B * s * h * c.ffn_hidden_size * swiglu
+    moe = 0.0
+    if "E" in t:
+        moe = 4 * B * s * h * (c.moe_ffn_hidden_size * c.moe_router_topk
+                               + (c.moe_shared_expert_intermediate_size or 0)) * swiglu
+    fwd = (t.count("M") * mamba + t.count("*") * attn + t.count("-") * mlp + t.count("E") * moe
+           + 2 * B * s * h * c.padded_vocab_size)  # the logit layer
+    return 3 * fwd
+
+
+# Peak dense TFLOP/s (no sparsity) from the vendors' data sheets: (bf16/fp16 tensor cores, fp32 without TF32 —
+# torch's default for fp32 matmuls). Matched as whole words in torch.cuda.get_device_name(), first match wins.
+PEAK_TFLOPS = [("H100 PCIe", 756.0, 51.2), ("H100 NVL", 835.5, 60.0), ("H100", 989.4, 66.9), ("H200 NVL", 835.5, 60.0),
+               ("H200", 989.4, 66.9), ("GH200", 989.4, 66.9),
+               ("A100", 312.0, 19.5), ("L40S", 362.1, 91.6), ("L4", 121.0, 30.3), ("A10", 125.0, 31.2),
+               ("RTX 4090", 165.2, 82.6)]
+_SAID = set()
+
+
+def peak_tflops(device, half: bool) -> float | None:
+    """The device's peak dense TFLOP/s for bf16/fp16 (half) or fp32; None off CUDA or for a device not in the table
+    (said once)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((p[1 if half else 2] for p in PEAK_TFLOPS if re.search(rf"\b{p[0]}\b", name)), None)
+    if peak is None and name not in _SAID and int(os.environ.get("RANK", "0")) == 0:
+        _SAID.add(name)
+        print(f"note: no peak TFLOP/s known for {name!r} (metrics.PEAK_TFLOPS): no mfu is logged", flush=True)
+    return peak
+
+
+def throughput(flops_done: float, secs: float, world: int, device, half: bool) -> dict:
+    """{tflops: model TFLOP/s per rank (Megatron's throughput: the iterations' FLOPs / time / world size)[, mfu:
+    that over the device's peak]}."""
+    tflops = flops_done / secs / world / 1e12
+    peak = peak_tflops(device, half)
+    return dict(tflops=tflops) if peak is None else dict(tflops=tflops, mfu=tflops / peak)
 
 
 class Logger:
@@ -38,8 +125,9 @@ class Logger:
         if "val_loss" in rec:
             self.bar.write(f"iteration {rec['iteration']}: validation loss {rec['val_loss']:.4f}")
         else:
+            more = {k: f"{rec[k]:.3g}" for k in ("tflops", "mfu") if k in rec}
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
-                                 tok_s=f"{rec['tokens_per_s']:.0f}")
+                                 tok_s=f"{rec['tokens_per_s']:.0f}", **more)
 
     def close(self):
         if not self.on:

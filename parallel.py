@@ -473,7 +473,10 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows are split over TP: rank r owns ids [r·V/tp, (r+1)·V/tp); others contribute zeros, then g."""
+    """Embedding whose rows are split over TP: rank r owns ids [r·V/tp, (r+1)·V/tp); others contribute zeros, then g.
+    forward(ids, reduce_scatter=True) (Megatron's reduce_scatter_embeddings, for sequence parallelism when nothing is
+    added to the whole sequence after the lookup): ḡ instead of g, the output already sequence-first and split,
+    [s/tp, b, h] — one reduce-scatter where g + the split would all-reduce the full sequence (the same bytes)."""
 
     def __init__(self, num_embeddings, embedding_dim, grid=None, std=0.02, dtype=None):
         super().__init__()
@@ -485,13 +488,16 @@ class VocabParallelEmbedding(nn.Module):
         self.start = r * self.per_rank
         self.weight = mark(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype)), ("normal", std), 0)
 
-    def forward(self, ids):  # ids [b, s] -> [b, s, h]
+    def forward(self, ids, reduce_scatter: bool = False):  # ids [b, s] -> [b, s, h]; reduce_scatter: [s/tp, b, h]
         if self.tp is None:
-            return F.embedding(ids, self.weight)
+            y = F.embedding(ids, self.weight)
+            return rearrange(y, "b s h -> s b h").contiguous() if reduce_scatter else y
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         y = F.embedding(local.masked_fill(outside, 0), self.weight)
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)  # ids owned by another rank contribute nothing here
+        if reduce_scatter:
+            return reduce_scatter_to_sp(rearrange(y, "b s h -> s b h"), self.tp)  # ḡ: [s/tp, b, h]
         return reduce_from_tp(y, self.tp)  # g
 
 
@@ -1575,6 +1581,7 @@ def _reduce_max(t: torch.Tensor, groups: tuple) -> torch.Tensor:
     for g in groups:  # TP, then DP(×CP): the max over the whole TP × DP plane
         if g is not None and g.size > 1:
             t = t.clone()
+            _log("all_reduce", g, t)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.pg)
     return t
 

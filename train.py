@@ -37,7 +37,7 @@ import lora
 import parallel as P
 from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args, print_args
 from checkpoint import check_run_dirs, load_checkpoint, load_model, save_checkpoint
-from metrics import Logger
+from metrics import Logger, flops, throughput
 
 
 # ============================================================================================================
@@ -313,6 +313,7 @@ def train(args):
         with autocast():
             return stage_step(model, mb, recipe)
     tokens_per_batch = args.global_batch_size * args.seq_length
+    flops_per_batch = flops(s["config"], args.global_batch_size, args.seq_length)  # Megatron's model FLOPs
     params = list(model.parameters())
     t0 = time.time()
     window, it = dict(losses=[], t=t0, skipped=0), start
@@ -372,6 +373,7 @@ def train(args):
             rec = dict(iteration=n, loss=sum(finite) / len(finite) if finite else float("nan"), lr=learning_rate(it, args),
                        grad_norm=grad_norm, tokens_per_s=len(window["losses"]) * tokens_per_batch / dt,
                        skipped=window["skipped"])
+            rec.update(throughput(len(window["losses"]) * flops_per_batch, dt, args.world_size, device, args.bf16 or args.fp16))
             if args.fp16:
                 rec["loss_scale"] = scaler.scale
             if "moe_load" in window:

@@ -96,11 +96,12 @@ class Attention(nn.Module):
         angles), their keys and values join the cache, and the queries attend to every cached position."""
         if kv_input is None:
             qkv = rearrange(self.linear_qkv(x), "s b (g m d) -> s b g m d", g=self.g, d=self.d)  # m = n/g + 2
-            q = rearrange(qkv[:, :, :, :-2], "s b g m d -> s b (g m) d")  # [s, b, n, d]
-            k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, g, d]
+            # split, not slices: its backward is one cat (three slices' would be three zero-filled qkv copies, summed)
+            q, k, v = qkv.split([self.n // self.g, 1, 1], dim=3)
+            q, k, v = rearrange(q, "s b g m d -> s b (g m) d"), k.squeeze(3), v.squeeze(3)  # [s, b, n, d], [s, b, g, d]
         else:
             q = rearrange(self.linear_q(x), "s b (n d) -> s b n d", d=self.d)
-            k, v = rearrange(self.linear_kv(kv_input), "s b (g two d) -> two s b g d", two=2, d=self.d)
+            k, v = rearrange(self.linear_kv(kv_input), "s b (g two d) -> two s b g d", two=2, d=self.d).unbind(0)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))

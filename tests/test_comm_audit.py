@@ -24,6 +24,8 @@ SHAPE = dict(L=2, h=16, heads=4, s=8, b=2, M=2, V=64, E=2, k=1)
 LAYOUTS = {  # name -> the Grid's degrees and switches
     "tp2": dict(tp=2),
     "tp2_sp": dict(tp=2, sp=True),
+    "tp2_sp_rope": dict(tp=2, sp=True, rope=True),  # no position embedding: the embedding reduce-scatters (ḡ)
+    "tp2_fp8": dict(tp=2, fp8=True),  # + the delayed recipe's one amax all-reduce per step (parallel.py section 11)
     "pp2": dict(pp=2),
     "dp2": dict(dp=2),  # parallel.Optimizer: finalize_grads' one flat all-reduce
     "dp2_ddp": dict(dp=2, ddp=True),  # parallel.DDP's bucketed all-reduce (overlapped with backward)
@@ -33,21 +35,25 @@ LAYOUTS = {  # name -> the Grid's degrees and switches
 }
 
 
-def config(L, h, heads, s, V, E, k, sp=False, moe=False, **_):
+def config(L, h, heads, s, V, E, k, sp=False, moe=False, rope=False, **_):
     moe_kw = dict(num_experts=E, moe_router_topk=k, moe_token_dispatcher_type="alltoall") if moe else {}
     return gpt.Config(num_layers=L, hidden_size=h, num_attention_heads=heads, vocab_size=V, make_vocab_size_divisible_by=V,
                       max_position_embeddings=s, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64,
-                      sequence_parallel=sp, **moe_kw)
+                      sequence_parallel=sp, position_embedding_type="rope" if rope else "learned_absolute", **moe_kw)
 
 
-def iteration_case(rank, n, shape, tp=1, pp=1, dp=1, ep=1, sp=False, ddp=False, distopt=False, moe=False, extra=False):
+def iteration_case(rank, n, shape, tp=1, pp=1, dp=1, ep=1, sp=False, ddp=False, distopt=False, moe=False, rope=False,
+                   fp8=False, extra=False, no_reduce_scatter=False):
     """One training iteration, as train.py runs it, inside count_collectives(); returns this rank's log."""
     grid = P.Grid(tp=tp, pp=pp, dp=dp, ep=ep)
-    c = config(**shape, sp=sp, moe=moe)
+    c = config(**shape, sp=sp, moe=moe, rope=rope)
     L, s, b, M, V = (shape[x] for x in "L s b M V".split())
     make = lambda pre, post, offset, nl: gpt.Model(c, grid, pre_process=pre, post_process=post, layer_offset=offset,
                                                    num_layers=nl)
     chunks = P.build_chunks(make, L, grid)
+    if no_reduce_scatter:  # the negative control: the embedding all-reduces and splits though it could reduce-scatter
+        chunks[0].embedding.reduce_scatter = False
+    fp8 = P.fp8_enable(torch.nn.ModuleList(chunks), P.FP8Recipe(), grid) if fp8 else None  # delayed scaling
     opt = P.DistributedOptimizer(P.DDP(chunks, grid, distributed_optimizer=distopt)) if ddp else P.Optimizer(chunks, grid)
     batch = make_batch(V, b * M * dp, s)
     micro = batch.chunk(dp)[grid.dp.rank].split(b)
@@ -70,6 +76,8 @@ def iteration_case(rank, n, shape, tp=1, pp=1, dp=1, ep=1, sp=False, ddp=False, 
             P._all_reduce(loss, grid.tp)
         opt.clip_grad_norm(1.0)
         opt.step()
+        if fp8 is not None:  # train.py: after the step, the delayed recipe's amaxes -> next step's scales
+            fp8.update()
     return log
 
 
@@ -105,7 +113,10 @@ def expected(shape: dict, name: str) -> dict:
     params = V * h + s * h + L * (12 * h * h + 13 * h) + 2 * h
     if tp > 1:  # Shoeybi et al. 2019 §3 (per layer: g after attention and MLP forward, f before them in backward)
         add("all_reduce", "tp", stage, 3 * M, T)  # last stage: vocab-parallel cross-entropy's max, target logit, sum-exp
-        add("all_reduce", "tp", stage, M, A)  # first stage: the vocab-parallel embedding's g (backward: identity)
+        if sp and lay.get("rope"):  # no position embedding: Megatron's reduce_scatter_embeddings, ḡ for g + split
+            add("reduce_scatter", "tp", stage, M, A)  # first stage: the vocab-parallel embedding's ḡ
+        else:
+            add("all_reduce", "tp", stage, M, A)  # first stage: the vocab-parallel embedding's g (backward: identity)
         if not sp:
             add("all_reduce", "tp", W, 2 * Ls * M, A)  # forward g: attention out (linear_proj), MLP out (linear_fc2)
             add("all_reduce", "tp", W, 2 * Ls * M, A)  # backward f: before linear_qkv and linear_fc1
@@ -118,12 +129,14 @@ def expected(shape: dict, name: str) -> dict:
             add("all_gather", "tp", stage, M, A)  # last stage: the output layer's g (forward) ...
             add("reduce_scatter", "tp", stage, M, A)  # ... and its backward
             add("all_gather", "tp", stage, M, A)  # first stage: backward of the embedding's scatter to the sequence
-            # shards (learned position embeddings are added to the whole sequence, so the embedding all-reduces then
-            # splits, as Megatron does unless reduce_scatter_embeddings, which needs no position/tokentype embeddings)
+            # shards, or of its ḡ (learned position embeddings are added to the whole sequence, so there the embedding
+            # all-reduces then splits; Megatron's reduce_scatter_embeddings needs no position/tokentype embeddings)
             # SP norm grads (finalize_model_grads): LN weight + bias x 2 per layer, the row-parallel biases of
             # linear_proj and linear_fc2, the last stage's final LN; summed over TP in one flat all-reduce per step
             add("all_reduce", "tp", W - stage, 1, Ls * 6 * h)
             add("all_reduce", "tp", stage, 1, Ls * 6 * h + 2 * h)
+    if lay.get("fp8"):  # FP8State.update: one all-reduce MAX of every amax (float32): 4 linears x 3 tensors a layer
+        add("all_reduce", "tp", W, 1, Ls * 4 * 3, size=4)  # (Transformer Engine's reduce_and_update_fp8_tensors)
     if tp * pp > 1:
         add("all_reduce", "mp", W, 1, 2)  # grad norm: [dense, expert] sums of squares over the model replica (TP x PP)
     if pp > 1:  # Narayanan et al. 2021: one activation each way per stage boundary and micro-batch
@@ -182,6 +195,13 @@ def test_an_extra_collective_is_caught(pool):
         check(measure(pool, "tp2_sp", extra=True), expected(SHAPE, "tp2_sp"), "tp2_sp + a stray all-reduce")
 
 
+def test_the_embedding_all_reduce_under_sp_is_caught(pool):
+    """Negative control: a rope model's SP embedding that all-reduces the whole sequence then splits it (g + split,
+    where Megatron's reduce_scatter_embeddings does one ḡ) fails the audit, naming both kinds."""
+    with pytest.raises(AssertionError, match=r"all_reduce over tp: measured \d+ calls.*reduce_scatter over tp"):
+        check(measure(pool, "tp2_sp_rope", no_reduce_scatter=True), expected(SHAPE, "tp2_sp_rope"), "tp2_sp_rope")
+
+
 def test_an_expected_table_off_by_one_is_caught():
     want = expected(SHAPE, "pp2")
     wrong = {**want, ("send", "pp"): (want["send", "pp"][0] - 1, want["send", "pp"][1])}
@@ -208,12 +228,9 @@ def unlogged_collectives(source: str) -> list[tuple[int, str]]:
             and not any("_log(" in x for x in lines[max(0, i - 5):i + 1])]
 
 
-def test_every_collective_of_sections_1_to_10_is_logged():
-    """The audit sees only what calls _log: a collective added without it would escape the exact comparison above.
-    Section 11 (FP8: the amax all-reduce of _reduce_max) is not in the audited layouts and may go unlogged."""
-    source = open(P.__file__).read()
-    fp8 = source[:source.index("\n# 11. FP8")].count("\n") + 1
-    assert [(n, line) for n, line in unlogged_collectives(source) if n < fp8] == []
+def test_every_collective_of_parallel_py_is_logged():
+    """The audit sees only what calls _log: a collective added without it would escape the exact comparison above."""
+    assert unlogged_collectives(open(P.__file__).read()) == []
 
 
 def test_an_unlogged_collective_is_found():

@@ -140,6 +140,15 @@ def parse_args(argv):
     a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
     for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
         a(f"--mamba-{name}", type=int, default=None)
+    # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
+    a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
+    a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
+    a("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' shared latent dim")
+    a("--qk-head-dim", type=int, default=128, help="MLA: q/k head dim without position")
+    a("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: the decoupled RoPE dims (one key for all heads)")
+    a("--v-head-dim", type=int, default=128)
+    a("--mtp-num-layers", type=int, default=None, help="multi-token prediction depths on the last stage (default: off)")
+    a("--mtp-loss-scaling-factor", type=float, default=0.1, help="MTP: the loss enters backward as factor/D per depth")
     model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
     if Path(__file__).with_name(f"{model}.py").exists():
         p.set_defaults(**getattr(importlib.import_module(model), "TRAIN_DEFAULTS", {}))
@@ -168,6 +177,9 @@ RANGES = {
                      "moe_expert_capacity_factor"], _POSITIVE),
     **dict.fromkeys(["adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"], _FRACTION),
 }
+
+RANGES.update({**dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                                "mtp_num_layers"], _AT_LEAST_1), "mtp_loss_scaling_factor": _AT_LEAST_0})  # deepseek.py
 
 
 def check_args(args, world: int):

@@ -275,7 +275,10 @@ def check_run_dirs(args):
 
 ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "vocab_size",
-              "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
+              "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings",
+              # DeepSeek-V3's layers (deepseek.py)
+              "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "mtp_num_layers"]
 
 
 def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None):

@@ -33,7 +33,7 @@ import data
 import parallel as P
 from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args, print_args
 from checkpoint import ARCH_FLAGS, check_run_dirs, load_checkpoint, load_model, save_checkpoint
-from metrics import Logger
+from metrics import Logger, module_losses
 
 
 # ============================================================================================================
@@ -364,6 +364,7 @@ def train(args):
                 rec["loss_scale"] = scaler.scale
             if "moe_load" in window:
                 rec.update(P.moe_metrics(model, window["moe_load"]))
+            rec.update(module_losses(model))  # losses a module logs itself (MTP's per depth): every rank calls it
             log.log(rec)
             window = dict(losses=[], t=time.time(), skipped=0)
         stop = args.exit_interval is not None and n % args.exit_interval == 0

@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. train.py reaches the model files only through importlib (--model NAME), at run time.
-LAYERS = ["parallel", "data", "arguments", "checkpoint", "convert", "rope", "transformer", "gpt", "bert", "t5", "mamba",
-          "retrieval", "retro", "metrics", "train"]
+LAYERS = ["parallel", "data", "arguments", "checkpoint", "convert", "rope", "transformer", "deepseek", "gpt", "bert", "t5",
+          "mamba", "retrieval", "retro", "metrics", "train"]
 
 
 def project_imports(source: str, modules) -> set[str]:

@@ -1,0 +1,237 @@
+"""DeepSeek-V3's layers (deepseek.py): multi-latent attention (MLA) and multi-token prediction (MTP) in gpt.Model.
+
+  1. Hugging Face DeepseekV3ForCausalLM (random weights, offline) loaded with gpt.from_hf gives its logits: MLA with
+     and without q-lora, interleaved and half-split RoPE, dense and MoE layers with a shared expert.
+  2. MTP against a plain oracle: the loss attached by MTPLossAutoScaler gives exactly the gradient of
+     main/N + factor/D · Σ_k mtp_k/N computed by hand (rolls written as slices); the reported loss is the main loss.
+  3. Every layout (tp, sp, pp, virtual stages, dp, micro-batches) equals the single process in float64: loss,
+     every gradient, parameters after 2 AdamW steps (tests/test_pipeline.py's driver, the real schedules).
+  4. Negative controls: MLA's shared position key without f (copy_to_tp), MTP without the global token count.
+  5. train.py under torchrun TP=2 with --multi-latent-attention --mtp-num-layers 1 logs the single process's losses.
+Tolerances: HF float32 logits 1e-4 (op order; measured ≤ 1e-6); HF float64 1e-5 (HF computes RoPE's cos/sin and
+the router in float32, as we do RoPE, but by other float32 ops: measured 7e-7); layouts float64 1e-10 (reduction
+order only); the MTP oracle 1e-12 (one process, the same ops in another grouping); torchrun float32 1e-5.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import transformers
+from hypothesis import example, given
+from hypothesis import strategies as st
+from test_pipeline import merge, pipeline_case, train_pipelined
+from test_train import assert_close, cache, corpus, metrics, tiny, torchrun  # noqa: F401 (fixtures)
+
+import convert
+import deepseek
+import gpt
+import parallel as P
+from equivalence import assert_same, make_batch, rel_err
+
+
+# --------------------------------------------------------------------------------------- 1. Hugging Face
+def hf_deepseek(q_lora=16, interleave=True, dense=2, layers=2, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+               routed_scaling_factor=1.0, kv_lora_rank=24, q_lora_rank=q_lora, qk_rope_head_dim=8, v_head_dim=12,
+               qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=dense,
+               max_position_embeddings=64, rope_interleave=interleave, tie_word_embeddings=False)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**cfg, **kw})).to(dtype).eval()
+    with torch.no_grad():  # HF initialises some weights to zero or one: draw them all, so every map is exercised
+        for p in hf.parameters():
+            p.uniform_(0.5, 1.5) if p.dim() == 1 else p.normal_(0, 0.1)
+    return hf
+
+
+def logits_err(hf, ours, seed=1):
+    ids = make_batch(1000, 2, 12, seed=seed)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        return (ours(ids) - ref).abs().max().item() / ref.abs().max().item()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(q_lora=None), dict(interleave=False), dict(dense=1, layers=3)],
+                         ids=["q-lora", "full-q", "rope-halves", "moe-shared-expert"])
+def test_from_hf_deepseek_logits_match(kw):
+    hf = hf_deepseek(**kw)
+    ours = gpt.from_hf(hf).eval()
+    assert ours.config.multi_latent_attention and isinstance(ours.decoder.layers[0].self_attention,
+                                                             deepseek.MLASelfAttention)
+    assert (ours.config.num_experts is not None) == (kw.get("dense") == 1)
+    assert logits_err(hf, ours) < 1e-4
+
+
+def test_from_hf_deepseek_float64():
+    hf = hf_deepseek(dtype=torch.float64)
+    assert logits_err(hf, gpt.from_hf(hf).eval()) < 1e-5
+
+
+def test_from_hf_deepseek_rope_layout_can_fail():
+    """Negative control: HF's half-split RoPE loaded as if interleaved (no row re-ordering) moves the logits."""
+    hf = hf_deepseek(interleave=False)
+    hf.config.rope_interleave = True
+    config, full = convert.deepseek_from_hf(hf, gpt.Config)
+    hf.config.rope_interleave = False
+    assert logits_err(hf, convert.load(gpt.Model(config), full).eval()) > 1e-2
+
+
+@pytest.mark.skipif(not hasattr(gpt.Config, "moe_router_num_groups"),
+                    reason="gpt.Config has no moe_router_num_groups yet (DeepSeek routing: group top-k, expert bias, "
+                           "routed scaling factor in parallel.py's Router)")
+def test_from_hf_deepseek_group_routing_logits_match():
+    hf = hf_deepseek(dense=1, layers=3, n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    with torch.no_grad():
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    assert logits_err(hf, gpt.from_hf(hf).eval()) < 1e-4
+
+
+@pytest.mark.parametrize("kw,named", [(dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4,
+                                                                 original_max_position_embeddings=16)), "rope_type"),
+                                      (dict(attention_bias=True), "attention_bias"),
+                                      (dict(dense=1, n_group=2, topk_group=1), "n_group")])
+def test_from_hf_deepseek_refuses_what_it_cannot_represent(kw, named):
+    if named == "n_group" and hasattr(gpt.Config, "moe_router_num_groups"):
+        pytest.skip("group routing is representable now")
+    with pytest.raises(ValueError, match=named):
+        gpt.from_hf(hf_deepseek(**kw))
+
+
+# --------------------------------------------------------------------------------------- 2. MTP against an oracle
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=211,
+            max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope",
+            normalization="RMSNorm", activation="silu", gated_linear_unit=True, add_bias_linear=False,
+            kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, mtp_loss_scaling_factor=0.3)
+
+
+def oracle_loss(model, ids, labels, num_tokens):
+    """main/N + factor/D · Σ_k (Σ of depth k's CE over its valid positions)/N, each depth's inputs written as slices:
+    depth k at position i sees token i+k and predicts label i+k, for i < s−k."""
+    c, (b, s) = model.config, ids.shape
+    rope = model.rope(s, ids.device)
+    h = model.decoder(model.embedding(ids), rope=rope)
+    total = model.postprocess(h, labels).sum()
+    for k, layer in enumerate(model.mtp.layers, start=1):
+        pad = torch.zeros(b, k, dtype=ids.dtype)
+        ids_k, labels_k = torch.cat([ids[:, k:], pad], 1), torch.cat([labels[:, k:], pad], 1)
+        pos_k = torch.cat([torch.arange(k, s), torch.zeros(k, dtype=torch.long)]).expand(b, s)
+        h = layer(h, model.embedding(ids_k, pos_k), rope=rope)
+        ce = model.postprocess(h, labels_k)[:, : s - k]
+        total = total + c.mtp_loss_scaling_factor / c.mtp_num_layers * ce.sum()
+    return total / num_tokens
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["attention", "mla"])
+def test_mtp_gradient_equals_oracle_and_reported_loss_is_the_main_loss(mla):
+    c = gpt.Config(**TINY, multi_latent_attention=mla, q_lora_rank=10, mtp_num_layers=2,
+                   params_dtype=torch.float64)
+    batch = make_batch(c.vocab_size, 3, 10, seed=5)
+    ids, labels, N = batch[:, :-1], batch[:, 1:], batch[:, 1:].numel()
+    model = gpt.Model(c)
+    P.set_num_tokens(model, N)  # what the schedules do
+    main = model(ids, labels=labels)
+    (main.sum() / N).backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    oracle_loss(model, ids, labels, N).backward()
+    for k, p in model.named_parameters():
+        assert rel_err(got[k], p.grad) < 1e-12, k
+    plain = gpt.Model(gpt.Config(**TINY, multi_latent_attention=mla, q_lora_rank=10, params_dtype=torch.float64))
+    assert torch.equal(main, plain(ids, labels=labels))  # the same weights (by name): the reported loss is unchanged
+    logged = model.mtp.logged_losses()
+    assert sorted(logged) == ["mtp_1_loss", "mtp_2_loss"] and logged["mtp_2_loss"][1] == 3 * 8  # s − 2 per row
+
+
+# --------------------------------------------------------------------------------------- 3. every layout
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 1, 2), (2, 2, 1), (1, 2, 2), (1, 1, 2)]  # (tp, pp, dp): worlds of 2 and 4
+
+
+@st.composite
+def mla_mtp_layouts(draw):
+    tp, pp, dp = draw(st.sampled_from(LAYOUTS))
+    vp = draw(st.sampled_from([1, 2])) if pp > 1 else 1
+    M = pp if vp > 1 else draw(st.sampled_from([1, 2]))
+    mla, mtp = draw(st.sampled_from([(True, None), (False, 1), (True, 2)]))
+    cfg = dict(TINY, num_layers=2 * vp if pp > 1 else 2, multi_latent_attention=mla, mtp_num_layers=mtp,
+               q_lora_rank=draw(st.sampled_from([None, 10])), share_embeddings_and_output_weights=draw(st.booleans()))
+    return cfg, tp, pp, vp, M, dp, tp > 1 and draw(st.booleans())
+
+
+def run_layout(pool, cfg, tp, pp, vp, M, dp, sp, case=pipeline_case):
+    b = 2 * M * dp
+    got = merge(pool.run(case, tp * pp * dp, cfg=cfg, tp=tp, pp=pp, vp=vp, M=M, sp=sp, b=b, s=8, dtype=torch.float64))
+    ref = train_pipelined(None, dict(cfg, params_dtype=torch.float64), False, 1, M, b, 8)
+    return got, ref
+
+
+@given(mla_mtp_layouts())
+@example((dict(TINY, multi_latent_attention=True, mtp_num_layers=2, q_lora_rank=10), 2, 1, 1, 2, 2, True))
+@example((dict(TINY, num_layers=4, multi_latent_attention=True, mtp_num_layers=1,
+               share_embeddings_and_output_weights=False), 1, 2, 2, 2, 1, False))
+def test_mla_mtp_layouts_equal_single_process_float64(pool, layout):
+    cfg, tp, pp, vp, M, dp, sp = layout
+    got, ref = run_layout(pool, cfg, tp, pp, vp, M, dp, sp)
+    if cfg["mtp_num_layers"]:
+        assert any(k.startswith("mtp.layers.0.eh_proj") for k in got["grads"])
+    assert_same(got, ref, rtol=1e-10, what=f"tp={tp} pp={pp} vp={vp} dp={dp} M={M} sp={sp} "
+                                           f"mla={cfg['multi_latent_attention']} mtp={cfg['mtp_num_layers']}")
+
+
+# --------------------------------------------------------------------------------------- 4. negative controls
+def no_f_on_position_key_case(rank, n, **kw):
+    """MLA's shared position key k_pe enters each rank's heads without f: its gradient stays this rank's part."""
+    real = deepseek.P
+    deepseek.P = types.SimpleNamespace(**{**vars(P), "copy_to_tp": lambda x, g: x})
+    try:
+        return pipeline_case(rank, n, **kw)
+    finally:
+        deepseek.P = real
+
+
+def mtp_without_global_count_case(rank, n, **kw):
+    """MTP ignores the schedules' global token count: each micro-batch's MTP loss is divided by its own b·s."""
+    real = deepseek.MTPBlock.set_num_tokens
+    deepseek.MTPBlock.set_num_tokens = lambda self, num_tokens: None
+    try:
+        return pipeline_case(rank, n, **kw)
+    finally:
+        deepseek.MTPBlock.set_num_tokens = real
+
+
+@pytest.mark.parametrize("case,mla,mtp,layout", [
+    (no_f_on_position_key_case, True, None, (2, 1, 1, 1, 1, False)),
+    (mtp_without_global_count_case, False, 1, (1, 2, 1, 2, 1, False))], ids=["mla-no-f", "mtp-local-count"])
+def test_negative_controls_are_caught(pool, case, mla, mtp, layout):
+    cfg = dict(TINY, multi_latent_attention=mla, mtp_num_layers=mtp)
+    got, ref = run_layout(pool, cfg, *layout, case=case)
+    with pytest.raises(AssertionError, match=r"worst relative error .* > 1e-10 at (grad|param)"):
+        assert_same(got, ref, rtol=1e-10)
+
+
+def test_config_refuses_bad_mla_mtp_values():
+    with pytest.raises(ValueError, match="position_embedding_type='rope'"):
+        gpt.Config(multi_latent_attention=True)
+    with pytest.raises(ValueError, match="qk_pos_emb_head_dim"):
+        gpt.Config(**dict(TINY, qk_pos_emb_head_dim=3), multi_latent_attention=True)
+    with pytest.raises(ValueError, match="mtp_num_layers=0"):
+        gpt.Config(mtp_num_layers=0)
+
+
+# --------------------------------------------------------------------------------------- 5. train.py
+FLAGS = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+         "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--mtp-num-layers", "1"]
+
+
+def test_train_tp2_mla_mtp_logs_the_single_process_losses(corpus, cache, tmp_path):  # noqa: F811 (fixtures)
+    import train
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    train.main(tiny(corpus, cache, one, *FLAGS, iters=3))
+    torchrun(2, tiny(corpus, cache, tp2, *FLAGS, "--tensor-model-parallel-size", "2", iters=3))
+    (ref, _), (got, _) = metrics(one), metrics(tp2)
+    assert sorted(got) == sorted(ref) == [1, 2, 3]
+    for i in ref:
+        for key in ("loss", "mtp_1_loss", "grad_norm"):
+            assert_close(got[i][key], ref[i][key], 1e-5, f"{key} at iteration {i}")

@@ -14,9 +14,11 @@ order only); the MTP oracle 1e-12 (one process, the same ops in another grouping
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
+import test_megatron_parity as MP
 import torch
 import transformers
 from hypothesis import example, given
@@ -28,7 +30,7 @@ import convert
 import deepseek
 import gpt
 import parallel as P
-from equivalence import assert_same, make_batch, rel_err
+from equivalence import assert_same, make_batch, named_full, rel_err
 
 
 # --------------------------------------------------------------------------------------- 1. Hugging Face
@@ -235,3 +237,105 @@ def test_train_tp2_mla_mtp_logs_the_single_process_losses(corpus, cache, tmp_pat
     for i in ref:
         for key in ("loss", "mtp_1_loss", "grad_norm"):
             assert_close(got[i][key], ref[i][key], 1e-5, f"{key} at iteration {i}")
+
+
+# --------------------------------------------------------------------------------------- 6. Megatron-core parity
+def megatron_mla_mtp(c: gpt.Config, tp: int):
+    """Megatron-core's GPTModel with MLASelfAttention (local spec, q/kv layernorms on) and an MTP block."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    base = MP.megatron_transformer_config(c, tp)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    ours = dict(multi_latent_attention=True, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                qk_head_dim=c.qk_head_dim, qk_pos_emb_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
+                rope_type="rope", rotary_base=c.rotary_base, qk_layernorm=True, mtp_num_layers=c.mtp_num_layers,
+                mtp_loss_scaling_factor=c.mtp_loss_scaling_factor, calculate_per_token_loss=True)
+    mc = MLATransformerConfig(**{k: v for k, v in fields.items() if k not in ours and k != "kv_channels"}, **ours)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):  # the shim: takes MLA's k/v head dims, output n/tp·dv wide
+        def __init__(self, *args, k_channels=None, v_channels=None, **kw):
+            super().__init__(*args, **kw)
+            if v_channels is not None:  # (the base Attention builds one without them first)
+                self.hidden_size_per_partition = v_channels * c.num_attention_heads // tp
+
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization=c.normalization)
+    spec.submodules.self_attention.submodules.core_attention = LocalMLACoreAttention
+    mtp = get_gpt_mtp_block_spec(mc, spec, use_transformer_engine=False) if c.mtp_num_layers else None
+    return GPTModel(mc, spec, vocab_size=c.padded_vocab_size, max_sequence_length=c.max_position_embeddings,
+                    share_embeddings_and_output_weights=c.share_embeddings_and_output_weights,
+                    position_embedding_type="rope", rotary_base=c.rotary_base, parallel_output=True,
+                    mtp_block_spec=mtp)
+
+
+def megatron_case(rank, n, tp, cfg, b=2, s=12, seed=7, fix_1699=True):
+    """test_megatron_parity.gpt_case for MLA + MTP: logits, per-token loss and every gradient of a weighted sum of
+    the per-token losses plus the MTP loss. Megatron's MTP term enters as factor/D·Σ·main_loss_backward_scale
+    (calculate_per_token_loss), ours as factor/D·Σ/num_tokens: the scale is set to 1/num_tokens.
+    fix_1699: Megatron-LM issue #1699 (open in 0.15.3): without sequence parallelism the shared position key
+    k_pos_emb [s, b, 1, dr] enters each rank's heads with no TP reduction in backward, so at TP > 1 its gradient
+    (and everything upstream: linear_kv_down_proj, the norms, earlier layers, the embedding) is one rank's part.
+    The shim puts f (copy_to_tensor_model_parallel_region) in front of its RoPE, as our MLASelfAttention does."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    real_rope = mla.apply_rotary_pos_emb
+
+    def rope_with_f(t, *args, **kw):
+        return real_rope(copy_to_tensor_model_parallel_region(t) if t.shape[-2] == 1 else t, *args, **kw)
+
+    c = gpt.Config(**cfg, params_dtype=torch.float64)
+    grid = P.Grid(tp=tp, dp=n // tp)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, c.vocab_size, (b, s + 1), generator=gen)
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    weights = torch.rand(b, s, generator=gen, dtype=torch.float64)
+    saved = MTPLossAutoScaler.main_loss_backward_scale
+    with MP.megatron_on_cpu(tp, seed):
+        try:
+            if fix_1699:
+                mla.apply_rotary_pos_emb = rope_with_f
+            MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (b * s), dtype=torch.float64))
+            mc = megatron_mla_mtp(c, tp).eval()  # eval: no MTP loss tracker (dropout is 0 anyway)
+            full = MP.seeded_full_state(mc, tp, seed)
+            MP.load_into_megatron(mc, full, tp, c.gated_linear_unit)
+            ours = gpt.from_megatron(full, c, grid)
+            P.set_num_tokens(ours, b * s)
+            pos, mask = torch.arange(s).expand(b, s), MP.causal_mask(s)
+            outs = []  # Megatron's GPTModel with MTP needs labels: its main logits are the output layer's last call
+            hook = mc.output_layer.register_forward_hook(lambda m, i, o: outs.append(o[0].transpose(0, 1)))
+            loss = mc(inputs, pos, mask, labels=labels)
+            hook.remove()
+            (loss * weights).sum().backward()
+            ref = {"logits": MP.gather_logits(outs[-1], tp)[..., : c.vocab_size], "loss": loss.detach(),
+                   "grads": MP.gather_megatron(mc, tp, c.gated_linear_unit)}
+        finally:
+            MTPLossAutoScaler.main_loss_backward_scale, mla.apply_rotary_pos_emb = saved, real_rope
+        got = {"logits": ours(inputs).detach()}
+        loss = ours(inputs, labels=labels)
+        (loss * weights).sum().backward()
+        got |= {"loss": loss.detach(), "grads": named_full(ours, grid, grads=True)}
+    return (got, ref) if rank == 0 else None
+
+
+MEGATRON_MLA = dict(TINY, make_vocab_size_divisible_by=8, multi_latent_attention=True, mtp_num_layers=2)
+
+
+@pytest.mark.parametrize("tp,q_lora", [(1, 10), (2, 10), (2, None)])
+def test_mla_mtp_match_megatron(pool, tp, q_lora):
+    got, ref = pool.run(megatron_case, MP.WORLD, tp=tp, cfg=dict(MEGATRON_MLA, q_lora_rank=q_lora))[0]
+    assert any(k.startswith("mtp.layers.1.") for k in ref["grads"])
+    MP.assert_parity(MP.compare(got, ref), f"MLA + MTP tp={tp} q_lora_rank={q_lora}")
+
+
+def test_megatron_tp2_without_the_1699_fix_differs(pool):
+    """Negative control, and the Megatron bug itself: unpatched, Megatron's TP=2 MLA gradients are wrong upstream of
+    the shared position key, and the comparison says where."""
+    got, ref = pool.run(megatron_case, MP.WORLD, tp=2, cfg=dict(MEGATRON_MLA, q_lora_rank=10, mtp_num_layers=None),
+                        fix_1699=False)[0]
+    errs = MP.compare(got, ref)
+    assert errs["logits"] < 1e-10 and errs["loss"] < 1e-10  # the forward is right
+    with pytest.raises(AssertionError, match="worst relative error .* at grad decoder.layers"):
+        MP.assert_parity(errs, "Megatron TP=2 MLA without the fix")

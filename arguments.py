@@ -243,6 +243,8 @@ def check_args(args, world: int):
         assert len(w) in (2, 3) and min(w) >= 0 and args.valid_fraction < 1
     except (ValueError, IndexError, AssertionError, ZeroDivisionError):
         raise ConfigError(f"--split={args.split!r}: expected 'train,valid' weights like 95,5") from None
+    if (args.multi_latent_attention or args.mtp_num_layers) and args.model != "gpt":  # deepseek.py's layers
+        raise ConfigError(f"--multi-latent-attention / --mtp-num-layers are --model gpt flags, not --model {args.model}")
     args.model_module = import_model(args.model)
     # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
     # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in

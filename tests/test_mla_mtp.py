@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from test_pipeline import merge, pipeline_case, train_pipelined
 from test_train import assert_close, cache, corpus, metrics, tiny, torchrun  # noqa: F401 (fixtures)
 
+import arguments
 import convert
 import deepseek
 import gpt
@@ -226,6 +227,11 @@ def test_config_refuses_bad_mla_mtp_values():
         gpt.Config(**dict(TINY, qk_pos_emb_head_dim=3), multi_latent_attention=True)
     with pytest.raises(ValueError, match="mtp_num_layers=0"):
         gpt.Config(mtp_num_layers=0)
+    for argv, named in [(["--model", "bert", "--mtp-num-layers", "1"], "--model gpt flags, not --model bert"),
+                        (["--mtp-num-layers", "0"], "--mtp-num-layers=0 must be >= 1"),
+                        (["--multi-latent-attention", "--position-embedding-type", "none"], "needs position_embedding")]:
+        with pytest.raises(arguments.ConfigError, match=named):
+            arguments.check_args(arguments.parse_args(argv), 1)
 
 
 # --------------------------------------------------------------------------------------- 5. train.py

@@ -134,7 +134,7 @@ def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
                 moe[field] = getattr(hc, name)
             elif getattr(hc, name) != plain:
                 bad[name] = getattr(hc, name)
-        if not hc.norm_topk_prob or hc.num_experts_per_tok < 2:  # our sigmoid router renormalises the top k > 1
+        if hc.norm_topk_prob != (hc.num_experts_per_tok > 1):  # our sigmoid router renormalises iff k > 1
             bad.update(norm_topk_prob=hc.norm_topk_prob, num_experts_per_tok=hc.num_experts_per_tok)
         biased = any(bool(sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].any()) for i in range(k_dense, L))
         if "moe_router_enable_expert_bias" in fields:

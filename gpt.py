@@ -1,8 +1,9 @@
 """gpt.py — the reference decoder-only transformer (GPT-2 and Llama families), tensor- and sequence-parallel.
 
 Mirrors Megatron-LM's `megatron/core/models/gpt/gpt_model.py` and `models/common/embeddings/` (its layers, from
-`transformer/`, are transformer.py's; its rotary angles rope.py's), with Megatron's parameter names and layouts, so a
-Megatron-core checkpoint loads by name. gpt.Model is the skeleton bert.py, t5.py, retro.py and mamba.py extend (their
+`transformer/`, are transformer.py's; its rotary angles rope.py's; DeepSeek-V3's multi-latent attention and
+multi-token prediction deepseek.py's), with Megatron's parameter names and layouts, so a Megatron-core checkpoint
+loads by name. gpt.Model is the skeleton bert.py, t5.py, retro.py and mamba.py extend (their
 models override its seams): Config, the embedding, the stack of layers, the output layer, generation.
 Papers: Radford et al. 2019 (GPT-2); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU, RoPE); Ainslie et al. 2023 (GQA);
         Shoeybi et al. 2019 (Megatron-LM tensor parallelism).

@@ -177,9 +177,9 @@ def run_layout(pool, cfg, tp, pp, vp, M, dp, sp, case=pipeline_case):
 @settings(max_examples=max(1, settings.default.max_examples // 6))  # ci: 1 drawn + the 2 examples; deep: 10
 @given(mla_mtp_layouts())
 @example((dict(TINY, multi_latent_attention=True, mtp_num_layers=2, q_lora_rank=10, **MOE, moe_layer_freq=[0, 1]),
-           2, 1, 1, 2, 2, True))
+           2, 1, 1, 2, 1, True))
 @example((dict(TINY, num_layers=4, multi_latent_attention=True, mtp_num_layers=1,
-               share_embeddings_and_output_weights=False), 1, 2, 2, 2, 1, False))
+               share_embeddings_and_output_weights=False), 1, 2, 2, 2, 2, False))
 def test_mla_mtp_layouts_equal_single_process_float64(pool, layout):
     cfg, tp, pp, vp, M, dp, sp = layout
     got, ref = run_layout(pool, cfg, tp, pp, vp, M, dp, sp)

@@ -8,9 +8,12 @@
      every gradient, parameters after 2 AdamW steps (tests/test_pipeline.py's driver, the real schedules).
   4. Negative controls: MLA's shared position key without f (copy_to_tp), MTP without the global token count.
   5. train.py under torchrun TP=2 with --multi-latent-attention --mtp-num-layers 1 logs the single process's losses.
-Tolerances: HF float32 logits 1e-4 (op order; measured ≤ 1e-6); HF float64 1e-5 (HF computes RoPE's cos/sin and
-the router in float32, as we do RoPE, but by other float32 ops: measured 7e-7); layouts float64 1e-10 (reduction
-order only); the MTP oracle 1e-12 (one process, the same ops in another grouping); torchrun float32 1e-5.
+  6. Megatron-core 0.15.3's GPTModel with MLASelfAttention and 2 MTP depths (local spec, CPU shims) at TP 1 and 2:
+     logits, per-token loss, every gradient (MTP's included) — and its TP=2 bug without the shim (see megatron_case).
+Tolerances (relative to the reference's max): HF float32 logits 1e-4 (op order; measured 0 for dense layers,
+2.9e-7 with MoE); HF float64 1e-5 (HF computes RoPE's cos/sin in float32, as we and Megatron do, but by other
+float32 ops: measured 1.9e-7); layouts and Megatron float64 1e-10 (reduction order only; measured ~5e-14 and below); the
+MTP oracle 1e-12 (one process, the same ops grouped otherwise); torchrun float32 1e-5.
 """
 from __future__ import annotations
 

@@ -190,6 +190,15 @@ def parse_args(argv):
     a("--finetune", action="store_true", help="load only the model weights of --load (or --pretrained-checkpoint): "
                                               "iteration 0, a fresh optimizer and RNG (continued pretraining, SFT, LoRA)")
     a("--pretrained-checkpoint", default=None, help="the run to start from (weights only) while --load has no checkpoint")
+    # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
+    a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
+    a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
+    a("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' shared latent dim")
+    a("--qk-head-dim", type=int, default=128, help="MLA: q/k head dim without position")
+    a("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: the decoupled RoPE dims (one key for all heads)")
+    a("--v-head-dim", type=int, default=128)
+    a("--mtp-num-layers", type=int, default=None, help="multi-token prediction depths on the last stage (default: off)")
+    a("--mtp-loss-scaling-factor", type=float, default=0.1, help="MTP: the loss enters backward as factor/D per depth")
     config = p.parse_known_args(argv)[0].config  # --config: its flags first, so the command line overrides them
     argv = (config_argv(p, config) if config else []) + list(argv)
     model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
@@ -286,6 +295,8 @@ def config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
             vals = [str(x) for x in v] if many and isinstance(v, list) else [json.dumps(v) if isinstance(v, list) else str(v)]
             out += [flag, *vals]
     return out
+RANGES.update({**dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                                "mtp_num_layers"], _AT_LEAST_1), "mtp_loss_scaling_factor": _AT_LEAST_0})  # deepseek.py
 
 
 def check_args(args, world: int):
@@ -382,6 +393,8 @@ def check_args(args, world: int):
         raise ConfigError(f"--{packing[0].replace('_', '-')} is for --model gpt, not --model {args.model}")
     if args.reset_position_ids and args.position_embedding_type == "none":
         raise ConfigError("--reset-position-ids with --position-embedding-type none: there are no positions to reset")
+    if (args.multi_latent_attention or args.mtp_num_layers) and args.model != "gpt":  # deepseek.py's layers
+        raise ConfigError(f"--multi-latent-attention / --mtp-num-layers are --model gpt flags, not --model {args.model}")
     args.model_module = import_model(args.model)
     # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
     # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 import data
 import lora
 import parallel as P
-from arguments import ConfigError, import_model, model_config
+from arguments import ConfigError, import_model, model_config, parse_args
 
 
 def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True, only=None):
@@ -289,6 +289,8 @@ ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_
 ARCH_FLAGS += ["rotary_percent", "seq_len_interpolation_factor", "rope_scaling", "rope_scaling_factor",  # position
                "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",  # scaling
                "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"]  # (recomputation is not architecture)
+ARCH_FLAGS += ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",  # DeepSeek-V3's
+               "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers"]  # layers (deepseek.py)
 
 
 # ---------------------------------------------------------------------------------------------- post-training
@@ -368,8 +370,11 @@ def check_same_model(args, ckpt, base):
     for c, what in ((base, f"base checkpoint {base and base[0]}"), (ckpt, f"--load {args.load}")):
         if c is None:
             continue
-        saved = c[1]["args"]
+        saved = dict(c[1]["args"])
         flags = ARCH_FLAGS + (LORA_FLAGS if c is ckpt and (saved.get("lora_rank") or args.lora_rank) else [])
+        if any(k not in saved for k in flags):  # saved before the flag existed: it had the flag's default then
+            defaults = vars(parse_args(["--model", saved.get("model", args.model)]))
+            saved.update({k: defaults[k] for k in flags if k not in saved})
         diff = {k: (saved.get(k), getattr(args, k)) for k in flags if saved.get(k) != getattr(args, k)}
         if diff:
             raise ConfigError(f"{what}: the checkpoint's model differs: "

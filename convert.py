@@ -7,7 +7,7 @@ num_query_groups) and returns (Config, full state dict); `megatron_state` takes 
 model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with `load`. So the imports
 run one way, parallel, rope <- convert <- gpt <- bert / t5 / retro / mamba, and every external layout sits here side
 by side.
-  Hugging Face   GPT-2 and Llama (gpt.py), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
+  Hugging Face   GPT-2, Llama and DeepSeek-V3 (gpt.py), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
                  tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
@@ -94,7 +94,7 @@ def gpt_from_hf(hf, Config, dtype=None) -> tuple:
                 q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.bias"], "(g r) -> g r", g=g) for t in "qkv")
                 full[o + "self_attention.linear_qkv.bias"] = torch.cat([q, k, v], 1).flatten()
     else:
-        raise ValueError(f"gpt.from_hf: unsupported model_type {hc.model_type!r} (gpt2 and llama are)")
+        raise ValueError(f"gpt.from_hf: unsupported model_type {hc.model_type!r} (gpt2, llama and deepseek_v3 are)")
     for k in [k for k in full if k.endswith("word_embeddings.weight") or k == "output_layer.weight"]:
         full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
     return c, full
@@ -154,6 +154,108 @@ def _rope_fields(hc) -> dict:
                              f"{implied} that factor/mscale/mscale_all_dim give (Megatron has no separate field)")
     return out
 
+# ---------------------------------------------------------------------------------------------- Hugging Face: DeepSeek-V3
+# The router features DeepSeek-V3 needs beyond gpt.Config's sigmoid top-k (parallel.py section 10): HF's value that
+# needs no field, and the Config field (Megatron's name) that represents any other value once the router has it.
+_DEEPSEEK_ROUTING = {"n_group": (1, "moe_router_num_groups"), "topk_group": (1, "moe_router_group_topk"),
+                     "routed_scaling_factor": (1.0, "moe_router_topk_scaling_factor")}
+
+
+def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
+    """(gpt.Config, full state dict) of a `transformers` DeepseekV3ForCausalLM: multi-latent attention (with or without
+    q-lora), dense layers, and MoE layers with shared experts (deepseek.py). HF has no MTP weights (mtp off).
+
+    RoPE: HF's rope_interleave=True rotates interleaved pairs by de-interleaving first, exactly Megatron's MLA RoPE
+    (deepseek.apply_mla_rope): the weights map as they are. rope_interleave=False rotates halves; its RoPE rows are
+    re-ordered [x0..x_{d/2-1} | x_{d/2}..] -> (x0, x_{d/2}), (x1, x_{d/2+1}), ... so that our de-interleave restores
+    HF's layout (q and k alike: q·k unchanged). Refused, naming the value: YaRN scaling (rope.py's), attention
+    biases, num_key_value_heads != num_attention_heads, latent norms whose eps differs from rms_norm_eps (HF's
+    q_a/kv_a_layernorm use 1e-6), and routing the router cannot do yet (expert bias, groups, scaling factor)."""
+    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
+    fields = {f for f in Config.__dataclass_fields__}
+    rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
+    bad = {k: v for k, v in dict(rope_type=rp.get("rope_type", "default"), attention_bias=hc.attention_bias,
+                                 hidden_act=hc.hidden_act, rms_norm_eps=hc.rms_norm_eps,
+                                 num_key_value_heads=hc.num_key_value_heads).items()
+           if v != dict(rope_type="default", attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6,
+                        num_key_value_heads=hc.num_attention_heads)[k]}
+    L, k_dense = hc.num_hidden_layers, min(hc.first_k_dense_replace, hc.num_hidden_layers)
+    moe = {}
+    if k_dense < L:
+        moe = dict(num_experts=hc.n_routed_experts, moe_layer_freq=[0] * k_dense + [1] * (L - k_dense),
+                   moe_ffn_hidden_size=hc.moe_intermediate_size, moe_router_topk=hc.num_experts_per_tok,
+                   moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.0,
+                   moe_shared_expert_intermediate_size=hc.moe_intermediate_size * hc.n_shared_experts or None)
+        for name, (plain, field) in _DEEPSEEK_ROUTING.items():
+            if field in fields:
+                moe[field] = getattr(hc, name)
+            elif getattr(hc, name) != plain:
+                bad[name] = getattr(hc, name)
+        if hc.norm_topk_prob != (hc.num_experts_per_tok > 1):  # our sigmoid router renormalises iff k > 1
+            bad.update(norm_topk_prob=hc.norm_topk_prob, num_experts_per_tok=hc.num_experts_per_tok)
+        biased = any(bool(sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].any()) for i in range(k_dense, L))
+        if "moe_router_enable_expert_bias" in fields:
+            moe["moe_router_enable_expert_bias"] = True
+        elif biased:
+            bad["e_score_correction_bias"] = "non-zero"
+    if bad:
+        raise ValueError(f"gpt.from_hf: DeepseekV3 settings this model cannot represent: {bad}")
+    c = Config(num_layers=L, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
+               kv_channels=hc.v_head_dim, ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
+               max_position_embeddings=hc.max_position_embeddings, position_embedding_type="rope",
+               rotary_base=_rope_theta(hc), normalization="RMSNorm", layernorm_epsilon=hc.rms_norm_eps,
+               activation="silu", gated_linear_unit=True, add_bias_linear=False,
+               share_embeddings_and_output_weights=bool(hc.tie_word_embeddings), hidden_dropout=0.0,
+               attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype, multi_latent_attention=True,
+               q_lora_rank=hc.q_lora_rank, kv_lora_rank=hc.kv_lora_rank, qk_head_dim=hc.qk_nope_head_dim,
+               qk_pos_emb_head_dim=hc.qk_rope_head_dim, v_head_dim=hc.v_head_dim, **moe)
+    dn, dr = c.qk_head_dim, c.qk_pos_emb_head_dim
+
+    def rope_rows(w, heads):  # [heads·(dn+dr) or rkv+dr, h]: the RoPE rows of each head in our interleaved order
+        if getattr(hc, "rope_interleave", True):
+            return w
+        if heads == 0:  # kv_a_proj: [rkv | dr]
+            return torch.cat([w[:-dr], rearrange(w[-dr:], "(two half) h -> (half two) h", two=2)])
+        w = rearrange(w, "(n d) h -> n d h", n=heads)
+        return rearrange(torch.cat([w[:, :dn], rearrange(w[:, dn:], "n (two half) h -> n (half two) h", two=2)], 1),
+                         "n d h -> (n d) h")
+
+    full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+            "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    if not c.share_embeddings_and_output_weights:
+        full["output_layer.weight"] = sd["lm_head.weight"]
+    n = c.num_attention_heads
+    for i in range(L):
+        h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a, oa = h + "self_attn.", o + "self_attention."
+        full.update({o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
+                     o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
+                     oa + "linear_kv_down_proj.weight": rope_rows(sd[a + "kv_a_proj_with_mqa.weight"], 0),
+                     oa + "kv_layernorm.weight": sd[a + "kv_a_layernorm.weight"],
+                     oa + "linear_kv_up_proj.weight": sd[a + "kv_b_proj.weight"],
+                     oa + "linear_proj.weight": sd[a + "o_proj.weight"]})
+        if c.q_lora_rank is None:
+            full[oa + "linear_q_proj.weight"] = rope_rows(sd[a + "q_proj.weight"], n)
+        else:
+            full.update({oa + "linear_q_down_proj.weight": sd[a + "q_a_proj.weight"],
+                         oa + "q_layernorm.weight": sd[a + "q_a_layernorm.weight"],
+                         oa + "linear_q_up_proj.weight": rope_rows(sd[a + "q_b_proj.weight"], n)})
+        m, om = h + "mlp.", o + "mlp."
+        shared = [(m + "shared_experts.", om + "shared_experts.")] if c.moe_shared_expert_intermediate_size else []
+        for src, dst in [(m, om)] if i < k_dense else shared:  # the dense MLP, or the MoE layer's shared expert
+            full[dst + "linear_fc1.weight"] = torch.cat([sd[src + "gate_proj.weight"], sd[src + "up_proj.weight"]])
+            full[dst + "linear_fc2.weight"] = sd[src + "down_proj.weight"]
+        if i >= k_dense:
+            full[om + "router.weight"] = sd[m + "gate.weight"]
+            for e in range(c.num_experts):  # HF's gate_up_proj [E, 2f, h] is [gate; up] per expert, as our fc1
+                full[om + f"experts.linear_fc1.weight{e}"] = sd[m + "experts.gate_up_proj"][e]
+                full[om + f"experts.linear_fc2.weight{e}"] = sd[m + "experts.down_proj"][e]
+            if "moe_router_enable_expert_bias" in fields:
+                full[om + "router.expert_bias"] = sd[m + "gate.e_score_correction_bias"]
+    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if k in full:
+            full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
+    return c, full
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: BERT

@@ -1,8 +1,9 @@
 """gpt.py — the reference decoder-only transformer (GPT-2 and Llama families), tensor- and sequence-parallel.
 
 Mirrors Megatron-LM's `megatron/core/models/gpt/gpt_model.py` and `models/common/embeddings/` (its layers, from
-`transformer/`, are transformer.py's; its rotary angles rope.py's), with Megatron's parameter names and layouts, so a
-Megatron-core checkpoint loads by name. gpt.Model is the skeleton bert.py, t5.py, retro.py and mamba.py extend (their
+`transformer/`, are transformer.py's; its rotary angles rope.py's; DeepSeek-V3's multi-latent attention and
+multi-token prediction deepseek.py's), with Megatron's parameter names and layouts, so a Megatron-core checkpoint
+loads by name. gpt.Model is the skeleton bert.py, t5.py, retro.py and mamba.py extend (their
 models override its seams): Config, the embedding, the stack of layers, the output layer, generation.
 Papers: Radford et al. 2019 (GPT-2); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU, RoPE); Ainslie et al. 2023 (GQA);
         Shoeybi et al. 2019 (Megatron-LM tensor parallelism).
@@ -24,9 +25,10 @@ from einops import rearrange
 from torch import nn
 
 import convert
+import deepseek
 import parallel as P
 from rope import rope_for
-from transformer import ACTIVATIONS, Decoder, InferenceContext
+from transformer import ACTIVATIONS, Attention, Decoder, InferenceContext
 
 
 @dataclasses.dataclass
@@ -97,6 +99,15 @@ class Config:
     recompute_num_layers: int | None = None  # N (full only; per pipeline stage)
     # Context parallelism (parallel.py section 12; the cp size is the Grid's, Megatron's --context-parallel-size)
     cp_comm_type: str = "p2p"  # how attention sees the other ranks' keys: "p2p" (ring) | "all_gather" | "a2a" (Ulysses)
+    # multi-latent attention / multi-token prediction (deepseek.py; Megatron's MLATransformerConfig, --mtp-*)
+    multi_latent_attention: bool = False  # MLA instead of Attention in every layer (needs rope)
+    q_lora_rank: int | None = None  # None = one full q projection (linear_q_proj)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  # the heads' q/k dims without position
+    qk_pos_emb_head_dim: int = 64  # the decoupled RoPE dims (one key shared by all heads)
+    v_head_dim: int = 128
+    mtp_num_layers: int | None = None  # D multi-token prediction depths on the last stage; None = off
+    mtp_loss_scaling_factor: float = 0.1  # the MTP loss enters backward as factor / D · Σ_k loss_k
 
     def __post_init__(self):
         h, n = self.hidden_size, self.num_attention_heads
@@ -123,6 +134,7 @@ class Config:
             f = self.moe_layer_freq
             if isinstance(f, (list, tuple)) and len(f) != self.num_layers:
                 raise ValueError(f"moe_layer_freq has {len(f)} entries for num_layers={self.num_layers}")
+        self.check_mla_mtp()
         self.padded_vocab_size = P.pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by)
         self.output_std = self.init_method_std / math.sqrt(2.0 * self.num_layers)  # scaled init of proj and fc2
 
@@ -157,6 +169,21 @@ class Config:
         if g == "full" and (m is None or n is None or n < 1):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method (uniform|block) and "
                              f"recompute_num_layers >= 1 (got {m!r}, {n})")
+    def check_mla_mtp(self):
+        if self.multi_latent_attention:
+            if self.position_embedding_type != "rope":
+                raise ValueError(f"multi_latent_attention needs position_embedding_type='rope', not "
+                                 f"{self.position_embedding_type!r}")
+            dims = dict(kv_lora_rank=self.kv_lora_rank, qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
+                        qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, q_lora_rank=self.q_lora_rank or 1)
+            if min(dims.values()) < 1 or self.qk_pos_emb_head_dim % 2:
+                raise ValueError(f"multi-latent attention dims must be >= 1 (qk_pos_emb_head_dim even): {dims}")
+            if self.recompute_granularity == "selective":
+                raise ValueError("recompute_granularity 'selective' recomputes transformer.Attention's core; "
+                                 "multi-latent attention has no such seam yet (use 'full')")
+        if self.mtp_num_layers is not None and (self.mtp_num_layers < 1 or self.mtp_loss_scaling_factor < 0):
+            raise ValueError(f"mtp_num_layers={self.mtp_num_layers} must be >= 1 and mtp_loss_scaling_factor="
+                             f"{self.mtp_loss_scaling_factor} >= 0")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether (global, 0-based) layer i uses the MoE layer instead of the MLP (Megatron's moe_layer_freq)."""
@@ -166,7 +193,8 @@ class Config:
     def tp_split_sizes(self) -> list[tuple[str, int]]:
         """(what, size) of everything tensor parallelism splits: each must be divisible by tp."""
         return [("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups),
-                ("ffn_hidden_size", self.ffn_hidden_size), ("padded vocabulary", self.padded_vocab_size)]
+                ("ffn_hidden_size", self.ffn_hidden_size), ("padded vocabulary", self.padded_vocab_size)] + \
+            ([("hidden_size (the MTP eh_proj's output)", self.hidden_size)] if self.mtp_num_layers else [])
 
     def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
         """Refuse a parallel layout this model cannot take, naming the values — before any process group exists."""
@@ -191,6 +219,9 @@ class Config:
         if self.num_experts:
             raise ValueError(f"num_experts={self.num_experts} with context-parallel size {cp}: MoE's router statistics "
                              "(aux losses, capacity) are per micro-batch over all its tokens, a cp rank sees 1/cp")
+        if self.multi_latent_attention or self.mtp_num_layers:
+            raise ValueError(f"multi_latent_attention / mtp_num_layers with context-parallel size {cp}: MLA has no "
+                             "split attention, and MTP rolls the ids along the whole sequence")
         if self.cp_comm_type == "a2a":
             for what, v in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups)):
                 if (v // tp) % cp:
@@ -259,24 +290,35 @@ class Model(nn.Module):
         self.grid, self.pre_process, self.post_process, self.layer_offset = grid, pre_process, post_process, layer_offset
         self.rng = P.RNGTracker(c.seed, grid)
         self.input_tensor = None  # pipeline stages > 0 receive hidden states instead of ids
-        if pre_process:
+        mtp = post_process and bool(c.mtp_num_layers)  # MTP: the last stage embeds too (Megatron's mtp_process)
+        if pre_process or mtp:
             self.embedding = Embedding(c, grid, self.rng)
         self.decoder = self.build_decoder(c, grid, layer_offset, c.num_layers if num_layers is None else num_layers)
         if post_process:
             self.build_output_layer(c, grid)
-        if c.share_embeddings_and_output_weights and pre_process != post_process:  # a pipeline end: one copy of two
+        if mtp:
+            self.mtp = deepseek.MTPBlock(c, grid, self.rng, self.attention_class())
+        if pre_process != post_process and c.mtp_num_layers:  # both pipeline ends hold the whole embedding
+            for p in self.embedding.parameters():
+                p.shared_embedding = True
+        elif c.share_embeddings_and_output_weights and pre_process != post_process:  # one copy of two
             (self.embedding.word_embeddings if pre_process else self.output_layer).weight.shared_embedding = True
         self.init_params()
 
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         """This stage's layer stack (global layers layer_offset ... + num_layers − 1), final norm on the last stage."""
-        return Decoder(c, grid, self.rng, num_layers, self.post_process, layer_offset)
+        return Decoder(c, grid, self.rng, num_layers, self.post_process, layer_offset, self.attention_class())
+
+    def attention_class(self):
+        """The layers' self-attention: transformer.Attention, or MLA (deepseek.py) with multi_latent_attention."""
+        return deepseek.MLASelfAttention if self.config.multi_latent_attention else Attention
 
     def build_output_layer(self, c: Config, grid):
         """The last stage's output layer [h -> V/tp] (no weight of its own when tied to the embedding here)."""
         self.output_layer = P.ColumnParallelLinear(
             c.hidden_size, c.padded_vocab_size, grid, bias=False, std=c.init_method_std, dtype=c.params_dtype,
-            sequence_parallel=c.sequence_parallel, skip_weight=c.share_embeddings_and_output_weights and self.pre_process)
+            sequence_parallel=c.sequence_parallel,
+            skip_weight=c.share_embeddings_and_output_weights and hasattr(self, "embedding"))
 
     def init_params(self):
         """Fill every parameter from (seed, its global name), so any layout holds the same model (parallel.py)."""
@@ -293,8 +335,10 @@ class Model(nn.Module):
         return name
 
     def rope(self, s, device):
-        """(cos, sin) [s, 1, 1, r] of the position embedding (scaled as the config says: rope.py), or None."""
-        return rope_for(self.config, s, device)
+        """(cos, sin) [s, 1, 1, r] of the position embedding (scaled as the config says: rope.py), or None. MLA
+        rotates only its decoupled RoPE part, qk_pos_emb_head_dim dims."""
+        c = self.config
+        return rope_for(c, s, device, d=c.qk_pos_emb_head_dim if c.multi_latent_attention else None)
 
     def check_input(self, input_ids, what: str = "sequence"):
         c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)
@@ -329,11 +373,13 @@ class Model(nn.Module):
         x = self.decoder(x, rope=rope, mask=mask, inference_context=inference_context)
         if inference_context is not None:
             inference_context.sequence_len_offset += s
+        if hasattr(self, "mtp") and labels is not None:  # the MTP loss joins backward through x (deepseek.py)
+            x = self.mtp(x, input_ids, labels, self.embedding, self.postprocess, rope=rope, mask=mask)
         return self.postprocess(x, labels) if self.post_process else x
 
     def logits(self, x):
         """Final hidden states [s(/tp), b, h] -> this rank's logits [s, b, V/tp] (the output layer, tied or not)."""
-        tied = self.pre_process and self.config.share_embeddings_and_output_weights
+        tied = hasattr(self, "embedding") and self.config.share_embeddings_and_output_weights
         return self.output_layer(x, weight=self.embedding.word_embeddings.weight if tied else None)
 
     def postprocess(self, x, labels=None):
@@ -397,8 +443,10 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
-    config, full = convert.gpt_from_hf(hf, Config, dtype)
+    """A Model with the weights of a `transformers` GPT2LMHeadModel, LlamaForCausalLM or DeepseekV3ForCausalLM
+    (MLA, deepseek.py) — the logits match."""
+    to_ours = convert.deepseek_from_hf if hf.config.model_type == "deepseek_v3" else convert.gpt_from_hf
+    config, full = to_ours(hf, Config, dtype)
     return convert.load(Model(config, grid), full)
 
 

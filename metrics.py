@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 # ---------------------------------------------------------------------------------------------- model FLOPs
@@ -96,6 +97,26 @@ def throughput(flops_done: float, secs: float, world: int, device, half: bool) -
     tflops = flops_done / secs / world / 1e12
     peak = peak_tflops(device, half)
     return dict(tflops=tflops) if peak is None else dict(tflops=tflops, mfu=tflops / peak)
+
+
+def module_losses(model) -> dict:
+    """{name: mean} of the losses modules log themselves (a submodule's `logged_losses()` -> {name: tensor([sum,
+    count])} since its last call: deepseek.MTPBlock's per-depth MTP losses), summed over every rank, so the mean is
+    over the global batch whichever stage and DP rank holds what (TP copies scale sum and count alike). A
+    collective: every rank calls it, with or without such modules."""
+    sums = {}
+    for m in model.modules():
+        for k, v in (m.logged_losses() if callable(getattr(m, "logged_losses", None)) else {}).items():
+            sums[k] = sums.get(k, 0) + v
+    every = [sums]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sums)
+    total = {}
+    for d in every:
+        for k, v in d.items():
+            total[k] = total.get(k, 0) + v
+    return {k: float(v[0] / v[1]) for k, v in total.items() if v[1] > 0}
 
 
 class Logger:

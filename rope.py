@@ -116,9 +116,10 @@ def rope_cos_sin_mscale(c, s: int, d: int | None = None, device=None):
     return emb.cos(), emb.sin(), mscale
 
 
-def rope_for(c, s: int, device=None):
-    """(cos·mscale, sin·mscale) [s, 1, 1, r] for apply_rope, or None when the config has no rotary embedding."""
+def rope_for(c, s: int, device=None, d: int | None = None):
+    """(cos·mscale, sin·mscale) [s, 1, 1, r] for apply_rope (d: the rotated dims, default rotary_dim(c)), or None
+    when the config has no rotary embedding."""
     if c.position_embedding_type not in ("rope", "yarn"):
         return None
-    cos, sin, mscale = rope_cos_sin_mscale(c, s, device=device)
+    cos, sin, mscale = rope_cos_sin_mscale(c, s, d, device=device)
     return (cos, sin) if mscale == 1.0 else (cos * mscale, sin * mscale)

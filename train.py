@@ -37,7 +37,7 @@ import lora
 import parallel as P
 from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args, print_args
 from checkpoint import check_run_dirs, load_checkpoint, load_model, save_checkpoint
-from metrics import Logger, flops, throughput
+from metrics import Logger, flops, module_losses, throughput
 
 
 # ============================================================================================================
@@ -378,6 +378,7 @@ def train(args):
                 rec["loss_scale"] = scaler.scale
             if "moe_load" in window:
                 rec.update(P.moe_metrics(model, window["moe_load"]))
+            rec.update(module_losses(model))  # losses a module logs itself (MTP's per depth): every rank calls it
             log.log(rec)
             window = dict(losses=[], t=time.time(), skipped=0)
         stop = args.exit_interval is not None and n % args.exit_interval == 0

@@ -33,10 +33,11 @@ from rope import apply_rope
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
 
 
-def Norm(c) -> nn.Module:
-    """LayerNorm or RMSNorm; under sequence parallelism its weights see s/tp tokens, so their grads are partial."""
+def Norm(c, size: int | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm over `size` (default h; MLA's latents: their rank); under sequence parallelism its
+    weights see s/tp tokens, so their grads are partial."""
     cls = nn.LayerNorm if c.normalization == "LayerNorm" else nn.RMSNorm
-    m = cls(c.hidden_size, eps=c.layernorm_epsilon, dtype=c.params_dtype)
+    m = cls(size or c.hidden_size, eps=c.layernorm_epsilon, dtype=c.params_dtype)
     for name, p in m.named_parameters():
         P.mark(p, ("ones",) if name == "weight" else ("zeros",), sequence_parallel=c.sequence_parallel)
     return m
@@ -161,11 +162,11 @@ class TransformerLayer(nn.Module):
     norms shifted by one (layer i's input_layernorm = BERT's embedding LayerNorm for i = 0, else layer i−1's output
     LayerNorm) — see convert.bert_from_hf."""
 
-    def __init__(self, c, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None):
+    def __init__(self, c, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None, attention=None):
         super().__init__()
         self.c, self.rng = c, rng
         self.input_layernorm = Norm(c)
-        self.self_attention = Attention(c, grid, rng=rng)
+        self.self_attention = (attention or Attention)(c, grid, rng=rng)  # the seam: deepseek.MLASelfAttention
         self.pre_mlp_layernorm = Norm(c)
         if c.is_moe_layer(layer_number) if moe is None else moe:  # MoE (parallel.py section 10) instead of the MLP
             shared = c.moe_shared_expert_intermediate_size
@@ -190,10 +191,11 @@ class Decoder(nn.Module):
     uniform = the layers in chunks of recompute_num_layers, each chunk recomputed as one unit (only its input is
     kept); block = the first recompute_num_layers layers each recomputed, the rest not."""
 
-    def __init__(self, c, grid, rng, num_layers: int, post_process: bool, layer_offset: int = 0):
+    def __init__(self, c, grid, rng, num_layers: int, post_process: bool, layer_offset: int = 0, attention=None):
         super().__init__()
         self.c, self.rng = c, rng
-        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i) for i in range(num_layers)])
+        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i, attention=attention)
+                                     for i in range(num_layers)])
         self.final_layernorm = Norm(c) if post_process else None
 
     def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]

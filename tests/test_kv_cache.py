@@ -1,7 +1,8 @@
 """KV-cache decoding (transformer.InferenceContext, gpt.generate, mamba.generate) against the recompute oracle.
 
   - greedy generation with the cache is the recompute path's (gpt.generate(use_cache=False)) token for token, and
-    the logits of every step agree: GPT with learned positions, Llama-style GQA with RoPE, past the position window
+    the logits of every step agree: GPT with learned positions, Llama-style GQA with RoPE, multi-latent attention
+    (deepseek.py), past the position window
     (where the cached path falls back to the oracle's sliding window), and at TP 2 (each rank caches its own heads);
   - gpt.generate uses the cache by default: after the prompt every forward sees one token;
   - the Mamba hybrid: its attention layers decode from the cache inside the recurrent step; mamba.generate equals a
@@ -54,7 +55,11 @@ def assert_same_generation(model, ids, n):
     assert torch.equal(got, ref) and err <= 1e-10, f"cached and recomputed generations differ (logits {err:.2e})"
 
 
-@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt-learned", "llama-gqa-rope"])
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+           qk_pos_emb_head_dim=4, v_head_dim=6)  # deepseek.MLASelfAttention caches each head's whole k and v
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA, MLA], ids=["gpt-learned", "llama-gqa-rope", "mla"])
 def test_cached_greedy_equals_recompute(cfg):
     model = gpt.Model(gpt.Config(**cfg))
     assert_same_generation(model, prompt(), 19)  # 5 + 19 = 24 = the window: all of it from the cache

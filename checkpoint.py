@@ -75,6 +75,8 @@ def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True):
             if optimizer is not None:
                 ea, eas, step = full[p]
                 state["optimizer"][g] = {"exp_avg": view(ea, p), "exp_avg_sq": view(eas, p), "step": step}
+        persistent = model.state_dict(keep_vars=True)  # buffers saved with the weights: MoE's expert bias (replicated)
+        state["model"].update({gname(name): b for name, b in model.named_buffers() if name in persistent})
     return state
 
 
@@ -276,6 +278,8 @@ def check_run_dirs(args):
 ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "vocab_size",
               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
+ARCH_FLAGS += ["moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",  # MoE routing
+               "moe_router_enable_expert_bias"]
 
 
 def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None):

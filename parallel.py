@@ -22,9 +22,10 @@ Sections
   9. Data parallelism: bucketed overlapped reduction, the distributed optimizer.         ~ distributed/, distrib_optimizer.py
  10. Mixture of Experts: router, dispatchers, grouped experts.                           ~ transformer/moe/
  11. FP8: scaling recipes and the FP8 linear.                                            ~ fp8_utils.py, TE fp8.py
-A section calls only the sections above it. MoE and FP8 plug into the core through two hooks: a TP layer's
-`linear_impl(x, weight, bias)` (section 4; fp8_enable installs the FP8 GEMM there), and `set_num_tokens(n)`, which
-the schedules call on every submodule that has it (section 7; MoE's Router does, for its aux losses).
+A section calls only the sections above it. MoE and FP8 plug into the core through hooks: a TP layer's
+`linear_impl(x, weight, bias)` (section 4; fp8_enable installs the FP8 GEMM there), `set_num_tokens(n)`, which
+the schedules call on every submodule that has it (section 7; MoE's Router does, for its aux losses), and
+`after_step()`, which the optimizers call once a step is applied (section 9; the Router moves its expert bias).
 
 Dimension glossary (used in every shape comment of the project)
   b  micro-batch size          s  sequence length (s/tp under sequence parallelism)

@@ -334,3 +334,25 @@ def test_expert_bias_check_can_fail(pool):
     """Negative control: biases moved by each rank's own token counts differ across DP ranks and from one process."""
     with pytest.raises(AssertionError, match=r"expert bias decoder\.layers\.[123]\.mlp\.router\.expert_bias differs"):
         compare(pool, 4, DEEPSEEK, ep=2, mode="distopt", local_bias=True)
+
+
+def test_expert_bias_is_saved_and_loaded(tmp_path):
+    """The expert bias is a buffer, not a parameter: checkpoint_state saves it under its global name (PP stages' layer
+    offsets included) and DCP loads it back into a fresh model; a model without expert bias asks for none."""
+    import torch.distributed.checkpoint as dcp
+
+    import checkpoint
+
+    cfg = {**DEEPSEEK, "moe_layer_freq": [0, 1, 0, 1]}
+    model = gpt.Model(gpt.Config(**cfg))
+    for i, r in enumerate(m for m in model.modules() if isinstance(m, P.Router)):
+        r.expert_bias.copy_(torch.arange(8.0) * (i + 1))
+    state = checkpoint.checkpoint_state([model], None, None)
+    assert {k for k in state["model"] if "expert_bias" in k} == {f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 3)}
+    with checkpoint._quiet_dcp():
+        dcp.save(state, checkpoint_id=str(tmp_path))
+        fresh = gpt.Model(gpt.Config(**cfg))
+        dcp.load({"model": checkpoint.checkpoint_state([fresh], None, None)["model"]}, checkpoint_id=str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), fresh.buffers())) and len(list(fresh.buffers())) == 2
+    plain = gpt.Model(gpt.Config(**{**cfg, "moe_router_enable_expert_bias": False}))
+    assert not [k for k in checkpoint.checkpoint_state([plain], None, None)["model"] if "expert_bias" in k]

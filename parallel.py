@@ -1313,18 +1313,18 @@ class Router(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(self.E, dtype=dtype))
         else:
             self.expert_bias = None
-        self.step_tokens = torch.zeros(self.E, dtype=dtype)  # tokens per expert in this step's training forwards
+        self.step_tokens = self.weight.new_zeros(self.E)  # [E] tokens per expert in this step's training forwards
 
     def set_num_tokens(self, num_tokens):  # the schedules' loss-token protocol (section 7): a step begins
         self.num_tokens = num_tokens
-        self.step_tokens = torch.zeros_like(self.step_tokens)
+        self.step_tokens = self.weight.new_zeros(self.E)  # (on the weight's device)
 
     @torch.no_grad()
-    def after_step(self):  # the optimizers' hook (section 7): aux-loss-free load balancing
+    def after_step(self):  # the optimizers' post-step hook (section 7's after_step): aux-loss-free load balancing
         if self.expert_bias is not None:
             load = _all_reduce(self.step_tokens, self.dp)  # [E] the global batch's tokens per expert
             self.expert_bias += self.c.moe_router_bias_update_rate * torch.sign(load.mean() - load)
-        self.step_tokens = torch.zeros_like(self.step_tokens)
+        self.step_tokens = self.weight.new_zeros(self.E)
 
     def forward(self, x):  # x [T, h] -> probs [T, E], routing_map [T, E] bool
         c, E, k = self.c, self.E, self.k
@@ -1464,7 +1464,7 @@ class MoELayer(nn.Module):
             probs, rmap, counts = self._drop(probs, rmap)
         if self.training:
             self.tokens_per_expert = self.tokens_per_expert + counts.detach().cpu().float()
-            self.router.step_tokens = self.router.step_tokens + counts.detach().to(self.router.step_tokens)
+            self.router.step_tokens = self.router.step_tokens.to(counts.device) + counts.detach()  # (expert bias)
         if dense:
             y = self.reference(x, probs)
         else:

@@ -1,5 +1,6 @@
-"""Per-expert load under three routers on a short MoE run of train.py: the switch aux loss (softmax router), DeepSeek-V3's
-aux-loss-free balancing (sigmoid router + expert bias, no aux loss), and the sigmoid router with no balancing at all.
+"""Per-expert load under four routers on a short MoE run of train.py: the switch aux loss (softmax router), DeepSeek-V3's
+aux-loss-free balancing (sigmoid router + expert bias, no aux loss; Megatron's default rate 1e-3 and 1e-2), and the
+sigmoid router with no balancing at all.
 
 Each run is `train.py` in one process on the default corpus with a small model (the machine is shared: a default-size
 iteration of the MoE model takes ~30 s there), logging metrics.jsonl every --log-interval iterations; the table shows,
@@ -25,6 +26,9 @@ RUNS = {
     "expert bias, rate 1e-3 (sigmoid, no aux)": ["--moe-router-score-function", "sigmoid", "--moe-aux-loss-coeff", "0",
                                                  "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
                                                  "1e-3"],
+    "expert bias, rate 1e-2 (sigmoid, no aux)": ["--moe-router-score-function", "sigmoid", "--moe-aux-loss-coeff", "0",
+                                                 "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+                                                 "1e-2"],
     "none (sigmoid, no aux, no bias)": ["--moe-router-score-function", "sigmoid", "--moe-aux-loss-coeff", "0"],
 }
 

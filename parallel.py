@@ -1116,8 +1116,7 @@ class DDP:
                     p.grad = p.main_grad
 
     def owned(self, b: _Bucket) -> slice:
-        """The slice of the flat buffers this rank steps: its 1/size of the bucket over the bucket's group (DP x CP, or
-        expert_dp) with the distributed optimizer, else the whole bucket."""
+        """The slice of the flat buffers this rank steps: its 1/size of the bucket over the bucket's group (distopt)."""
         if not self.distopt:
             return slice(b.start, b.end)
         n = (b.end - b.start) // b.group.size
@@ -1125,10 +1124,9 @@ class DDP:
 
 
 class DistributedOptimizer:
-    """AdamW over flat buffer slices (torch.optim.AdamW's arithmetic, element for element), sharded over each bucket's
-    group (DP x CP; experts: expert_dp) when ddp.distopt: each rank keeps fp32 master weights and Adam moments for its
-    slice only, steps it, and all-gathers the parameters. With fp32 parameters the master weights are the parameter
-    buffer itself (no copy)."""
+    """AdamW over flat buffer slices (torch.optim.AdamW's arithmetic, element for element); with ddp.distopt sharded
+    over each bucket's group (DP x CP; experts: expert_dp): each rank keeps fp32 master weights and Adam moments for its
+    slice only, steps it, and all-gathers the parameters. fp32 parameters: the master weights are the parameter buffer."""
 
     def __init__(self, ddp: DDP, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         self.ddp, self.lr, self.betas, self.eps, self.wd, self.step_count = ddp, lr, betas, eps, weight_decay, 0

@@ -74,7 +74,7 @@ class Config:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
     moe_shared_expert_intermediate_size: int | None = None  # None = no shared expert
-    # DeepSeek-V3 routing (parallel.py section 10: topk_routing, Router.after_step; Megatron's --moe-router-*)
+    # DeepSeek-V3 routing (parallel.py section 10a: topk_routing, Router.after_step; Megatron's --moe-router-*)
     moe_router_num_groups: int | None = None  # experts in this many equal groups (group-limited routing)
     moe_router_group_topk: int | None = None  # each token picks its experts from its best this-many groups
     moe_router_topk_scaling_factor: float | None = None  # the top-k weights times this

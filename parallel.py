@@ -20,7 +20,7 @@ Sections
   7. Schedules: no pipelining (gradient accumulation).                                   ~ pipeline_parallel/schedules.py
   8. Pipeline parallelism: stages, 1F1B, interleaved 1F1B, the p2p executor.             ~ schedules.py, p2p_communication.py
   9. Data parallelism: bucketed overlapped reduction, the distributed optimizer.         ~ distributed/, distrib_optimizer.py
- 10. Mixture of Experts: router, dispatchers, grouped experts.                           ~ transformer/moe/
+ 10. Mixture of Experts: 10a router (DeepSeek-V3 routing, aux losses); 10b dispatchers, grouped experts. ~ moe/
  11. FP8: scaling recipes and the FP8 linear.                                            ~ fp8_utils.py, TE fp8.py
 A section calls only the sections above it. MoE and FP8 plug into the core through hooks: a TP layer's
 `linear_impl(x, weight, bias)` (section 4; fp8_enable installs the FP8 GEMM there), `set_num_tokens(n)`, which
@@ -1220,9 +1220,9 @@ class DistributedOptimizer:
 
 
 # ============================================================================================================
-# 10. Mixture of Experts — mirrors megatron/core/transformer/moe/: router.py (TopKRouter), moe_utils.py (aux
-#     losses, capacity, MoEAuxLossAutoScaler), token_dispatcher.py (all-gather and all-to-all dispatchers),
-#     experts.py (TEGroupedMLP's names, a grouped GEMM), shared_experts.py, moe_layer.py.
+# 10a. Mixture of Experts: the router — mirrors megatron/core/transformer/moe/: router.py (TopKRouter), moe_utils.py
+#     (aux losses, topk_routing_with_score_function, group_limited_topk, MoEAuxLossAutoScaler). Section 10 is cut in
+#     two (10a the router, 10b the experts, dispatchers and the layer) to keep each part readable at once.
 #     Papers: Shazeer et al. 2017 (sparsely-gated MoE, top-k); Lepikhin et al. 2020 (GShard: capacity, expert
 #     parallelism); Fedus et al. 2021 (Switch: the load-balancing loss); Zoph et al. 2022 (ST-MoE: the z-loss);
 #     Wang et al. 2024 "Auxiliary-Loss-Free Load Balancing" and DeepSeek-AI 2024 "DeepSeek-V3" (expert bias, groups).
@@ -1235,16 +1235,6 @@ class DistributedOptimizer:
 #             group_topk groups (of num_groups) with the largest sum of their top k/group_topk scores; aux-loss-free
 #             balancing: a per-expert bias added to the scores for the SELECTION only (the weights stay unbiased),
 #             moved after each optimizer step by rate·sign(mean load − load) of the global batch (Router.after_step).
-#    dispatch, ep = 2: rank 0 holds experts {0, 1}, rank 1 holds {2, 3}; xᵣ = rank r's tokens [T, h]
-#      all-gather:  [x₀; x₁] on both ─> rank 0: experts 0,1 on their tokens ─> y⁰ [2T, h] ─┐ reduce-scatter:
-#                                  └─> rank 1: experts 2,3 on their tokens ─> y¹ [2T, h] ─┘ rank r gets y⁰ᵣ + y¹ᵣ
-#      all-to-all:  rank r sorts its routed tokens by expert [e0|e1|e2|e3] and sends [e0|e1] to rank 0, [e2|e3] to
-#                   rank 1; rank 0 holds [x₀→e0|x₀→e1|x₁→e0|x₁→e1], regroups them by expert, runs the experts, and
-#                   the reverse all-to-all brings each output home, where it is weighted by its prob and summed.
-#    experts  one grouped GEMM over the local experts' token blocks (torch._grouped_mm; a padded bmm in float64).
-#    TP       etp = tp: experts are sharded like the dense MLP — tokens and probs all-gathered over TP under SP
-#             (copied without), fc2's partial sums reduce-scattered (all-reduced); etp = 1: each rank keeps its own
-#             tokens and whole experts (their grads are then SP-partial: summed over TP like LayerNorm's).
 #  Aux losses follow the one loss rule (DESIGN.md §2): see Router.
 # ============================================================================================================
 class _AuxLossScaler(torch.autograd.Function):
@@ -1366,6 +1356,23 @@ class Router(nn.Module):
         return probs, routing_map
 
 
+# ============================================================================================================
+# 10b. Mixture of Experts: experts, dispatchers, the layer — mirrors megatron/core/transformer/moe/:
+#     token_dispatcher.py (all-gather and all-to-all dispatchers), experts.py (TEGroupedMLP's names, a grouped GEMM),
+#     moe_utils.py (capacity), shared_experts.py, moe_layer.py.
+#
+#  T = s·b tokens of a micro-batch (s/tp·b per rank under SP), E experts (E/ep on each EP rank), k per token.
+#    dispatch, ep = 2: rank 0 holds experts {0, 1}, rank 1 holds {2, 3}; xᵣ = rank r's tokens [T, h]
+#      all-gather:  [x₀; x₁] on both ─> rank 0: experts 0,1 on their tokens ─> y⁰ [2T, h] ─┐ reduce-scatter:
+#                                  └─> rank 1: experts 2,3 on their tokens ─> y¹ [2T, h] ─┘ rank r gets y⁰ᵣ + y¹ᵣ
+#      all-to-all:  rank r sorts its routed tokens by expert [e0|e1|e2|e3] and sends [e0|e1] to rank 0, [e2|e3] to
+#                   rank 1; rank 0 holds [x₀→e0|x₀→e1|x₁→e0|x₁→e1], regroups them by expert, runs the experts, and
+#                   the reverse all-to-all brings each output home, where it is weighted by its prob and summed.
+#    experts  one grouped GEMM over the local experts' token blocks (torch._grouped_mm; a padded bmm in float64).
+#    TP       etp = tp: experts are sharded like the dense MLP — tokens and probs all-gathered over TP under SP
+#             (copied without), fc2's partial sums reduce-scattered (all-reduced); etp = 1: each rank keeps its own
+#             tokens and whole experts (their grads are then SP-partial: summed over TP like LayerNorm's).
+# ============================================================================================================
 def grouped_mm(x, w, counts):
     """x [N, a] in consecutive row groups of sizes counts [G]; group g times w[g] [a, b] -> [N, b]: one GEMM call.
     torch._grouped_mm where it runs (fp32/bf16, rows of 16-byte multiples), else one padded batched matmul."""

@@ -143,6 +143,13 @@ def parse_args(argv):
     a("--moe-pad-expert-input-to-capacity", action="store_true")
     a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
     a("--moe-shared-expert-intermediate-size", type=int, default=None)
+    # DeepSeek-V3 routing (gpt.Config's checks): groups, scaling, aux-loss-free balancing by an expert bias
+    a("--moe-router-num-groups", type=int, default=None, help="group-limited routing: experts in this many groups")
+    a("--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups each token may use")
+    a("--moe-router-topk-scaling-factor", type=float, default=None, help="the top-k routing weights times this")
+    a("--moe-router-enable-expert-bias", action="store_true", default=None,  # None when off: as in older checkpoints
+      help="aux-loss-free load balancing (sigmoid router)")
+    a("--moe-router-bias-update-rate", type=float, default=1e-3, help="expert bias step after each optimizer step")
     # checkpoints, evaluation, logging
     a("--save", default=None, help="run directory: checkpoints, metrics.jsonl, tensorboard/, loss.png")
     a("--load", default=None, help="resume from the latest checkpoint in this directory")

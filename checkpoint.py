@@ -79,6 +79,8 @@ def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True, only=None):
             if optimizer is not None:
                 ea, eas, step = full[p]
                 state["optimizer"][g] = {"exp_avg": view(ea, p), "exp_avg_sq": view(eas, p), "step": step}
+        persistent = model.state_dict(keep_vars=True)  # buffers saved with the weights: MoE's expert bias (replicated)
+        state["model"].update({gname(name): b for name, b in model.named_buffers() if name in persistent})
     return state
 
 
@@ -292,6 +294,8 @@ ARCH_FLAGS += ["rotary_percent", "seq_len_interpolation_factor", "rope_scaling",
 ARCH_FLAGS += ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",  # DeepSeek-V3's
                "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers"]  # layers (deepseek.py)
 
+ARCH_FLAGS += ["moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",  # MoE routing
+               "moe_router_enable_expert_bias"]
 
 # ---------------------------------------------------------------------------------------------- post-training
 # A LoRA run's checkpoints hold its adapters only (lora.is_adapter) and, in meta.json, "lora_base": the path of the

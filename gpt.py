@@ -108,6 +108,12 @@ class Config:
     v_head_dim: int = 128
     mtp_num_layers: int | None = None  # D multi-token prediction depths on the last stage; None = off
     mtp_loss_scaling_factor: float = 0.1  # the MTP loss enters backward as factor / D · Σ_k loss_k
+    # DeepSeek-V3 routing (parallel.py section 10a: topk_routing, Router.after_step; Megatron's --moe-router-*)
+    moe_router_num_groups: int | None = None  # experts in this many equal groups (group-limited routing)
+    moe_router_group_topk: int | None = None  # each token picks its experts from its best this-many groups
+    moe_router_topk_scaling_factor: float | None = None  # the top-k weights times this
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias for the selection (sigmoid)
+    moe_router_bias_update_rate: float = 1e-3  # the bias moves by rate · sign(mean load − load) after each step
 
     def __post_init__(self):
         h, n = self.hidden_size, self.num_attention_heads
@@ -134,6 +140,7 @@ class Config:
             f = self.moe_layer_freq
             if isinstance(f, (list, tuple)) and len(f) != self.num_layers:
                 raise ValueError(f"moe_layer_freq has {len(f)} entries for num_layers={self.num_layers}")
+            self.check_deepseek_routing()
         self.check_mla_mtp()
         self.padded_vocab_size = P.pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by)
         self.output_std = self.init_method_std / math.sqrt(2.0 * self.num_layers)  # scaled init of proj and fc2
@@ -169,6 +176,7 @@ class Config:
         if g == "full" and (m is None or n is None or n < 1):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method (uniform|block) and "
                              f"recompute_num_layers >= 1 (got {m!r}, {n})")
+
     def check_mla_mtp(self):
         if self.multi_latent_attention:
             if self.position_embedding_type != "rope":
@@ -184,6 +192,24 @@ class Config:
         if self.mtp_num_layers is not None and (self.mtp_num_layers < 1 or self.mtp_loss_scaling_factor < 0):
             raise ValueError(f"mtp_num_layers={self.mtp_num_layers} must be >= 1 and mtp_loss_scaling_factor="
                              f"{self.mtp_loss_scaling_factor} >= 0")
+
+    def check_deepseek_routing(self):
+        """The DeepSeek-V3 routing fields (Megatron's TransformerConfig checks, plus group_topk <= k <= what the groups
+        hold, without which a group's score or the top-k would read nothing)."""
+        E, k, G, g = self.num_experts, self.moe_router_topk, self.moe_router_num_groups, self.moe_router_group_topk
+        if g is not None:
+            if G is None or G < 1 or E % G or not 1 <= g <= G:
+                raise ValueError(f"moe_router_group_topk={g} needs moe_router_num_groups={G} dividing num_experts={E} "
+                                 f"and 1 <= moe_router_group_topk <= moe_router_num_groups")
+            if not g <= k <= g * (E // G):
+                raise ValueError(f"moe_router_topk={k} must be in [moe_router_group_topk={g}, group_topk x experts per "
+                                 f"group = {g * (E // G)}]")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(f"moe_router_enable_expert_bias needs moe_router_score_function='sigmoid', not "
+                             f"{self.moe_router_score_function!r} (as Megatron)")
+        s, r = self.moe_router_topk_scaling_factor, self.moe_router_bias_update_rate
+        if s is not None and not (s > 0 and math.isfinite(s)) or not (r >= 0 and math.isfinite(r)):
+            raise ValueError(f"moe_router_topk_scaling_factor={s} must be > 0 and moe_router_bias_update_rate={r} >= 0")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether (global, 0-based) layer i uses the MoE layer instead of the MLP (Megatron's moe_layer_freq)."""

@@ -21,13 +21,14 @@ Sections
   7. Schedules: no pipelining (gradient accumulation).                                   ~ pipeline_parallel/schedules.py
   8. Pipeline parallelism: stages, 1F1B, interleaved 1F1B, the p2p executor.             ~ schedules.py, p2p_communication.py
   9. Data parallelism: bucketed overlapped reduction, the distributed optimizer.         ~ distributed/, distrib_optimizer.py
- 10. Mixture of Experts: router, dispatchers, grouped experts.                           ~ transformer/moe/
+ 10. Mixture of Experts: 10a router (DeepSeek-V3 routing, aux losses); 10b dispatchers, grouped experts. ~ moe/
  11. FP8: scaling recipes and the FP8 linear.                                            ~ fp8_utils.py, TE fp8.py
  12. Context parallelism: the load-balanced sequence split; ring (p2p), all-gather and all-to-all (Ulysses)
      attention beside a plain oracle.                                   ~ utils.get_batch_on_this_cp_rank, TE's CP attention
-A section calls only the sections above it. MoE and FP8 plug into the core through two hooks: a TP layer's
-`linear_impl(x, weight, bias)` (section 4; fp8_enable installs the FP8 GEMM there), and `set_num_tokens(n)`, which
-the schedules call on every submodule that has it (section 7; MoE's Router does, for its aux losses).
+A section calls only the sections above it. MoE and FP8 plug into the core through hooks: a TP layer's
+`linear_impl(x, weight, bias)` (section 4; fp8_enable installs the FP8 GEMM there), `set_num_tokens(n)`, which
+the schedules call on every submodule that has it (section 7; MoE's Router does, for its aux losses), and
+`after_step()`, which the optimizers call once a step is applied (section 9; the Router moves its expert bias).
 
 Dimension glossary (used in every shape comment of the project)
   b  micro-batch size          s  sequence length (s/tp under sequence parallelism, s/cp per context-parallel rank)
@@ -747,6 +748,15 @@ def set_num_tokens(model: nn.Module | list[nn.Module], num_tokens: int | float):
                 m.set_num_tokens(num_tokens)
 
 
+def after_step(model: nn.Module | list[nn.Module]):
+    """Call every submodule's `after_step()` method: the optimizers (section 9) do, once each step is applied (MoE's
+    Router moves its expert bias by the step's global token counts)."""
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        for m in chunk.modules():
+            if callable(getattr(m, "after_step", None)):
+                m.after_step()
+
+
 def forward_backward_no_pipelining(model: nn.Module, micro_batches, loss_func, num_tokens: int | float):
     """Gradient accumulation: forward + backward each micro-batch in turn. Returns this rank's loss contribution.
 
@@ -930,6 +940,8 @@ def forward_backward(chunks, micro_batches, forward_step, num_tokens, grid: Grid
 #                            AdamW on that slice (fp32 master),    so optimizer state is sharded dp ways,
 #                            all-gather the updated parameters     then every rank has the whole model again.
 #  No 1/dp scaling: the loss is already divided by the global token count (DESIGN.md §2), so sums are exact.
+#  MoE expert weights (expert parallelism) get buckets of their own, reduced over `expert_dp` (the ranks holding the
+#  same experts) and, with the distributed optimizer, sharded over it: a bucket carries its process group.
 #  Optimizer (whole parameters, finalize_grads) and DistributedOptimizer (DDP's buffers) share one interface and
 #  one clipping rule (counted_in_norm, clip_by_global_norm), so the training loop never branches on which it has.
 # ============================================================================================================
@@ -947,15 +959,16 @@ def counted_in_norm(p: nn.Parameter, grid: Grid | None) -> bool:
 
 def clip_by_global_norm(sq, grads, max_norm: float | None, grid: Grid | None, dp_sliced: bool = False):
     """sq: this rank's sums of squared grads [dense, MoE expert] of the parameters it counts (counted_in_norm). Summed
-    over TP x PP (one model replica), the experts over EP (EP ranks hold different experts) and, when each DP rank
-    holds a slice of the grads (distributed optimizer), over DP: plain DP grads are already summed, so DP ranks agree.
+    over TP x PP (one model replica); when each DP rank holds a slice of the grads (distributed optimizer), over DP x CP
+    (for experts that group is EP x expert_dp: all experts, all slices); else the experts over EP (EP ranks hold
+    different experts) and nothing over DP: plain DP grads are already summed, so DP ranks agree.
     Scales `grads` by max_norm / norm when above max_norm (0/None: off). Returns the norm before clipping."""
     if grid is not None:
         sq = _all_reduce(sq, grid.mp)
-        if grid.ep_size > 1:
-            sq[1:] = _all_reduce(sq[1:], grid.ep)
         if dp_sliced:
             sq = _all_reduce(sq, grid.dp_cp)
+        elif grid.ep_size > 1:
+            sq[1:] = _all_reduce(sq[1:], grid.ep)
     norm = sq.sum().sqrt()
     if max_norm is not None and max_norm > 0 and float(norm) > max_norm:
         for g in grads:
@@ -997,6 +1010,7 @@ class Optimizer:
         for g in self.adam.param_groups:
             g["lr"] = self.lr
         self.adam.step()
+        after_step(self.chunks)  # the modules' post-step hooks (MoE: the expert bias)
 
     def full_state(self) -> dict:
         return {p: (self.adam.state[p]["exp_avg"], self.adam.state[p]["exp_avg_sq"], self.adam.state[p]["step"])
@@ -1006,18 +1020,19 @@ class Optimizer:
         """Nothing to copy: full_state() hands out the live moments, so a checkpoint loads straight into them."""
 
 
-class _Bucket:
-    def __init__(self, params, start, end):
-        self.params, self.start, self.end = params, start, end
+class _Bucket:  # params in buffer[start:end] (padded to a multiple of group.size), reduced over `group`
+    def __init__(self, params, start, end, group: Group):
+        self.params, self.start, self.end, self.group = params, start, end, group
+        self.expert = group.name == "expert_dp"
         self.ready, self.handle, self.launched = 0, None, False
 
 
 class DDP:
-    """Bucketed, overlapped gradient reduction over the DP x CP group for a list of model chunks."""
+    """Bucketed, overlapped gradient reduction for a list of model chunks: over DP x CP, experts over expert_dp."""
 
     def __init__(self, chunks, grid: Grid, bucket_size: int = 4_000_000, overlap: bool = True,
                  distributed_optimizer: bool = False):
-        chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
+        self.chunks = chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
         self.grid, self.dp, self.overlap, self.distopt = grid, grid.dp_cp, overlap, distributed_optimizer
         seen, params = set(), []
         for m in reversed(chunks):  # reverse order: the last layers' grads are ready first
@@ -1025,24 +1040,19 @@ class DDP:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
-        if grid.ep_size > 1 and any(getattr(p, "expert_parallel", False) for p in params):
-            raise NotImplementedError(f"DDP: expert parallelism (ep={grid.ep_size}) needs expert grads summed over "
-                                      "expert_dp, not dp: use finalize_grads (bucketed MoE is a follow-up)")
-        shared = [p for p in params if getattr(p, "shared_embedding", False)]  # synced over stages before DP
-        rest = [p for p in params if not getattr(p, "shared_embedding", False)]
-        groups, cur, n = [], [], 0
-        for p in rest:
-            cur.append(p)
-            n += p.numel()
-            if n >= bucket_size:
-                groups, cur, n = groups + [cur], [], 0
-        groups += [g for g in (cur, shared) if g]
-        D = self.dp.size
+        expert = lambda p: getattr(p, "expert_parallel", False)
+        tied = lambda p: getattr(p, "shared_embedding", False)  # synced over stages before DP: a bucket of its own
         self.buckets, off = [], 0
-        for g in groups:  # each bucket padded to a multiple of dp, so a reduce-scatter splits it evenly
-            size = sum(p.numel() for p in g)
-            self.buckets.append(_Bucket(g, off, off + -(-size // D) * D))
-            off = self.buckets[-1].end
+        for group, ps, limit in ((grid.dp_cp, [p for p in params if not tied(p) and not expert(p)], bucket_size),
+                                 (grid.expert_dp, [p for p in params if expert(p)], bucket_size),
+                                 (grid.dp_cp, [p for p in params if tied(p)], math.inf)):
+            cur, n = [], 0
+            for i, p in enumerate(ps):
+                cur, n = cur + [p], n + p.numel()
+                if n >= limit or i == len(ps) - 1:  # a bucket, padded to a multiple of its group's size so that
+                    end = off + -(-n // group.size) * group.size  # a reduce-scatter splits it evenly
+                    self.buckets.append(_Bucket(cur, off, end, group))
+                    off, cur, n = end, [], 0
         dtype = params[0].dtype
         self.grad_buffer = torch.zeros(off, dtype=torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
         self.param_buffer = torch.zeros(off, dtype=dtype)  # params become views into it (all-gathered in place)
@@ -1081,15 +1091,15 @@ class DDP:
     def _launch(self, b: _Bucket):
         b.launched = True
         self.launch_log.append((self.buckets.index(b), self.hooks_fired))
-        if self.dp.size == 1:
+        if b.group.size == 1:
             return
         buf = self.grad_buffer[b.start:b.end]
-        _log("reduce_scatter" if self.distopt else "all_reduce", self.dp, buf)
+        _log("reduce_scatter" if self.distopt else "all_reduce", b.group, buf)
         if self.distopt:
-            b.shard = buf.new_empty(buf.numel() // self.dp.size)
-            b.handle = reduce_scatter_single(b.shard, buf, group=self.dp.pg, async_op=True)
+            b.shard = buf.new_empty(buf.numel() // b.group.size)
+            b.handle = reduce_scatter_single(b.shard, buf, group=b.group.pg, async_op=True)
         else:
-            b.handle = dist.all_reduce(buf, group=self.dp.pg, async_op=True)
+            b.handle = dist.all_reduce(buf, group=b.group.pg, async_op=True)
 
     def finish_grad_sync(self):
         """Wait for every bucket's reduction (launching the ones backward did not), then the TP and stage sums."""
@@ -1104,9 +1114,8 @@ class DDP:
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
-            if self.distopt and self.dp.size > 1:  # this rank's slice of the bucket now holds the summed grads
-                n = b.shard.numel()
-                self.grad_buffer[b.start + self.dp.rank * n: b.start + (self.dp.rank + 1) * n].copy_(b.shard)
+            if self.distopt and b.group.size > 1:  # this rank's slice of the bucket now holds the summed grads
+                self.grad_buffer[self.owned(b)].copy_(b.shard)
         if self.grid.tp.size > 1:  # SP partial grads: sum over TP (same buffer layout on every TP rank)
             sp = [p for b in self.buckets for p in b.params if getattr(p, "sequence_parallel", False)]
             _sum_grads(sp, self.grid.tp, "main_grad")
@@ -1116,17 +1125,17 @@ class DDP:
                     p.grad = p.main_grad
 
     def owned(self, b: _Bucket) -> slice:
-        """The slice of the flat buffers this DP rank steps (the whole bucket without the distributed optimizer)."""
+        """The slice of the flat buffers this rank steps: its 1/size of the bucket over the bucket's group (distopt)."""
         if not self.distopt:
             return slice(b.start, b.end)
-        n = (b.end - b.start) // self.dp.size
-        return slice(b.start + self.dp.rank * n, b.start + (self.dp.rank + 1) * n)
+        n = (b.end - b.start) // b.group.size
+        return slice(b.start + b.group.rank * n, b.start + (b.group.rank + 1) * n)
 
 
 class DistributedOptimizer:
-    """AdamW over flat buffer slices (torch.optim.AdamW's arithmetic, element for element), sharded over DP when
-    ddp.distopt: each rank keeps fp32 master weights and Adam moments for its slice only, steps it, and all-gathers
-    the parameters. With fp32 parameters the master weights are the parameter buffer itself (no copy)."""
+    """AdamW over flat buffer slices (torch.optim.AdamW's arithmetic, element for element); with ddp.distopt sharded
+    over each bucket's group (DP x CP; experts: expert_dp): each rank keeps fp32 master weights and Adam moments for its
+    slice only, steps it, and all-gathers the parameters. fp32 parameters: the master weights are the parameter buffer."""
 
     def __init__(self, ddp: DDP, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         self.ddp, self.lr, self.betas, self.eps, self.wd, self.step_count = ddp, lr, betas, eps, weight_decay, 0
@@ -1162,13 +1171,14 @@ class DistributedOptimizer:
             eas.mul_(b2).addcmul_(g, g, value=1 - b2)
             denom = (eas.sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps)
             m.addcdiv_(ea, denom, value=-lr / (1 - b1 ** t))
-            if self.ddp.distopt and self.ddp.dp.size > 1:
+            if self.ddp.distopt and b.group.size > 1:
                 self.ddp.param_buffer[s].copy_(m)
-                _log("all_gather", self.ddp.dp, self.ddp.param_buffer[b.start:b.end])
+                _log("all_gather", b.group, self.ddp.param_buffer[b.start:b.end])
                 all_gather_single(self.ddp.param_buffer[b.start:b.end], self.ddp.param_buffer[s].clone(),
-                                       group=self.ddp.dp.pg)
+                                  group=b.group.pg)
             elif m.data_ptr() != self.ddp.param_buffer[s].data_ptr():
                 self.ddp.param_buffer[s].copy_(m)
+        after_step(self.ddp.chunks)  # the modules' post-step hooks (MoE: the expert bias)
 
     def zero_grad(self, num_micro_batches: int = 1):
         self.ddp.zero_grad(num_micro_batches)
@@ -1183,9 +1193,9 @@ class DistributedOptimizer:
         for moments in (self.exp_avg, self.exp_avg_sq):
             full = torch.zeros_like(self.ddp.grad_buffer)
             for s, m, b in zip(self.slices, moments, self.ddp.buckets):
-                if self.ddp.distopt and self.ddp.dp.size > 1:
-                    _log("all_gather", self.ddp.dp, full[b.start:b.end])
-                    all_gather_single(full[b.start:b.end], m.clone(), group=self.ddp.dp.pg)
+                if self.ddp.distopt and b.group.size > 1:
+                    _log("all_gather", b.group, full[b.start:b.end])
+                    all_gather_single(full[b.start:b.end], m.clone(), group=b.group.pg)
                 else:
                     full[s] = m
             bufs.append(full)
@@ -1211,32 +1221,29 @@ class DistributedOptimizer:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """clip_by_global_norm over this rank's slices (norm_mask: counted_in_norm per element)."""
-        sq = torch.as_tensor(sum(((self.ddp.grad_buffer[s].double() ** 2) * m).sum()
-                                 for s, m in zip(self.slices, self.norm_mask)), dtype=torch.float64)
-        return clip_by_global_norm(torch.stack([sq, torch.zeros_like(sq)]), [self.ddp.grad_buffer[s] for s in self.slices],
-                                   max_norm, self.ddp.grid, dp_sliced=self.ddp.distopt)
+        sq = torch.zeros(2, dtype=torch.float64, device=self.ddp.grad_buffer.device)  # [dense, MoE expert]
+        for s, m, b in zip(self.slices, self.norm_mask, self.ddp.buckets):
+            sq[int(b.expert)] += ((self.ddp.grad_buffer[s].double() ** 2) * m).sum()
+        return clip_by_global_norm(sq, [self.ddp.grad_buffer[s] for s in self.slices], max_norm, self.ddp.grid,
+                                   dp_sliced=self.ddp.distopt)
 
 
 # ============================================================================================================
-# 10. Mixture of Experts — mirrors megatron/core/transformer/moe/: router.py (TopKRouter), moe_utils.py (aux
-#     losses, capacity, MoEAuxLossAutoScaler), token_dispatcher.py (all-gather and all-to-all dispatchers),
-#     experts.py (TEGroupedMLP's names, a grouped GEMM), shared_experts.py, moe_layer.py.
+# 10a. Mixture of Experts: the router — mirrors megatron/core/transformer/moe/: router.py (TopKRouter), moe_utils.py
+#     (aux losses, topk_routing_with_score_function, group_limited_topk, MoEAuxLossAutoScaler). Section 10 is cut in
+#     two (10a the router, 10b the experts, dispatchers and the layer) to keep each part readable at once.
 #     Papers: Shazeer et al. 2017 (sparsely-gated MoE, top-k); Lepikhin et al. 2020 (GShard: capacity, expert
-#     parallelism); Fedus et al. 2021 (Switch: the load-balancing loss); Zoph et al. 2022 (ST-MoE: the z-loss).
+#     parallelism); Fedus et al. 2021 (Switch: the load-balancing loss); Zoph et al. 2022 (ST-MoE: the z-loss);
+#     Wang et al. 2024 "Auxiliary-Loss-Free Load Balancing" and DeepSeek-AI 2024 "DeepSeek-V3" (expert bias, groups).
 #
 #  T = s·b tokens of a micro-batch (s/tp·b per rank under SP), E experts (E/ep on each EP rank), k per token.
 #    router   logits = x·Wᵀ [T, E] -> softmax (before or after top-k) or sigmoid -> top-k -> probs [T, E] (zero off
 #             the top k) and routing_map [T, E]; capacity C = ceil(T·k/E·factor) keeps each expert's C most probable.
-#    dispatch, ep = 2: rank 0 holds experts {0, 1}, rank 1 holds {2, 3}; xᵣ = rank r's tokens [T, h]
-#      all-gather:  [x₀; x₁] on both ─> rank 0: experts 0,1 on their tokens ─> y⁰ [2T, h] ─┐ reduce-scatter:
-#                                  └─> rank 1: experts 2,3 on their tokens ─> y¹ [2T, h] ─┘ rank r gets y⁰ᵣ + y¹ᵣ
-#      all-to-all:  rank r sorts its routed tokens by expert [e0|e1|e2|e3] and sends [e0|e1] to rank 0, [e2|e3] to
-#                   rank 1; rank 0 holds [x₀→e0|x₀→e1|x₁→e0|x₁→e1], regroups them by expert, runs the experts, and
-#                   the reverse all-to-all brings each output home, where it is weighted by its prob and summed.
-#    experts  one grouped GEMM over the local experts' token blocks (torch._grouped_mm; a padded bmm in float64).
-#    TP       etp = tp: experts are sharded like the dense MLP — tokens and probs all-gathered over TP under SP
-#             (copied without), fc2's partial sums reduce-scattered (all-reduced); etp = 1: each rank keeps its own
-#             tokens and whole experts (their grads are then SP-partial: summed over TP like LayerNorm's).
+#             DeepSeek-V3 (topk_routing, Megatron's topk_routing_with_score_function): sigmoid scores, the top k
+#             renormalised to sum 1, times --moe-router-topk-scaling-factor; group-limited: only experts of the
+#             group_topk groups (of num_groups) with the largest sum of their top k/group_topk scores; aux-loss-free
+#             balancing: a per-expert bias added to the scores for the SELECTION only (the weights stay unbiased),
+#             moved after each optimizer step by rate·sign(mean load − load) of the global batch (Router.after_step).
 #  Aux losses follow the one loss rule (DESIGN.md §2): see Router.
 # ============================================================================================================
 class _AuxLossScaler(torch.autograd.Function):
@@ -1255,6 +1262,21 @@ class _AuxLossScaler(torch.autograd.Function):
         return dy, torch.full_like(aux, ctx.scale), None
 
 
+def topk_routing(scores, k: int, num_groups=None, group_topk=None, bias=None):
+    """Top-k experts per token of scores [T, E] -> (top scores [T, k], indices [T, k]). Megatron's compute_topk and
+    group_limited_topk: with group_topk, only the experts of each token's group_topk best groups (of num_groups equal
+    groups; a group's score is the sum of its top k/group_topk scores) compete. `bias` [E] (aux-loss-free balancing)
+    is added for the selection only: the scores returned are the unbiased ones."""
+    sel = scores if bias is None else scores + bias  # [T, E]
+    if group_topk:
+        by_group = rearrange(sel, "t (g e) -> t g e", g=num_groups)  # [T, G, E/G]
+        group_score = by_group.topk(k // group_topk, dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, group_score.topk(group_topk, -1).indices, True)
+        sel = sel.masked_fill(~keep.repeat_interleave(scores.shape[1] // num_groups, dim=1), float("-inf"))
+    idx = sel.topk(k, dim=-1).indices  # [T, k]
+    return scores.gather(1, idx), idx
+
+
 class Router(nn.Module):
     """TopKRouter: weight [E, h] (fp32 under low-precision params), replicated over TP, DP and EP.
 
@@ -1267,21 +1289,39 @@ class Router(nn.Module):
     global batch's loss-token count that the schedules divide the main loss by (they call set_num_tokens).
     The total is the token-weighted mean of the micro-batches' aux losses (1/(M·dp) each, for equal micro-batches)
     in every layout; the single process running the same micro-batches gets the same gradients. Unset: weight 1.
+    As in Megatron, the switch loss sees the plain top-k of the scores (no groups, no expert bias).
+    Expert bias (moe_router_enable_expert_bias): a buffer [E], saved in checkpoints, updated by `after_step` from the
+    step's tokens per expert summed over DP x CP (each rank's counts are whole micro-batches: under SP they are summed
+    over TP already; PP stages hold different layers), so it is the same on every rank and in every layout.
     """
 
     def __init__(self, c, grid=None):
         super().__init__()
         self.c, self.E, self.k = c, c.num_experts, c.moe_router_topk
         self.tp = tp_of(grid) if c.sequence_parallel else None  # SP: this rank routes s/tp of the tokens
+        self.dp = grid.dp_cp if grid is not None else None  # the expert bias's token counts are summed over it
         dtype = torch.promote_types(c.params_dtype, torch.float32)
         self.weight = mark(nn.Parameter(torch.empty(self.E, c.hidden_size, dtype=dtype)), ("normal", c.init_method_std),
                            sequence_parallel=c.sequence_parallel)
         self.bias = mark(nn.Parameter(torch.empty(self.E, dtype=dtype)), ("zeros",),
                          sequence_parallel=c.sequence_parallel) if c.add_bias_linear else None
         self.num_tokens, self.stats = None, {}
+        if c.moe_router_enable_expert_bias:  # Megatron's buffer name; float32 at least, as Megatron keeps it
+            self.register_buffer("expert_bias", torch.zeros(self.E, dtype=dtype))
+        else:
+            self.expert_bias = None
+        self.step_tokens = self.weight.new_zeros(self.E)  # [E] tokens per expert in this step's training forwards
 
-    def set_num_tokens(self, num_tokens):  # the schedules' loss-token protocol (section 7)
+    def set_num_tokens(self, num_tokens):  # the schedules' loss-token protocol (section 7): a step begins
         self.num_tokens = num_tokens
+        self.step_tokens = self.weight.new_zeros(self.E)  # (on the weight's device)
+
+    @torch.no_grad()
+    def after_step(self):  # the optimizers' post-step hook (section 7's after_step): aux-loss-free load balancing
+        if self.expert_bias is not None:
+            load = _all_reduce(self.step_tokens, self.dp)  # [E] the global batch's tokens per expert
+            self.expert_bias += self.c.moe_router_bias_update_rate * torch.sign(load.mean() - load)
+        self.step_tokens = self.weight.new_zeros(self.E)
 
     def forward(self, x):  # x [T, h] -> probs [T, E], routing_map [T, E] bool
         c, E, k = self.c, self.E, self.k
@@ -1293,31 +1333,55 @@ class Router(nn.Module):
         if c.moe_z_loss_coeff and grad:
             z = torch.logsumexp(logits, -1).square().sum() * c.moe_z_loss_coeff / T  # this rank's part of the mean
             logits = _AuxLossScaler.apply(logits, z, weight)
+        groups = dict(num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk)
         if c.moe_router_score_function == "softmax":
             scores = torch.softmax(logits, -1)  # [T, E]
             if c.moe_router_pre_softmax:
-                top, idx = scores.topk(k, dim=-1)
+                top, idx = topk_routing(scores, k, **groups)
             else:
-                top, idx = logits.topk(k, dim=-1)
+                top, idx = topk_routing(logits, k, **groups)
                 top = torch.softmax(top, -1)
-        else:  # sigmoid (DeepSeek-V3): top-k of sigmoid scores, renormalised when k > 1
+        else:  # sigmoid (DeepSeek-V3): top-k of sigmoid scores (+ expert bias for the choice), renormalised if k > 1
             s = torch.sigmoid(logits)
-            top, idx = s.topk(k, dim=-1)
+            top, idx = topk_routing(s, k, **groups, bias=self.expert_bias)
             top = top / (top.sum(-1, keepdim=True) + 1e-20) if k > 1 else top
             scores = s / (s.sum(-1, keepdim=True) + 1e-20)
+        if c.moe_router_topk_scaling_factor:
+            top = top * c.moe_router_topk_scaling_factor
         probs = torch.zeros_like(logits).scatter(1, idx, top)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
-        stats = _all_reduce(torch.cat([routing_map.sum(0).to(logits.dtype), scores.detach().sum(0),
+        aux_map = routing_map  # the switch loss's routing: plain top-k of the scores (Megatron's aux-loss scores)
+        if c.moe_router_group_topk or self.expert_bias is not None:
+            aux_map = torch.zeros_like(routing_map).scatter(1, scores.topk(k, dim=-1).indices, True)
+        stats = _all_reduce(torch.cat([routing_map.sum(0).to(logits.dtype), aux_map.sum(0).to(logits.dtype),
+                                       scores.detach().sum(0),
                                        torch.logsumexp(logits.detach(), -1).square().sum()[None]]), self.tp)
-        counts = stats[:E]  # tokens per expert over the micro-batch (all TP ranks)
-        self.stats = dict(tokens_per_expert=counts, load_balancing_loss=E / (k * T * T) * (stats[E:2 * E] * counts).sum(),
-                          z_loss=stats[-1] / T)  # both without their coefficients, as Megatron logs them
+        counts, aux_counts = stats[:E], stats[E:2 * E]  # tokens per expert over the micro-batch (all TP ranks)
+        self.stats = dict(tokens_per_expert=counts, z_loss=stats[-1] / T,  # both losses without their coefficients,
+                          load_balancing_loss=E / (k * T * T) * (stats[2 * E:3 * E] * aux_counts).sum())  # as Megatron
         if c.moe_aux_loss_coeff and grad:
-            aux = (scores.sum(0) * counts).sum() * (E * c.moe_aux_loss_coeff / (k * T * T))  # this rank's part
+            aux = (scores.sum(0) * aux_counts).sum() * (E * c.moe_aux_loss_coeff / (k * T * T))  # this rank's part
             probs = _AuxLossScaler.apply(probs, aux, weight)
         return probs, routing_map
 
 
+# ============================================================================================================
+# 10b. Mixture of Experts: experts, dispatchers, the layer — mirrors megatron/core/transformer/moe/:
+#     token_dispatcher.py (all-gather and all-to-all dispatchers), experts.py (TEGroupedMLP's names, a grouped GEMM),
+#     moe_utils.py (capacity), shared_experts.py, moe_layer.py.
+#
+#  T = s·b tokens of a micro-batch (s/tp·b per rank under SP), E experts (E/ep on each EP rank), k per token.
+#    dispatch, ep = 2: rank 0 holds experts {0, 1}, rank 1 holds {2, 3}; xᵣ = rank r's tokens [T, h]
+#      all-gather:  [x₀; x₁] on both ─> rank 0: experts 0,1 on their tokens ─> y⁰ [2T, h] ─┐ reduce-scatter:
+#                                  └─> rank 1: experts 2,3 on their tokens ─> y¹ [2T, h] ─┘ rank r gets y⁰ᵣ + y¹ᵣ
+#      all-to-all:  rank r sorts its routed tokens by expert [e0|e1|e2|e3] and sends [e0|e1] to rank 0, [e2|e3] to
+#                   rank 1; rank 0 holds [x₀→e0|x₀→e1|x₁→e0|x₁→e1], regroups them by expert, runs the experts, and
+#                   the reverse all-to-all brings each output home, where it is weighted by its prob and summed.
+#    experts  one grouped GEMM over the local experts' token blocks (torch._grouped_mm; a padded bmm in float64).
+#    TP       etp = tp: experts are sharded like the dense MLP — tokens and probs all-gathered over TP under SP
+#             (copied without), fc2's partial sums reduce-scattered (all-reduced); etp = 1: each rank keeps its own
+#             tokens and whole experts (their grads are then SP-partial: summed over TP like LayerNorm's).
+# ============================================================================================================
 def grouped_mm(x, w, counts):
     """x [N, a] in consecutive row groups of sizes counts [G]; group g times w[g] [a, b] -> [N, b]: one GEMM call.
     torch._grouped_mm where it runs (fp32/bf16, rows of 16-byte multiples), else one padded batched matmul."""
@@ -1414,6 +1478,7 @@ class MoELayer(nn.Module):
             probs, rmap, counts = self._drop(probs, rmap)
         if self.training:
             self.tokens_per_expert = self.tokens_per_expert + counts.detach().cpu().float()
+            self.router.step_tokens = self.router.step_tokens.to(counts.device) + counts.detach()  # (expert bias)
         if dense:
             y = self.reference(x, probs)
         else:

@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 MODELS = ("gpt", "bert", "t5", "retro", "mamba")  # --model NAME imports NAME.py (the model-file contract)
+MODELS += ("llava",)
 
 
 class ConfigError(ValueError):
@@ -140,6 +141,15 @@ def parse_args(argv):
     a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
     for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
         a(f"--mamba-{name}", type=int, default=None)
+    # LLaVA (llava.py): Megatron's multimodal flags (examples/multimodal), and the ViT's size. All None = not given
+    # (llava.Config's defaults), so checkpoints of other models compare equal on them (checkpoint.ARCH_FLAGS)
+    a("--freeze-LM", dest="freeze_language_model", action="store_true", default=None, help="LLaVA: freeze the LM")
+    a("--freeze-ViT", dest="freeze_vision_model", action="store_true", default=None, help="LLaVA: freeze the ViT")
+    a("--disable-vision-class-token", dest="drop_vision_class_token", action=argparse.BooleanOptionalAction,
+      default=None, help="LLaVA: drop the ViT's class token before the projector")
+    for name in ("img-h", "img-w", "patch-dim", "vision-num-layers", "vision-hidden-size",
+                 "vision-num-attention-heads", "vision-ffn-hidden-size"):
+        a(f"--{name}", type=int, default=None, help="LLaVA (default: llava.Config's)")
     model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
     if Path(__file__).with_name(f"{model}.py").exists():
         p.set_defaults(**getattr(importlib.import_module(model), "TRAIN_DEFAULTS", {}))
@@ -161,6 +171,8 @@ RANGES = {
                      "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "exit_interval", "log_interval",
                      "retro_chunk_length", "retro_num_neighbors", "retro_encoder_num_layers", "mamba_state_dim",
                      "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_chunk_size"], _AT_LEAST_1),
+    **dict.fromkeys(["img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden_size",
+                     "vision_num_attention_heads", "vision_ffn_hidden_size"], _AT_LEAST_1),  # LLaVA
     **dict.fromkeys(["lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "init_method_std", "fp8_margin",
                      "moe_aux_loss_coeff", "moe_z_loss_coeff", "seed", "ckpt_step", "save_interval", "eval_interval",
                      "eval_iters"], _AT_LEAST_0),

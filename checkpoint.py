@@ -72,7 +72,7 @@ def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True):
         for name, p in model.named_parameters():
             g = gname(name)
             state["model"][g] = view(p.data, p)
-            if optimizer is not None:
+            if optimizer is not None and p in full:  # (a frozen parameter has no optimizer state)
                 ea, eas, step = full[p]
                 state["optimizer"][g] = {"exp_avg": view(ea, p), "exp_avg_sq": view(eas, p), "step": step}
     return state
@@ -276,6 +276,9 @@ def check_run_dirs(args):
 ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "vocab_size",
               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
+ARCH_FLAGS += ["img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
+               "vision_ffn_hidden_size", "drop_vision_class_token",  # LLaVA; frozen towers keep no optimizer state,
+               "freeze_language_model", "freeze_vision_model"]  # so a resume cannot change what is frozen
 
 
 def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None):

@@ -962,7 +962,7 @@ class Optimizer:
 
     def __init__(self, chunks, grid: Grid | None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         self.chunks, self.grid, self.lr = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks], grid, lr
-        self.params = list(nn.ModuleList(self.chunks).parameters())  # each once
+        self.params = [p for p in nn.ModuleList(self.chunks).parameters() if p.requires_grad]  # each once; not frozen
         self.adam = torch.optim.AdamW([{"params": [p for p in self.params if decays(p)], "weight_decay": weight_decay},
                                        {"params": [p for p in self.params if not decays(p)], "weight_decay": 0.0}],
                                       lr=lr, betas=betas, eps=eps)

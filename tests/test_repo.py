@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. train.py reaches the model files only through importlib (--model NAME), at run time.
-LAYERS = ["parallel", "data", "arguments", "checkpoint", "convert", "rope", "transformer", "gpt", "bert", "t5", "mamba",
+LAYERS = ["parallel", "data", "arguments", "checkpoint", "convert", "rope", "transformer", "gpt", "bert", "t5", "mamba", "llava",
           "retrieval", "retro", "metrics", "train"]
 
 

@@ -217,8 +217,9 @@ class Model(gpt.Model):
 
 # ---------------------------------------------------------------------------------------------- the data: shapes
 # A scene is 1 or 2 objects, each a colour, a shape and a quadrant of the image (distinct quadrants); its caption
-# names them in order, e.g. " red circle top left; blue square bottom right." Everything comes from the generator
-# seeded (seed, sample index), so a sample is the same in every layout, and the image can be drawn again anywhere.
+# names them in reading order, e.g. " top left: red circle; bottom right: blue square.", so the image determines it.
+# Everything comes from the generator seeded (seed, sample index): a sample is the same in every layout, and its
+# image can be drawn again anywhere.
 COLOURS = {"red": (1, 0, 0), "green": (0, 1, 0), "blue": (0, 0, 1), "yellow": (1, 1, 0), "purple": (1, 0, 1),
            "white": (1, 1, 1)}
 SHAPES = ("square", "circle", "triangle")
@@ -226,14 +227,14 @@ QUADRANTS = (("top", "left"), ("top", "right"), ("bottom", "left"), ("bottom", "
 
 
 def caption(objects) -> str:
-    return " " + "; ".join(f"{col} {shape} {v} {hz}" for col, shape, (v, hz) in objects) + "."
+    return " " + "; ".join(f"{v} {hz}: {col} {shape}" for col, shape, (v, hz) in objects) + "."
 
 
 def scene(seed: int, index: int, img_h: int = 32, img_w: int = 32):
     """(image float32 [3, H, W] in [-1, 1], caption) of sample `index` of the stream `seed`."""
     rng = np.random.default_rng([seed, index])
     n = int(rng.integers(1, 3))
-    quads = rng.choice(4, n, replace=False)
+    quads = np.sort(rng.choice(4, n, replace=False))
     objects = [(list(COLOURS)[rng.integers(6)], SHAPES[rng.integers(3)], QUADRANTS[q]) for q in quads]
     img = np.zeros((3, img_h, img_w), np.float32)
     yy, xx = np.mgrid[0:img_h, 0:img_w]
@@ -250,13 +251,13 @@ def scene(seed: int, index: int, img_h: int = 32, img_w: int = 32):
 
 
 def all_captions():
-    """Every caption the scenes make, with its probability (1 object w.p. 1/2, attributes uniform)."""
-    one = list(itertools.product(COLOURS, SHAPES))
-    for q1 in range(4):
-        for a in one:
-            yield caption([(*a, QUADRANTS[q1])]), 1 / 2 / 72
-            for q2, b in itertools.product(set(range(4)) - {q1}, one):
-                yield caption([(*a, QUADRANTS[q1]), (*b, QUADRANTS[q2])]), 1 / 2 / 72 / 54
+    """Every caption the scenes make, with its probability (1 or 2 objects w.p. 1/2, quadrants and attributes
+    uniform)."""
+    one = list(itertools.product(COLOURS, SHAPES))  # 18
+    for q1, a in itertools.product(range(4), one):
+        yield caption([(*a, QUADRANTS[q1])]), 1 / 2 / 4 / 18
+    for (q1, q2), a, b in itertools.product(itertools.combinations(range(4), 2), one, one):
+        yield caption([(*a, QUADRANTS[q1]), (*b, QUADRANTS[q2])]), 1 / 2 / 6 / 18 / 18
 
 
 def text_only_accuracy(tok) -> float:

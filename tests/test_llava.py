@@ -233,7 +233,7 @@ def test_train_py_tp2_sp_frozen_vit_distributed_optimizer_and_sample(tmp_path, c
     run = tmp_path / "run"
     torchrun(2, ["--model", "llava", "--data-path", str(corpus), "--data-cache-dir", str(tmp_path / "cache"),
                  "--vocab-size", "384", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                 "--seq-length", "48", "--img-h", "16", "--img-w", "16", "--vision-hidden-size", "32",
+                 "--seq-length", "64", "--img-h", "16", "--img-w", "16", "--vision-hidden-size", "32",
                  "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "4", "--eval-interval", "2",
                  "--eval-iters", "1", "--log-interval", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                  "--freeze-ViT", "--use-distributed-optimizer", "--save", str(run)])

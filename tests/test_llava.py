@@ -20,7 +20,7 @@ import data
 import llava
 import parallel as P
 import train
-from equivalence import assert_same, train_steps
+from equivalence import assert_same, rel_err, train_steps
 
 
 # --------------------------------------------------------------------------------------- 1. Hugging Face
@@ -174,6 +174,48 @@ def test_llava_sequence_parallel_equals_single_process_float64(pool, tp, freeze)
     got, ref = run_layout(pool, cfg, tp, sp=True)
     assert_same(got, ref, rtol=1e-10, what=f"tp={tp} sp {freeze}")
     check_frozen(got, ref, cfg)
+
+
+def optimizer_case(rank, n, cfg, tp, distopt, b=4, seed=3, steps=2):
+    """train.py's path: parallel.forward_backward, then the plain optimizer (finalize_grads) or DDP + the distributed
+    optimizer (ZeRO-1), 2 clipped AdamW steps. Returns the losses, the parameters and what the optimizer holds."""
+    grid = P.Grid(tp=tp, dp=n // tp) if n > 1 else None
+    model = llava.Model(llava.Config(**cfg), grid)
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = (P.DistributedOptimizer(P.DDP([model], grid, bucket_size=2000, overlap=True, distributed_optimizer=True), **kw)
+           if distopt else P.Optimizer([model], grid, **kw))
+    ids, px = small_batch(b, seed, cls=True)
+    dp, r = (grid.dp_size, grid.dp.rank) if grid is not None else (1, 0)
+    micro = list(zip(ids.chunk(dp)[r].chunk(2), px.chunk(dp)[r].chunk(2)))  # 2 micro-batches per DP rank
+    count = int((ids[:, 1:] != 50).sum())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(len(micro))
+        loss = P.forward_backward([model], micro, lambda m, mb: m(mb[0][:, :-1], mb[1], labels=mb[0][:, 1:]).sum(),
+                                  count, grid, None, torch.float64)
+        opt.finish_grad_sync()
+        opt.clip_grad_norm(0.05)
+        opt.step()
+        losses.append(P._all_reduce(torch.as_tensor(loss).reshape(1), grid.dp) if grid else torch.as_tensor(loss))
+    state = {id(p) for p in opt.full_state()}
+    return dict(losses=torch.cat([x.reshape(1) for x in losses]),
+                params={model.global_name(k): P.gather_full(p.data, p, grid) for k, p in model.named_parameters()},
+                stateless=sorted(model.global_name(k) for k, p in model.named_parameters() if id(p) not in state))
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["plain-optimizer", "distributed-optimizer"])
+def test_frozen_tower_has_no_optimizer_state_and_dp_matches(pool, distopt):
+    """tp 2 x dp 2, the ViT frozen, through parallel.forward_backward and train.py's optimizers (clipping active):
+    the same losses and parameters as one process, and the optimizer holds state for exactly the trainable ones."""
+    cfg = dict(SMALL, sequence_parallel=True, freeze_vision_model=True)
+    ref = optimizer_case(0, 1, cfg, 1, False)
+    got = pool.run(optimizer_case, 4, cfg=cfg, tp=2, distopt=distopt)[0]
+    assert set(got["params"]) == set(ref["params"])
+    worst = max([(rel_err(got["losses"], ref["losses"]), "loss")]
+                + [(rel_err(got["params"][k], v), k) for k, v in ref["params"].items()])
+    assert worst[0] <= 1e-10, f"tp=2 dp=2 distopt={distopt}: worst relative error {worst[0]:.1e} at {worst[1]}"
+    vit = sorted(k for k in ref["params"] if k.startswith("vision_model."))
+    assert got["stateless"] == ref["stateless"] == vit
 
 
 def test_negative_control_gathering_vit_output_with_partial_grads_fails(pool):

@@ -141,8 +141,9 @@ def parse_args(argv):
     a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
     for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
         a(f"--mamba-{name}", type=int, default=None)
-    # LLaVA (llava.py): Megatron's multimodal flags (examples/multimodal), and the ViT's size. All None = not given
-    # (llava.Config's defaults), so checkpoints of other models compare equal on them (checkpoint.ARCH_FLAGS)
+    # LLaVA (llava.py): Megatron's --freeze-LM, --freeze-ViT, --disable-vision-class-token (examples/multimodal) and
+    # --img-h, --img-w, --patch-dim; the ViT's size is ours (Megatron fixes it per --vision-model-type). All None =
+    # not given (llava.Config's defaults), so checkpoints of other models compare equal on them (checkpoint.ARCH_FLAGS)
     a("--freeze-LM", dest="freeze_language_model", action="store_true", default=None, help="LLaVA: freeze the LM")
     a("--freeze-ViT", dest="freeze_vision_model", action="store_true", default=None, help="LLaVA: freeze the ViT")
     a("--disable-vision-class-token", dest="drop_vision_class_token", action=argparse.BooleanOptionalAction,

@@ -23,12 +23,15 @@ import yaml
 import lora
 
 MODELS = ("gpt", "bert", "t5", "retro", "mamba")  # --model NAME imports NAME.py (the model-file contract)
+MODELS += ("llava",)
 # Models context parallelism does not cover, and why (it lives in the self-attention of gpt's layer stack)
 CP_UNSUPPORTED = {
     "t5": "T5's cross-attention reads another sequence (the encoder's) and its relative-position buckets span the "
           "whole sequence; neither is split here",
     "retro": "Retro's chunked cross-attention ties each chunk of the sequence to its retrieved neighbours; a split "
              "sequence would cut chunks apart",
+    "llava": "LLaVA splices the image's embeddings into the whole text sequence before the decoder; that splice is "
+             "not split over cp ranks",
     "mamba": "Mamba's scan is a recurrence along the sequence: splitting it needs the SSM state passed from rank to "
              "rank, which is not implemented",
 }
@@ -206,6 +209,16 @@ def parse_args(argv):
     a("--v-head-dim", type=int, default=128)
     a("--mtp-num-layers", type=int, default=None, help="multi-token prediction depths on the last stage (default: off)")
     a("--mtp-loss-scaling-factor", type=float, default=0.1, help="MTP: the loss enters backward as factor/D per depth")
+    # LLaVA (llava.py): Megatron's --freeze-LM, --freeze-ViT, --disable-vision-class-token (examples/multimodal) and
+    # --img-h, --img-w, --patch-dim; the ViT's size is ours (Megatron fixes it per --vision-model-type). All None =
+    # not given (llava.Config's defaults), so checkpoints of other models compare equal on them (checkpoint.ARCH_FLAGS)
+    a("--freeze-LM", dest="freeze_language_model", action="store_true", default=None, help="LLaVA: freeze the LM")
+    a("--freeze-ViT", dest="freeze_vision_model", action="store_true", default=None, help="LLaVA: freeze the ViT")
+    a("--disable-vision-class-token", dest="drop_vision_class_token", action=argparse.BooleanOptionalAction,
+      default=None, help="LLaVA: drop the ViT's class token before the projector")
+    for name in ("img-h", "img-w", "patch-dim", "vision-num-layers", "vision-hidden-size",
+                 "vision-num-attention-heads", "vision-ffn-hidden-size"):
+        a(f"--{name}", type=int, default=None, help="LLaVA (default: llava.Config's)")
     config = p.parse_known_args(argv)[0].config  # --config: its flags first, so the command line overrides them
     argv = (config_argv(p, config) if config else []) + list(argv)
     model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
@@ -229,6 +242,8 @@ RANGES = {
                      "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "exit_interval", "log_interval",
                      "retro_chunk_length", "retro_num_neighbors", "retro_encoder_num_layers", "mamba_state_dim",
                      "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_chunk_size"], _AT_LEAST_1),
+    **dict.fromkeys(["img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden_size",
+                     "vision_num_attention_heads", "vision_ffn_hidden_size"], _AT_LEAST_1),  # LLaVA
     **dict.fromkeys(["lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "init_method_std", "fp8_margin",
                      "moe_aux_loss_coeff", "moe_z_loss_coeff", "seed", "ckpt_step", "save_interval", "eval_interval",
                      "eval_iters"], _AT_LEAST_0),

@@ -76,7 +76,7 @@ def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True, only=None):
                 continue
             g = gname(name)
             state["model"][g] = view(p.data, p)
-            if optimizer is not None:
+            if optimizer is not None and p in full:  # (a frozen parameter has no optimizer state)
                 ea, eas, step = full[p]
                 state["optimizer"][g] = {"exp_avg": view(ea, p), "exp_avg_sq": view(eas, p), "step": step}
         persistent = model.state_dict(keep_vars=True)  # buffers saved with the weights: MoE's expert bias (replicated)
@@ -296,6 +296,9 @@ ARCH_FLAGS += ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head
 
 ARCH_FLAGS += ["moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",  # MoE routing
                "moe_router_enable_expert_bias"]
+ARCH_FLAGS += ["img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
+               "vision_ffn_hidden_size", "drop_vision_class_token",  # LLaVA; frozen towers keep no optimizer state,
+               "freeze_language_model", "freeze_vision_model"]  # so a resume cannot change what is frozen
 
 # ---------------------------------------------------------------------------------------------- post-training
 # A LoRA run's checkpoints hold its adapters only (lora.is_adapter) and, in meta.json, "lora_base": the path of the

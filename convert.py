@@ -29,9 +29,11 @@ Dimension glossary: gpt.py's (n heads, g query groups, d head dim, h hidden, V v
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
+import types
 from pathlib import Path
 
 import torch
@@ -572,3 +574,55 @@ def save_hf(out_dir, hf_config: dict, state: dict, tokenizer=None):
     if tokenizer is not None:
         tokenizer.save(str(out / "tokenizer.json"))
     return out
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face: LLaVA
+def llava_from_hf(hf, Config, dtype=None) -> tuple:
+    """(llava.Config, full state dict) of a `transformers` LlavaForConditionalGeneration: a CLIP vision tower, the
+    2-layer projector, a Llama (through gpt_from_hf). Hugging Face takes the image features from
+    hidden_states[vision_feature_layer] (index 0 = the embeddings after pre_layrnorm), so our ViT keeps exactly the
+    layers before it (Megatron's conversion does the same) and CLIP's post_layernorm, unused, is left out;
+    vision_feature_select_strategy "default" drops the class token, "full" keeps it."""
+    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
+    vc, layer, strategy = hc.vision_config, hc.vision_feature_layer, hc.vision_feature_select_strategy
+    refuse = [why for bad, why in [
+        (vc.model_type != "clip_vision_model", f"vision model_type {vc.model_type!r} (clip_vision_model is)"),
+        (not isinstance(layer, int), f"vision_feature_layer={layer} (one layer is supported, not a list)"),
+        (strategy not in ("default", "full"), f"vision_feature_select_strategy={strategy!r}"),
+        (hc.projector_hidden_act != "gelu", f"projector_hidden_act={hc.projector_hidden_act!r} (gelu is)"),
+        (not getattr(hc, "multimodal_projector_bias", True), "a projector without biases"),
+        (vc.hidden_act not in ("quick_gelu", "gelu"), f"vision hidden_act={vc.hidden_act!r}"),
+        (vc.num_channels != 3, f"num_channels={vc.num_channels}")] if bad]
+    if refuse:
+        raise ValueError(f"llava.from_hf: unsupported {refuse[0]}")
+    L = vc.num_hidden_layers
+    used = layer if layer >= 0 else L + 1 + layer  # hidden_states has L + 1 entries
+    if not 1 <= used <= L:
+        raise ValueError(f"llava.from_hf: vision_feature_layer={layer} selects {used} of {L} layers (1..{L} are supported)")
+    text = types.SimpleNamespace(config=hc.text_config, parameters=hf.parameters, state_dict=lambda: {
+        k.replace("model.language_model.", "model.", 1): v for k, v in sd.items()})  # the Llama, as gpt_from_hf reads it
+    c, full = gpt_from_hf(text, functools.partial(Config, image_token_index=hc.image_token_id), dtype)
+    c = dataclasses.replace(c, img_h=vc.image_size, img_w=vc.image_size, patch_dim=vc.patch_size,
+                            vision_num_layers=used, vision_hidden_size=vc.hidden_size,
+                            vision_num_attention_heads=vc.num_attention_heads, vision_ffn_hidden_size=vc.intermediate_size,
+                            vision_activation=vc.hidden_act, vision_layernorm_epsilon=vc.layer_norm_eps,
+                            drop_vision_class_token=strategy == "default")
+    v, n = "model.vision_tower.", vc.num_attention_heads
+    full.update({"vision_model.conv1": sd[v + "embeddings.patch_embedding.weight"],
+                 "vision_model.class_token": sd[v + "embeddings.class_embedding"].reshape(1, 1, -1),
+                 "vision_model.position_embeddings.weight": sd[v + "embeddings.position_embedding.weight"],
+                 "vision_model.ln_pre.weight": sd[v + "pre_layrnorm.weight"],
+                 "vision_model.ln_pre.bias": sd[v + "pre_layrnorm.bias"]})
+    names = {"layer_norm1": "input_layernorm", "self_attn.out_proj": "self_attention.linear_proj",
+             "layer_norm2": "pre_mlp_layernorm", "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2"}
+    for i in range(used):
+        h, o = f"{v}encoder.layers.{i}.", f"vision_model.decoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            q, k, w = (rearrange(sd[h + f"self_attn.{t}_proj.{kind}"], "(n d) ... -> n d ...", n=n) for t in "qkv")
+            full[o + f"self_attention.linear_qkv.{kind}"] = rearrange(torch.stack([q, k, w], 1),
+                                                                      "n three d ... -> (n three d) ...")
+            full.update({o + f"{dst}.{kind}": sd[h + f"{src}.{kind}"] for src, dst in names.items()})
+    for i in (1, 2):
+        for kind in ("weight", "bias"):
+            full[f"vision_projection.encoder.linear_fc{i}.{kind}"] = sd[f"model.multi_modal_projector.linear_{i}.{kind}"]
+    return c, full

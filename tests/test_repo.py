@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. train.py reaches the model files only through importlib (--model NAME), at run time.
-LAYERS = ["parallel", "lora", "data", "arguments", "checkpoint", "rope", "convert", "transformer", "deepseek", "gpt",
-          "bert", "t5", "mamba", "llava", "retrieval", "retro", "metrics", "train"]
+LAYERS = ["parallel", "lora", "data", "arguments", "checkpoint", "rope", "convert", "transformer", "config", "deepseek",
+          "gpt", "bert", "t5", "mamba", "llava", "retrieval", "retro", "metrics", "train"]
 
 
 def project_imports(source: str, modules) -> set[str]:

@@ -193,6 +193,9 @@ def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
                 moe[field] = getattr(hc, name)
             elif getattr(hc, name) != plain:
                 bad[name] = getattr(hc, name)
+        if hc.n_group > 1 and hc.num_experts_per_tok // hc.topk_group != 2:  # a group's score: HF sums its top-2
+            bad.update(topk_group=hc.topk_group, num_experts_per_tok=hc.num_experts_per_tok)  # experts, Megatron (ours)
+            # its top k // group_topk (parallel.topk_routing): the same only when that is 2, as in DeepSeek-V3 (8 / 4)
         if hc.norm_topk_prob != (hc.num_experts_per_tok > 1):  # our sigmoid router renormalises iff k > 1
             bad.update(norm_topk_prob=hc.norm_topk_prob, num_experts_per_tok=hc.num_experts_per_tok)
         biased = any(bool(sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].any()) for i in range(k_dense, L))

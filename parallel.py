@@ -713,11 +713,14 @@ def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], grid:
     """Copy full (unsharded) tensors into `module`, each rank keeping its slice — the inverse of `gather_full`.
     Parameters are looked up by their global name (`module.global_name`, as `init_params`), so an expert-parallel
     rank takes its own experts; `strict`: every parameter is in `full`, and every entry of `full` is one of ours or
-    (under EP) one of another rank's experts."""
+    (under EP) one of another rank's experts. Persistent buffers (MoE's expert bias, replicated) load when `full`
+    has them; a converter that has none leaves their initial value."""
     tp, rename = tp_of(grid), getattr(module, "global_name", lambda name: name)
     own = {rename(k): p for k, p in module.named_parameters(remove_duplicate=False)}
+    persistent = module.state_dict(keep_vars=True)
+    buffers = {rename(k): b for k, b in module.named_buffers() if k in persistent}
     missing = [k for k in own if k not in full]
-    unexpected = [k for k in full if k not in own and not _another_ranks_expert(k, own, grid)]
+    unexpected = [k for k in full if k not in own and k not in buffers and not _another_ranks_expert(k, own, grid)]
     if strict and (missing or unexpected):
         raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, p in own.items():
@@ -729,6 +732,11 @@ def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], grid:
         if t.shape != p.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
         p.copy_(t)
+    for name, b in buffers.items():
+        if name in full:
+            if full[name].shape != b.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(full[name].shape)} does not fit buffer {tuple(b.shape)}")
+            b.copy_(full[name])
 
 
 # ============================================================================================================

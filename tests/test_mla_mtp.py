@@ -88,7 +88,9 @@ def test_from_hf_deepseek_rope_layout_can_fail():
                     reason="gpt.Config has no moe_router_num_groups yet (DeepSeek routing: group top-k, expert bias, "
                            "routed scaling factor in parallel.py's Router)")
 def test_from_hf_deepseek_group_routing_logits_match():
-    hf = hf_deepseek(dense=1, layers=3, n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    # k / topk_group = 2: a group's score is the sum of its top-2 experts in HF and in Megatron's rule alike
+    hf = hf_deepseek(dense=1, layers=3, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4,
+                     routed_scaling_factor=2.5)
     with torch.no_grad():
         for layer in hf.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
@@ -98,10 +100,8 @@ def test_from_hf_deepseek_group_routing_logits_match():
 @pytest.mark.parametrize("kw,named", [(dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4,
                                                                  original_max_position_embeddings=16)), "rope_type"),
                                       (dict(attention_bias=True), "attention_bias"),
-                                      (dict(dense=1, n_group=2, topk_group=1), "n_group")])
+                                      (dict(dense=1, n_group=2, topk_group=2), "topk_group")])  # k / topk_group = 1
 def test_from_hf_deepseek_refuses_what_it_cannot_represent(kw, named):
-    if named == "n_group" and hasattr(gpt.Config, "moe_router_num_groups"):
-        pytest.skip("group routing is representable now")
     with pytest.raises(ValueError, match=named):
         gpt.from_hf(hf_deepseek(**kw))
 

@@ -1,7 +1,8 @@
 """DeepSeek-V3's layers (deepseek.py): multi-latent attention (MLA) and multi-token prediction (MTP) in gpt.Model.
 
   1. Hugging Face DeepseekV3ForCausalLM (random weights, offline) loaded with gpt.from_hf gives its logits: MLA with
-     and without q-lora, interleaved and half-split RoPE, dense and MoE layers with a shared expert.
+     and without q-lora, interleaved and half-split RoPE, dense and MoE layers with a shared expert; YaRN past the
+     original context (its two mscales: cos/sin and the softmax scale), with the softmax mscale removed as control.
   2. MTP against a plain oracle: the loss attached by MTPLossAutoScaler gives exactly the gradient of
      main/N + factor/D · Σ_k mtp_k/N computed by hand (rolls written as slices); the reported loss is the main loss.
   3. Every layout (tp, sp, pp, virtual stages, dp, micro-batches) equals the single process in float64: loss,
@@ -52,8 +53,8 @@ def hf_deepseek(q_lora=16, interleave=True, dense=2, layers=2, dtype=torch.float
     return hf
 
 
-def logits_err(hf, ours, seed=1):
-    ids = make_batch(1000, 2, 12, seed=seed)
+def logits_err(hf, ours, seed=1, s=12):
+    ids = make_batch(1000, 2, s, seed=seed)
     with torch.no_grad():
         ref = hf(ids).logits
         return (ours(ids) - ref).abs().max().item() / ref.abs().max().item()
@@ -84,6 +85,28 @@ def test_from_hf_deepseek_rope_layout_can_fail():
     assert logits_err(hf, convert.load(gpt.Model(config), full).eval()) > 1e-2
 
 
+def yarn(mscale=1.0, mscale_all_dim=1.0, **kw):  # DeepSeek-V3's rope_scaling, but a 16-token original context
+    return dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0, mscale=mscale, beta_fast=32,
+                                     mscale_all_dim=mscale_all_dim, beta_slow=1, original_max_position_embeddings=16,
+                                     **kw), max_position_embeddings=640)  # 40 x 16, as HF's yarn expects
+
+
+@pytest.mark.parametrize("kw", [yarn(), dict(yarn(mscale_all_dim=0.5), q_lora=None)], ids=["q-lora-v3", "full-q"])
+def test_from_hf_deepseek_yarn_logits_match_past_the_original_context(kw):
+    """YaRN MLA at 48 tokens, 3x the original 16: DeepSeek-V3's mscale = mscale_all_dim (cos/sin unscaled, softmax
+    × m(40, 1)²), and mscale_all_dim = 0.5 (cos/sin × m(40, 1)/m(40, 0.5) as well). Negative control: the layers'
+    softmax scale without its mscale² (1/sqrt(dn + dr), what HF's MLA would use without yarn_apply_mscale) fails."""
+    hf = hf_deepseek(**kw)
+    ours = gpt.from_hf(hf).eval()
+    c = ours.config
+    assert (c.position_embedding_type, c.yarn_rotary_scaling_factor, c.yarn_original_max_position_embeddings,
+            c.yarn_mscale_all_dim) == ("yarn", 40.0, 16, kw["rope_parameters"]["mscale_all_dim"])
+    assert logits_err(hf, ours, s=48) < 1e-4
+    for layer in ours.decoder.layers:
+        layer.self_attention.scale = 1.0 / (c.qk_head_dim + c.qk_pos_emb_head_dim) ** 0.5
+    assert logits_err(hf, ours, s=48) > 1e-2
+
+
 @pytest.mark.skipif(not hasattr(gpt.Config, "moe_router_num_groups"),
                     reason="gpt.Config has no moe_router_num_groups yet (DeepSeek routing: group top-k, expert bias, "
                            "routed scaling factor in parallel.py's Router)")
@@ -95,8 +118,9 @@ def test_from_hf_deepseek_group_routing_logits_match():
     assert logits_err(hf, gpt.from_hf(hf).eval()) < 1e-4
 
 
-@pytest.mark.parametrize("kw,named", [(dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4,
-                                                                 original_max_position_embeddings=16)), "rope_type"),
+@pytest.mark.parametrize("kw,named", [(dict(rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e4)),
+                                       "rope_type"),
+                                      (yarn(mscale=None), "mscale_all_dim"),
                                       (dict(attention_bias=True), "attention_bias"),
                                       (dict(dense=1, n_group=2, topk_group=1), "n_group")])
 def test_from_hf_deepseek_refuses_what_it_cannot_represent(kw, named):
@@ -224,7 +248,7 @@ def test_negative_controls_are_caught(pool, case, mla, mtp, layout):
 
 
 def test_config_refuses_bad_mla_mtp_values():
-    with pytest.raises(ValueError, match="position_embedding_type='rope'"):
+    with pytest.raises(ValueError, match="position_embedding_type='rope' or 'yarn'"):
         gpt.Config(multi_latent_attention=True)
     with pytest.raises(ValueError, match="qk_pos_emb_head_dim"):
         gpt.Config(**dict(TINY, qk_pos_emb_head_dim=3), multi_latent_attention=True)

@@ -10,11 +10,13 @@
   4. Negative controls: MLA's shared position key without f (copy_to_tp), MTP without the global token count.
   5. train.py under torchrun TP=2 with --multi-latent-attention --mtp-num-layers 1 logs the single process's losses.
   6. Megatron-core 0.15.3's GPTModel with MLASelfAttention and 2 MTP depths (local spec, CPU shims) at TP 1 and 2:
-     logits, per-token loss, every gradient (MTP's included) — and its TP=2 bug without the shim (see megatron_case).
+     logits, per-token loss, every gradient (MTP's included) — and its TP=2 bug without the shim (see megatron_case);
+     and with YaRN (MLATransformerConfig rope_type "yarn") past the original context.
 Tolerances (relative to the reference's max): HF float32 logits 1e-4 (op order; measured 0 for dense layers,
 2.9e-7 with MoE); HF float64 1e-5 (HF computes RoPE's cos/sin in float32, as we and Megatron do, but by other
 float32 ops: measured 1.9e-7); layouts and Megatron float64 1e-10 (reduction order only; measured ~5e-14 and below); the
-MTP oracle 1e-12 (one process, the same ops grouped otherwise); torchrun float32 1e-5.
+MTP oracle 1e-12 (one process, the same ops grouped otherwise); torchrun float32 1e-5; Megatron with YaRN 1e-8 (its
+float32 interpolated angles round differently by one ulp: measured 1.7e-10).
 """
 from __future__ import annotations
 
@@ -250,6 +252,9 @@ def test_negative_controls_are_caught(pool, case, mla, mtp, layout):
 def test_config_refuses_bad_mla_mtp_values():
     with pytest.raises(ValueError, match="position_embedding_type='rope' or 'yarn'"):
         gpt.Config(multi_latent_attention=True)
+    with pytest.raises(ValueError, match="yarn_correction_range_round_to_int=False"):
+        gpt.Config(**dict(TINY, multi_latent_attention=True, position_embedding_type="yarn",
+                          yarn_correction_range_round_to_int=False))
     with pytest.raises(ValueError, match="qk_pos_emb_head_dim"):
         gpt.Config(**dict(TINY, qk_pos_emb_head_dim=3), multi_latent_attention=True)
     with pytest.raises(ValueError, match="mtp_num_layers=0"):
@@ -290,6 +295,10 @@ def megatron_mla_mtp(c: gpt.Config, tp: int):
                 qk_head_dim=c.qk_head_dim, qk_pos_emb_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
                 rope_type="rope", rotary_base=c.rotary_base, qk_layernorm=True, mtp_num_layers=c.mtp_num_layers,
                 mtp_loss_scaling_factor=c.mtp_loss_scaling_factor, calculate_per_token_loss=True)
+    if c.position_embedding_type == "yarn":  # MLATransformerConfig's own YaRN fields
+        ours.update(rope_type="yarn", rotary_scaling_factor=c.yarn_rotary_scaling_factor, beta_fast=c.yarn_beta_fast,
+                    original_max_position_embeddings=c.yarn_original_max_position_embeddings,
+                    beta_slow=c.yarn_beta_slow, mscale=c.yarn_mscale, mscale_all_dim=c.yarn_mscale_all_dim)
     mc = MLATransformerConfig(**{k: v for k, v in fields.items() if k not in ours and k != "kv_channels"}, **ours)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -362,11 +371,22 @@ def megatron_case(rank, n, tp, cfg, b=2, s=12, seed=7, fix_1699=True):
 MEGATRON_MLA = dict(TINY, make_vocab_size_divisible_by=8, multi_latent_attention=True, mtp_num_layers=2)
 
 
-@pytest.mark.parametrize("tp,q_lora", [(1, None), (2, 10)])
-def test_mla_mtp_match_megatron(pool, tp, q_lora):
-    got, ref = pool.run(megatron_case, MP.WORLD, tp=tp, cfg=dict(MEGATRON_MLA, q_lora_rank=q_lora))[0]
+# YaRN at 12 tokens, 3x a 4-token original context; mscale != mscale_all_dim, so cos/sin and the softmax both scale
+MEGATRON_YARN = dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=40.0, yarn_beta_fast=8.0,
+                     yarn_original_max_position_embeddings=4, yarn_mscale=1.0, yarn_mscale_all_dim=0.5)
+
+
+@pytest.mark.parametrize("tp,q_lora,extra", [(1, None, {}), (2, 10, {}), (2, 10, MEGATRON_YARN)],
+                         ids=["tp1", "tp2-q-lora", "tp2-q-lora-yarn"])
+def test_mla_mtp_match_megatron(pool, tp, q_lora, extra):
+    got, ref = pool.run(megatron_case, MP.WORLD, tp=tp, cfg=dict(MEGATRON_MLA, q_lora_rank=q_lora, **extra))[0]
     assert any(k.startswith("mtp.layers.1.") for k in ref["grads"])
-    MP.assert_parity(MP.compare(got, ref), f"MLA + MTP tp={tp} q_lora_rank={q_lora}")
+    errs = MP.compare(got, ref)
+    if extra:  # rope.yarn_inv_freq's θ_i/f and Megatron's 1/(f·base^(2i/d)) can differ by one float32 ulp on the
+        worst = max(errs, key=errs.get)  # interpolated dims (here 2.9e-11 of 2.5e-4): measured 1.7e-10, not 1e-15
+        assert errs[worst] < 1e-8, f"MLA + MTP with YaRN: worst relative error {errs[worst]:.3e} at {worst}"
+    else:
+        MP.assert_parity(errs, f"MLA + MTP tp={tp} q_lora_rank={q_lora}")
 
 
 def test_megatron_tp2_without_the_1699_fix_differs(pool):

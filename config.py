@@ -169,9 +169,12 @@ class Config:
 
     def check_mla_mtp(self):
         if self.multi_latent_attention:
-            if self.position_embedding_type != "rope":
-                raise ValueError(f"multi_latent_attention needs position_embedding_type='rope', not "
+            if self.position_embedding_type not in ("rope", "yarn"):  # Megatron's MLA rope_type: rope | yarn
+                raise ValueError(f"multi_latent_attention needs position_embedding_type='rope' or 'yarn', not "
                                  f"{self.position_embedding_type!r}")
+            if self.position_embedding_type == "yarn" and not self.yarn_correction_range_round_to_int:
+                raise ValueError("yarn_correction_range_round_to_int=False: Megatron's MLA YarnRotaryEmbedding always "
+                                 "rounds the correction range")
             dims = dict(kv_lora_rank=self.kv_lora_rank, qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
                         qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, q_lora_rank=self.q_lora_rank or 1)
             if min(dims.values()) < 1 or self.qk_pos_emb_head_dim % 2:

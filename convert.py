@@ -170,17 +170,25 @@ def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
     RoPE: HF's rope_interleave=True rotates interleaved pairs by de-interleaving first, exactly Megatron's MLA RoPE
     (deepseek.apply_mla_rope): the weights map as they are. rope_interleave=False rotates halves; its RoPE rows are
     re-ordered [x0..x_{d/2-1} | x_{d/2}..] -> (x0, x_{d/2}), (x1, x_{d/2+1}), ... so that our de-interleave restores
-    HF's layout (q and k alike: q·k unchanged). Refused, naming the value: YaRN scaling (rope.py's), attention
+    HF's layout (q and k alike: q·k unchanged). rope_type "yarn" maps as _rope_fields maps it (DeepSeek-V3 ships
+    with it); its softmax mscale (HF's yarn_apply_mscale) is then deepseek.MLASelfAttention's, Megatron's.
+    Refused, naming the value: rope types Megatron's MLA lacks (linear, llama3, ...), a yarn mscale_all_dim without
+    mscale (HF's rope then ignores mscale_all_dim but its softmax does not: no Megatron mscale pair gives both), attention
     biases, num_key_value_heads != num_attention_heads, latent norms whose eps differs from rms_norm_eps (HF's
     q_a/kv_a_layernorm use 1e-6), and routing the router cannot do yet (expert bias, groups, scaling factor)."""
     hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
     fields = {f for f in Config.__dataclass_fields__}
     rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
-    bad = {k: v for k, v in dict(rope_type=rp.get("rope_type", "default"), attention_bias=hc.attention_bias,
+    kind = rp.get("rope_type") or rp.get("type") or "default"
+    bad = {k: v for k, v in dict(attention_bias=hc.attention_bias,
                                  hidden_act=hc.hidden_act, rms_norm_eps=hc.rms_norm_eps,
                                  num_key_value_heads=hc.num_key_value_heads).items()
-           if v != dict(rope_type="default", attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6,
+           if v != dict(attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6,
                         num_key_value_heads=hc.num_attention_heads)[k]}
+    if kind not in ("default", "yarn"):  # Megatron's MLA has rope_type rope | yarn only
+        bad["rope_type"] = kind
+    elif kind == "yarn" and rp.get("mscale_all_dim") and not rp.get("mscale"):
+        bad.update(rope_type=kind, mscale=rp.get("mscale"), mscale_all_dim=rp["mscale_all_dim"])
     L, k_dense = hc.num_hidden_layers, min(hc.first_k_dense_replace, hc.num_hidden_layers)
     moe = {}
     if k_dense < L:
@@ -207,8 +215,8 @@ def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
         raise ValueError(f"gpt.from_hf: DeepseekV3 settings this model cannot represent: {bad}")
     c = Config(num_layers=L, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
                kv_channels=hc.v_head_dim, ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
-               max_position_embeddings=hc.max_position_embeddings, position_embedding_type="rope",
-               rotary_base=_rope_theta(hc), normalization="RMSNorm", layernorm_epsilon=hc.rms_norm_eps,
+               max_position_embeddings=hc.max_position_embeddings, **_rope_fields(hc),
+               normalization="RMSNorm", layernorm_epsilon=hc.rms_norm_eps,
                activation="silu", gated_linear_unit=True, add_bias_linear=False,
                share_embeddings_and_output_weights=bool(hc.tie_word_embeddings), hidden_dropout=0.0,
                attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype, multi_latent_attention=True,

@@ -27,7 +27,7 @@ from einops import rearrange
 from torch import nn
 
 import parallel as P
-from rope import apply_rope
+from rope import apply_rope, yarn_mscale
 from transformer import Norm, TransformerLayer
 
 
@@ -52,15 +52,20 @@ class MLASelfAttention(nn.Module):
         q      = linear_q_up_proj(q_layernorm(linear_q_down_proj(x)))  [n, dn + dr]   (or linear_q_proj(x): no q-lora)
         c, kr  = linear_kv_down_proj(x) split [rkv | dr];   [k_nope; v] = linear_kv_up_proj(kv_layernorm(c))  [n, dn + dv]
         k      = [k_nope; rope(kr)] — kr is ONE position key shared by all heads; q's last dr dims are rotated too
-        out    = linear_proj(softmax(q·k / sqrt(dn + dr)) · v)
+        out    = linear_proj(softmax(q·k · scale) · v),   scale = 1/sqrt(dn + dr)   (× m(f, mscale_all_dim)² under YaRN)
     TP, as Megatron's TE spec: the down projections are replicated (whole on every rank; their outputs are small);
     the up projections are column-parallel (heads split), linear_proj row-parallel. Without SP every rank holds
     the whole c, so the shared kr enters its heads through f (copy_to_tp: its gradient is summed over the ranks'
     heads); under SP the down projections run on the rank's s/tp tokens, the up projections all-gather the
     sequence (as any column-parallel layer), and kr is all-gathered explicitly (backward: reduce-scatter).
     Megatron's local spec instead shards the down projections by output and all-gathers them: same numbers.
-    RoPE seam: `rope` is gpt.Model.rope's (cos, sin) of dr dims; YaRN (rope.py) will also scale cos/sin by its
-    mscale and the softmax scale by mscale² (Megatron's MultiLatentAttention.softmax_scale) — not applied yet."""
+    RoPE seam: `rope` is gpt.Model.rope's (cos, sin) of dr dims. YaRN has two mscales, as Megatron's MLA: cos/sin
+    (so only the dr position dims of q·k) carry the concentration m(f, mscale)/m(f, mscale_all_dim) (rope.yarn_mscale),
+    and the softmax scale, all dn + dr dims, carries m(f, mscale_all_dim)² (MultiLatentAttention.softmax_scale), with
+    m(f, x) = 0.1·x·ln f + 1. HF's DeepseekV3 does the same: its rope's attention_factor is the concentration and
+    yarn_apply_mscale multiplies its `scaling` by m(f, mscale_all_dim)² (convert.deepseek_from_hf refuses the one
+    HF setting where they part: mscale unset with mscale_all_dim set). DeepSeek-V3 (mscale = mscale_all_dim = 1):
+    cos/sin unscaled, softmax × (0.1·ln 40 + 1)² = 1.87."""
 
     def __init__(self, c, grid=None, rng=None):
         super().__init__()
@@ -71,6 +76,8 @@ class MLASelfAttention(nn.Module):
         self.dn, self.dr, self.dv = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim
         q_dim = c.qk_head_dim + c.qk_pos_emb_head_dim
         self.scale = c.softmax_scale if c.softmax_scale is not None else 1.0 / math.sqrt(q_dim)
+        if c.position_embedding_type == "yarn":  # Megatron's softmax_scale: yarn_get_mscale(f, mscale_all_dim)²/√q_dim
+            self.scale *= yarn_mscale(c.yarn_rotary_scaling_factor, c.yarn_mscale_all_dim) ** 2
         kw = dict(grid=grid, bias=False, std=c.init_method_std, sequence_parallel=c.sequence_parallel,
                   dtype=c.params_dtype)
         if c.q_lora_rank is None:

@@ -1,7 +1,8 @@
 """DeepSeek-V3's layers (deepseek.py): multi-latent attention (MLA) and multi-token prediction (MTP) in gpt.Model.
 
   1. Hugging Face DeepseekV3ForCausalLM (random weights, offline) loaded with gpt.from_hf gives its logits: MLA with
-     and without q-lora, interleaved and half-split RoPE, dense and MoE layers with a shared expert.
+     and without q-lora, interleaved and half-split RoPE, dense and MoE layers with a shared expert; YaRN past the
+     original context (its two mscales: cos/sin and the softmax scale), with the softmax mscale removed as control.
   2. MTP against a plain oracle: the loss attached by MTPLossAutoScaler gives exactly the gradient of
      main/N + factor/D · Σ_k mtp_k/N computed by hand (rolls written as slices); the reported loss is the main loss.
   3. Every layout (tp, sp, pp, virtual stages, dp, micro-batches) equals the single process in float64: loss,
@@ -9,11 +10,13 @@
   4. Negative controls: MLA's shared position key without f (copy_to_tp), MTP without the global token count.
   5. train.py under torchrun TP=2 with --multi-latent-attention --mtp-num-layers 1 logs the single process's losses.
   6. Megatron-core 0.15.3's GPTModel with MLASelfAttention and 2 MTP depths (local spec, CPU shims) at TP 1 and 2:
-     logits, per-token loss, every gradient (MTP's included) — and its TP=2 bug without the shim (see megatron_case).
+     logits, per-token loss, every gradient (MTP's included) — and its TP=2 bug without the shim (see megatron_case);
+     and with YaRN (MLATransformerConfig rope_type "yarn") past the original context.
 Tolerances (relative to the reference's max): HF float32 logits 1e-4 (op order; measured 0 for dense layers,
 2.9e-7 with MoE); HF float64 1e-5 (HF computes RoPE's cos/sin in float32, as we and Megatron do, but by other
 float32 ops: measured 1.9e-7); layouts and Megatron float64 1e-10 (reduction order only; measured ~5e-14 and below); the
-MTP oracle 1e-12 (one process, the same ops grouped otherwise); torchrun float32 1e-5.
+MTP oracle 1e-12 (one process, the same ops grouped otherwise); torchrun float32 1e-5; Megatron with YaRN 1e-8 (its
+float32 interpolated angles round differently by one ulp: measured 1.7e-10).
 """
 from __future__ import annotations
 
@@ -52,8 +55,8 @@ def hf_deepseek(q_lora=16, interleave=True, dense=2, layers=2, dtype=torch.float
     return hf
 
 
-def logits_err(hf, ours, seed=1):
-    ids = make_batch(1000, 2, 12, seed=seed)
+def logits_err(hf, ours, seed=1, s=12):
+    ids = make_batch(1000, 2, s, seed=seed)
     with torch.no_grad():
         ref = hf(ids).logits
         return (ours(ids) - ref).abs().max().item() / ref.abs().max().item()
@@ -84,6 +87,28 @@ def test_from_hf_deepseek_rope_layout_can_fail():
     assert logits_err(hf, convert.load(gpt.Model(config), full).eval()) > 1e-2
 
 
+def yarn(mscale=1.0, mscale_all_dim=1.0, **kw):  # DeepSeek-V3's rope_scaling, but a 16-token original context
+    return dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0, mscale=mscale, beta_fast=32,
+                                     mscale_all_dim=mscale_all_dim, beta_slow=1, original_max_position_embeddings=16,
+                                     **kw), max_position_embeddings=640)  # 40 x 16, as HF's yarn expects
+
+
+@pytest.mark.parametrize("kw", [yarn(), dict(yarn(mscale_all_dim=0.5), q_lora=None)], ids=["q-lora-v3", "full-q"])
+def test_from_hf_deepseek_yarn_logits_match_past_the_original_context(kw):
+    """YaRN MLA at 48 tokens, 3x the original 16: DeepSeek-V3's mscale = mscale_all_dim (cos/sin unscaled, softmax
+    × m(40, 1)²), and mscale_all_dim = 0.5 (cos/sin × m(40, 1)/m(40, 0.5) as well). Negative control: the layers'
+    softmax scale without its mscale² (1/sqrt(dn + dr), what HF's MLA would use without yarn_apply_mscale) fails."""
+    hf = hf_deepseek(**kw)
+    ours = gpt.from_hf(hf).eval()
+    c = ours.config
+    assert (c.position_embedding_type, c.yarn_rotary_scaling_factor, c.yarn_original_max_position_embeddings,
+            c.yarn_mscale_all_dim) == ("yarn", 40.0, 16, kw["rope_parameters"]["mscale_all_dim"])
+    assert logits_err(hf, ours, s=48) < 1e-4
+    for layer in ours.decoder.layers:
+        layer.self_attention.scale = 1.0 / (c.qk_head_dim + c.qk_pos_emb_head_dim) ** 0.5
+    assert logits_err(hf, ours, s=48) > 1e-2
+
+
 @pytest.mark.skipif(not hasattr(gpt.Config, "moe_router_num_groups"),
                     reason="gpt.Config has no moe_router_num_groups yet (DeepSeek routing: group top-k, expert bias, "
                            "routed scaling factor in parallel.py's Router)")
@@ -97,8 +122,9 @@ def test_from_hf_deepseek_group_routing_logits_match():
     assert logits_err(hf, gpt.from_hf(hf).eval()) < 1e-4
 
 
-@pytest.mark.parametrize("kw,named", [(dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4,
-                                                                 original_max_position_embeddings=16)), "rope_type"),
+@pytest.mark.parametrize("kw,named", [(dict(rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e4)),
+                                       "rope_type"),
+                                      (yarn(mscale=None), "mscale_all_dim"),
                                       (dict(attention_bias=True), "attention_bias"),
                                       (dict(dense=1, n_group=2, topk_group=2), "topk_group")])  # k / topk_group = 1
 def test_from_hf_deepseek_refuses_what_it_cannot_represent(kw, named):
@@ -224,8 +250,11 @@ def test_negative_controls_are_caught(pool, case, mla, mtp, layout):
 
 
 def test_config_refuses_bad_mla_mtp_values():
-    with pytest.raises(ValueError, match="position_embedding_type='rope'"):
+    with pytest.raises(ValueError, match="position_embedding_type='rope' or 'yarn'"):
         gpt.Config(multi_latent_attention=True)
+    with pytest.raises(ValueError, match="yarn_correction_range_round_to_int=False"):
+        gpt.Config(**dict(TINY, multi_latent_attention=True, position_embedding_type="yarn",
+                          yarn_correction_range_round_to_int=False))
     with pytest.raises(ValueError, match="qk_pos_emb_head_dim"):
         gpt.Config(**dict(TINY, qk_pos_emb_head_dim=3), multi_latent_attention=True)
     with pytest.raises(ValueError, match="mtp_num_layers=0"):
@@ -266,6 +295,10 @@ def megatron_mla_mtp(c: gpt.Config, tp: int):
                 qk_head_dim=c.qk_head_dim, qk_pos_emb_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
                 rope_type="rope", rotary_base=c.rotary_base, qk_layernorm=True, mtp_num_layers=c.mtp_num_layers,
                 mtp_loss_scaling_factor=c.mtp_loss_scaling_factor, calculate_per_token_loss=True)
+    if c.position_embedding_type == "yarn":  # MLATransformerConfig's own YaRN fields
+        ours.update(rope_type="yarn", rotary_scaling_factor=c.yarn_rotary_scaling_factor, beta_fast=c.yarn_beta_fast,
+                    original_max_position_embeddings=c.yarn_original_max_position_embeddings,
+                    beta_slow=c.yarn_beta_slow, mscale=c.yarn_mscale, mscale_all_dim=c.yarn_mscale_all_dim)
     mc = MLATransformerConfig(**{k: v for k, v in fields.items() if k not in ours and k != "kv_channels"}, **ours)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -338,11 +371,22 @@ def megatron_case(rank, n, tp, cfg, b=2, s=12, seed=7, fix_1699=True):
 MEGATRON_MLA = dict(TINY, make_vocab_size_divisible_by=8, multi_latent_attention=True, mtp_num_layers=2)
 
 
-@pytest.mark.parametrize("tp,q_lora", [(1, None), (2, 10)])
-def test_mla_mtp_match_megatron(pool, tp, q_lora):
-    got, ref = pool.run(megatron_case, MP.WORLD, tp=tp, cfg=dict(MEGATRON_MLA, q_lora_rank=q_lora))[0]
+# YaRN at 12 tokens, 3x a 4-token original context; mscale != mscale_all_dim, so cos/sin and the softmax both scale
+MEGATRON_YARN = dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=40.0, yarn_beta_fast=8.0,
+                     yarn_original_max_position_embeddings=4, yarn_mscale=1.0, yarn_mscale_all_dim=0.5)
+
+
+@pytest.mark.parametrize("tp,q_lora,extra", [(1, None, {}), (2, 10, {}), (2, 10, MEGATRON_YARN)],
+                         ids=["tp1", "tp2-q-lora", "tp2-q-lora-yarn"])
+def test_mla_mtp_match_megatron(pool, tp, q_lora, extra):
+    got, ref = pool.run(megatron_case, MP.WORLD, tp=tp, cfg=dict(MEGATRON_MLA, q_lora_rank=q_lora, **extra))[0]
     assert any(k.startswith("mtp.layers.1.") for k in ref["grads"])
-    MP.assert_parity(MP.compare(got, ref), f"MLA + MTP tp={tp} q_lora_rank={q_lora}")
+    errs = MP.compare(got, ref)
+    if extra:  # rope.yarn_inv_freq's θ_i/f and Megatron's 1/(f·base^(2i/d)) can differ by one float32 ulp on the
+        worst = max(errs, key=errs.get)  # interpolated dims (here 2.9e-11 of 2.5e-4): measured 1.7e-10, not 1e-15
+        assert errs[worst] < 1e-8, f"MLA + MTP with YaRN: worst relative error {errs[worst]:.3e} at {worst}"
+    else:
+        MP.assert_parity(errs, f"MLA + MTP tp={tp} q_lora_rank={q_lora}")
 
 
 def test_megatron_tp2_without_the_1699_fix_differs(pool):

@@ -131,21 +131,10 @@ def roll_left(t, dim: int = -1):
     return t
 
 
-class MTPLossAutoScaler(torch.autograd.Function):
-    """Identity on the main hidden states whose backward also feeds d(mtp_loss) = scale: the MTP loss joins
-    backward while the reported LM loss stays the main loss alone (Megatron's MTPLossAutoScaler; the same trick
-    as MoE's aux loss, parallel.py section 10)."""
-
-    @staticmethod
-    def forward(ctx, x, mtp_loss, scale: float):
-        ctx.save_for_backward(mtp_loss)
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (mtp_loss,) = ctx.saved_tensors
-        return dy, torch.full_like(mtp_loss, ctx.scale), None
+# Megatron's MTPLossAutoScaler: identity on the main hidden states whose backward also feeds d(mtp_loss) = scale, so
+# the MTP loss joins backward while the reported LM loss stays the main loss alone — the same autograd trick as MoE's
+# aux loss, so the same function (parallel.py section 10a).
+MTPLossAutoScaler = P.AuxLossScaler
 
 
 class MTPLayer(nn.Module):

@@ -336,8 +336,7 @@ class Stack(nn.Module):
 
     def forward(self, x, rope=None, mask=None, inference_context=None):
         if inference_context is not None and any(layer.symbol == "M" for layer in self.layers):
-            raise ValueError("Mamba layers decode from their recurrent state (Model.step, mamba.generate), "
-                             "not from a KV cache")
+            raise ValueError("Mamba layers decode from their recurrent state (Model.step), not from a KV cache")
         for layer in self.layers:
             x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
         return self.final_norm(x) if self.final_norm is not None else x
@@ -366,8 +365,7 @@ class Model(gpt.Model):
 
     @torch.no_grad()
     def step(self, ids, cache: dict):
-        """Logits [b, V] for the newest tokens ids [b], given `cache` (start with {}), which it updates: "t" the
-        position, "layers" the Mamba layers' states, "kv" the attention layers' KV cache."""
+        """Logits [b, V] of the newest ids [b]; `cache` ({} at first): "t", Mamba "layers" states, attention "kv"."""
         if self.config.sequence_parallel or not (self.pre_process and self.post_process):
             raise ValueError("step() runs a whole model without sequence parallelism")
         t = cache.get("t", 0)

@@ -1254,9 +1254,9 @@ class DistributedOptimizer:
 #             moved after each optimizer step by rate·sign(mean load − load) of the global batch (Router.after_step).
 #  Aux losses follow the one loss rule (DESIGN.md §2): see Router.
 # ============================================================================================================
-class _AuxLossScaler(torch.autograd.Function):
+class AuxLossScaler(torch.autograd.Function):
     """Identity on x whose backward also feeds d(aux) = scale: the aux loss joins backward, the main loss stays
-    clean (Megatron's MoEAuxLossAutoScaler)."""
+    clean (Megatron's MoEAuxLossAutoScaler; deepseek.py attaches the MTP loss with it, as MTPLossAutoScaler)."""
 
     @staticmethod
     def forward(ctx, x, aux, scale: float):
@@ -1340,7 +1340,7 @@ class Router(nn.Module):
         grad = self.training and torch.is_grad_enabled()
         if c.moe_z_loss_coeff and grad:
             z = torch.logsumexp(logits, -1).square().sum() * c.moe_z_loss_coeff / T  # this rank's part of the mean
-            logits = _AuxLossScaler.apply(logits, z, weight)
+            logits = AuxLossScaler.apply(logits, z, weight)
         groups = dict(num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk)
         if c.moe_router_score_function == "softmax":
             scores = torch.softmax(logits, -1)  # [T, E]
@@ -1369,7 +1369,7 @@ class Router(nn.Module):
                           load_balancing_loss=E / (k * T * T) * (stats[2 * E:3 * E] * aux_counts).sum())  # as Megatron
         if c.moe_aux_loss_coeff and grad:
             aux = (scores.sum(0) * aux_counts).sum() * (E * c.moe_aux_loss_coeff / (k * T * T))  # this rank's part
-            probs = _AuxLossScaler.apply(probs, aux, weight)
+            probs = AuxLossScaler.apply(probs, aux, weight)
         return probs, routing_map
 
 

@@ -2,7 +2,8 @@
 model FLOPs behind its `tflops` (and, on CUDA, `mfu`).
 
 Mirrors the logging half of Megatron-LM's `megatron/training/training.py` (training_log, the TensorBoard writer,
-and num_floating_point_operations: the model FLOPs of one iteration, for the GPT, MoE and hybrid Mamba models).
+and num_floating_point_operations: the model FLOPs of one iteration, for the GPT, MoE, multi-latent attention, MTP
+and hybrid Mamba models; BERT's and T5's counts are ours, from their modules).
 A file of its own so train.py stays a loop a reader takes in at once: the loop hands each record here.
 Paper: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters" (§5.1, the FLOPs
 count: every GEMM 2·m·n·k, run 3 times per iteration: forward, backward's dgrad and wgrad; no recomputation).
@@ -23,28 +24,98 @@ import torch.distributed as dist
 # ---------------------------------------------------------------------------------------------- model FLOPs
 #   Dimension glossary: B sequences in the iteration (the global batch), s sequence length, h hidden, L layers,
 #   n heads, g query groups, d head dim (kv_channels), f ffn hidden, V padded vocabulary, E experts, k top-k,
-#   and for Mamba: d_in = H·P the mixer's width, H heads, G groups, N state size.
+#   MLA: rq q_lora_rank, rkv kv_lora_rank, dn qk_head_dim, dr qk_pos_emb_head_dim, dv v_head_dim; D mtp_num_layers;
+#   T5: se / sd encoder / decoder length, Le / Ld their layers; Mamba: d_in = H·P the mixer's width, H heads,
+#   G groups, N state size.
 #   Counted, as Megatron counts them: the GEMMs (weights and core attention, causal: half of QKᵀ and of PV) and the
-#   logit layer. Not counted: norms, softmax, activations, RoPE, dropout, the MoE router's h x E GEMM, the
-#   embedding lookup, the cross-entropy — and no recomputation (model FLOPs, not hardware FLOPs).
-def flops(c, batch: int, seq: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward) on `batch` sequences of `seq` tokens: Megatron's
-    num_floating_point_operations (megatron/training/training.py), dispatching on the config's fields — a
-    `hybrid_layer_pattern` (mamba.Config) takes its hybrid_flops, everything else its transformer_flops (as in
-    Megatron, which calls the one GPT formula for BERT and T5 too: bidirectional attention is counted as causal, and
-    T5's decoder and cross-attention are not counted; see DESIGN.md §6)."""
+#   logit layer; MLA's q/kv latent norms and MTP's three norms (Megatron's formula has a term for each). Not counted:
+#   the other norms, softmax, activations, RoPE, dropout, the MoE router's h x E GEMM, the embedding lookup, the
+#   cross-entropy — and no recomputation (model FLOPs, not hardware FLOPs). Every term below is per token (or per
+#   sequence) of the FORWARD, in multiply-adds; x 2 (a multiply-add is 2 FLOPs) x 3 (forward, dgrad, wgrad) at the end.
+def flops(c, batch: int, seq: int, decoder_seq: int | None = None) -> float:
+    """Model FLOPs of one training iteration (forward + backward) on `batch` sequences of `seq` tokens, dispatching on
+    the config: a `hybrid_layer_pattern` (mamba.Config) takes Megatron's hybrid_flops, a t5.Config _t5_flops
+    (decoder_seq: the decoder's length, default what t5.SpanCorruptionDataset makes of `seq`), a bert.Config
+    _bert_flops, everything else Megatron's transformer_flops (num_floating_point_operations,
+    megatron/training/training.py: GPT, GQA, SwiGLU, MoE top-k + shared expert, multi-latent attention, MTP).
+    Megatron has one formula for every model; the BERT and T5 counts are ours (DESIGN.md §6)."""
+    import bert  # function-level: the model files sit below metrics (tests/test_repo.py LAYERS)
+    import t5
     if getattr(c, "hybrid_layer_pattern", None) is not None:
         return _hybrid_flops(c, batch, seq)
-    h, L, n, g, d = c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups, c.kv_channels
-    ffn_gemms = 3 if c.gated_linear_unit else 2  # SwiGLU: h -> 2f (gate, up) and f -> h; else h -> f, f -> h
-    moe = sum(c.is_moe_layer(i) for i in range(L)) if c.num_experts else 0
-    topk, shared = (c.moe_router_topk, c.moe_shared_expert_intermediate_size or 0) if moe else (0, 0)
-    mlp = h * ffn_gemms * (c.ffn_hidden_size * (L - moe) + (c.moe_ffn_hidden_size * topk + shared) * moe)
-    attn = L * (h * (n * d + 2 * g * d)  # QKV projection (GQA: g key/value heads)
-                + n * d * seq / 2 * 2  # core attention, causal (half the s x s scores): QKᵀ and PV
-                + n * d * h)  # output projection
-    logits = h * c.padded_vocab_size
-    return 3 * 2 * batch * seq * (mlp + attn + logits)  # 3: forward, dgrad, wgrad; 2: a multiply-add is 2 FLOPs
+    if isinstance(c, t5.Config):
+        return _t5_flops(c, batch, seq, decoder_seq)
+    if isinstance(c, bert.Config):
+        return _bert_flops(c, batch, seq)
+    h, L, D = c.hidden_size, c.num_layers, c.mtp_num_layers or 0
+    moe = [c.is_moe_layer(i) for i in range(L)]
+    moe += moe[-1:] * D  # each MTP depth holds one more layer of the last layer's kind (Megatron's last_layer_is_moe)
+    layers = sum(_self_attention(c, seq, causal=True) + _mlp(c, m) for m in moe)
+    mtp = D * (3 * h + 2 * h * h)  # per depth: enorm, hnorm, final_layernorm (Megatron's 3h) and eh_proj 2h -> h
+    logits = h * c.padded_vocab_size * (1 + D)  # the main logit layer and each depth's
+    return 3 * 2 * batch * seq * (layers + mtp + logits)  # 3: forward, dgrad, wgrad; 2: a multiply-add is 2 FLOPs
+
+
+def _self_attention(c, s: int, causal: bool, mla: bool | None = None) -> float:
+    """One self-attention layer, forward multiply-adds per token over s keys (causal: half the s x s square).
+    Multi-latent attention (deepseek.MLASelfAttention) as Megatron's formula: q = linear_q_proj h -> n(dn+dr), or
+    with q-lora linear_q_down_proj h -> rq, q_layernorm (rq: Megatron's "+ 1"), linear_q_up_proj rq -> n(dn+dr);
+    linear_kv_down_proj h -> rkv + dr, kv_layernorm (rkv), linear_kv_up_proj rkv -> n(dn+dv); the core QKᵀ over
+    dn+dr and PV over dv; linear_proj n·dv -> h. Else GQA: linear_qkv h -> (n+2g)d, QKᵀ and PV over d, linear_proj."""
+    h, n = c.hidden_size, c.num_attention_heads
+    keys = s / 2 if causal else s
+    if c.multi_latent_attention if mla is None else mla:
+        rq, rkv, dq, dv = c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
+        q = h * n * dq if rq is None else rq * (h + n * dq + 1)
+        kv = rkv * (h + n * (c.qk_head_dim + dv) + 1) + h * c.qk_pos_emb_head_dim
+        return q + kv + n * dv * h + keys * n * (dq + dv)
+    d, g = c.kv_channels, c.num_query_groups
+    return h * (n + 2 * g) * d + keys * n * d * 2 + n * d * h  # QKV (GQA: g key/value heads), QKᵀ and PV, proj
+
+
+def _mlp(c, moe: bool) -> float:
+    """One MLP (h -> f -> h; SwiGLU: h -> 2f, f -> h) or MoE layer (top-k routed experts + the shared expert),
+    forward multiply-adds per token."""
+    f = c.moe_ffn_hidden_size * c.moe_router_topk + (c.moe_shared_expert_intermediate_size or 0) if moe \
+        else c.ffn_hidden_size
+    return c.hidden_size * f * (3 if c.gated_linear_unit else 2)
+
+
+def _bert_flops(c, B: int, s: int) -> float:
+    """BERT (bert.Model) — our count, not Megatron's (Megatron gives BERT the GPT formula): L layers of bidirectional
+    attention (the full s x s square: the padding mask only hides keys, every score is computed), the masked-LM
+    head's dense h -> h and the logit layer on every token (postprocess computes all s positions), and with the
+    binary head the pooler's dense h -> h and binary_head h -> 2 once per sequence (on [CLS])."""
+    h = c.hidden_size
+    per_token = (sum(_self_attention(c, s, causal=False) + _mlp(c, c.is_moe_layer(i)) for i in range(c.num_layers))
+                 + h * h + h * c.padded_vocab_size)
+    per_sequence = h * h + h * 2 if c.add_binary_head else 0
+    return 3 * 2 * B * (s * per_token + per_sequence)
+
+
+def t5_decoder_length(seq: int) -> int:
+    """The decoder length t5.SpanCorruptionDataset gives rows of seq + 1 raw tokens: the targets' length, rounded up
+    to a multiple of 8."""
+    import t5
+    return -(-t5.corrupted_lengths(seq + 1)[3] // 8) * 8
+
+
+def _t5_flops(c, B: int, se: int, sd: int | None) -> float:
+    """T5 (t5.Model) — our count, not Megatron's (Megatron gives T5 the GPT formula: no decoder, no cross-attention).
+    Encoder: Le layers of bidirectional self-attention (full se x se) + MLP on B·se tokens. Decoder: Ld layers on
+    B·sd tokens of causal self-attention (half the sd x sd square, Megatron's causal rule; the mask makes it causal),
+    cross-attention — linear_q h -> nd and linear_proj nd -> h per decoder token, QKᵀ and PV over all se keys, and
+    linear_kv h -> 2gd on each of the B·se encoder outputs — and MLP; the logit layer on B·sd tokens. MoE layers
+    where moe_layer_freq says, each stack numbering its layers from 0. Relative-position biases are lookups."""
+    sd = t5_decoder_length(se) if sd is None else sd
+    h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels
+    enc = sum(_self_attention(c, se, causal=False, mla=False) + _mlp(c, c.is_moe_layer(i))
+              for i in range(c.encoder_num_layers))
+    cross_q = h * n * d + se * n * d * 2 + n * d * h  # per decoder token: q projection, QKᵀ and PV over se, proj
+    dec = sum(_self_attention(c, sd, causal=True, mla=False) + cross_q + _mlp(c, c.is_moe_layer(i))
+              for i in range(c.decoder_num_layers)) + h * c.padded_vocab_size
+    cross_kv = c.decoder_num_layers * h * 2 * g * d  # per encoder token: every decoder layer's linear_kv
+    return 3 * 2 * B * (se * (enc + cross_kv) + sd * dec)
 
 
 def _hybrid_flops(c, B: int, s: int) -> float:

@@ -1,24 +1,34 @@
-"""metrics.flops (Megatron's num_floating_point_operations, megatron/training/training.py) against two independent
-counts: a hand count walked over the model's own modules (every GEMM weight 2·tokens·numel, the causal core attention,
-the routed experts x top-k, Megatron's scan estimate), and torch.utils.flop_counter.FlopCounterMode on a real forward
-+ backward. Also the `tflops` / `mfu` that train.py logs (metrics.throughput, the peak table).
+"""metrics.flops (Megatron's num_floating_point_operations, megatron/training/training.py; ours for BERT and T5)
+against two independent counts: a hand count walked over the model's own modules (every GEMM weight 2·tokens·numel,
+the core attention — causal half, BERT's and T5's encoder full square, T5's cross-attention sd x se —, the routed
+experts x top-k, Megatron's scan estimate, the norms Megatron's MLA and MTP terms name), and
+torch.utils.flop_counter.FlopCounterMode on a real forward + backward. Models: GPT, GQA + SwiGLU, MoE, MLA with and
+without q-lora, MTP after a dense and after an MoE layer, the hybrid Mamba, BERT with and without its binary head,
+T5 with MoE layers and GQA. Also the `tflops` / `mfu` that train.py logs (metrics.throughput, the peak table).
 
 All counts are integers below 2^53 (float64 holds them exactly), so every comparison is exact (==), no tolerance.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 from test_train import SNIPPET, tiny
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import bert
+import data
+import deepseek
 import gpt
 import mamba
 import metrics
 import parallel as P
+import t5
 import train
 import transformer
 
@@ -36,27 +46,98 @@ MAMBA = dict(hybrid_layer_pattern="M-M*E", hidden_size=32, num_attention_heads=4
              moe_shared_expert_intermediate_size=40, params_dtype=torch.float64)
 
 
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=10, qk_head_dim=6,
+           qk_pos_emb_head_dim=4, v_head_dim=10)  # dn + dr = dv: CPU's fused SDPA kernel runs the core
+MLA_FULL_Q = dict(MLA, q_lora_rank=None, v_head_dim=8)  # dn + dr != dv: SDPA's math path (bmm) runs the core
+MTP = dict(MLA, mtp_num_layers=2)  # the last layer dense: each depth adds a dense layer
+MTP_MOE = dict(MOE, **{k: v for k, v in MTP.items() if k not in LLAMA}, num_query_groups=None)  # ... an MoE layer
+BERT = dict(GPT, num_query_groups=2, ffn_hidden_size=48)
+SE, SD = 16, 8  # T5's encoder and decoder lengths
+T5 = dict(LLAMA, position_embedding_type="relative", max_position_embeddings=SE, num_layers=3, encoder_num_layers=2,
+          decoder_num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+          moe_layer_freq=[0, 1, 1])  # relative positions; MoE layers 1 (and 2) of each stack
+
+
+def linear(model, m, T: int) -> int:
+    """A Column/RowParallelLinear or nn.Linear weight [out, in] on T tokens: 2·T·out·in (a tied output layer: the
+    embedding's [V, h])."""
+    w = m.weight if m.weight is not None else model.embedding.word_embeddings.weight
+    return 2 * T * w.numel()
+
+
+def core(b: int, n: int, sq: int, sk: int, dqk: int, dv: int, causal: bool) -> int:
+    """QKᵀ 2·b·n·sq·sk·dqk and PV 2·b·n·sq·sk·dv; causal: half (Megatron's rule)."""
+    full = 2 * b * n * sq * sk * (dqk + dv)
+    return full // 2 if causal else full
+
+
 def hand_count(model, b: int, s: int) -> int:
-    """Megatron's counting rules applied to the modules the model holds: each Column/RowParallelLinear weight
-    [out, in] costs 2·T·out·in (T = b·s tokens) — attention, MLP, shared expert, Mamba in/out_proj, an untied output
-    layer; a tied output layer the embedding's [V, h]; core attention QKᵀ and PV 2·b·n·s²·d each, halved (causal);
-    each routed expert's fc1 and fc2 per token x top-k; a Mamba mixer's scan 7·T·d_in·N (Megatron's estimate).
-    Not counted (nor by Megatron): the router, norms, convolution, softmax, elementwise. x 3: forward, dgrad, wgrad."""
+    """Megatron's counting rules applied to the modules the model holds: each Column/RowParallelLinear and nn.Linear
+    (MLA's replicated down projections) weight [out, in] costs 2·T·out·in (T = b·s tokens) — attention, MLP, shared
+    expert, Mamba in/out_proj, MTP's eh_proj, an untied output layer, a tied one the embedding's [V, h], the output
+    layer once more per MTP depth; core attention QKᵀ and PV 2·b·n·s²·d each, halved (causal), MLA's over dn + dr
+    and dv; each routed expert's fc1 and fc2 per token x top-k; a Mamba mixer's scan 7·T·d_in·N (Megatron's
+    estimate); the norms Megatron's formula names — MLA's q/kv latent norms, MTP's enorm, hnorm and final_layernorm —
+    2·T·width. Not counted (nor by Megatron): the router, the other norms, convolution, softmax, elementwise.
+    x 3: forward, dgrad, wgrad."""
     c, T, n = model.config, b * s, 0
+    named = [m for a in model.modules() if isinstance(a, deepseek.MLASelfAttention)
+             for m in (getattr(a, "q_layernorm", None), a.kv_layernorm) if m is not None]
+    named += [m for a in model.modules() if isinstance(a, deepseek.MTPLayer)
+              for m in (a.enorm, a.hnorm, a.final_layernorm)]
     for m in model.modules():
-        if isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)):
-            w = m.weight if m.weight is not None else model.embedding.word_embeddings.weight  # tied output layer
-            n += 2 * T * w.numel()
+        if isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear, nn.Linear)):
+            n += linear(model, m, T) * (1 + (c.mtp_num_layers or 0) if m is getattr(model, "output_layer", None) else 1)
         elif isinstance(m, transformer.Attention):
-            n += 2 * (2 * b * m.n * s * s * m.d) // 2
+            n += core(b, m.n, s, s, m.d, m.d, causal=True)
+        elif isinstance(m, deepseek.MLASelfAttention):
+            n += core(b, m.n, s, s, m.dn + m.dr, m.dv, causal=True)
         elif isinstance(m, P.GroupedMLP):
             n += 2 * T * c.moe_router_topk * (m.linear_fc1.weight0.numel() + m.linear_fc2.weight0.numel())
         elif isinstance(m, mamba.MambaMixer):
             n += 7 * T * c.d_inner * c.mamba_state_dim
+        elif any(m is x for x in named):
+            n += 2 * T * m.weight.numel()
     return 3 * n
 
 
-@pytest.mark.parametrize("cfg", [GPT, LLAMA, MOE], ids=["gpt2-like", "llama-gqa-swiglu", "moe-topk-shared"])
+def bert_hand_count(model, b: int, s: int) -> int:
+    """BERT's modules: every linear on the b·s tokens but the pooler's dense and the binary head (b [CLS] tokens);
+    core attention over the full s x s square (bidirectional); MoE as above. x 3."""
+    c, T, n = model.config, b * s, 0
+    per_sequence = [getattr(model, "pooler", None) and model.pooler.dense, getattr(model, "binary_head", None)]
+    for m in model.modules():
+        if isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear, nn.Linear)):
+            n += linear(model, m, b if any(m is x for x in per_sequence) else T)
+        elif isinstance(m, transformer.Attention):
+            n += core(b, m.n, s, s, m.d, m.d, causal=False)
+        elif isinstance(m, P.GroupedMLP):
+            n += 2 * T * c.moe_router_topk * (m.linear_fc1.weight0.numel() + m.linear_fc2.weight0.numel())
+    return 3 * n
+
+
+def t5_hand_count(model, b: int, se: int, sd: int) -> int:
+    """T5's modules: the encoder's linears on b·se tokens, its attention over the full se x se; the decoder's on
+    b·sd tokens but cross-attention's linear_kv (on the b·se encoder outputs), its self-attention causal (half of
+    sd x sd), its cross-attention over sd x se; the output layer (tied: the embedding) on b·sd. x 3."""
+    c, n = model.config, 0
+    for stack, T, s in ((model.encoder, b * se, se), (model.decoder, b * sd, sd)):
+        kv = {id(layer.cross_attention.linear_kv) for layer in stack.layers if hasattr(layer, "cross_attention")}
+        cross = {id(layer.cross_attention) for layer in stack.layers if hasattr(layer, "cross_attention")}
+        for m in stack.modules():
+            if isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)):
+                n += linear(model, m, b * se if id(m) in kv else T)
+            elif isinstance(m, transformer.Attention):
+                n += core(b, m.n, s, se if id(m) in cross else s, m.d, m.d, causal=stack is model.decoder
+                          and id(m) not in cross)
+            elif isinstance(m, P.GroupedMLP):
+                n += 2 * T * c.moe_router_topk * (m.linear_fc1.weight0.numel() + m.linear_fc2.weight0.numel())
+    return 3 * (n + linear(model, model.lm_head.output_layer, b * sd))
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA, MOE, MLA, MLA_FULL_Q, MTP, MTP_MOE],
+                         ids=["gpt2-like", "llama-gqa-swiglu", "moe-topk-shared", "mla-q-lora", "mla-full-q",
+                              "mtp-dense", "mtp-moe"])
 def test_transformer_formula_equals_the_hand_count(cfg):
     model = gpt.Model(gpt.Config(**cfg))
     assert metrics.flops(model.config, B, S) == hand_count(model, B, S)
@@ -67,36 +148,122 @@ def test_hybrid_formula_equals_the_hand_count():
     assert metrics.flops(model.config, B, S) == hand_count(model, B, S)
 
 
+@pytest.mark.parametrize("binary_head", [True, False], ids=["binary-head", "no-binary-head"])
+def test_bert_formula_equals_the_hand_count(binary_head):
+    model = bert.Model(bert.Config(**BERT, add_binary_head=binary_head))
+    assert metrics.flops(model.config, B, S) == bert_hand_count(model, B, S)
+
+
+def test_t5_formula_equals_the_hand_count():
+    model = t5.Model(t5.Config(**T5))
+    assert metrics.flops(model.config, B, SE, SD) == t5_hand_count(model, B, SE, SD)
+    assert metrics.flops(model.config, B, SE) == t5_hand_count(model, B, SE, metrics.t5_decoder_length(SE))
+
+
+def test_t5_decoder_length_is_the_datasets():
+    """flops(t5 config, batch, seq) without decoder_seq (what train.py calls) takes the decoder length that
+    t5.SpanCorruptionDataset makes of rows of seq + 1 tokens."""
+    class Tok:  # the special tokens are all SpanCorruptionDataset reads from a tokenizer
+        def token_to_id(self, t):
+            return data.SPECIAL_TOKENS.index(t)
+
+    for seq in (16, 32, 128):
+        ds = t5.SpanCorruptionDataset([np.arange(4 * seq) % 50 + 150], [0], argparse.Namespace(seq_length=seq), Tok(), 0)
+        assert t5.unpack(torch.from_numpy(ds[0])[None])["text_dec"].shape[1] == metrics.t5_decoder_length(seq)
+
+
 def test_a_wrong_formula_is_caught():
-    """Negative controls: the hand count sees a formula that forgets SwiGLU's third GEMM, the top-k, the scan."""
-    for cfg, wrong in [(LLAMA, dict(gated_linear_unit=False)), (MOE, dict(moe_router_topk=1))]:
+    """Negative controls: the hand count sees a formula that forgets SwiGLU's third GEMM, the top-k, the scan, MLA's
+    q-lora or its v_head_dim, the MTP depths (dense and MoE); BERT counted as GPT (causal, no heads);
+    T5 counted as GPT (no decoder) or with the encoder's length for the decoder's."""
+    for cfg, wrong in [(LLAMA, dict(gated_linear_unit=False)), (MOE, dict(moe_router_topk=1)),
+                       (MLA, dict(q_lora_rank=None)), (MLA, dict(v_head_dim=6)), (MTP, dict(mtp_num_layers=None)),
+                       (MTP_MOE, dict(mtp_num_layers=1))]:
         model = gpt.Model(gpt.Config(**cfg))
-        assert metrics.flops(dataclasses.replace(model.config, **wrong), B, S) != hand_count(model, B, S)
+        assert metrics.flops(dataclasses.replace(model.config, **wrong), B, S) != hand_count(model, B, S), wrong
     model = mamba.Model(mamba.Config(**MAMBA))
     c = model.config
     assert metrics.flops(dataclasses.replace(c, mamba_state_dim=0), B, S) != hand_count(model, B, S)
+    model = bert.Model(bert.Config(**BERT))
+    assert metrics.flops(gpt.Config(**BERT), B, S) != bert_hand_count(model, B, S)
+    assert metrics.flops(model.config, B, S) != hand_count(model, B, S)  # the GPT hand count: causal, heads per token
+    model = t5.Model(t5.Config(**T5))
+    gpt_fields = {k: v for k, v in T5.items() if k in {f.name for f in dataclasses.fields(gpt.Config)}
+                  and k != "position_embedding_type"}
+    assert metrics.flops(gpt.Config(**gpt_fields), B, SE) != t5_hand_count(model, B, SE, SD)
+    assert metrics.flops(model.config, B, SE, SE) != t5_hand_count(model, B, SE, SD)
 
 
-@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt2-like", "llama-gqa-swiglu"])
-def test_flop_counter_mode_agrees(cfg):
-    """torch's FlopCounterMode on a real forward + backward (float64): its matmul FLOPs (mm, addmm, bmm) are the
-    formula's minus core attention exactly. Core attention goes through F.scaled_dot_product_attention, which the
-    counter counts over the full s x s square (12·b·n·s²·d per layer, not Megatron's causal half) where it knows the
-    kernel, and not at all for CPU's fused kernel (torch 2.13): both are accepted, nothing in between. The embedding
-    lookup, norms, softmax and the cross-entropy have no matmul; Megatron does not count them either."""
-    torch.manual_seed(0)
-    model = gpt.Model(gpt.Config(**cfg))
-    c = model.config
-    ids = torch.randint(0, c.vocab_size, (B, S + 1))
+def sdpa_as_matmuls(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention written out (its math path; no dropout): softmax(q·kᵀ·scale + mask)·v, so that
+    FlopCounterMode sees core attention as two bmm over the full sq x sk square, whichever kernel SDPA would pick."""
+    assert dropout_p == 0.0
+    if enable_gqa:  # k, v [b, g, sk, d] -> [b, n, sk, d]
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)  # [b, n, sq, sk]
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores.softmax(-1) @ v
+
+
+def matmul_flops(run, monkeypatch) -> int:
+    """FlopCounterMode over run() (a forward + backward) with SDPA written out: its mm/addmm/bmm FLOPs; it may count
+    nothing else."""
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa_as_matmuls)
     with FlopCounterMode(display=False) as fc:
-        model(ids[:, :-1], ids[:, 1:]).sum().backward()
-    counts = {str(op): v for op, v in fc.get_flop_counts()["Global"].items()}
-    matmul = sum(v for op, v in counts.items() if op.split(".")[-1] in ("mm", "addmm", "bmm"))
-    sdpa = sum(v for op, v in counts.items() if "scaled_dot_product" in op)
-    assert all(op.split(".")[-1] in ("mm", "addmm", "bmm") or "scaled_dot" in op for op in counts), counts
-    core = 3 * c.num_layers * 2 * B * c.num_attention_heads * c.kv_channels * S * S  # Megatron: causal, x 3
-    assert matmul == metrics.flops(c, B, S) - core
-    assert sdpa in (0, 2 * core)
+        run()
+    counts = {str(op): v for op, v in fc.get_flop_counts().get("Global", {}).items()}
+    assert all(op.split(".")[-1] in ("mm", "addmm", "bmm") for op in counts), counts
+    return sum(counts.values())
+
+
+def counter_case(name, monkeypatch):
+    """(FlopCounterMode's matmul FLOPs on a real float64 forward + backward, the formula, its core attention as
+    Megatron counts it (causal: half), the same over the full squares SDPA computes, the formula's norm terms)."""
+    torch.manual_seed(0)
+    if name == "bert":
+        model = bert.Model(bert.Config(**BERT))
+        c = model.config
+        ids = torch.randint(0, c.vocab_size, (B, S))
+        types = torch.randint(0, 2, (B, S))
+        run = lambda: sum(t.sum() for t in model(ids, None, types, lm_labels=ids)).backward()  # noqa: E731
+        core_m = 3 * c.num_layers * core(B, c.num_attention_heads, S, S, c.kv_channels, c.kv_channels, False)
+        return matmul_flops(run, monkeypatch), metrics.flops(c, B, S), core_m, core_m, 0
+    if name == "t5":
+        model = t5.Model(t5.Config(**dict(T5, num_experts=None)))  # dense: the router's GEMM is not a model FLOP
+        c, n, d = model.config, model.config.num_attention_heads, model.config.kv_channels
+        enc, dec = torch.randint(0, c.vocab_size, (B, SE)), torch.randint(0, c.vocab_size, (B, SD + 1))
+        run = lambda: model(enc, dec[:, :-1], lm_labels=dec[:, 1:]).sum().backward()  # noqa: E731
+        core_e, cross = core(B, n, SE, SE, d, d, False), core(B, n, SD, SE, d, d, False)
+        core_m = 3 * (c.encoder_num_layers * core_e + c.decoder_num_layers * (core(B, n, SD, SD, d, d, True) + cross))
+        core_f = 3 * (c.encoder_num_layers * core_e + c.decoder_num_layers * (core(B, n, SD, SD, d, d, False) + cross))
+        return matmul_flops(run, monkeypatch), metrics.flops(c, B, SE, SD), core_m, core_f, 0
+    model = gpt.Model(gpt.Config(**{"gpt2-like": GPT, "llama-gqa-swiglu": LLAMA, "mla-q-lora": MLA,
+                                    "mla-full-q-mtp": dict(MLA_FULL_Q, mtp_num_layers=2)}[name]))
+    c, L = model.config, model.config.num_layers + (model.config.mtp_num_layers or 0)
+    ids = torch.randint(0, c.vocab_size, (B, S + 1))
+    run = lambda: model(ids[:, :-1], ids[:, 1:]).sum().backward()  # noqa: E731
+    dqk, dv = (c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim) if c.multi_latent_attention else (c.kv_channels,) * 2
+    core_m = 3 * L * core(B, c.num_attention_heads, S, S, dqk, dv, True)
+    norms = 3 * 2 * B * S * (L * (c.kv_lora_rank + (c.q_lora_rank or 0)) * c.multi_latent_attention
+                             + (c.mtp_num_layers or 0) * 3 * c.hidden_size)  # MLA's latent norms, MTP's three
+    return matmul_flops(run, monkeypatch), metrics.flops(c, B, S), core_m, 2 * core_m, norms
+
+
+@pytest.mark.parametrize("name", ["gpt2-like", "llama-gqa-swiglu", "mla-q-lora", "mla-full-q-mtp", "bert", "t5"])
+def test_flop_counter_mode_agrees(name, monkeypatch):
+    """torch's FlopCounterMode on a real forward + backward (float64): its matmul FLOPs (mm, addmm, bmm) are the
+    formula's, exactly, once two things the formula counts otherwise are swapped: core attention as run (SDPA written
+    out as matmuls, sdpa_as_matmuls: CPU's fused kernel would be invisible to the counter, the math path visible, and
+    which one runs depends on masks, GQA and head dims) is the full sq x sk square where Megatron counts a causal
+    half; and the norm terms Megatron's formula carries (MLA's latent norms, MTP's three) have no matmul. The
+    embedding lookup, the other norms, softmax and the cross-entropy have no matmul and are not counted. BERT:
+    bidirectional (its full square is the count); T5: encoder, causal decoder, cross-attention over the encoder's
+    length, linear_kv on the encoder's tokens."""
+    matmul, formula, core_counted, core_run, norms = counter_case(name, monkeypatch)
+    assert matmul == formula - core_counted + core_run - norms
 
 
 def test_throughput_and_mfu(monkeypatch):

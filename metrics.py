@@ -38,7 +38,9 @@ def flops(c, batch: int, seq: int, decoder_seq: int | None = None) -> float:
     (decoder_seq: the decoder's length, default what t5.SpanCorruptionDataset makes of `seq`), a bert.Config
     _bert_flops, everything else Megatron's transformer_flops (num_floating_point_operations,
     megatron/training/training.py: GPT, GQA, SwiGLU, MoE top-k + shared expert, multi-latent attention, MTP).
-    Megatron has one formula for every model; the BERT and T5 counts are ours (DESIGN.md §6)."""
+    Megatron has one formula for every model; the BERT and T5 counts are ours (DESIGN.md §6). Retro and LLaVA get
+    the GPT count of their decoder (Retro's encoder and chunked cross-attention, LLaVA's ViT and projector are not
+    counted: a floor)."""
     import bert  # function-level: the model files sit below metrics (tests/test_repo.py LAYERS)
     import t5
     if getattr(c, "hybrid_layer_pattern", None) is not None:
@@ -121,7 +123,9 @@ def _t5_flops(c, B: int, se: int, sd: int | None) -> float:
 def _hybrid_flops(c, B: int, s: int) -> float:
     """Megatron's hybrid_flops: per layer symbol of the pattern (M Mamba, * attention, - MLP, E MoE), forward x 3.
     Megatron writes the Mamba width as d_in = 2·h (expand 2); here it is the config's H·P, the same number unless
-    mamba_num_heads is set to another width (then this counts the mixer that runs)."""
+    mamba_num_heads is set to another width (then this counts the mixer that runs). MTP (mtp_num_layers D): Megatron's
+    hybrid count adds only each depth's logit layer, not the depths' own layers (eh_proj, the transformer layer); so
+    does this (a floor with MTP)."""
     h, t = c.hidden_size, c.layer_types
     d_in, H, G, N = c.d_inner, c.mamba_num_heads, c.mamba_num_groups, c.mamba_state_dim
     mamba = (2 * B * s * h * (2 * d_in + 2 * G * N + H)  # in_proj: h -> [z, x, B, C, dt]
@@ -136,7 +140,7 @@ def _hybrid_flops(c, B: int, s: int) -> float:
         moe = 4 * B * s * h * (c.moe_ffn_hidden_size * c.moe_router_topk
                                + (c.moe_shared_expert_intermediate_size or 0)) * swiglu
     fwd = (t.count("M") * mamba + t.count("*") * attn + t.count("-") * mlp + t.count("E") * moe
-           + 2 * B * s * h * c.padded_vocab_size)  # the logit layer
+           + 2 * B * s * h * c.padded_vocab_size * (1 + (c.mtp_num_layers or 0)))  # the logit layer, one per depth
     return 3 * fwd
 
 

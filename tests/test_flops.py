@@ -71,7 +71,7 @@ def core(b: int, n: int, sq: int, sk: int, dqk: int, dv: int, causal: bool) -> i
     return full // 2 if causal else full
 
 
-def hand_count(model, b: int, s: int) -> int:
+def hand_count(model, b: int, s: int, within=None) -> int:
     """Megatron's counting rules applied to the modules the model holds: each Column/RowParallelLinear and nn.Linear
     (MLA's replicated down projections) weight [out, in] costs 2·T·out·in (T = b·s tokens) — attention, MLP, shared
     expert, Mamba in/out_proj, MTP's eh_proj, an untied output layer, a tied one the embedding's [V, h], the output
@@ -79,13 +79,14 @@ def hand_count(model, b: int, s: int) -> int:
     and dv; each routed expert's fc1 and fc2 per token x top-k; a Mamba mixer's scan 7·T·d_in·N (Megatron's
     estimate); the norms Megatron's formula names — MLA's q/kv latent norms, MTP's enorm, hnorm and final_layernorm —
     2·T·width. Not counted (nor by Megatron): the router, the other norms, convolution, softmax, elementwise.
-    x 3: forward, dgrad, wgrad."""
+    x 3: forward, dgrad, wgrad. `within`: count only that submodule's modules."""
     c, T, n = model.config, b * s, 0
-    named = [m for a in model.modules() if isinstance(a, deepseek.MLASelfAttention)
+    within = within or model
+    named = [m for a in within.modules() if isinstance(a, deepseek.MLASelfAttention)
              for m in (getattr(a, "q_layernorm", None), a.kv_layernorm) if m is not None]
-    named += [m for a in model.modules() if isinstance(a, deepseek.MTPLayer)
+    named += [m for a in within.modules() if isinstance(a, deepseek.MTPLayer)
               for m in (a.enorm, a.hnorm, a.final_layernorm)]
-    for m in model.modules():
+    for m in within.modules():
         if isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear, nn.Linear)):
             n += linear(model, m, T) * (1 + (c.mtp_num_layers or 0) if m is getattr(model, "output_layer", None) else 1)
         elif isinstance(m, transformer.Attention):
@@ -143,9 +144,13 @@ def test_transformer_formula_equals_the_hand_count(cfg):
     assert metrics.flops(model.config, B, S) == hand_count(model, B, S)
 
 
-def test_hybrid_formula_equals_the_hand_count():
-    model = mamba.Model(mamba.Config(**MAMBA))
-    assert metrics.flops(model.config, B, S) == hand_count(model, B, S)
+@pytest.mark.parametrize("mtp", [None, 2], ids=["hybrid", "hybrid-mtp"])
+def test_hybrid_formula_equals_the_hand_count(mtp):
+    """With MTP, Megatron's hybrid count has each depth's logit layer but not the depths' own layers: the hand count
+    of the model minus that of model.mtp (whose modules do not include the shared output layer)."""
+    model = mamba.Model(mamba.Config(**MAMBA, mtp_num_layers=mtp))
+    mtp_layers = hand_count(model, B, S, within=model.mtp) if mtp else 0
+    assert metrics.flops(model.config, B, S) == hand_count(model, B, S) - mtp_layers
 
 
 @pytest.mark.parametrize("binary_head", [True, False], ids=["binary-head", "no-binary-head"])
@@ -174,7 +179,7 @@ def test_t5_decoder_length_is_the_datasets():
 
 def test_a_wrong_formula_is_caught():
     """Negative controls: the hand count sees a formula that forgets SwiGLU's third GEMM, the top-k, the scan, MLA's
-    q-lora or its v_head_dim, the MTP depths (dense and MoE); BERT counted as GPT (causal, no heads);
+    q-lora or its v_head_dim, the MTP depths (dense, MoE, hybrid); BERT counted as GPT (causal, no heads);
     T5 counted as GPT (no decoder) or with the encoder's length for the decoder's."""
     for cfg, wrong in [(LLAMA, dict(gated_linear_unit=False)), (MOE, dict(moe_router_topk=1)),
                        (MLA, dict(q_lora_rank=None)), (MLA, dict(v_head_dim=6)), (MTP, dict(mtp_num_layers=None)),
@@ -184,6 +189,9 @@ def test_a_wrong_formula_is_caught():
     model = mamba.Model(mamba.Config(**MAMBA))
     c = model.config
     assert metrics.flops(dataclasses.replace(c, mamba_state_dim=0), B, S) != hand_count(model, B, S)
+    model = mamba.Model(mamba.Config(**MAMBA, mtp_num_layers=1))
+    hand = hand_count(model, B, S) - hand_count(model, B, S, within=model.mtp)
+    assert metrics.flops(dataclasses.replace(model.config, mtp_num_layers=None), B, S) != hand
     model = bert.Model(bert.Config(**BERT))
     assert metrics.flops(gpt.Config(**BERT), B, S) != bert_hand_count(model, B, S)
     assert metrics.flops(model.config, B, S) != hand_count(model, B, S)  # the GPT hand count: causal, heads per token

@@ -53,6 +53,7 @@ Section 2 (task losses and the reference model): see its header.
 """
 import ast
 import json
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def _check_record(obj, task):
             "rm": ("prompt", "chosen", "rejected")}[task]
     for k in keys:
         if k not in obj:
-            return f"missing key {k!r} (a {task} record has {', '.join(keys)}{', label' if task == 'kto' else ''})"
+            has = {"sft": "messages, or prompt and response", "kto": "prompt, completion, label"}.get(task, ", ".join(keys))
+            return f"missing key {k!r} (a {task} record has {has})"
         if not isinstance(obj[k], str):
             return f"{k!r} must be a string, got {type(obj[k]).__name__}"
         if k != "prompt" and not obj[k]:
@@ -144,17 +146,24 @@ def load_records(path, task):
     return records
 
 
+@contextmanager
+def _plain_text(tok):
+    """Within it, special-token strings in the text are encoded as plain text (as data.tokenize_documents does)."""
+    saved, tok.encode_special_tokens = tok.encode_special_tokens, True
+    try:
+        yield tok
+    finally:
+        tok.encode_special_tokens = saved
+
+
 def _encode(pieces, tok, eod):
     """Pieces -> (ids, mask) lists; a piece of exactly EOD_TEXT is the eod id, other text is plain text."""
     ids, mask = [], []
-    saved, tok.encode_special_tokens = tok.encode_special_tokens, True
-    try:
+    with _plain_text(tok):
         for text, is_assistant in pieces:
             piece = [eod] if text == EOD_TEXT else tok.encode(text, add_special_tokens=False).ids
             ids += piece
             mask += [int(is_assistant)] * len(piece)
-    finally:
-        tok.encode_special_tokens = saved
     return ids, mask
 
 
@@ -183,6 +192,8 @@ def make_sample(record, task, tok, seq_length, eod, where):
         return np.concatenate(pair + [meta])
     if task == "kto":
         meta[0, 0] = int(record["label"])
+        if "kl_completion" not in record:
+            raise DataError(f"{where}: a kto record needs 'kl_completion' (build_task_datasets sets the next one's)")
         main = _rows(render_chat(_messages(record, "completion")), tok, seq_length, eod, where)
         kl = _rows(render_chat(_messages(record, "kl_completion")), tok, seq_length, eod,
                    f"{where} (its prompt with the next record's completion, KTO's kl row)")
@@ -259,7 +270,7 @@ def _functions(files):
             body = "\n".join(t[ind:] for t in lines[rest[0].lineno - 1:node.end_lineno])
             if body.strip() in ("pass", "...", "raise NotImplementedError", "raise NotImplementedError()"):
                 continue
-            out.append((INSTRUCTION + head + "\n", body))
+            out.append((INSTRUCTION + head, body))
     return tuple(dict.fromkeys(out))  # without duplicates, in order
 
 
@@ -274,12 +285,9 @@ def _shuffled(body, rng):
 
 
 def _lengths(tok, texts):
-    """Token counts of plain-text pieces (special-token strings as plain text), in one batch."""
-    saved, tok.encode_special_tokens = tok.encode_special_tokens, True
-    try:
+    """Token counts of plain-text pieces, in one batch."""
+    with _plain_text(tok):
         return [len(e.ids) for e in tok.encode_batch(list(texts), add_special_tokens=False)]
-    finally:
-        tok.encode_special_tokens = saved
 
 
 def example_records(task, tok, seq_length, seed, files=None):

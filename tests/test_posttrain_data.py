@@ -218,3 +218,14 @@ def test_build_packed_sft_from_a_file(tmp_path, tok, eod):
     for p, q in zip(plain, packed):  # the same response tokens, in the split's order
         got = np.concatenate([q.samples[i, 0][q.samples[i, 1] == 1] for i in range(len(q))])
         assert np.array_equal(got, np.concatenate([s[0][s[1] == 1] for s in p.samples]))
+
+
+@pytest.mark.parametrize("task", PT.TASKS)
+def test_build_from_example_records(monkeypatch, tok, task):
+    """Without --data-path: the generated example records (here from FILES instead of the whole stdlib)."""
+    monkeypatch.setattr(data, "default_corpus_files", lambda: list(FILES))
+    args = argparse.Namespace(task=task, data_path=None, seq_length=S, seed=5, valid_fraction=0.05, packing=False)
+    train, valid = PT.build_task_datasets(args, tok)
+    n = len(PT.example_records(task, tok, S, seed=5, files=FILES))
+    assert len(train) + len(valid) == n and train.num_rows == PT.ROWS[task] and len(valid) == round(0.05 * n)
+    assert data.global_batch(train, 0, 8).shape == (8, PT.ROWS[task], S + 1)

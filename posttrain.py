@@ -130,12 +130,14 @@ def load_records(path, task):
     if not Path(path).is_file():
         raise DataError(f"--data-path {str(path)!r} is not a file (--task {task} reads a .jsonl file)")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
             if (bad := _check_record(obj, task)) is not None:

@@ -119,6 +119,18 @@ def test_bad_record_is_refused_with_file_and_line(tmp_path, task, line, msg):
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
+def test_unreadable_data_path_is_refused(tmp_path):
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(data.DataError, match=r"f\.jsonl:2: not UTF-8 text$"):
+        PT.load_records(path, "sft")
+    with pytest.raises(data.DataError, match="is not a file"):
+        PT.load_records(tmp_path, "sft")
+    path.write_text("\n\n")
+    with pytest.raises(data.DataError, match="f.jsonl: no records$"):
+        PT.load_records(path, "sft")
+
+
 def test_records_from_a_file(tmp_path, tok, eod):
     lines = [{"prompt": f"q{i}", "completion": f"answer {i}", "label": i % 2 == 0} for i in range(5)]
     path = tmp_path / "kto.jsonl"

@@ -1,0 +1,352 @@
+"""posttrain.py — post-training tasks on the parallel backend: SFT, DPO, KTO, reward models: their datasets, chat
+template, losses and the reference model.
+
+Mirrors, in Megatron-LM, megatron/training (the finetune flow, --finetune / --pretrained-checkpoint); NeMo-Aligner
+and Megatron-Bridge (DPO and reward-model training on Megatron-core); Hugging Face TRL for the loss definitions
+(trl/trainer/dpo_trainer.py, kto_trainer.py, reward_trainer.py, and sft_trainer.py's completion-only loss and
+packing); ms-swift's Megatron trainers (a frozen reference model's forward pass before the policy's).
+Papers: Rafailov et al. 2023, "Direct Preference Optimization" (DPO); Mitchell 2023, "A note on DPO with noisy
+preferences" (cDPO, label smoothing); Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic
+Optimization"; Ouyang et al. 2022, "Training language models to follow instructions" (InstructGPT's reward model,
+the Bradley-Terry pairwise loss).
+
+Run:    make train ARGS="--task sft"                       # generated example data from the stdlib (below)
+        make train ARGS="--task dpo --data-path prefs.jsonl --pretrained-checkpoint runs/gpt"
+        .venv/bin/python -m pytest -q tests/test_posttrain_data.py tests/test_posttrain.py
+
+Dimension glossary
+  N records (= samples)   R rows per sample (sft 3, dpo/rm/kto 5)   s --seq-length (a row holds s + 1 tokens)
+  gbs global batch size
+
+Section 1 (task data). A JSON-lines file holds one record per line:
+  sft       {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}  or  {"prompt", "response"}
+  dpo, rm   {"prompt", "chosen", "rejected"}
+  kto       {"prompt", "completion", "label": true|false}
+A record becomes text through the chat template (CHAT_TEMPLATE), tokenized piece by piece, so the loss mask falls
+exactly on the assistant's tokens. A 2-turn conversation renders as (<|endoftext|> is the eod token itself):
+
+    <|system|>
+    You are terse.
+    <|user|>
+    Add 2 and 3.
+    <|assistant|>
+    5<|endoftext|><|user|>
+    And 4 and 4?
+    <|assistant|>
+    8<|endoftext|>
+
+The loss covers "5<|endoftext|>" and "8<|endoftext|>" only: each assistant turn ends with eod, which is part of the
+loss, so the model learns to stop (gpt.Model.generate stops at eod). Role markers are plain text (BPE pieces, no new
+vocabulary); special-token strings inside a record's text are encoded as plain text, so only the template's eod is
+ever an eod. A sample is a numpy int64 array [R, s+1] (the SAMPLE FORMAT): token rows right-padded with eod, 0/1
+mask rows (mask[t] = 1 iff token t is a response token: input tok[:-1], labels tok[1:], loss mask mask[1:]) and the
+META row last (meta[0] = the KTO label; meta[1] = the index in the global batch, filled by the recipe). Samples are
+never truncated. KTO's kl row pairs the prompt with the NEXT record's completion in file order ((i + 1) mod N), the
+KTO paper's mismatched pairs for the reference point z0, fixed by the data so it cannot depend on the layout.
+SFT --packing puts several samples back to back (greedy, in order) in one row; every sample ends with eod, so
+data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them.
+Without --data-path, example_records builds records from the stdlib's functions (ast): the prompt is an instruction,
+the signature and the docstring; the response is the true body; a rejected/undesirable answer is another function's
+body or the true body with its lines shuffled.
+
+Section 2 (task losses and the reference model): see its header.
+"""
+import ast
+import json
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+import data
+from data import DataError
+
+# ==== 1. Task data (DATA helper): JSON-lines records, chat template, samples, example data, datasets
+
+TASKS = ("sft", "dpo", "kto", "rm")
+EOD_TEXT = data.SPECIAL_TOKENS[0]  # "<|endoftext|>": a piece of exactly this text becomes the eod id
+CHAT_TEMPLATE = {  # role -> the text before the turn's content; "end": after a system/user content (not assistant)
+    "system": "<|system|>\n", "user": "<|user|>\n", "assistant": "<|assistant|>\n", "end": "\n"}
+ROWS = {"sft": 3, "dpo": 5, "rm": 5, "kto": 5}  # R, the rows of one sample (the SAMPLE FORMAT)
+INSTRUCTION = "Write the body of this Python function.\n\n"  # example_records' prompt starts with it
+
+
+def render_chat(messages):
+    """[{'role', 'content'}, ...] -> [(text, is_assistant), ...]: the pieces that concatenate to the rendered text;
+    each assistant turn is (content, True), (EOD_TEXT, True) after its (header, False)."""
+    pieces = []
+    for m in messages:
+        pieces.append((CHAT_TEMPLATE[m["role"]], False))
+        if m["role"] == "assistant":
+            pieces += [(m["content"], True), (EOD_TEXT, True)]
+        else:
+            pieces.append((m["content"] + CHAT_TEMPLATE["end"], False))
+    return pieces
+
+
+def _messages(record, response_key="response"):
+    """The conversation of a record: its messages, or a user prompt followed by the assistant's response."""
+    if "messages" in record:
+        return record["messages"]
+    return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record[response_key]}]
+
+
+def _check_record(obj, task):
+    """The first thing wrong with a parsed record, as a message (None if it is well formed)."""
+    if not isinstance(obj, dict):
+        return f"a record must be a JSON object, got {type(obj).__name__}"
+    if task == "sft" and "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            return "'messages' must be a non-empty list"
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                return f"messages[{i}] needs a string 'content'"
+            if m.get("role") not in ("system", "user", "assistant"):
+                return f"messages[{i}] has role {m.get('role')!r}, expected system, user or assistant"
+            if m["role"] == "assistant" and not m["content"]:
+                return f"messages[{i}] is an empty assistant turn"
+        return None if msgs[-1]["role"] == "assistant" else "a conversation must end with an assistant turn"
+    keys = {"sft": ("prompt", "response"), "dpo": ("prompt", "chosen", "rejected"), "kto": ("prompt", "completion"),
+            "rm": ("prompt", "chosen", "rejected")}[task]
+    for k in keys:
+        if k not in obj:
+            has = {"sft": "messages, or prompt and response", "kto": "prompt, completion, label"}.get(task, ", ".join(keys))
+            return f"missing key {k!r} (a {task} record has {has})"
+        if not isinstance(obj[k], str):
+            return f"{k!r} must be a string, got {type(obj[k]).__name__}"
+        if k != "prompt" and not obj[k]:
+            return f"empty {k!r}"
+    if task == "kto" and not isinstance(obj.get("label"), bool):
+        return f"'label' must be true or false, got {json.dumps(obj.get('label'))}"
+    return None
+
+
+def load_records(path, task):
+    """A task's JSON-lines file -> records (dicts, each with '_where' = 'FILE:LINE'); blank lines are skipped."""
+    if task not in TASKS:
+        raise DataError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
+    if not Path(path).is_file():
+        raise DataError(f"--data-path {str(path)!r} is not a file (--task {task} reads a .jsonl file)")
+    records = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text") from None
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            if (bad := _check_record(obj, task)) is not None:
+                raise DataError(f"{path}:{lineno}: {bad}")
+            records.append({**obj, "_where": f"{path}:{lineno}"})
+    if not records:
+        raise DataError(f"{path}: no records")
+    return records
+
+
+@contextmanager
+def _plain_text(tok):
+    """Within it, special-token strings in the text are encoded as plain text (as data.tokenize_documents does)."""
+    saved, tok.encode_special_tokens = tok.encode_special_tokens, True
+    try:
+        yield tok
+    finally:
+        tok.encode_special_tokens = saved
+
+
+def _encode(pieces, tok, eod):
+    """Pieces -> (ids, mask) lists; a piece of exactly EOD_TEXT is the eod id, other text is plain text."""
+    ids, mask = [], []
+    with _plain_text(tok):
+        for text, is_assistant in pieces:
+            piece = [eod] if text == EOD_TEXT else tok.encode(text, add_special_tokens=False).ids
+            ids += piece
+            mask += [int(is_assistant)] * len(piece)
+    return ids, mask
+
+
+def _rows(pieces, tok, seq_length, eod, where):
+    """(tokens, mask) rows [2, s+1], right-padded with eod (mask 0); a sample never gets truncated."""
+    ids, mask = _encode(pieces, tok, eod)
+    if len(ids) > seq_length + 1:
+        raise DataError(f"{where}: {len(ids)} tokens, longer than --seq-length + 1 = {seq_length + 1}: samples are "
+                        "never truncated (a cut response would teach the model to stop mid-answer); shorten it or "
+                        "raise --seq-length")
+    out = np.zeros((2, seq_length + 1), np.int64)
+    out[0] = eod
+    out[0, :len(ids)], out[1, :len(ids)] = ids, mask
+    return out
+
+
+def make_sample(record, task, tok, seq_length, eod, where):
+    """One record -> np.int64 [R, s+1] (the SAMPLE FORMAT). KTO needs record['kl_completion'] (build_task_datasets
+    sets it: the next record's completion)."""
+    meta = np.zeros((1, seq_length + 1), np.int64)
+    if task == "sft":
+        return np.concatenate([_rows(render_chat(_messages(record)), tok, seq_length, eod, where), meta])
+    if task in ("dpo", "rm"):
+        pair = [_rows(render_chat(_messages(record, k)), tok, seq_length, eod, f"{where} ({k})")
+                for k in ("chosen", "rejected")]
+        return np.concatenate(pair + [meta])
+    if task == "kto":
+        meta[0, 0] = int(record["label"])
+        if "kl_completion" not in record:
+            raise DataError(f"{where}: a kto record needs 'kl_completion' (build_task_datasets sets the next one's)")
+        main = _rows(render_chat(_messages(record, "completion")), tok, seq_length, eod, where)
+        kl = _rows(render_chat(_messages(record, "kl_completion")), tok, seq_length, eod,
+                   f"{where} (its prompt with the next record's completion, KTO's kl row)")
+        return np.concatenate([main, kl, meta])
+    raise DataError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
+
+
+def pack_sft(samples, seq_length, eod, wheres):
+    """SFT samples [N, 3, s+1] -> packed [M, 3, s+1]: greedy, in order, each sample's tokens (ending with eod) back to
+    back while they fit in s+1; the rest right-padded with eod. A sample with several eods (a multi-turn
+    conversation) is refused: the reset attention mask would cut it at each eod."""
+    packed, cur = [], np.zeros((2, 0), np.int64)
+    for smp, where in zip(samples, wheres):
+        n = int(np.nonzero(smp[1])[0].max()) + 1  # the last response token is the final eod: the sample's length
+        if int((smp[0, :n] == eod).sum()) != 1:
+            raise DataError(f"{where}: --packing needs one assistant turn per conversation (each turn ends with eod, "
+                            "and the packed attention mask resets at every eod)")
+        if cur.shape[1] + n > seq_length + 1:
+            packed.append(cur)
+            cur = np.zeros((2, 0), np.int64)
+        cur = np.concatenate([cur, smp[:2, :n]], axis=1)
+    packed.append(cur)
+    out = np.zeros((len(packed), 3, seq_length + 1), np.int64)
+    out[:, 0] = eod
+    for i, p in enumerate(packed):
+        out[i, :2, :p.shape[1]] = p
+    return out
+
+
+class TaskDataset:
+    """Samples [N, R, s+1] in an order shuffled per epoch like data.GPTDataset (a permutation seeded by seed + epoch);
+    ds[i] is np.int64 [R, s+1], for data.global_batch."""
+
+    def __init__(self, samples, seed):
+        self.samples, self.seed = np.asarray(samples, np.int64), seed
+        if self.samples.ndim != 3 or len(self.samples) < 1:
+            raise DataError(f"TaskDataset needs samples [N >= 1, R, s+1], got shape {self.samples.shape}")
+        self.num_rows = self.samples.shape[1]
+        self._epoch, self._perm = None, None
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        if i < 0:
+            raise IndexError(f"sample index {i} is negative")
+        epoch, j = divmod(int(i), len(self))
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self))
+        return self.samples[self._perm[j]].copy()
+
+
+@lru_cache(maxsize=4)
+def _functions(files):
+    """(prompt, body) of every function with a docstring and a body of 1-30 lines in the files, in file order."""
+    out = []
+    for path in files:
+        try:
+            src = Path(path).read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = src.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # as ast counts lines
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(node) is None:
+                continue
+            doc, rest, ind = node.body[0], node.body[1:], node.col_offset
+            if not rest or not 1 <= node.end_lineno - rest[0].lineno + 1 <= 30:
+                continue
+            seg = lines[node.lineno - 1:node.end_lineno]  # the def line(s) to the end; skip odd indentation
+            if any("\t" in t or (t.strip() and not t.startswith(" " * ind)) for t in seg):
+                continue
+            head = "\n".join(t[ind:] for t in lines[node.lineno - 1:doc.end_lineno])
+            body = "\n".join(t[ind:] for t in lines[rest[0].lineno - 1:node.end_lineno])
+            if body.strip() in ("pass", "...", "raise NotImplementedError", "raise NotImplementedError()"):
+                continue
+            out.append((INSTRUCTION + head, body))
+    return tuple(dict.fromkeys(out))  # without duplicates, in order
+
+
+def _shuffled(body, rng):
+    """The body's lines in another order, or None if every order gives the same text."""
+    lines = body.split("\n")
+    if len(set(lines)) < 2:
+        return None
+    while (new := "\n".join(rng.permutation(lines))) == body:
+        pass
+    return new
+
+
+def _lengths(tok, texts):
+    """Token counts of plain-text pieces, in one batch."""
+    with _plain_text(tok):
+        return [len(e.ids) for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def example_records(task, tok, seq_length, seed, files=None):
+    """Records for `task` from the stdlib's functions (or `files`), in file order, only those whose samples fit
+    s + 1 tokens. Deterministic for (task, seed). dpo/rm: rejected = another function's body or the true body's lines
+    shuffled (a coin flip each); kto: unpaired, the label alternates (balanced) between the true body and a wrong one,
+    and each record's kl row (its prompt, the next record's completion) fits too."""
+    if task not in TASKS:
+        raise DataError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
+    funcs = _functions(tuple(files or data.default_corpus_files()))
+    rng, cands = np.random.default_rng(seed), []
+    for i, (prompt, body) in enumerate(funcs):  # the same draws for every task
+        other = funcs[(i + 1 + int(rng.integers(max(1, len(funcs) - 1)))) % len(funcs)][1]
+        shuffled = _shuffled(body, rng) if rng.random() < 0.5 else None
+        cands.append((prompt, body, shuffled if shuffled is not None else other))
+    # a sample's length adds up over its pieces: the headers and eod (h), the prompt's piece, the answer's piece
+    h = sum(_lengths(tok, [CHAT_TEMPLATE["user"], CHAT_TEMPLATE["assistant"]])) + 1
+    p_len = _lengths(tok, (p + CHAT_TEMPLATE["end"] for p, _, _ in cands))
+    texts = sorted({t for c in cands for t in c[1:]})
+    a_len = dict(zip(texts, _lengths(tok, texts)))
+    fits = lambda i, answer: h + p_len[i] + a_len[answer] <= seq_length + 1  # noqa: E731
+    records = []
+    for i, (prompt, body, wrong) in enumerate(cands):
+        if task == "sft" and fits(i, body):
+            records.append({"prompt": prompt, "response": body})
+        elif task in ("dpo", "rm") and wrong != body and fits(i, body) and fits(i, wrong):
+            records.append({"prompt": prompt, "chosen": body, "rejected": wrong})
+        elif task == "kto":
+            good = len(records) % 2 == 0
+            answer = body if good else wrong
+            prev_kl_fits = not records or fits(records[-1]["i"], answer)  # the previous record's kl row
+            if (good or answer != body) and fits(i, answer) and prev_kl_fits:
+                records.append({"prompt": prompt, "completion": answer, "label": good, "i": i})
+    while task == "kto" and len(records) > 1 and not fits(records[-1]["i"], records[0]["completion"]):
+        records.pop()  # the last record's kl row wraps around to the first completion
+    return [{**{k: v for k, v in r.items() if k != "i"}, "_where": f"example record {j} (--task {task}, seed {seed})"}
+            for j, r in enumerate(records)]
+
+
+def build_task_datasets(args, tok):
+    """(train, valid or None) TaskDatasets for args.task from args.data_path's records or example_records; the
+    records are split by data.split_documents, then (SFT --packing) packed."""
+    task, s, eod = args.task, args.seq_length, data.special_ids(tok)["eod"]
+    records = load_records(args.data_path, task) if args.data_path else example_records(task, tok, s, args.seed)
+    if not records:
+        raise DataError(f"no example records for --task {task} fit --seq-length={s}: raise --seq-length")
+    if task == "kto":  # the kl row's completion: the next record's, in file order
+        records = [{**r, "kl_completion": records[(i + 1) % len(records)]["completion"]} for i, r in enumerate(records)]
+    samples = np.stack([make_sample(r, task, tok, s, eod, r["_where"]) for r in records])  # [N, R, s+1]
+    out = []
+    for ids, seed in zip(data.split_documents(len(records), args.valid_fraction, args.seed), (args.seed, args.seed + 1)):
+        part = samples[ids]
+        if getattr(args, "packing", False) and len(ids):
+            part = pack_sft(part, s, eod, [records[i]["_where"] for i in ids])
+        out.append(TaskDataset(part, seed) if len(part) else None)
+    return out[0], out[1]
+
+
+# ==== 2. Task losses and the reference model (CORE helper): losses, recipes, reference model, metrics
+# (the other helper's section)

@@ -7,6 +7,13 @@ importable module (a test file); it builds its own `parallel.Grid(...)` over the
 initialize_model_parallel does, so one world serves e.g. tp=4 and tp=2 x dp=2 cases alike. Results travel as
 torch.save bytes. If a case fails or hangs on any rank, the pool is torn down and started again (a rank stuck in a collective
 cannot be trusted), and the first rank's traceback is raised in the parent.
+
+`launch(n, argv)` is `torchrun --nproc_per_node n train.py argv` without the process starts (a torchrun launch costs
+3 Python processes that import torch, ~25 CPU-seconds, on a tiny run of a few seconds): n warm ranks (started on
+first use, `train` imported once) run `train.main(argv)` with the environment torchrun gives (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT on a fresh port), so train.py makes and destroys its own process group each run, as under
+torchrun. A failed or hung run tears the ranks down like a failed case. tests/test_failures.py keeps launching the
+real torchrun (what torchrun itself does: every rank stopped, the error said once, its exit code).
 """
 from __future__ import annotations
 
@@ -52,13 +59,42 @@ def _worker(rank, world, port, inq, outq):
             outq.put((rank, "error", traceback.format_exc()))
 
 
+def _train_worker(rank, world, inq, outq):
+    """A warm torchrun rank: for each job, train.main(argv) under torchrun's environment; no process group between."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for nproc > 1
+    sys.path[:0] = [ROOT, HERE]
+    import contextlib
+
+    import torch
+
+    import train
+
+    torch.set_num_threads(1)
+    while True:
+        job = inq.get()
+        if job is None:
+            break
+        argv, port = job
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                code = train.main(argv)
+        except SystemExit as e:
+            code = e.code
+        except BaseException:  # noqa: BLE001 — report everything to the parent
+            code = traceback.format_exc()
+        outq.put((rank, code, out.getvalue()[-3000:]))
+
+
 class CaseFailed(AssertionError):
     pass
 
 
 class Pool:
-    def __init__(self, world: int = 4, timeout: float = 300.0):
-        self.world, self.timeout, self.procs = world, timeout, []
+    def __init__(self, world: int = 4, timeout: float = 300.0, target=_worker):
+        self.world, self.timeout, self.procs, self.target = world, timeout, [], target
         self._start()
 
     def _start(self):
@@ -66,7 +102,8 @@ class Pool:
         port = _free_port()
         self.inqs = [ctx.Queue() for _ in range(self.world)]
         self.outq = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, self.world, port, self.inqs[r], self.outq), daemon=True)
+        port = (port,) if self.target is _worker else ()  # _train_worker's runs each make their own process group
+        self.procs = [ctx.Process(target=self.target, args=(r, self.world, *port, self.inqs[r], self.outq), daemon=True)
                       for r in range(self.world)]
         for p in self.procs:
             p.start()
@@ -130,3 +167,30 @@ class Pools:
     def close(self):
         for p in self.pools.values():
             p.close()
+
+
+_LAUNCHERS: dict[int, Pool] = {}  # world size -> warm train.py ranks, for the whole session (daemons: end with it)
+
+
+def launch(n: int, argv: list[str], timeout: float = 300.0):
+    """train.main(argv) on n warm ranks, as `torchrun --nproc_per_node n train.py argv`; raises CaseFailed (with the
+    ranks' output) unless every rank returns 0."""
+    if n not in _LAUNCHERS:
+        _LAUNCHERS[n] = Pool(n, timeout, target=_train_worker)
+    pool = _LAUNCHERS[n]
+    port = _free_port()
+    for r in range(n):
+        pool.inqs[r].put((list(argv), port))
+    codes, outs = {}, {}
+    try:
+        for _ in range(n):
+            rank, codes[rank], outs[rank] = pool.outq.get(timeout=timeout)
+            if codes[rank] not in (0, None):  # the other ranks may hang in a collective: do not wait for them
+                break
+    except queue.Empty:
+        codes[-1] = f"timeout after {timeout}s; ranks that answered: {sorted(outs)}"
+    bad = {r: c for r, c in codes.items() if c not in (0, None)}
+    if bad:
+        pool.restart()
+        rank = min(bad)
+        raise CaseFailed(f"train.py on {n} warm ranks failed on rank {rank}: {bad[rank]}\n{outs.get(rank, '')}")

@@ -12,8 +12,9 @@ cannot be trusted), and the first rank's traceback is raised in the parent.
 3 Python processes that import torch, ~25 CPU-seconds, on a tiny run of a few seconds): n warm ranks (started on
 first use, `train` imported once) run `train.main(argv)` with the environment torchrun gives (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR/PORT on a fresh port), so train.py makes and destroys its own process group each run, as under
-torchrun. A failed or hung run tears the ranks down like a failed case. tests/test_failures.py keeps launching the
-real torchrun (what torchrun itself does: every rank stopped, the error said once, its exit code).
+torchrun; parallel.py's cache of process groups is emptied before each run, as a fresh process has it. A failed or
+hung run tears the ranks down like a failed case. tests/test_failures.py and test_train.py's TP=2 test keep launching
+the real torchrun (what torchrun itself does: every rank stopped, the error said once, its exit code).
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def _train_worker(rank, world, inq, outq):
 
     import torch
 
+    import parallel
     import train
 
     torch.set_num_threads(1)
@@ -75,6 +77,7 @@ def _train_worker(rank, world, inq, outq):
         if job is None:
             break
         argv, port = job
+        parallel._GROUPS.clear()  # a fresh process's state: the last run's groups died with its process group
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         out = io.StringIO()

@@ -25,6 +25,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -184,14 +185,19 @@ def launch(n: int, argv: list[str], timeout: float = 300.0):
     port = _free_port()
     for r in range(n):
         pool.inqs[r].put((list(argv), port))
-    codes, outs = {}, {}
-    try:
-        for _ in range(n):
-            rank, codes[rank], outs[rank] = pool.outq.get(timeout=timeout)
-            if codes[rank] not in (0, None):  # the other ranks may hang in a collective: do not wait for them
+    codes, outs, deadline = {}, {}, time.monotonic() + timeout
+    while len(outs) < n:
+        try:
+            rank, codes[rank], outs[rank] = pool.outq.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:  # a rank died (e.g. train.py failed to import), or a hang
+                codes[-1] = (f"ranks {dead} died (exit codes {[pool.procs[r].exitcode for r in dead]})" if dead else
+                             f"timeout after {timeout}s; ranks that answered: {sorted(outs)}")
                 break
-    except queue.Empty:
-        codes[-1] = f"timeout after {timeout}s; ranks that answered: {sorted(outs)}"
+            continue
+        if codes[rank] not in (0, None):  # the other ranks may hang in a collective: do not wait for them
+            break
     bad = {r: c for r, c in codes.items() if c not in (0, None)}
     if bad:
         pool.restart()

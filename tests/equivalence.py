@@ -3,10 +3,15 @@
 `train_steps` is run both in a worker rank (on a shard of the model) and in the parent (on the whole model); it
 returns the per-step losses, every parameter's full gradient after the first backward, and every full parameter
 after the last optimizer step, under the parameters' global names. `assert_same` compares two such records.
+`clipped_steps` (a rank's stage(s), train.py's loop: P.forward_backward over micro-batches, finish_grad_sync, clipping)
+and `reference_steps` (one process: torch's AdamW and clip_grad_norm_) are the same loop for the DDP / distributed
+optimizer, LoRA, MoE-routing and context-parallel tests; each keeps its own model, optimizer and records.
 Those comparisons run with dropout 0; `model_dropout_masks_case` and `check_dropout_streams` check the dropout masks
 themselves against Megatron's RNG rule (below), in any TP x PP layout.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -46,6 +51,52 @@ def train_steps(model, grid, batch, steps: int = 2, lr: float = 1e-3, loss_fn=No
             grads = named_full(model, grid, grads=True)
         opt.step()
     return dict(losses=torch.stack(losses), grads=grads, params=named_full(model, grid))
+
+
+def forward_step(model, mb):
+    """A micro-batch's summed token loss [] on the last stage; its output hidden states on any other."""
+    out = model(mb[:, :-1], labels=mb[:, 1:])
+    return out.sum() if model.post_process else out
+
+
+def clipped_steps(chunks, grid, opt, micro, num_tokens, shape, dtype, clip, steps, first_step, count=False):
+    """train.py's loop on this rank, `steps` times: zero_grad, forward_backward over `micro` (the loss divided by the
+    global `num_tokens`), finish_grad_sync, clip_grad_norm(clip), step. `first_step(log)` runs after the first
+    gradient sync (log: this rank's collectives in that forward-backward when `count`, else None) and returns a dict
+    of records (its gradients, ...). Returns those plus losses [steps] (every rank: the last stage's, summed over
+    dp x cp) and the clipping norms [steps]."""
+    losses, norms, first = [], [], {}
+    for step in range(steps):
+        opt.zero_grad(len(micro))
+        with P.count_collectives() if count else contextlib.nullcontext() as log:
+            loss = P.forward_backward(chunks, micro, forward_step, num_tokens, grid, shape, dtype)
+        opt.finish_grad_sync()
+        if step == 0:
+            first = first_step(log)
+        norms.append(opt.clip_grad_norm(clip))
+        opt.step()
+        losses.append(P._all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp_cp)
+                      if grid.pp.rank == grid.pp_size - 1 else torch.zeros(1, dtype=torch.float64))
+    return dict(first, losses=P._all_reduce(torch.cat(losses), grid.pp), norms=torch.stack(norms))
+
+
+def reference_steps(model, opt, micro, num_tokens, clip, steps, after_step=None):
+    """The single process: `steps` of zero_grad, forward_backward_no_pipelining, torch's clip_grad_norm_ over the
+    trainable parameters, opt.step (then `after_step(model)`). Returns losses, the first step's gradients, the norms
+    and the final parameters (trainable ones, by name)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, norms, grads = [], [], None
+    for step in range(steps):
+        opt.zero_grad()
+        losses.append(P.forward_backward_no_pipelining(model, micro, forward_step, num_tokens).reshape(1))
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+        norms.append(torch.nn.utils.clip_grad_norm_(params, clip, foreach=False))
+        opt.step()
+        if after_step is not None:
+            after_step(model)
+    return dict(losses=torch.cat(losses), grads=grads, norms=torch.stack(norms),
+                params={k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad})
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

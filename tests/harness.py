@@ -7,6 +7,14 @@ importable module (a test file); it builds its own `parallel.Grid(...)` over the
 initialize_model_parallel does, so one world serves e.g. tp=4 and tp=2 x dp=2 cases alike. Results travel as
 torch.save bytes. If a case fails or hangs on any rank, the pool is torn down and started again (a rank stuck in a collective
 cannot be trusted), and the first rank's traceback is raised in the parent.
+
+`launch(n, argv)` is `torchrun --nproc_per_node n train.py argv` without the process starts (a torchrun launch costs
+3 Python processes that import torch: ~10 CPU-seconds for a 3-iteration TP=2 run that takes <1 s warm): n warm ranks (started on
+first use, `train` imported once) run `train.main(argv)` with the environment torchrun gives (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT on a fresh port), so train.py makes and destroys its own process group each run, as under
+torchrun; parallel.py's cache of process groups is emptied before each run, as a fresh process has it. A failed or
+hung run tears the ranks down like a failed case. tests/test_failures.py and test_train.py's TP=2 test keep launching
+the real torchrun (what torchrun itself does: every rank stopped, the error said once, its exit code).
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -52,13 +61,44 @@ def _worker(rank, world, port, inq, outq):
             outq.put((rank, "error", traceback.format_exc()))
 
 
+def _train_worker(rank, world, inq, outq):
+    """A warm torchrun rank: for each job, train.main(argv) under torchrun's environment; no process group between."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for nproc > 1
+    sys.path[:0] = [ROOT, HERE]
+    import contextlib
+
+    import torch
+
+    import parallel
+    import train
+
+    torch.set_num_threads(1)
+    while True:
+        job = inq.get()
+        if job is None:
+            break
+        argv, port = job
+        parallel._GROUPS.clear()  # a fresh process's state: the last run's groups died with its process group
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                code = train.main(argv)
+        except SystemExit as e:
+            code = e.code
+        except BaseException:  # noqa: BLE001 — report everything to the parent
+            code = traceback.format_exc()
+        outq.put((rank, code, out.getvalue()[-3000:]))
+
+
 class CaseFailed(AssertionError):
     pass
 
 
 class Pool:
-    def __init__(self, world: int = 4, timeout: float = 300.0):
-        self.world, self.timeout, self.procs = world, timeout, []
+    def __init__(self, world: int = 4, timeout: float = 300.0, target=_worker):
+        self.world, self.timeout, self.procs, self.target = world, timeout, [], target
         self._start()
 
     def _start(self):
@@ -66,7 +106,8 @@ class Pool:
         port = _free_port()
         self.inqs = [ctx.Queue() for _ in range(self.world)]
         self.outq = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, self.world, port, self.inqs[r], self.outq), daemon=True)
+        port = (port,) if self.target is _worker else ()  # _train_worker's runs each make their own process group
+        self.procs = [ctx.Process(target=self.target, args=(r, self.world, *port, self.inqs[r], self.outq), daemon=True)
                       for r in range(self.world)]
         for p in self.procs:
             p.start()
@@ -130,3 +171,35 @@ class Pools:
     def close(self):
         for p in self.pools.values():
             p.close()
+
+
+_LAUNCHERS: dict[int, Pool] = {}  # world size -> warm train.py ranks, for the whole session (daemons: end with it)
+
+
+def launch(n: int, argv: list[str], timeout: float = 300.0):
+    """train.main(argv) on n warm ranks, as `torchrun --nproc_per_node n train.py argv`; raises CaseFailed (with the
+    ranks' output) unless every rank returns 0."""
+    if n not in _LAUNCHERS:
+        _LAUNCHERS[n] = Pool(n, timeout, target=_train_worker)
+    pool = _LAUNCHERS[n]
+    port = _free_port()
+    for r in range(n):
+        pool.inqs[r].put((list(argv), port))
+    codes, outs, deadline = {}, {}, time.monotonic() + timeout
+    while len(outs) < n:
+        try:
+            rank, codes[rank], outs[rank] = pool.outq.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:  # a rank died (e.g. train.py failed to import), or a hang
+                codes[-1] = (f"ranks {dead} died (exit codes {[pool.procs[r].exitcode for r in dead]})" if dead else
+                             f"timeout after {timeout}s; ranks that answered: {sorted(outs)}")
+                break
+            continue
+        if codes[rank] not in (0, None):  # the other ranks may hang in a collective: do not wait for them
+            break
+    bad = {r: c for r, c in codes.items() if c not in (0, None)}
+    if bad:
+        pool.restart()
+        rank = min(bad)
+        raise CaseFailed(f"train.py on {n} warm ranks failed on rank {rank}: {bad[rank]}\n{outs.get(rank, '')}")

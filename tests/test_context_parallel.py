@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from test_data_parallel import CFG, CLIP, LLAMA, OPT, forward_step, full_grads, merge, reference
+from test_data_parallel import CFG, CLIP, LLAMA, OPT, full_grads, merge, reference
 from test_train import assert_close, cache, corpus, metrics, tiny, torchrun  # noqa: F401 (fixtures)
 
 import arguments
 import gpt
 import parallel as P
 import train
-from equivalence import assert_same, make_batch, rel_err
+from equivalence import assert_same, clipped_steps, make_batch, rel_err
 
 
 # --------------------------------------------------------------------------------------- 1. attention variants
@@ -186,26 +186,17 @@ def cp_case(rank, n, cfg, tp, pp, cp, sp, distopt, comm, M=2, b=8, s=8, steps=2,
     micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))  # the cp ranks of a DP rank: the same rows
     shape = (s // cp // (tp if c.sequence_parallel else 1), micro[0].shape[0], c.hidden_size)
     num_tokens = batch[:, 1:].numel() // (cp if local_mean else 1)
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad(len(micro))
-        with P.count_collectives() as log:
-            loss = P.forward_backward(chunks, micro, forward_step, num_tokens, grid, shape, c.params_dtype)
-        opt.finish_grad_sync()
-        if step == 0 and ddp is None:
-            grads = {m.global_name(k): P.gather_full(p.grad, p, grid).clone() for m in chunks for k, p in m.named_parameters()
-                     if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights}
-            cp_log = [(kind, nbytes) for kind, group, nbytes in log if group == "cp"]
-        elif step == 0:
-            grads, cp_log = full_grads(chunks, ddp, grid), [(kind, nbytes) for kind, group, nbytes in log if group == "cp"]
-        norms.append(opt.clip_grad_norm(CLIP))
-        opt.step()
-        losses.append(P._all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp_cp)
-                      if grid.pp.rank == pp - 1 else torch.zeros(1, dtype=torch.float64))
-    losses = P._all_reduce(torch.cat(losses), grid.pp)
+
+    def first_step(log):
+        grads = full_grads(chunks, ddp, grid) if ddp is not None else {
+            m.global_name(k): P.gather_full(p.grad, p, grid).clone() for m in chunks for k, p in m.named_parameters()
+            if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights}
+        return dict(grads=grads, cp_log=[(kind, nbytes) for kind, group, nbytes in log if group == "cp"])
+
+    out = clipped_steps(chunks, grid, opt, micro, num_tokens, shape, c.params_dtype, CLIP, steps, first_step, count=True)
     params = {m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()
               if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights}
-    return dict(losses=losses, grads=grads, params=params, norms=torch.stack(norms), cp_log=cp_log)
+    return dict(out, params=params)
 
 
 CP_KINDS = {"p2p": {"send", "recv"}, "all_gather": {"all_gather", "reduce_scatter"}, "a2a": {"all_to_all"}}

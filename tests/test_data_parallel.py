@@ -12,7 +12,7 @@ import torch
 
 import gpt
 import parallel as P
-from equivalence import assert_same, make_batch, rel_err
+from equivalence import assert_same, clipped_steps, forward_step, make_batch, reference_steps, rel_err
 
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=211,
            max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
@@ -20,11 +20,6 @@ LLAMA = dict(CFG, position_embedding_type="rope", normalization="RMSNorm", activ
              add_bias_linear=False, share_embeddings_and_output_weights=False)
 OPT = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 0.05  # small enough that clipping is active, so the norm's correctness matters
-
-
-def forward_step(model, mb):
-    out = model(mb[:, :-1], labels=mb[:, 1:])
-    return out.sum() if model.post_process else out
 
 
 def dp_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, overlap, b=8, s=8, steps=3):
@@ -40,25 +35,19 @@ def dp_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, overlap, b=8, s=8, steps=3
     batch = make_batch(cfg["vocab_size"], b, s, 11)
     micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
     shape = (s // tp if c.sequence_parallel and tp > 1 else s, micro[0].shape[0], c.hidden_size)
-    losses, norms, grads, launches = [], [], None, None
-    for step in range(steps):
-        opt.zero_grad(len(micro))
-        loss = P.forward_backward(chunks, micro, forward_step, batch[:, 1:].numel(), grid, shape, c.params_dtype)
-        opt.finish_grad_sync()
-        if step == 0 and ddp is None:
-            grads = {m.global_name(k): P.gather_full(p.grad, p, grid).clone() for m in chunks for k, p in m.named_parameters()
-                     if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights}
-        elif step == 0:
-            grads, launches = full_grads(chunks, ddp, grid), (list(ddp.launch_log), ddp.hooks_fired)
-        norms.append(opt.clip_grad_norm(CLIP))
-        opt.step()
-        losses.append(P._all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp_cp)
-                      if grid.pp.rank == pp - 1 else torch.zeros(1, dtype=torch.float64))
-    losses = P._all_reduce(torch.cat(losses), grid.pp)  # only the last stage had them
+
+    def first_step(_):
+        if ddp is None:
+            return dict(grads={m.global_name(k): P.gather_full(p.grad, p, grid).clone() for m in chunks
+                               for k, p in m.named_parameters()
+                               if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights},
+                        launches=None)
+        return dict(grads=full_grads(chunks, ddp, grid), launches=(list(ddp.launch_log), ddp.hooks_fired))
+
+    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), shape, c.params_dtype, CLIP, steps, first_step)
     params = {m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()
               if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights}
-    return dict(losses=losses, grads=grads, params=params, norms=torch.stack(norms), launches=launches,
-                buckets=len(ddp.buckets) if ddp else 0)
+    return dict(out, params=params, buckets=len(ddp.buckets) if ddp else 0)
 
 
 def full_grads(chunks, ddp, grid):
@@ -98,17 +87,7 @@ def reference(cfg, M, b=8, s=8, steps=3):
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
                              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}], foreach=False, **OPT)
     batch = make_batch(cfg["vocab_size"], b, s, 11)
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad()
-        loss = P.forward_backward_no_pipelining(model, list(batch.chunk(M)), forward_step, batch[:, 1:].numel())
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=False))
-        opt.step()
-        losses.append(loss.reshape(1))
-    return dict(losses=torch.cat(losses), grads=grads, norms=torch.stack(norms),
-                params={k: p.detach().clone() for k, p in model.named_parameters()})
+    return reference_steps(model, opt, list(batch.chunk(M)), batch[:, 1:].numel(), CLIP, steps)
 
 
 @pytest.mark.parametrize("n,cfg,tp,pp,vp,M,sp,distopt", [

@@ -28,7 +28,7 @@ import lora
 import parallel as P
 import train
 import transformer
-from equivalence import assert_same, make_batch, rel_err
+from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err
 
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=211,
            max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
@@ -47,11 +47,6 @@ def adapt(model, b_std=0.05):
             m.B.init = ("normal", b_std)
     lora.init_adapters(model)
     return model
-
-
-def forward_step(model, mb):
-    out = model(mb[:, :-1], labels=mb[:, 1:])
-    return out.sum() if model.post_process else out
 
 
 # --------------------------------------------------------------------------------------- 1. the layer and its oracle
@@ -145,20 +140,10 @@ def lora_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, b=8, s=8, steps=2, drop_
     batch = make_batch(cfg["vocab_size"], b, s, 11)
     micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
     shape = (s // tp if sp else s, micro[0].shape[0], c.hidden_size)
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad(len(micro))
-        loss = P.forward_backward(chunks, micro, forward_step, batch[:, 1:].numel(), grid, shape, c.params_dtype)
-        opt.finish_grad_sync()
-        if step == 0:
-            grads = adapter_grads(chunks, ddp, grid)
-        norms.append(opt.clip_grad_norm(CLIP))
-        opt.step()
-        losses.append(P._all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp_cp)
-                      if grid.pp.rank == pp - 1 else torch.zeros(1, dtype=torch.float64))
+    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), shape, c.params_dtype, CLIP, steps,
+                        lambda _: dict(grads=adapter_grads(chunks, ddp, grid)))
     now = [p for ch in chunks for p in ch.parameters() if not lora.is_adapter(p)]
-    return dict(losses=P._all_reduce(torch.cat(losses), grid.pp), norms=torch.stack(norms), grads=grads,
-                params={m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()
+    return dict(out, params={m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()
                         if lora.is_adapter(p)},
                 base_unchanged=len(now) == len(base) and all(torch.equal(a, b) for a, b in zip(now, base)),
                 base_frozen=not any(p.requires_grad or p.grad is not None for p in now),
@@ -186,17 +171,7 @@ def reference(cfg, M, b=8, s=8, steps=2):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, foreach=False, **OPT)  # every adapter is a matrix: all decay
     batch = make_batch(cfg["vocab_size"], b, s, 11)
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad()
-        loss = P.forward_backward_no_pipelining(model, list(batch.chunk(M)), forward_step, batch[:, 1:].numel())
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
-        norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=False))
-        opt.step()
-        losses.append(loss.reshape(1))
-    return dict(losses=torch.cat(losses), grads=grads, norms=torch.stack(norms),
-                params={k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad})
+    return reference_steps(model, opt, list(batch.chunk(M)), batch[:, 1:].numel(), CLIP, steps)
 
 
 def merge_results(results):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import arguments
 import gpt
 import parallel as P
-from equivalence import assert_same, make_batch, rel_err
+from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err
 
 
 # --------------------------------------------------------------------------------------- 1. the router vs a loop
@@ -205,11 +205,6 @@ OPT = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 0.05  # small enough that clipping is active: the norm (experts counted once) matters
 
 
-def forward_step(model, mb):
-    out = model(mb[:, :-1], labels=mb[:, 1:])
-    return out.sum() if model.post_process else out
-
-
 def full_grads(chunks, ddp, grid):
     """{global name: whole grad}: DDP's buffer, each bucket's slices all-gathered over the bucket's own group
     (distributed optimizer: DP x CP, or expert_dp for expert buckets), then the TP shards."""
@@ -242,22 +237,16 @@ def routing_case(rank, n, cfg, tp, pp, ep, etp, sp, M, mode, b=8, s=8, steps=3, 
     batch = make_batch(cfg["vocab_size"], b, s, 7)
     micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
     shape = (s // tp if sp and tp > 1 else s, micro[0].shape[0], c.hidden_size)
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad(len(micro))
-        loss = P.forward_backward(chunks, micro, forward_step, batch[:, 1:].numel(), grid, shape, c.params_dtype)
-        opt.finish_grad_sync()
-        if step == 0:
-            grads = full_grads(chunks, ddp, grid) if ddp else {
-                m.global_name(k): P.gather_full(p.grad, p, grid).clone() for m in chunks for k, p in m.named_parameters()
-                if not k == "output_layer.weight"}
-        norms.append(opt.clip_grad_norm(CLIP))
-        opt.step()
-        losses.append(P._all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp_cp))
+
+    def first_step(_):
+        return dict(grads=full_grads(chunks, ddp, grid) if ddp else {
+            m.global_name(k): P.gather_full(p.grad, p, grid).clone() for m in chunks for k, p in m.named_parameters()
+            if not k == "output_layer.weight"})
+
+    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), shape, c.params_dtype, CLIP, steps, first_step)
     params = {m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()
               if not k == "output_layer.weight"}
-    return dict(losses=P._all_reduce(torch.cat(losses) * (grid.pp.rank == pp - 1), grid.pp), grads=grads,
-                params=params, norms=torch.stack(norms), bias={k + ".expert_bias": r.expert_bias for k, r in routers})
+    return dict(out, params=params, bias={k + ".expert_bias": r.expert_bias for k, r in routers})
 
 
 def reference(cfg, M, b=8, s=8, steps=3):
@@ -267,19 +256,8 @@ def reference(cfg, M, b=8, s=8, steps=3):
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
                              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}], foreach=False, **OPT)
     batch = make_batch(cfg["vocab_size"], b, s, 7)
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad()
-        losses.append(P.forward_backward_no_pipelining(model, list(batch.chunk(M)), forward_step,
-                                                       batch[:, 1:].numel()).reshape(1))
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=False))
-        opt.step()
-        P.after_step(model)
-    return dict(losses=torch.cat(losses), grads=grads, norms=torch.stack(norms),
-                params={k: p.detach().clone() for k, p in model.named_parameters()},
-                bias={k: v.clone() for k, v in model.named_buffers()})
+    ref = reference_steps(model, opt, list(batch.chunk(M)), batch[:, 1:].numel(), CLIP, steps, after_step=P.after_step)
+    return dict(ref, bias={k: v.clone() for k, v in model.named_buffers()})
 
 
 def compare(pool, n, cfg, tp=1, pp=1, ep=1, etp=None, sp=False, M=1, mode="plain", **kw):

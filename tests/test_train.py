@@ -19,6 +19,7 @@ import torch
 import arguments
 import checkpoint
 import data
+import harness
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +65,11 @@ def assert_close(a, b, rtol, what):
     assert abs(a - b) <= rtol * abs(b), f"{what}: {a} vs {b} (relative {abs(a - b) / abs(b):.2e} > {rtol})"
 
 
-def torchrun(nproc, argv):
+def torchrun(nproc, argv, real=False):
+    """train.py under torchrun: on warm ranks (harness.launch: torchrun's environment, no process starts) unless
+    `real`, which launches torch.distributed.run itself (the TP=2 test below keeps that path under test)."""
+    if not real:
+        return harness.launch(nproc, argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -86,7 +91,7 @@ def single(corpus, cache, tmp_path_factory):
 
 def test_tp2_torchrun_matches_single_process_and_reshards_to_tp1(single, corpus, cache, tmp_path):
     tp2 = tmp_path / "tp2"
-    torchrun(2, tiny(corpus, cache, tp2, "--tensor-model-parallel-size", "2", "--save-interval", "3"))
+    torchrun(2, tiny(corpus, cache, tp2, "--tensor-model-parallel-size", "2", "--save-interval", "3"), real=True)
     (ref, ref_val), (got, got_val) = metrics(single), metrics(tp2)
     assert sorted(got) == sorted(ref) == list(range(1, 7)) and sorted(got_val) == sorted(ref_val) == [3, 6]
     for i in ref:

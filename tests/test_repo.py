@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. train.py reaches the model files only through importlib (--model NAME), at run time.
 LAYERS = ["parallel", "lora", "data", "arguments", "checkpoint", "rope", "convert", "transformer", "config", "deepseek",
-          "gpt", "bert", "t5", "mamba", "llava", "retrieval", "retro", "metrics", "train"]
+          "gpt", "bert", "t5", "mamba", "llava", "retrieval", "retro", "metrics", "posttrain", "train"]
 
 
 def project_imports(source: str, modules) -> set[str]:

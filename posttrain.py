@@ -55,8 +55,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import fcntl
 import functools
+import hashlib
 import json
+import os
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -82,6 +85,9 @@ CHAT_TEMPLATE = {  # role -> the text before the turn's content; "end": after a 
     "system": "<|system|>\n", "user": "<|user|>\n", "assistant": "<|assistant|>\n", "end": "\n"}
 ROWS = {"sft": 3, "dpo": 5, "rm": 5, "kto": 5}  # R, the rows of one sample (the SAMPLE FORMAT)
 INSTRUCTION = "Write the body of this Python function.\n\n"  # example_records' prompt starts with it
+EXAMPLES_VERSION = 1  # of example_records and make_sample: it keys their cached samples; bump it when they change
+EXAMPLE_WHERE = "example record {j} (--task {task}, seed {seed})"  # an example record's '_where'
+_HOLDS_DEFS = (ast.stmt, ast.excepthandler, ast.match_case)  # the nodes whose children can be a def
 
 
 def render_chat(messages):
@@ -267,11 +273,12 @@ def _functions(files):
     for path in files:
         try:
             src = Path(path).read_text(encoding="utf-8")
-            tree = ast.parse(src)
+            todo = [ast.parse(src)] if "def " in src else []  # parsing is most of the cost: skip files without a def
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         lines = src.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # as ast counts lines
-        for node in ast.walk(tree):
+        for node in todo:  # ast.walk's breadth-first order, through statements only (a def sits in statement lists)
+            todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, _HOLDS_DEFS)]
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(node) is None:
                 continue
             doc, rest, ind = node.body[0], node.body[1:], node.col_offset
@@ -337,26 +344,58 @@ def example_records(task, tok, seq_length, seed, files=None):
                 records.append({"prompt": prompt, "completion": answer, "label": good, "i": i})
     while task == "kto" and len(records) > 1 and not fits(records[-1]["i"], records[0]["completion"]):
         records.pop()  # the last record's kl row wraps around to the first completion
-    return [{**{k: v for k, v in r.items() if k != "i"}, "_where": f"example record {j} (--task {task}, seed {seed})"}
+    return [{**{k: v for k, v in r.items() if k != "i"}, "_where": EXAMPLE_WHERE.format(j=j, task=task, seed=seed)}
             for j, r in enumerate(records)]
 
 
-def build_task_datasets(args, tok):
-    """(train, valid or None) TaskDatasets for args.task from args.data_path's records or example_records; the
-    records are split by data.split_documents, then (SFT --packing) packed."""
-    task, s, eod = args.task, args.seq_length, data.special_ids(tok)["eod"]
-    records = load_records(args.data_path, task) if args.data_path else example_records(task, tok, s, args.seed)
-    if not records:
-        raise DataError(f"no example records for --task {task} fit --seq-length={s}: raise --seq-length")
-    if task == "kto":  # the kl row's completion: the next record's, in file order
+def _samples(records, task, tok, s, eod):
+    """Records -> samples [N, R, s+1]; a kto record's kl row takes the next record's completion, in file order."""
+    if task == "kto":
         records = [{**r, "kl_completion": records[(i + 1) % len(records)]["completion"]} for i, r in enumerate(records)]
-    samples = np.stack([make_sample(r, task, tok, s, eod, r["_where"]) for r in records])  # [N, R, s+1]
+    return np.stack([make_sample(r, task, tok, s, eod, r["_where"]) for r in records])
+
+
+def example_samples(args, tok, eod):
+    """The samples [N, R, s+1] of example_records, cached in args.data_cache_dir like data.build_data's tokens: a
+    file keyed by all that makes them (task, seed, s, the tokenizer, the stdlib's files, EXAMPLES_VERSION), written
+    atomically under build_data's file lock, so one rank builds it and the others read it; a damaged one is refused."""
+    task, s, seed, files = args.task, args.seq_length, args.seed, data.default_corpus_files()
+    key = hashlib.sha256(repr((EXAMPLES_VERSION, task, seed, s, [(f, os.path.getsize(f)) for f in files])).encode()
+                         + tok.to_str().encode()).hexdigest()[:16]
+    path = Path(args.data_cache_dir) / f"examples-{task}-s{s}-{key}.npy"  # int32 (token ids, 0/1 masks and labels)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # torchrun's ranks on one node: the first builds, the others read
+        if path.exists():
+            try:
+                return np.load(path).astype(np.int64)
+            except (ValueError, OSError, EOFError) as e:
+                raise DataError(f"{path}: a damaged example-samples cache ({e}): delete it to rebuild") from None
+        if not (records := example_records(task, tok, s, seed, files)):
+            raise DataError(f"no example records for --task {task} fit --seq-length={s}: raise --seq-length")
+        samples = _samples(records, task, tok, s, eod)
+        with open(tmp := f"{path}.tmp{os.getpid()}", "wb") as f:
+            np.save(f, samples.astype(np.int32))
+        os.replace(tmp, path)  # a killed run never leaves half a file behind
+    return samples
+
+
+def build_task_datasets(args, tok):
+    """(train, valid or None) TaskDatasets for args.task from args.data_path's records or example_samples; the samples
+    are split by data.split_documents, then (SFT --packing) packed."""
+    task, s, eod, seed = args.task, args.seq_length, data.special_ids(tok)["eod"], args.seed
+    if args.data_path:
+        records = load_records(args.data_path, task)
+        samples, wheres = _samples(records, task, tok, s, eod), [r["_where"] for r in records]
+    else:
+        samples = example_samples(args, tok, eod)
+        wheres = [EXAMPLE_WHERE.format(j=j, task=task, seed=seed) for j in range(len(samples))]
     out = []
-    for ids, seed in zip(data.split_documents(len(records), args.valid_fraction, args.seed), (args.seed, args.seed + 1)):
+    for ids, sd in zip(data.split_documents(len(samples), args.valid_fraction, seed), (seed, seed + 1)):
         part = samples[ids]
         if getattr(args, "packing", False) and len(ids):
-            part = pack_sft(part, s, eod, [records[i]["_where"] for i in ids])
-        out.append(TaskDataset(part, seed) if len(part) else None)
+            part = pack_sft(part, s, eod, [wheres[i] for i in ids])
+        out.append(TaskDataset(part, sd) if len(part) else None)
     return out[0], out[1]
 
 

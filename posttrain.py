@@ -47,7 +47,8 @@ SFT --packing puts several samples back to back (greedy, in order) in one row; e
 data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them.
 Without --data-path, example_records builds records from the stdlib's functions (ast): the prompt is an instruction,
 the signature and the docstring; the response is the true body; a rejected/undesirable answer is another function's
-body or the true body with its lines shuffled.
+body or the true body with its lines shuffled. Their samples are built once and cached in --data-cache-dir
+(example_samples).
 
 Section 2 (task losses and the reference model): see its header.
 """

@@ -1,5 +1,6 @@
 # mini-megatron — the two commands a fresh machine needs: `make train MODEL=gpt` and `make test`.
 #   make train MODEL=gpt [NPROC=2 TP=2 PP=1 ARGS="--train-iters 100"]   -> runs/$(MODEL)/
+#   make train ARGS="--task dpo [--pretrained-checkpoint runs/gpt]"      -> runs/$(MODEL)-dpo/ (sft, dpo, kto, rm)
 #   make sample [PROMPT="def "]     make test     make lint     make bench     make soak [ARGS="--minutes 3"]
 PYTHON  ?= python3
 PY      := .venv/bin/python
@@ -11,7 +12,12 @@ PP      ?= 1
 ARGS    ?=
 MINUTES ?= 8
 PROMPT  ?= def
-RUN     ?= runs/$(MODEL)
+# A post-training task (--task X in ARGS, or task: X in its --config file) runs in runs/$(MODEL)-X: it never resumes
+# or overwrites the pretraining run (which it may start from: --pretrained-checkpoint runs/$(MODEL))
+CONFIG  := $(shell printf '%s\n' '$(ARGS)' | sed -n 's/.*--config[ =]*\([^ ]*\).*/\1/p')
+TASK    := $(filter-out pretrain,$(or $(shell printf '%s\n' '$(ARGS)' | sed -n 's/.*--task[ =]*\([a-z]*\).*/\1/p'),\
+                                      $(if $(CONFIG),$(shell sed -n 's/^task: *\([a-z]*\).*/\1/p' $(CONFIG) 2>/dev/null))))
+RUN     ?= runs/$(MODEL)$(if $(TASK),-$(TASK))
 # torch is pinned (2.13.0) in requirements.txt and comes from the package index pip is configured with. On a CPU-only
 # machine that has no local CPU wheel, PyPI's Linux torch pulls several GB of CUDA libraries: point TORCH_INDEX at
 # PyTorch's CPU wheel index to avoid that (opt-in; off by default so setup only ever talks to the configured index).

@@ -24,6 +24,8 @@ import lora
 
 MODELS = ("gpt", "bert", "t5", "retro", "mamba")  # --model NAME imports NAME.py (the model-file contract)
 MODELS += ("llava",)
+TASKS = ("pretrain", "sft", "dpo", "kto", "rm")  # --task: pretraining, or a post-training task (posttrain.py)
+TASK_MODELS = ("gpt", "mamba")  # the decoders a post-training task runs on
 # Models context parallelism does not cover, and why (it lives in the self-attention of gpt's layer stack)
 CP_UNSUPPORTED = {
     "t5": "T5's cross-attention reads another sequence (the encoder's) and its relative-position buckets span the "
@@ -200,6 +202,15 @@ def parse_args(argv):
     a("--finetune", action="store_true", help="load only the model weights of --load (or --pretrained-checkpoint): "
                                               "iteration 0, a fresh optimizer and RNG (continued pretraining, SFT, LoRA)")
     a("--pretrained-checkpoint", default=None, help="the run to start from (weights only) while --load has no checkpoint")
+    # post-training tasks (posttrain.py): supervised fine-tuning, preference optimization, reward models
+    a("--task", default="pretrain", choices=TASKS, help="sft: response tokens only; dpo / kto: against a frozen "
+      "reference model (the starting weights); rm: a reward model (a value head, Bradley-Terry loss on pairs)")
+    a("--dpo-beta", type=float, default=0.1, help="DPO: the KL penalty's strength beta")
+    a("--dpo-label-smoothing", type=float, default=0.0, help="cDPO: the assumed fraction of flipped preferences")
+    a("--kto-beta", type=float, default=0.1, help="KTO: beta")
+    a("--kto-desirable-weight", type=float, default=1.0, help="KTO: the weight of desirable samples' losses")
+    a("--kto-undesirable-weight", type=float, default=1.0, help="KTO: the weight of undesirable samples' losses")
+    a("--packing", action="store_true", help="SFT: several samples per sequence, attention kept within each")
     # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
     a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
     a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
@@ -287,6 +298,32 @@ def check_long_context_args(args):
 
 
 RANGES.update(lora_rank=_AT_LEAST_1, lora_alpha=_POSITIVE, lora_dropout=_FRACTION)  # post-training flags
+RANGES.update(**dict.fromkeys(["dpo_beta", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight"], _POSITIVE),
+              dpo_label_smoothing=(lambda v: 0 <= v <= 0.5, "in [0, 0.5] (cDPO: the fraction of flipped labels)"))
+
+
+def check_task_args(args):
+    """A post-training task (posttrain.py) runs on the decoders' next-token path: what it does not cover."""
+    task, cp = args.task, args.context_parallel_size
+    if args.packing and task != "sft":
+        raise ConfigError(f"--packing packs SFT samples: it needs --task sft (it is {task})")
+    if args.packing and args.model == "mamba":
+        raise ConfigError("--packing with --model mamba: the scan's state would cross from one packed sample into "
+                          "the next (no block-diagonal mask for a recurrence)")
+    if task == "pretrain":
+        return
+    if args.model not in TASK_MODELS:
+        raise ConfigError(f"--task {task} runs on --model {' or '.join(TASK_MODELS)}, not --model {args.model}")
+    if cp > 1:
+        raise ConfigError(f"--task {task} with --context-parallel-size={cp}: a task's per-sequence log-probs and "
+                          "the reward model's last token are not gathered over cp ranks")
+    if args.mtp_num_layers:
+        raise ConfigError(f"--task {task} with --mtp-num-layers={args.mtp_num_layers}: multi-token prediction is a "
+                          "pretraining loss")
+    packing = [f for f in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(args, f)]
+    if packing:
+        raise ConfigError(f"--{packing[0].replace('_', '-')} is pretraining's document packing; --task {task} "
+                          "builds its own masks (--packing for sft)")
 
 
 def config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
@@ -417,6 +454,7 @@ def check_args(args, world: int):
         raise ConfigError("--reset-position-ids with --position-embedding-type none: there are no positions to reset")
     if (args.multi_latent_attention or args.mtp_num_layers) and args.model != "gpt":  # deepseek.py's layers
         raise ConfigError(f"--multi-latent-attention / --mtp-num-layers are --model gpt flags, not --model {args.model}")
+    check_task_args(args)
     args.model_module = import_model(args.model)
     # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
     # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in

@@ -192,7 +192,7 @@ def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):
     tmp.mkdir(parents=True, exist_ok=True)
     adapters = getattr(args, "lora_rank", None) is not None  # a LoRA run saves its adapters and names its base
     with _quiet_dcp():
-        dcp.save(checkpoint_state(chunks, optimizer, mesh, only=lora.is_adapter if adapters else None),
+        dcp.save(checkpoint_state(chunks, optimizer, mesh, only=on_base if adapters else None),
                  checkpoint_id=str(tmp))
     torch.save(rng_state(chunks), tmp / f"rng_rank{rank}.pt")
     _barrier()
@@ -311,17 +311,18 @@ def _manifest_digest(d: Path):
     return json.loads((d / MANIFEST).read_text())["sha256"] if (d / MANIFEST).exists() else None
 
 
-def lora_base(ckpt, flag="--load"):
+def lora_base(ckpt, flag="--load", who="the adapters"):
     """(directory, meta) of the base checkpoint a LoRA run's checkpoint names, verified: its files against its manifest,
     its manifest against the digest recorded when the adapters started training."""
     ptr = ckpt[1]["lora_base"]
     d = Path(ptr["path"])
     if not (d / "meta.json").is_file():
-        raise ConfigError(f"{flag} {ckpt[0].parent}: its base checkpoint {d} is missing (the adapters need it)")
+        raise ConfigError(f"{flag} {ckpt[0].parent}: its base checkpoint {d} is missing (needed by {who})")
     verify_checkpoint(d)
     if _manifest_digest(d) != ptr["sha256"]:
-        raise ConfigError(f"{flag} {ckpt[0].parent}: its base checkpoint {d} is not the one the adapters were trained "
-                          "on (its manifest's SHA-256 differs)")
+        raise ConfigError(f"{flag} {ckpt[0].parent}: its base checkpoint {d} is not the one {who} "
+                          f"{'were trained on' if who == 'the adapters' else 'started from'} (its manifest's SHA-256 "
+                          "differs)")
     return d, json.loads((d / "meta.json").read_text())
 
 
@@ -332,6 +333,7 @@ def plan_load(args, ckpt):
                                    (iteration 0, a fresh optimizer and RNG)
       --pretrained-checkpoint P    base = P's checkpoint while --load has none; once it has one, the run resumes it
       resuming a LoRA run          base = the checkpoint its meta.json names (lora_base), verified
+    A run resumes only with its own --task (a run starting from another run's weights may change task).
     A LoRA run records its base in args.lora_base (saved in every checkpoint's meta.json). The run takes the tokenizer
     (tokenizer.json beside the checkpoints) and --vocab-size of the checkpoint it starts from, unless given."""
     base = None
@@ -343,6 +345,10 @@ def plan_load(args, ckpt):
             raise ConfigError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no checkpoint there")
     if args.finetune and base is None:
         raise ConfigError(f"--finetune: --load {args.load} has no checkpoint to take the weights from")
+    task = ckpt[1]["args"].get("task", "pretrain") if ckpt is not None else None  # (older runs: pretraining)
+    if task is not None and task != args.task:
+        raise ConfigError(f"--load {args.load} is a --task {task} run: resuming it with --task {args.task} is refused; "
+                          "start from its weights instead (--finetune, or --pretrained-checkpoint with a new --load)")
     if base is not None and "lora_base" in base[1]:
         raise ConfigError(f"{base[0]} holds LoRA adapters, not a whole model: merge them into it first "
                           f"(train.py merge --load {base[0].parent} --save DIR)")
@@ -388,10 +394,38 @@ def check_same_model(args, ckpt, base):
                               + ", ".join(f"{k}={a} in the checkpoint, {b} now" for k, (a, b) in diff.items()))
 
 
+def is_value_head(p) -> bool:
+    return getattr(p, "value_head", False)  # a reward model's head (gpt.Model.add_value_head, --task rm)
+
+
+def on_base(p) -> bool:
+    """What a LoRA run trains and saves on top of its frozen base: its adapters, and a reward model's value head."""
+    return lora.is_adapter(p) or is_value_head(p)
+
+
+def reference_checkpoint(args, ckpt, base):
+    """The weights of a DPO / KTO run's frozen reference model (posttrain.py): the checkpoint the run started from,
+    recorded in args.reference_base ({"path", "sha256"} as lora_base; None: the seed's initialization) so that a
+    resumed run rebuilds the same reference; verified like a LoRA base. None for other tasks, for a LoRA run (its
+    reference is its base with the adapters off) and for the seed's initialization."""
+    if args.task not in ("dpo", "kto"):
+        return None
+    if ckpt is not None:  # resuming: the reference the run started with
+        args.reference_base = ckpt[1]["args"].get("reference_base")
+        if args.reference_base is None or args.lora_rank is not None:
+            return None
+        return lora_base((ckpt[0], {"lora_base": args.reference_base}), who="the reference model")
+    args.reference_base = None if base is None else {"path": str(base[0].resolve()), "sha256": _manifest_digest(base[0])}
+    return None if args.lora_rank is not None else base
+
+
 def load_weights(ckpt, chunks, mesh):
     """Only the model weights of checkpoint `ckpt` into `chunks` (no optimizer, iteration, RNG or FP8 state): the
-    start of a --finetune run, or a LoRA run's frozen base (adapters excluded: the base has none). Any layout."""
-    state = checkpoint_state(chunks, None, mesh, fp8=False, only=lambda p: not lora.is_adapter(p))
+    start of a --finetune run, or a LoRA run's frozen base (adapters excluded: the base has none). Any layout. A value
+    head (--task rm) loads when the checkpoint is a reward model's, else it keeps its initialization."""
+    head = ckpt[1]["args"].get("task") == "rm"
+    state = checkpoint_state(chunks, None, mesh, fp8=False,
+                             only=lambda p: not lora.is_adapter(p) and (head or not is_value_head(p)))
     with _quiet_dcp():
         dcp.load({"model": state["model"]}, checkpoint_id=str(ckpt[0]))
 
@@ -405,7 +439,7 @@ def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None
     if fp8_args is not None and not fp8 and (dist.get_rank() if dist.is_initialized() else 0) == 0:
         saved = {k: meta["args"].get(k) for k in keys}
         print(f"note: {path} was saved with other FP8 settings ({saved}): FP8 scaling starts afresh")
-    state = checkpoint_state(chunks, optimizer, mesh, fp8, only=lora.is_adapter if "lora_base" in meta else None)
+    state = checkpoint_state(chunks, optimizer, mesh, fp8, only=on_base if "lora_base" in meta else None)
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:  # the distributed optimizer keeps this rank's slices of the loaded moments
@@ -437,12 +471,14 @@ def load_model(load_dir, step=None, flag="--load", merge=True):
     tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
     module = args.model_module = import_model(args.model)
     model = module.Model(model_config(module, args))
+    if getattr(args, "task", None) == "rm":  # a reward model: its value head (train.py score)
+        model.add_value_head()
     adapters = "lora_base" in ckpt[1]
     if adapters:
         load_weights(lora_base(ckpt, flag), [model], None)
         lora.apply_lora(model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
     with _quiet_dcp():
-        dcp.load({"model": checkpoint_state([model], None, None, only=lora.is_adapter if adapters else None)["model"]},
+        dcp.load({"model": checkpoint_state([model], None, None, only=on_base if adapters else None)["model"]},
                  checkpoint_id=str(ckpt[0]))
     if adapters and merge:
         lora.merge(model)

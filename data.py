@@ -15,6 +15,7 @@ The default corpus is the Python standard library's own source (no download, eve
 preprocess_data.py --append-eod. A batch depends only on (seed, iteration), never on the parallel layout.
 """
 import argparse
+import fcntl
 import hashlib
 import itertools
 import json
@@ -358,6 +359,58 @@ def global_batch(dataset, iteration, global_batch_size):
         raise DataError(f"bad iteration {iteration} / global_batch_size {global_batch_size}")
     start = iteration * global_batch_size
     return torch.from_numpy(np.stack([dataset[start + j] for j in range(global_batch_size)]))
+
+
+def build_data(args, samples: bool = True):
+    """train.py's data: (tokenizer, train dataset, valid dataset) from the flags (--data-path, --tokenizer-file,
+    --vocab-size, --split, ...); sets args.vocab_size and args.eod_token. Runs on every rank; a file lock lets one
+    rank build the caches. samples=False (post-training tasks: posttrain.py makes their samples from --data-path):
+    (tokenizer, None, None), the tokenizer of --tokenizer-file (a base run's) or else the BPE of the default corpus."""
+    cache = Path(args.data_cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # torchrun's ranks on one node: the first builds, the others read
+        prefix = args.data_path if samples else None
+        if prefix and not os.path.exists(prefix) and os.path.exists(prefix + ".idx"):  # Megatron .bin/.idx
+            source = IndexedDataset(prefix)
+            tok_file = args.tokenizer_file or prefix + ".tokenizer.json"  # data.py preprocess writes it there
+            if not os.path.exists(tok_file):
+                raise DataError(f"{prefix}.bin/.idx needs the tokenizer it was made with: pass --tokenizer-file")
+            tok = get_tokenizer(None, None, tokenizer_file=tok_file)
+            top = int(source._bin.max()) if len(source._bin) else 0
+            if top >= tok.get_vocab_size():
+                raise DataError(f"{prefix}.bin holds token id {top}, outside the tokenizer's "
+                                f"vocabulary of {tok.get_vocab_size()} ({tok_file})")
+        elif not samples and args.tokenizer_file:
+            tok = get_tokenizer(None, None, tokenizer_file=args.tokenizer_file)
+        else:
+            docs = load_documents(prefix, tuple(args.json_keys))
+            h = hashlib.sha256(str(len(docs)).encode())
+            for d in docs:
+                h.update(d.encode("utf-8", errors="surrogatepass"))
+            key = h.hexdigest()[:16]
+            v = args.vocab_size or 8192
+            tok = get_tokenizer(docs, str(cache / f"{key}-bpe{v}.json"), v, args.tokenizer_file)
+            tok_key = hashlib.sha256(tok.to_str().encode()).hexdigest()[:8]
+            if samples:
+                source = build_token_cache(None, None, tok, str(cache / f"{key}-{tok_key}-tokens"), documents=docs)
+    n_tok = tok.get_vocab_size()
+    if args.vocab_size is not None and args.vocab_size < n_tok:
+        raise DataError(f"the tokenizer has {n_tok} tokens, more than the model's --vocab-size={args.vocab_size}"
+                        f" (tokenizer: {args.tokenizer_file or 'trained BPE'})")
+    args.vocab_size = args.vocab_size or n_tok
+    args.eod_token = special_ids(tok)["eod"]  # Megatron's tokenizer.eod: separates packed documents
+    if not samples:
+        return tok, None, None
+    train_ids, valid_ids = split_documents(len(source), args.valid_fraction, seed=args.seed)
+    make = getattr(args.model_module, "dataset", None)  # a model file may bring its samples (BERT: MLM + SOP)
+    make = make or (lambda source, ids, args, tok, seed: GPTDataset(source, ids, args.seq_length, seed))
+    train = make(source, train_ids, args, tok, args.seed)
+    valid = make(source, valid_ids, args, tok, args.seed + 1) if len(valid_ids) else None
+    if (valid is None or len(valid) == 0) and args.eval_iters > 0 and int(os.environ.get("RANK", 0)) == 0:
+        print(f"WARNING: the validation set is empty (--split={args.split} leaves no validation document: a corpus of "
+              "one document?): evaluation is off", flush=True)
+    return tok, train, (valid if valid is not None and len(valid) else None)
 
 
 # ----------------------------------------------------------------------------- packed documents

@@ -177,7 +177,20 @@ class Model(nn.Module):
             inference_context.sequence_len_offset += s
         if hasattr(self, "mtp") and labels is not None:  # the MTP loss joins backward through x (deepseek.py)
             x = self.mtp(x, input_ids, labels, self.embedding, self.postprocess, rope=rope, mask=mask)
+        if self.post_process and hasattr(self, "value_head"):  # a reward model: a value per position [s(/tp), b, 1]
+            return self.value_head(x)
         return self.postprocess(x, labels) if self.post_process else x
+
+    def add_value_head(self):
+        """A reward model's head (posttrain.py, --task rm; InstructGPT's): Linear h -> 1 on the last stage's final
+        hidden states, named `value_head.weight`, initialized from the seed like every parameter. Replicated over
+        TP; under SP each rank sees its s/tp tokens, so its gradient is summed over TP (`sequence_parallel`)."""
+        c = self.config
+        self.value_head = nn.Linear(c.hidden_size, 1, bias=False, dtype=c.params_dtype,
+                                    device=next(self.parameters()).device)
+        P.mark(self.value_head.weight, ("normal", c.init_method_std), sequence_parallel=c.sequence_parallel)
+        self.value_head.weight.value_head = True  # (checkpoint.is_value_head)
+        P.init_params(self.value_head, c.seed, self.grid, rename=lambda name: f"value_head.{name}")
 
     def logits(self, x):
         """Final hidden states [s(/tp), b, h] -> this rank's logits [s, b, V/tp] (the output layer, tied or not)."""

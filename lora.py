@@ -40,6 +40,7 @@ the replicated input of a column-parallel layer, the model-parallel one for sequ
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -78,6 +79,7 @@ class LoRA(nn.Module):
                             sequence_parallel=self.sp)  # [o, r] replicated
         for p in (self.A, self.B):
             p.lora = True
+        self.enabled = True  # off inside `disabled(model)`
 
     def forward(self, x):  # the base layer's input: column x [s(/tp), b, i]; row x [s, b, i/tp]
         x = P.dropout(x, self.p, self.training, self.rng, sharded=self.sp or not self.column)
@@ -90,7 +92,21 @@ class LoRA(nn.Module):
 
 
 def _add_adapter(module, inputs, output):  # forward hook of an adapted linear: y + the adapter's term
-    return output + module.lora(inputs[0])
+    return output + module.lora(inputs[0]) if module.lora.enabled else output
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module):
+    """`with disabled(model):` the model without its adapters — the frozen base model, bit for bit (DPO's and KTO's
+    reference model in a LoRA run, posttrain.py, as TRL's `disable_adapter()` with PEFT)."""
+    adapters = [m for m in model.modules() if isinstance(m, LoRA)]
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield model
+    finally:
+        for a in adapters:
+            a.enabled = True
 
 
 def reference(x, weight, A, B, alpha: float, bias=None):

@@ -18,9 +18,7 @@ one line `train.py: error: ...`. Data order depends only on (seed, iteration): e
 """
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import math
 import os
 import sys
@@ -35,6 +33,7 @@ import convert
 import data
 import lora
 import parallel as P
+import posttrain
 from arguments import ArgumentParser, ConfigError, check_args, model_config, parse_args, print_args
 from checkpoint import check_run_dirs, load_checkpoint, load_model, save_checkpoint
 from metrics import Logger, flops, module_losses, throughput
@@ -53,6 +52,17 @@ def next_token_loss(model, mb, pack=None):
     return (out * loss_mask).sum() if model.post_process else out  # the float32 mask: a sum in >= float32
 
 
+def prepare(s, batch, args, split="train"):
+    """One global batch -> (this DP rank's micro-batches, loss_func(model, mb) -> the SUM of its losses, the global
+    count that divides it, the pipeline's p2p shape): pretraining's batch_recipe, or a post-training task's
+    (posttrain.Task: the reference model's passes run here; a pair is 2 sequences in the p2p shape's batch dim)."""
+    if s["task"] is not None:
+        return s["task"].prepare(batch, split)
+    recipe, count = batch_recipe(args.model_module, batch, args)
+    micro = list(batch.chunk(s["grid"].dp_size)[s["grid"].dp.rank].to(s["device"]).split(args.micro_batch_size))
+    return micro, recipe, count, s["p2p_shape"]  # num_micro_batches x [mbs, s+1]
+
+
 def batch_recipe(module, batch, args):
     """(loss_func(model, mb) -> the SUM of its losses, the global count that divides it) for one global batch.
     A model file may bring batch_recipe(batch) (BERT: divided by the masked tokens) or loss_func(model, mb)."""
@@ -61,50 +71,6 @@ def batch_recipe(module, batch, args):
     if (pack := data.Packing.from_args(args)) is not None:  # GPT only (arguments.check_args)
         return functools.partial(next_token_loss, pack=pack), pack.num_loss_tokens(batch)
     return getattr(module, "loss_func", next_token_loss), batch.shape[0] * args.seq_length
-
-
-def build_data(args):
-    """(tokenizer, train dataset, valid dataset). Runs on every rank; a file lock lets one rank build the caches."""
-    cache = Path(args.data_cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # torchrun's ranks on one node: the first builds, the others read
-        prefix = args.data_path
-        if prefix and not os.path.exists(prefix) and os.path.exists(prefix + ".idx"):  # Megatron .bin/.idx
-            source = data.IndexedDataset(prefix)
-            tok_file = args.tokenizer_file or prefix + ".tokenizer.json"  # data.py preprocess writes it there
-            if not os.path.exists(tok_file):
-                raise data.DataError(f"{prefix}.bin/.idx needs the tokenizer it was made with: pass --tokenizer-file")
-            tok = data.get_tokenizer(None, None, tokenizer_file=tok_file)
-            top = int(source._bin.max()) if len(source._bin) else 0
-            if top >= tok.get_vocab_size():
-                raise data.DataError(f"{prefix}.bin holds token id {top}, outside the tokenizer's "
-                                     f"vocabulary of {tok.get_vocab_size()} ({tok_file})")
-        else:
-            docs = data.load_documents(prefix, tuple(args.json_keys))
-            h = hashlib.sha256(str(len(docs)).encode())
-            for d in docs:
-                h.update(d.encode("utf-8", errors="surrogatepass"))
-            key = h.hexdigest()[:16]
-            v = args.vocab_size or 8192
-            tok = data.get_tokenizer(docs, str(cache / f"{key}-bpe{v}.json"), v, args.tokenizer_file)
-            tok_key = hashlib.sha256(tok.to_str().encode()).hexdigest()[:8]
-            source = data.build_token_cache(None, None, tok, str(cache / f"{key}-{tok_key}-tokens"), documents=docs)
-    n_tok = tok.get_vocab_size()
-    if args.vocab_size is not None and args.vocab_size < n_tok:
-        raise data.DataError(f"the tokenizer has {n_tok} tokens, more than the model's --vocab-size={args.vocab_size}"
-                             f" (tokenizer: {args.tokenizer_file or 'trained BPE'})")
-    args.vocab_size = args.vocab_size or n_tok
-    args.eod_token = data.special_ids(tok)["eod"]  # Megatron's tokenizer.eod: separates packed documents
-    train_ids, valid_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)
-    make = getattr(args.model_module, "dataset", None)  # a model file may bring its samples (BERT: MLM + SOP)
-    make = make or (lambda source, ids, args, tok, seed: data.GPTDataset(source, ids, args.seq_length, seed))
-    train = make(source, train_ids, args, tok, args.seed)
-    valid = make(source, valid_ids, args, tok, args.seed + 1) if len(valid_ids) else None
-    if (valid is None or len(valid) == 0) and args.eval_iters > 0 and int(os.environ.get("RANK", 0)) == 0:
-        print(f"WARNING: the validation set is empty (--split={args.split} leaves no validation document: a corpus of "
-              "one document?): evaluation is off", flush=True)
-    return tok, train, (valid if valid is not None and len(valid) else None)
 
 
 # ============================================================================================================
@@ -165,7 +131,12 @@ def setup(args):
     ckpt, resume = check_run_dirs(args)  # verified checkpoint or None; refuses a missing --load, an overwrite
     # base: weights only (--finetune, --pretrained-checkpoint, a LoRA run's base); sets its tokenizer and vocabulary
     ckpt, base = checkpoint.plan_load(args, ckpt)
-    tok, train_ds, valid_ds = build_data(args)
+    reference = checkpoint.reference_checkpoint(args, ckpt, base)  # dpo, kto: the frozen reference model's weights
+    tok, train_ds, valid_ds = data.build_data(args, samples=args.task == "pretrain")
+    if args.task != "pretrain":  # post-training: the task's samples (posttrain.py section 1)
+        if not hasattr(posttrain, "build_task_datasets"):
+            raise ConfigError(f"--task {args.task}: posttrain.py has no task datasets (build_task_datasets)")
+        train_ds, valid_ds = posttrain.build_task_datasets(args, tok)
     config = model_config(args.model_module, args)
     checkpoint.check_same_model(args, ckpt, base)
     # ---- nothing above made a process group; everything below may
@@ -183,18 +154,25 @@ def setup(args):
     else:
         torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may use (taskset, cgroups)
     grid = P.Grid(tp=tp, pp=pp, dp=dp, cp=cp, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
-    if pp == 1:
-        chunks = [args.model_module.Model(config, grid).to(device)]
-    else:  # this rank's pipeline stage (v chunks of it with the interleaved schedule)
-        make = lambda pre, post, offset, n: args.model_module.Model(
-            config, grid, pre_process=pre, post_process=post, layer_offset=offset, num_layers=n).to(device)
-        chunks = P.build_chunks(make, config.num_layers, grid, args.virtual_pipeline_model_parallel_size)
+    make = lambda pre, post, offset, n: args.model_module.Model(  # this rank's pipeline stage (v chunks of it
+        config, grid, pre_process=pre, post_process=post, layer_offset=offset, num_layers=n).to(device)  # interleaved)
+    build = lambda: ([args.model_module.Model(config, grid).to(device)] if pp == 1 else
+                     P.build_chunks(make, config.num_layers, grid, args.virtual_pipeline_model_parallel_size))
+    chunks = build()
     for c in chunks if args.lora_rank else []:  # LoRA: the model frozen, adapters on its linears (lora.py)
         lora.apply_lora(c, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
+    if args.task == "rm":  # a reward model: the value head on the last stage (trainable, with LoRA too)
+        posttrain.add_value_heads(chunks)
+    ref_chunks = None  # dpo, kto without LoRA: the frozen reference, built like the policy (with LoRA: adapters off)
+    if args.task in ("dpo", "kto") and not args.lora_rank:
+        ref_chunks = [c.requires_grad_(False) for c in build()]  # the seed's init, or the checkpoint it started from
+        if reference is not None:
+            checkpoint.load_weights(reference, ref_chunks, mesh)
     model = torch.nn.ModuleList(chunks)  # all of this rank's parameters, for the optimizer and the audits
     model.layout_args = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size",
                                                        "pipeline_model_parallel_size"]}
     return dict(tok=tok, train=train_ds, valid=valid_ds, grid=grid, model=model, chunks=chunks, mesh=mesh, base=base,
+                ref_chunks=ref_chunks,
                 device=device, ckpt=ckpt, resume=resume, config=config, rank=dist.get_rank() if dist.is_initialized() else 0)
 
 
@@ -221,11 +199,10 @@ def evaluate(s, valid, args, stage_step, autocast):
     total, counts = torch.zeros(1, dtype=torch.float64, device=device), {}
     for k in range(args.eval_iters):
         batch = data.global_batch(valid, k, args.global_batch_size)
-        recipe, num_tokens = batch_recipe(args.model_module, batch, args)
-        micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].to(device).split(args.micro_batch_size))
+        micro, recipe, num_tokens, shape = prepare(s, batch, args, "valid")
         with autocast():
             loss = P.forward_backward(chunks, micro, lambda m, mb: stage_step(m, mb, recipe), num_tokens, grid,
-                                      s["p2p_shape"], s["config"].params_dtype, forward_only=True)
+                                      shape, s["config"].params_dtype, forward_only=True)
         total += torch.as_tensor(loss, dtype=torch.float64, device=device)
         for mb in micro if extra else []:
             for name, hits in extra(chunks[0], mb).items():
@@ -236,7 +213,8 @@ def evaluate(s, valid, args, stage_step, autocast):
     for c in chunks:
         c.train()
     return dict(val_loss=float(total[0]) / args.eval_iters,
-                **{name: float(total[1 + 2 * i] / total[2 + 2 * i]) for i, name in enumerate(counts)})
+                **{name: float(total[1 + 2 * i] / total[2 + 2 * i]) for i, name in enumerate(counts)},
+                **(s["task"].metrics("valid", "val_") if s["task"] is not None else {}))  # (a collective)
 
 
 def stage_step(model, mb, recipe):
@@ -307,7 +285,9 @@ def train(args):
     log = Logger(run_dir, rank, start, args.train_iters, resume=s["resume"])  # keeps lines <= start of --save's run
     amp = torch.bfloat16 if args.bf16 else torch.float16
     autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16)
-    recipe = None  # set per global batch: (loss_func, the count of its loss tokens), see batch_recipe
+    recipe = None  # set per global batch: (loss_func, the count of its loss tokens), see prepare
+    s["task"] = None if args.task == "pretrain" else posttrain.Task(  # post-training (posttrain.py section 2)
+        args, chunks, grid, s["p2p_shape"], s["config"].params_dtype, device, autocast, s["ref_chunks"])
 
     def loss_func(model, mb):  # the schedule's contract: see stage_step
         with autocast():
@@ -319,15 +299,13 @@ def train(args):
     window, it = dict(losses=[], t=t0, skipped=0), start
     for it in range(start, args.train_iters):
         # ---- one global batch; this DP rank's rows; micro-batches (data.global_batch is layout-free)
-        batch = data.global_batch(s["train"], it, args.global_batch_size)  # [gbs, s+1]
-        recipe, num_tokens = batch_recipe(args.model_module, batch, args)  # loss tokens of the whole global batch
-        mine = batch.chunk(grid.dp_size)[grid.dp.rank].to(device)  # [gbs/dp, s+1]
-        micro_batches = mine.split(args.micro_batch_size)  # num_micro_batches x [mbs, s+1]
+        batch = data.global_batch(s["train"], it, args.global_batch_size)  # [gbs, s+1] (a task's: [gbs, R, s+1])
+        micro_batches, recipe, num_tokens, shape = prepare(s, batch, args)  # num_tokens: the whole global batch's
         optimizer.lr = learning_rate(it, args)
         optimizer.zero_grad(len(micro_batches))
         trace = [] if args.pipeline_trace and it == start else None
         # fp16: backward runs on loss x scale, as sum / (num_tokens / scale), so MoE aux losses are scaled too
-        loss = P.forward_backward(chunks, micro_batches, loss_func, num_tokens / scaler.scale, grid, s["p2p_shape"],
+        loss = P.forward_backward(chunks, micro_batches, loss_func, num_tokens / scaler.scale, grid, shape,
                                   s["config"].params_dtype, trace=trace) / scaler.scale
         if trace is not None:
             print(f"pipeline trace, rank {rank} (stage {grid.pp.rank}): "
@@ -379,6 +357,7 @@ def train(args):
             if "moe_load" in window:
                 rec.update(P.moe_metrics(model, window["moe_load"]))
             rec.update(module_losses(model))  # losses a module logs itself (MTP's per depth): every rank calls it
+            rec.update(s["task"].metrics() if s["task"] is not None else {})  # dpo, kto, rm (a collective too)
             log.log(rec)
             window = dict(losses=[], t=time.time(), skipped=0)
         stop = args.exit_interval is not None and n % args.exit_interval == 0
@@ -456,6 +435,8 @@ def post_training(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["score"]:  # a reward model's reward of each line of a JSON-lines file (posttrain.py)
+            return posttrain.score(argv[1:])
         if argv[:1] in (["sample"], ["merge"], ["export"]):
             return sample(argv[1:]) if argv[0] == "sample" else post_training(argv)
         train(parse_args(argv))

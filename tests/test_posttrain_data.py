@@ -10,7 +10,10 @@ epoch-shuffled TaskDataset, the generated example records and build_task_dataset
     keys add exact zeros to the softmax sums, so the two differ only in the order of reductions); without the reset
     attention mask the comparison fails (the negative control);
   - example_records is deterministic, its samples fit, DPO's rejected answers mix shuffled lines and other bodies,
-    KTO's labels are balanced and its kl rows hold the next record's completion.
+    KTO's labels are balanced and its kl rows hold the next record's completion;
+  - without --data-path the example samples are cached in --data-cache-dir: the second build reads them (the
+    generator is not called) and equals a fresh build exactly; another --seq-length rebuilds; a damaged cache file is
+    refused with one line naming it.
 """
 from __future__ import annotations
 
@@ -233,11 +236,37 @@ def test_build_packed_sft_from_a_file(tmp_path, tok, eod):
 
 
 @pytest.mark.parametrize("task", PT.TASKS)
-def test_build_from_example_records(monkeypatch, tok, task):
-    """Without --data-path: the generated example records (here from FILES instead of the whole stdlib)."""
+def test_build_from_example_records(monkeypatch, tmp_path, tok, task):
+    """Without --data-path: the generated example records (here from FILES instead of the whole stdlib), built once
+    and then read from the cache."""
     monkeypatch.setattr(data, "default_corpus_files", lambda: list(FILES))
-    args = argparse.Namespace(task=task, data_path=None, seq_length=S, seed=5, valid_fraction=0.05, packing=False)
+    args = argparse.Namespace(task=task, data_path=None, seq_length=S, seed=5, valid_fraction=0.05, packing=False,
+                              data_cache_dir=str(tmp_path))
     train, valid = PT.build_task_datasets(args, tok)
-    n = len(PT.example_records(task, tok, S, seed=5, files=FILES))
+    records = PT.example_records(task, tok, S, seed=5, files=FILES)
+    n = len(records)
     assert len(train) + len(valid) == n and train.num_rows == PT.ROWS[task] and len(valid) == round(0.05 * n)
     assert data.global_batch(train, 0, 8).shape == (8, PT.ROWS[task], S + 1)
+    fresh = PT._samples(records, task, tok, S, eod=data.special_ids(tok)["eod"])  # [N, R, s+1], no cache
+    assert len(list(tmp_path.glob("examples-*.npy"))) == 1
+    monkeypatch.setattr(PT, "example_records", lambda *a, **k: pytest.fail("the cache was not used"))
+    cached = PT.example_samples(args, tok, data.special_ids(tok)["eod"])
+    assert cached.dtype == np.int64 and np.array_equal(cached, fresh)  # exactly a fresh build
+    train2, valid2 = PT.build_task_datasets(args, tok)
+    assert np.array_equal(train2.samples, train.samples) and np.array_equal(valid2.samples, valid.samples)
+
+
+def test_example_samples_cache_key_and_damage(monkeypatch, tmp_path, tok, eod):
+    monkeypatch.setattr(data, "default_corpus_files", lambda: list(FILES))
+    calls, generate = [], PT.example_records
+    monkeypatch.setattr(PT, "example_records", lambda *a, **k: calls.append(a[2]) or generate(*a, **k))
+    args = argparse.Namespace(task="sft", seq_length=S, seed=5, data_cache_dir=str(tmp_path))
+    first = PT.example_samples(args, tok, eod)
+    assert np.array_equal(PT.example_samples(args, tok, eod), first) and calls == [S]
+    other = PT.example_samples(argparse.Namespace(**{**vars(args), "seq_length": S // 2}), tok, eod)
+    assert calls == [S, S // 2] and other.shape[2] == S // 2 + 1  # another --seq-length: another key, a rebuild
+    assert len(other) < len(first) and np.array_equal(PT.example_samples(args, tok, eod), first)
+    path = next(p for p in tmp_path.glob("examples-sft-*.npy") if f"-s{S}-" in p.name)
+    path.write_bytes(path.read_bytes()[:1000])  # a cut-off file (the cache itself is written atomically)
+    with pytest.raises(data.DataError, match=f"^{path}: a damaged example-samples cache .*delete it to rebuild$"):
+        PT.example_samples(args, tok, eod)

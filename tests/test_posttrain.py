@@ -25,6 +25,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import checkpoint
 import gpt
 import lora
 import parallel as P
@@ -378,18 +379,21 @@ def base_run(tmp_path_factory):
     return base
 
 
-@pytest.mark.parametrize("task", ["sft", "dpo", "kto", "rm"])
+@pytest.mark.parametrize("task", ["sft", "dpo", "kto", "rm", "rm-lora"])
 def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
     """train.py's task path on hand-built samples (section 1's datasets stood in for): 2 iterations with evaluation
     and the task's metrics; the checkpoint records the task. DPO also stops and resumes: the same losses as the
-    uninterrupted run (its reference model rebuilt from the recorded base)."""
+    uninterrupted run (its reference model rebuilt from the recorded base). A LoRA reward model saves its value head
+    with its adapters, and checkpoint.load_model (train.py score) loads it."""
     import json
+
+    task, use_lora = task.split("-")[0], task.endswith("-lora")
 
     monkeypatch.setattr(posttrain, "build_task_datasets", raising=False,
                         value=lambda args, tok: (HandBuilt(args.task, 12, args.seq_length, 0),
                                                  HandBuilt(args.task, 4, args.seq_length, 1)))
     flags = ["--task", task, "--pretrained-checkpoint", str(base_run), "--seq-length", "32", "--eval-iters", "1",
-             "--data-cache-dir", str(tmp_path / "cache"), "--lr", "1e-3"]
+             "--data-cache-dir", str(tmp_path / "cache"), "--lr", "1e-3"] + (["--lora-rank", "2"] if use_lora else [])
     whole, run = tmp_path / "whole", tmp_path / "run"
     train.main(tiny(whole, *flags, "--load", str(whole)))
     recs = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
@@ -403,6 +407,12 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
         train.main(tiny(run, *flags, "--load", str(run)))
         again = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["loss"] for r in recs if "loss" in r] == [r["loss"] for r in again if "loss" in r]
+    if task == "rm":
+        model, args, _, _ = checkpoint.load_model(whole)
+        fresh = gpt.Model(model.config)
+        fresh.add_value_head()
+        assert not torch.equal(model.value_head.weight, fresh.value_head.weight)  # the trained head, loaded
+        assert (args.lora_rank is None) and not any(".lora." in k for k, _ in model.named_parameters())  # merged
 
 
 needs_data = pytest.mark.skipif(not hasattr(posttrain, "build_task_datasets"),

@@ -413,6 +413,8 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
         fresh.add_value_head()
         assert not torch.equal(model.value_head.weight, fresh.value_head.weight)  # the trained head, loaded
         assert (args.lora_rank is None) and not any(".lora." in k for k, _ in model.named_parameters())  # merged
+        with pytest.raises(SystemExit):
+            train.main(["sample", "--load", str(whole)])
 
 
 needs_data = pytest.mark.skipif(not hasattr(posttrain, "build_task_datasets"),

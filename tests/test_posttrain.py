@@ -190,12 +190,20 @@ def _trainable_grads(chunks, ddp, grid):
             for m in chunks for k, p in m.named_parameters() if p.requires_grad and (ddp is not None or p.grad is not None)}
 
 
-def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, steps=2, control=None):
+MAMBA = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=V, max_position_embeddings=16,
+             mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_chunk_size=4, params_dtype=torch.float64,
+             hybrid_layer_pattern="M*M-")
+
+
+def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, steps=2, control=None, model="gpt"):
     """`steps` steps of `task` on this rank's chunks, as train.py runs them (posttrain.Task.prepare, then the schedule).
     opt: None = parallel.Optimizer, False = bucketed DDP, True = the distributed optimizer."""
+    import mamba
+
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
-    c = gpt.Config(**CFG, sequence_parallel=sp)
-    make = lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl)
+    module = mamba if model == "mamba" else gpt
+    c = module.Config(**(MAMBA if model == "mamba" else CFG), sequence_parallel=sp)
+    make = lambda pre, post, off, nl: module.Model(c, grid, pre, post, off, nl)
     chunks = P.build_chunks(make, c.num_layers, grid, vp)
     if use_lora:
         chunks = [_adapt(m) for m in chunks]
@@ -245,11 +253,11 @@ def _merged(results):
     return out
 
 
-def run_task(pool, task, packing, use_lora, layout, control=None):
+def run_task(pool, task, packing, use_lora, layout, control=None, model="gpt"):
     n, tp, pp, vp, sp, opt = layout
     got = _merged(pool.run(task_case, n, task=task, packing=packing, use_lora=use_lora, tp=tp, pp=pp, vp=vp, sp=sp,
-                           opt=opt, M=2, control=control))
-    ref = task_case(0, 1, task, packing, use_lora, 1, 1, 1, False, None, M=1)  # one process, one micro-batch
+                           opt=opt, M=2, control=control, model=model))
+    ref = task_case(0, 1, task, packing, use_lora, 1, 1, 1, False, None, M=1, model=model)  # one process, one micro-batch
     return got, ref
 
 
@@ -279,6 +287,13 @@ def test_each_task_with_its_reference_in_a_wide_layout(pool, task, use_lora, lay
     assert_same(got, ref, rtol=1e-10, what=f"{task} lora={use_lora} {layout}")
     if task == "kto":
         assert ref["metrics"]["kl"] > 0, "z0 clamped at 0: the comparison would not see it"
+
+
+@pytest.mark.parametrize("task,use_lora", [("dpo", False), ("rm", True)])
+def test_mamba_tasks_equal_single_process(pool, task, use_lora):
+    """--model mamba: DPO with its reference copy, a LoRA reward model (the value head on the hybrid stack), TP 2 + SP."""
+    got, ref = run_task(pool, task, False, use_lora, LAYOUTS["tp2-sp"], model="mamba")
+    assert_same(got, ref, rtol=1e-10, what=f"mamba {task} lora={use_lora} tp2-sp")
 
 
 @pytest.mark.parametrize("task,control,layout", [

@@ -447,7 +447,7 @@ def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
     def losses(run):
         return {r["iteration"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                 if "loss" in r}
-    flags = ["--task", "dpo", "--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "256"]
+    flags = ["--task", "dpo", "--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "128", "--vocab-size", "8192"]
     train.main(tiny(tmp_path / "one", *flags))
     torchrun(2, tiny(tmp_path / "tp2", *flags, "--tensor-model-parallel-size", "2"))
     one, two = losses(tmp_path / "one"), losses(tmp_path / "tp2")

@@ -624,6 +624,13 @@ def add_value_heads(chunks):
     return chunks
 
 
+def check_generates(args, load):
+    """`train.py sample` / `export` need a language model: a reward model's output is a value, not next-token logits."""
+    if getattr(args, "task", "pretrain") == "rm":
+        raise ConfigError(f"--load {load} is a reward model (--task rm): it scores text (train.py score), it does not "
+                          "generate or export as a causal LM")
+
+
 def score(argv):
     """`train.py score --load RUN --data-path FILE.jsonl`: a reward model's (--task rm) reward of each record of an SFT
     file ({"prompt", "response"} or {"messages"}), one per line, in file order. One process, the whole model."""

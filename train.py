@@ -407,6 +407,7 @@ def sample(argv):
     if a.top_k < 1:
         raise ConfigError(f"--top-k={a.top_k} must be >= 1")
     model, args, tok, _ = load_model(a.load)
+    posttrain.check_generates(args, a.load)
     module = args.model_module
     torch.manual_seed(a.seed)
     if hasattr(module, "sample_text"):  # a model file with its own notion of a sample (T5: fill a masked span)
@@ -429,6 +430,7 @@ def post_training(argv):
     if argv[0] == "merge":
         return checkpoint.save_merged(a.load, a.save)
     model, args, tok, _ = load_model(a.load)  # a LoRA run: merged
+    posttrain.check_generates(args, a.load)
     return convert.save_hf(a.hf_out, *convert.gpt_to_hf(model.config, model.state_dict(), args.model), tok)
 
 

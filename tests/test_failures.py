@@ -137,14 +137,14 @@ def test_fp16_stuck_at_the_minimum_scale_stops(corpus, cache, tmp_path, capsys):
     (["--train-iters", "x"], "argument --train-iters: invalid int value: 'x'"),
 ])
 def test_bad_flag_range_gives_one_line_before_any_work(corpus, cache, tmp_path, capsys, monkeypatch, extra, expect):
-    monkeypatch.setattr(train.data, "build_data", lambda args: pytest.fail("the data was built before the check"))
+    monkeypatch.setattr(train.data, "build_data", lambda *a, **k: pytest.fail("the data was built before the check"))
     line = fails(tiny(corpus, cache, tmp_path / "run", iters=1) + extra, capsys)
     assert expect in line, line
 
 
 def test_model_checks_come_before_the_data(corpus, cache, tmp_path, capsys, monkeypatch):
     """Retro's database is built with the data: --num-layers 4 is refused before it."""
-    monkeypatch.setattr(train.data, "build_data", lambda args: pytest.fail("the data was built before the check"))
+    monkeypatch.setattr(train.data, "build_data", lambda *a, **k: pytest.fail("the data was built before the check"))
     line = fails(tiny(corpus, cache, tmp_path / "run", "--model", "retro", "--num-layers", "4", iters=1), capsys)
     assert "num_layers=4: Retro's first chunked cross-attention layer is layer 6" in line, line
 

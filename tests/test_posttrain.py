@@ -25,6 +25,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import checkpoint
 import gpt
 import lora
 import parallel as P
@@ -189,12 +190,20 @@ def _trainable_grads(chunks, ddp, grid):
             for m in chunks for k, p in m.named_parameters() if p.requires_grad and (ddp is not None or p.grad is not None)}
 
 
-def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, steps=2, control=None):
+MAMBA = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=V, max_position_embeddings=16,
+             mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_chunk_size=4, params_dtype=torch.float64,
+             hybrid_layer_pattern="M*M-")
+
+
+def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, steps=2, control=None, model="gpt"):
     """`steps` steps of `task` on this rank's chunks, as train.py runs them (posttrain.Task.prepare, then the schedule).
     opt: None = parallel.Optimizer, False = bucketed DDP, True = the distributed optimizer."""
+    import mamba
+
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
-    c = gpt.Config(**CFG, sequence_parallel=sp)
-    make = lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl)
+    module = mamba if model == "mamba" else gpt
+    c = module.Config(**(MAMBA if model == "mamba" else CFG), sequence_parallel=sp)
+    make = lambda pre, post, off, nl: module.Model(c, grid, pre, post, off, nl)
     chunks = P.build_chunks(make, c.num_layers, grid, vp)
     if use_lora:
         chunks = [_adapt(m) for m in chunks]
@@ -244,11 +253,11 @@ def _merged(results):
     return out
 
 
-def run_task(pool, task, packing, use_lora, layout, control=None):
+def run_task(pool, task, packing, use_lora, layout, control=None, model="gpt"):
     n, tp, pp, vp, sp, opt = layout
     got = _merged(pool.run(task_case, n, task=task, packing=packing, use_lora=use_lora, tp=tp, pp=pp, vp=vp, sp=sp,
-                           opt=opt, M=2, control=control))
-    ref = task_case(0, 1, task, packing, use_lora, 1, 1, 1, False, None, M=1)  # one process, one micro-batch
+                           opt=opt, M=2, control=control, model=model))
+    ref = task_case(0, 1, task, packing, use_lora, 1, 1, 1, False, None, M=1, model=model)  # one process, one micro-batch
     return got, ref
 
 
@@ -278,6 +287,13 @@ def test_each_task_with_its_reference_in_a_wide_layout(pool, task, use_lora, lay
     assert_same(got, ref, rtol=1e-10, what=f"{task} lora={use_lora} {layout}")
     if task == "kto":
         assert ref["metrics"]["kl"] > 0, "z0 clamped at 0: the comparison would not see it"
+
+
+@pytest.mark.parametrize("task,use_lora", [("dpo", False), ("rm", True)])
+def test_mamba_tasks_equal_single_process(pool, task, use_lora):
+    """--model mamba: DPO with its reference copy, a LoRA reward model (the value head on the hybrid stack), TP 2 + SP."""
+    got, ref = run_task(pool, task, False, use_lora, LAYOUTS["tp2-sp"], model="mamba")
+    assert_same(got, ref, rtol=1e-10, what=f"mamba {task} lora={use_lora} tp2-sp")
 
 
 @pytest.mark.parametrize("task,control,layout", [
@@ -378,18 +394,21 @@ def base_run(tmp_path_factory):
     return base
 
 
-@pytest.mark.parametrize("task", ["sft", "dpo", "kto", "rm"])
+@pytest.mark.parametrize("task", ["sft", "dpo", "kto", "rm", "rm-lora"])
 def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
     """train.py's task path on hand-built samples (section 1's datasets stood in for): 2 iterations with evaluation
     and the task's metrics; the checkpoint records the task. DPO also stops and resumes: the same losses as the
-    uninterrupted run (its reference model rebuilt from the recorded base)."""
+    uninterrupted run (its reference model rebuilt from the recorded base). A LoRA reward model saves its value head
+    with its adapters, and checkpoint.load_model (train.py score) loads it."""
     import json
+
+    task, use_lora = task.split("-")[0], task.endswith("-lora")
 
     monkeypatch.setattr(posttrain, "build_task_datasets", raising=False,
                         value=lambda args, tok: (HandBuilt(args.task, 12, args.seq_length, 0),
                                                  HandBuilt(args.task, 4, args.seq_length, 1)))
     flags = ["--task", task, "--pretrained-checkpoint", str(base_run), "--seq-length", "32", "--eval-iters", "1",
-             "--data-cache-dir", str(tmp_path / "cache"), "--lr", "1e-3"]
+             "--data-cache-dir", str(tmp_path / "cache"), "--lr", "1e-3"] + (["--lora-rank", "2"] if use_lora else [])
     whole, run = tmp_path / "whole", tmp_path / "run"
     train.main(tiny(whole, *flags, "--load", str(whole)))
     recs = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
@@ -403,6 +422,14 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
         train.main(tiny(run, *flags, "--load", str(run)))
         again = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["loss"] for r in recs if "loss" in r] == [r["loss"] for r in again if "loss" in r]
+    if task == "rm":
+        model, args, _, _ = checkpoint.load_model(whole)
+        fresh = gpt.Model(model.config)
+        fresh.add_value_head()
+        assert not torch.equal(model.value_head.weight, fresh.value_head.weight)  # the trained head, loaded
+        assert (args.lora_rank is None) and not any(".lora." in k for k, _ in model.named_parameters())  # merged
+        with pytest.raises(SystemExit):
+            train.main(["sample", "--load", str(whole)])
 
 
 needs_data = pytest.mark.skipif(not hasattr(posttrain, "build_task_datasets"),
@@ -420,7 +447,7 @@ def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
     def losses(run):
         return {r["iteration"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                 if "loss" in r}
-    flags = ["--task", "dpo", "--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "256"]
+    flags = ["--task", "dpo", "--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "128", "--vocab-size", "8192"]
     train.main(tiny(tmp_path / "one", *flags))
     torchrun(2, tiny(tmp_path / "tp2", *flags, "--tensor-model-parallel-size", "2"))
     one, two = losses(tmp_path / "one"), losses(tmp_path / "tp2")

@@ -409,6 +409,13 @@ def build_task_datasets(args, tok):
 META = -1
 CHOSEN, REJECTED = (0, 1), (2, 3)  # dpo, rm: (token row, mask row) of each side; kto: (0, 1) the sample, (2, 3) its KL
 UNIT = {"sft": "masked tokens", "dpo": "pairs", "kto": "samples", "rm": "pairs"}  # the loss rule's units
+SEQUENCES = {"sft": 1, "dpo": 2, "kto": 1, "rm": 2}  # sequences per sample in the policy's pass (tokens/s, FLOPs)
+
+
+def wins(a, b):
+    """1 where a ranks above b, 1/2 on a tie, else 0: a DPO policy starts equal to its reference (every implicit
+    reward 0), so its preference accuracy starts at 50 % — the coin flip it must beat."""
+    return (a > b).double() + 0.5 * (a == b).double()
 
 
 def sequence_logps(token_losses, mask):
@@ -524,7 +531,7 @@ class Task:
             self.z0 = self.reference_point(kl - self.ref[:, 1], batch.shape[0])
             if (not dist.is_initialized() or dist.get_rank() == 0):
                 self.record(split, kl=self.z0.reshape(1))
-        rows = 2 if self.kind in ("dpo", "rm") else 1
+        rows = SEQUENCES[self.kind]
         t, b, h = self.shape
         return micro, functools.partial(self.policy_step, split=split), num_units(self.kind, batch), (t, b * rows, h)
 
@@ -571,7 +578,7 @@ class Task:
         idx = mb[:, META, 1]
         if kind == "rm":
             v_c, v_r = last_token_values(*res)
-            self.record(split, accuracy=(v_c > v_r).double(), reward_margin=(v_c - v_r).detach())
+            self.record(split, accuracy=wins(v_c, v_r), reward_margin=(v_c - v_r).detach())
             tied = getattr(model.output_layer, "weight", None)  # a last stage's copy of the tied embedding: a zero
             zero = 0 * tied.sum() if tied is not None and tied.requires_grad else 0  # gradient, summed with its twin's
             return rm_loss(v_c, v_r).sum() + zero
@@ -581,7 +588,7 @@ class Task:
             loss = dpo_loss(logps[0], logps[1], ref[:, 0], ref[:, 1], a.dpo_beta, a.dpo_label_smoothing)
             rc, rr = (a.dpo_beta * (logps[0] - ref[:, 0])).detach(), (a.dpo_beta * (logps[1] - ref[:, 1])).detach()
             self.record(split, rewards_chosen=rc, rewards_rejected=rr, reward_margin=rc - rr,
-                        preference_accuracy=(rc > rr).double())
+                        preference_accuracy=wins(rc, rr))
             return loss.sum()
         label = mb[:, META, 0]
         loss = kto_loss(logps[0], ref[:, 0], self.z0.to(logps.dtype), label, a.kto_beta, a.kto_desirable_weight,
@@ -638,16 +645,14 @@ def score(argv):
     p.add_argument("--load", required=True)
     p.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
     a = p.parse_args(argv)
-    if "load_records" not in globals() or "make_sample" not in globals():
-        raise ConfigError("train.py score: posttrain.py has no task data (load_records, make_sample)")
     model, args, tok, _ = checkpoint.load_model(a.load)
     if getattr(args, "task", "pretrain") != "rm":
         raise ConfigError(f"--load {a.load} is a --task {getattr(args, 'task', 'pretrain')} run, not a reward model "
                           "(--task rm)")
     eod, rewards = data.special_ids(tok)["eod"], []
     model.eval()
-    for i, record in enumerate(globals()["load_records"](a.data_path, "sft")):
-        sample = globals()["make_sample"](record, "sft", tok, args.seq_length, eod, f"{a.data_path}: record {i + 1}")
+    for record in load_records(a.data_path, "sft"):
+        sample = make_sample(record, "sft", tok, args.seq_length, eod, record["_where"])
         with torch.no_grad():
             values = last_token_values(*run_model(model, torch.from_numpy(sample)[None], (CHOSEN,), value=True))
         rewards.append(float(values[0, 0]))

@@ -134,8 +134,6 @@ def setup(args):
     reference = checkpoint.reference_checkpoint(args, ckpt, base)  # dpo, kto: the frozen reference model's weights
     tok, train_ds, valid_ds = data.build_data(args, samples=args.task == "pretrain")
     if args.task != "pretrain":  # post-training: the task's samples (posttrain.py section 1)
-        if not hasattr(posttrain, "build_task_datasets"):
-            raise ConfigError(f"--task {args.task}: posttrain.py has no task datasets (build_task_datasets)")
         train_ds, valid_ds = posttrain.build_task_datasets(args, tok)
     config = model_config(args.model_module, args)
     checkpoint.check_same_model(args, ckpt, base)
@@ -292,8 +290,9 @@ def train(args):
     def loss_func(model, mb):  # the schedule's contract: see stage_step
         with autocast():
             return stage_step(model, mb, recipe)
-    tokens_per_batch = args.global_batch_size * args.seq_length
-    flops_per_batch = flops(s["config"], args.global_batch_size, args.seq_length)  # Megatron's model FLOPs
+    seqs = args.global_batch_size * posttrain.SEQUENCES.get(args.task, 1)  # sequences the model trains on per batch
+    tokens_per_batch = seqs * args.seq_length  # (a pair is 2; a reference model's forward passes are not counted)
+    flops_per_batch = flops(s["config"], seqs, args.seq_length)  # Megatron's model FLOPs
     params = list(model.parameters())
     t0 = time.time()
     window, it = dict(losses=[], t=t0, skipped=0), start

@@ -432,11 +432,6 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
             train.main(["sample", "--load", str(whole)])
 
 
-needs_data = pytest.mark.skipif(not hasattr(posttrain, "build_task_datasets"),
-                                reason="posttrain.py section 1 (the task datasets) is not merged yet")
-
-
-@needs_data
 def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
     """`make train NPROC=2 TP=2 ARGS="--task dpo"` in small, on generated example data: float32, 1e-5 relative
     (reduction order only)."""

@@ -94,14 +94,15 @@ def test_vocab_parallel_cross_entropy(pool, tp, vocab, smoothing):
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cross_entropy_one_shard_is_the_function(smoothing):
-    """At tp = 1 vocab_parallel_cross_entropy takes the fused F.cross_entropy path: the same loss and gradient as the
-    vocab-parallel Function (padded vocabulary included, smoothed over all V columns), in float64."""
+    """At tp = 1 vocab_parallel_cross_entropy (the vocab-parallel Function on one shard) is F.cross_entropy: the same
+    loss and gradient (padded vocabulary included, smoothed over all V columns), in float64."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 3, P.pad_vocab(97, 8), generator=gen, dtype=torch.float64) * 3
     target, dloss = torch.randint(0, 97, (5, 3), generator=gen), torch.rand(5, 3, generator=gen, dtype=torch.float64)
     a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     fused = P.vocab_parallel_cross_entropy(a, target, None, smoothing)
-    ref = P._VocabParallelCrossEntropy.apply(b, target, None, smoothing)
+    ref = F.cross_entropy(b.reshape(-1, b.shape[-1]), target.reshape(-1), reduction="none",
+                          label_smoothing=smoothing).view(target.shape)
     (fused * dloss).sum().backward()
     (ref * dloss).sum().backward()
     torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)

@@ -535,17 +535,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1 - eps) * loss + eps * (log_z - sums[1] / V)
         softmax.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, idx, outside)
-        ctx.eps, ctx.V, ctx.consumed = eps, vp * n, False
+        ctx.eps, ctx.V = eps, vp * n
         return loss
 
     @staticmethod
     def backward(ctx, dloss):  # d loss / d z = softmax − (1−ε)·onehot − ε/V
         softmax, idx, outside = ctx.saved_tensors
-        if ctx.consumed:
-            raise RuntimeError("vocab_parallel_cross_entropy: a second backward (retain_graph) through one loss; its "
-                               "saved softmax became the first backward's gradient")
-        ctx.consumed = True
-        grad = softmax  # in place, as Megatron's backward: no second [s, b, V/tp] buffer
+        grad = softmax  # in place, as Megatron's backward (a second backward then fails autograd's version check)
         if ctx.eps > 0:
             grad -= ctx.eps / ctx.V
         grad.scatter_add_(-1, idx, -(1 - ctx.eps) * (~outside).unsqueeze(-1).to(grad.dtype))

@@ -108,6 +108,31 @@ def test_cross_entropy_one_shard_is_the_function(smoothing):
     torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
 
+
+def test_cross_entropy_second_backward_refused():
+    """The Function's backward turns its saved softmax into the gradient in place (Megatron's): a second backward
+    through the same loss (retain_graph) must fail loudly (autograd's version check), not return a wrong gradient."""
+    logits = torch.randn(4, 2, 16, dtype=torch.float64, requires_grad=True)
+    loss = P.vocab_parallel_cross_entropy(logits, torch.randint(0, 16, (4, 2))).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_swiglu_function_is_autograd():
+    """transformer.SwiGLU (backward into one buffer, no cat) gives autograd's silu(gate) * up and its gradient
+    bit for bit."""
+    import transformer
+    y = torch.randn(5, 3, 2 * 7, dtype=torch.float64)
+    a, b = y.clone().requires_grad_(), y.clone().requires_grad_()
+    g = torch.randn(5, 3, 7, dtype=torch.float64)
+    out = transformer.SwiGLU.apply(a)
+    gate, up = b.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(out, ref) and torch.equal(a.grad, b.grad)
+
 # --------------------------------------------------------------------------------------- 3. GPT TP == single
 def gpt_tp_case(rank, n, cfg, sp, batch_seed, b, s, break_f=False, eps=1e-8):
     grid = P.Grid(tp=n)

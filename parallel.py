@@ -524,7 +524,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         idx = local.masked_fill(outside, 0).unsqueeze(-1)
         z_target = z.gather(-1, idx).squeeze(-1).masked_fill(outside, 0.0)
         sums = torch.stack([z_target, z.sum(-1)]) if eps > 0 else z_target.unsqueeze(0)
-        softmax = z.exp()  # normalized in place below, once the denominator is known (one exp, not two)
+        softmax = z.exp_()  # in place (z is not needed again), normalized in place below: one [s, b, V/tp] buffer
         sum_exp = softmax.sum(-1)
         sums = _all_reduce(sums, g)  # 2: the target logit (owned by one rank) [and Σ z]
         sum_exp = _all_reduce(sum_exp, g)  # 3: the softmax denominator
@@ -541,11 +541,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):  # d loss / d z = softmax − (1−ε)·onehot − ε/V
         softmax, idx, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax  # in place, as Megatron's backward (a second backward then fails autograd's version check)
         if ctx.eps > 0:
             grad -= ctx.eps / ctx.V
         grad.scatter_add_(-1, idx, -(1 - ctx.eps) * (~outside).unsqueeze(-1).to(grad.dtype))
-        return grad * dloss.unsqueeze(-1), None, None, None
+        return grad.mul_(dloss.unsqueeze(-1)), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, target, grid_or_group=None, label_smoothing: float = 0.0):
@@ -553,11 +553,10 @@ def vocab_parallel_cross_entropy(logits, target, grid_or_group=None, label_smoot
     g = tp_of(grid_or_group) if isinstance(grid_or_group, Grid) else grid_or_group
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    if g is None or g.size == 1:  # one vocabulary shard: the same function, computed by the fused log-softmax kernel
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none",
-                               label_smoothing=float(label_smoothing)).view(target.shape)
-    return _VocabParallelCrossEntropy.apply(logits, target, g, float(label_smoothing))
+    # also at one shard (g None): one [s, b, V] buffer (the softmax, its own gradient in backward), where
+    # F.cross_entropy's log-softmax output, NLL-gradient zeros and log-softmax gradient make three
+    return _VocabParallelCrossEntropy.apply(logits, target, g if g is not None and g.size > 1 else None,
+                                            float(label_smoothing))
 
 
 # ============================================================================================================

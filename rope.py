@@ -38,9 +38,10 @@ def rope_cos_sin(s: int, d: int, base: float, device=None):
 def apply_rope(x, cos_sin):  # x [s, b, n, d]; cos, sin [s, 1, 1, r], r <= d: the first r dims rotate, the rest pass
     cos, sin = (t[: x.shape[0]].to(x.dtype) for t in cos_sin)
     r = cos.shape[-1]
-    x, rest = x[..., :r], x[..., r:]
+    if r < x.shape[-1]:  # only here the slices and the re-joining cat (each a copy of x, forward and backward)
+        return torch.cat([apply_rope(x[..., :r], (cos, sin)), x[..., r:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x * cos + torch.cat([-x2, x1], dim=-1) * sin, rest], dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin  # rotate-half: (x1, x2) -> (−x2, x1)
 
 
 # ---------------------------------------------------------------------------------------------- the scalings

@@ -131,6 +131,30 @@ class Attention(nn.Module):
                                                   is_causal=causal and mask is None, enable_gqa=self.g != self.n)
 
 
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) · up of fc1's output y = [gate; up] (Megatron's SwiGLUFunction, megatron/core/fusions/
+    fused_bias_swiglu.py). Autograd's chunk would join the two halves' gradients with a cat, one more copy of
+    [s, b, 2f]; this backward writes each half in place into one buffer. The ops are autograd's own (mul,
+    silu_backward), so the gradient is the same to the bit."""
+
+    @staticmethod
+    def forward(ctx, y):  # [s, b, 2f] -> [s, b, f]
+        gate, up = y.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(y, act)  # what autograd would keep: y (gate and up are its views) and silu(gate)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):  # [s, b, f] -> [s, b, 2f]
+        y, act = ctx.saved_tensors
+        gate, up = y.chunk(2, dim=-1)
+        dy = torch.empty_like(y)
+        dgate, dup = dy.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=dgate)
+        torch.mul(grad, act, out=dup)
+        return dy
+
+
 class MLP(nn.Module):
     """h -> f -> h. Gated (SwiGLU): fc1 holds [gate; up] fused, sharded with stride 2 so rank r has [gate_r; up_r]."""
 
@@ -147,7 +171,9 @@ class MLP(nn.Module):
 
     def forward(self, x):  # [s(/tp), b, h]
         y = self.linear_fc1(x)  # [s, b, f/tp] or [s, b, 2f/tp]
-        if self.gated:
+        if self.gated and self.act is F.silu:
+            y = SwiGLU.apply(y)  # [s, b, f/tp]
+        elif self.gated:
             gate, up = y.chunk(2, dim=-1)
             y = self.act(gate) * up
         else:

@@ -94,18 +94,44 @@ def test_vocab_parallel_cross_entropy(pool, tp, vocab, smoothing):
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cross_entropy_one_shard_is_the_function(smoothing):
-    """At tp = 1 vocab_parallel_cross_entropy takes the fused F.cross_entropy path: the same loss and gradient as the
-    vocab-parallel Function (padded vocabulary included, smoothed over all V columns), in float64."""
+    """At tp = 1 vocab_parallel_cross_entropy (the vocab-parallel Function on one shard) is F.cross_entropy: the same
+    loss and gradient (padded vocabulary included, smoothed over all V columns), in float64."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 3, P.pad_vocab(97, 8), generator=gen, dtype=torch.float64) * 3
     target, dloss = torch.randint(0, 97, (5, 3), generator=gen), torch.rand(5, 3, generator=gen, dtype=torch.float64)
     a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     fused = P.vocab_parallel_cross_entropy(a, target, None, smoothing)
-    ref = P._VocabParallelCrossEntropy.apply(b, target, None, smoothing)
+    ref = F.cross_entropy(b.reshape(-1, b.shape[-1]), target.reshape(-1), reduction="none",
+                          label_smoothing=smoothing).view(target.shape)
     (fused * dloss).sum().backward()
     (ref * dloss).sum().backward()
     torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_cross_entropy_second_backward_refused():
+    """The Function's backward turns its saved softmax into the gradient in place (Megatron's): a second backward
+    through the same loss (retain_graph) must fail loudly (autograd's version check), not return a wrong gradient."""
+    logits = torch.randn(4, 2, 16, dtype=torch.float64, requires_grad=True)
+    loss = P.vocab_parallel_cross_entropy(logits, torch.randint(0, 16, (4, 2))).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_swiglu_function_is_autograd():
+    """transformer.SwiGLU (backward into one buffer, no cat) gives autograd's silu(gate) * up and its gradient
+    bit for bit."""
+    import transformer
+    y = torch.randn(5, 3, 2 * 7, dtype=torch.float64)
+    a, b = y.clone().requires_grad_(), y.clone().requires_grad_()
+    g = torch.randn(5, 3, 7, dtype=torch.float64)
+    out = transformer.SwiGLU.apply(a)
+    gate, up = b.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(out, ref) and torch.equal(a.grad, b.grad)
 
 # --------------------------------------------------------------------------------------- 3. GPT TP == single
 def gpt_tp_case(rank, n, cfg, sp, batch_seed, b, s, break_f=False, eps=1e-8):

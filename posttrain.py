@@ -381,9 +381,24 @@ def example_samples(args, tok, eod):
     return samples
 
 
+def split_by_prompt(samples, valid_fraction: float):
+    """(train ids, valid ids) of samples [N, R, s+1], held out BY PROMPT: a sample is valid iff the hash of its prompt's
+    tokens (row 0 before the first response token) maps below valid_fraction in [0, 1). So every stage of a pipeline
+    (SFT -> DPO, RM, KTO) holds out the same prompts — an SFT run never trains on a prompt a later stage validates
+    on — and all records of one prompt fall on one side. At least one of each when N >= 2 and valid_fraction > 0."""
+    first = samples[:, 1].argmax(-1)  # [N] the first response token of row 0
+    u = np.array([int.from_bytes(hashlib.sha256(samples[i, 0, :f].astype("<i8").tobytes()).digest()[:8], "little")
+                  for i, f in enumerate(first)], dtype=np.float64) / 2.0 ** 64  # [N] uniform in [0, 1)
+    valid = u < valid_fraction
+    if len(u) >= 2 and valid_fraction > 0 and (valid.all() or not valid.any()):  # a tiny file, all on one side:
+        valid = u < u.max() if valid.all() else u <= u.min()  # the extreme prompt moves over
+    ids = np.arange(len(u))
+    return ids[~valid], ids[valid]
+
+
 def build_task_datasets(args, tok):
     """(train, valid or None) TaskDatasets for args.task from args.data_path's records or example_samples; the samples
-    are split by data.split_documents, then (SFT --packing) packed."""
+    are split by prompt (split_by_prompt), then (SFT --packing) packed."""
     task, s, eod, seed = args.task, args.seq_length, data.special_ids(tok)["eod"], args.seed
     if args.data_path:
         records = load_records(args.data_path, task)
@@ -392,7 +407,7 @@ def build_task_datasets(args, tok):
         samples = example_samples(args, tok, eod)
         wheres = [EXAMPLE_WHERE.format(j=j, task=task, seed=seed) for j in range(len(samples))]
     out = []
-    for ids, sd in zip(data.split_documents(len(samples), args.valid_fraction, seed), (seed, seed + 1)):
+    for ids, sd in zip(split_by_prompt(samples, args.valid_fraction), (seed, seed + 1)):
         part = samples[ids]
         if getattr(args, "packing", False) and len(ids):
             part = pack_sft(part, s, eod, [wheres[i] for i in ids])

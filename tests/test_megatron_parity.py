@@ -67,6 +67,12 @@ WORLD = 2  # every case runs on the 2-rank pool; TP=1 cases are TP=1 x DP=2 (bot
 
 
 # ============================================================================================ 1. shared helpers
+# tp -> Megatron's parallel-state globals after initialize_model_parallel: each call makes ~30 new process groups (two
+# gloo threads each) that destroy_model_parallel never frees, so a pool rank running every parity case would pile up
+# hundreds of groups and threads that steal the CPU; the groups depend only on (world, tp), so make them once.
+_MEGATRON_STATE: dict[int, dict] = {}
+
+
 @contextlib.contextmanager
 def megatron_on_cpu(tp: int, seed: int = 1234):
     """Megatron-core on CPU: the CUDA shims, its parallel_state over the existing default (gloo) group; undone on exit.
@@ -97,11 +103,15 @@ def megatron_on_cpu(tp: int, seed: int = 1234):
     try:
         for obj, name, new in patches:
             setattr(obj, name, new)
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+        if tp in _MEGATRON_STATE:  # this process made Megatron's groups for tp already: reuse them
+            vars(ps).update(_MEGATRON_STATE[tp])
+        else:
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+            _MEGATRON_STATE[tp] = {k: v for k, v in vars(ps).items() if k.startswith("_") and k.isupper()}
         mrandom.model_parallel_cuda_manual_seed(seed)
         yield
     finally:
-        ps.destroy_model_parallel()  # Megatron's globals only; the default group stays for the next case
+        ps.destroy_model_parallel()  # Megatron's globals only (the groups live on in _MEGATRON_STATE)
         for obj, name, old in saved:
             setattr(obj, name, old)
         torch.set_rng_state(cpu_rng)

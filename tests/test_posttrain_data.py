@@ -229,7 +229,7 @@ def test_build_packed_sft_from_a_file(tmp_path, tok, eod):
     args = argparse.Namespace(task="sft", data_path=str(path), seq_length=S, seed=5, valid_fraction=0.1, packing=False)
     plain = PT.build_task_datasets(args, tok)
     packed = PT.build_task_datasets(argparse.Namespace(**{**vars(args), "packing": True}), tok)
-    assert (len(plain[0]), len(plain[1])) == (36, 4) and len(packed[0]) < 36 // 4 and len(packed[1]) == 1
+    assert (len(plain[0]), len(plain[1])) == (38, 2) and len(packed[0]) < 38 // 4 and len(packed[1]) == 1  # by prompt
     for p, q in zip(plain, packed):  # the same response tokens, in the split's order
         got = np.concatenate([q.samples[i, 0][q.samples[i, 1] == 1] for i in range(len(q))])
         assert np.array_equal(got, np.concatenate([s[0][s[1] == 1] for s in p.samples]))
@@ -245,7 +245,7 @@ def test_build_from_example_records(monkeypatch, tmp_path, tok, task):
     train, valid = PT.build_task_datasets(args, tok)
     records = PT.example_records(task, tok, S, seed=5, files=FILES)
     n = len(records)
-    assert len(train) + len(valid) == n and train.num_rows == PT.ROWS[task] and len(valid) == round(0.05 * n)
+    assert len(train) + len(valid) == n and train.num_rows == PT.ROWS[task] and 0 < len(valid) < 0.15 * n  # ~5 % by prompt
     assert data.global_batch(train, 0, 8).shape == (8, PT.ROWS[task], S + 1)
     fresh = PT._samples(records, task, tok, S, eod=data.special_ids(tok)["eod"])  # [N, R, s+1], no cache
     assert len(list(tmp_path.glob("examples-*.npy"))) == 1
@@ -270,3 +270,18 @@ def test_example_samples_cache_key_and_damage(monkeypatch, tmp_path, tok, eod):
     path.write_bytes(path.read_bytes()[:1000])  # a cut-off file (the cache itself is written atomically)
     with pytest.raises(data.DataError, match=f"^{path}: a damaged example-samples cache .*delete it to rebuild$"):
         PT.example_samples(args, tok, eod)
+
+
+def test_split_by_prompt_holds_out_the_same_prompts_in_every_task(tok, eod):
+    """SFT and DPO records of the same prompts, in opposite orders, hold out the same prompts (an SFT run never trains
+    on a prompt the DPO stage validates on); a split by position (data.split_documents) would not."""
+    prompts = [f"Write f{i}." for i in range(60)]
+    sft = [{"prompt": p, "response": f"return {i}", "_where": "x"} for i, p in enumerate(prompts)]
+    dpo = [{"prompt": p, "chosen": "return 1", "rejected": "pass", "_where": "x"} for p in reversed(prompts)]
+    held = []
+    for records, task in ((sft, "sft"), (dpo, "dpo")):
+        _, valid = PT.split_by_prompt(PT._samples(records, task, tok, S, eod), 0.2)
+        held.append({records[i]["prompt"] for i in valid})
+    assert held[0] == held[1] and 0 < len(held[0]) < len(prompts)
+    by_position = [{records[i]["prompt"] for i in data.split_documents(60, 0.2, 5)[1]} for records in (sft, dpo)]
+    assert by_position[0] != by_position[1]  # the negative control: what a split by position would hold out

@@ -207,7 +207,8 @@ class Model(nn.Module):
         if labels is None:
             logits = P.gather_from_tp(logits, P.tp_of(self.grid))  # [s, b, V]
             return rearrange(logits, "s b v -> b s v")[..., : self.config.vocab_size]
-        loss = P.vocab_parallel_cross_entropy(logits, labels.t(), self.grid, self.config.label_smoothing)  # [s, b]
+        # the logits are not needed again: their buffer becomes the softmax (and, in backward, its gradient)
+        loss = P.vocab_parallel_cross_entropy(logits, labels.t(), self.grid, self.config.label_smoothing, inplace=True)
         return loss.t()  # [b, s]
 
 

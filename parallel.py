@@ -510,21 +510,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, g, eps):  # logits [s, b, V/tp], target [s, b]
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    def forward(ctx, logits, target, g, eps, inplace):  # logits [s, b, V/tp], target [s, b]
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # a copy, worked on in place
+        elif not inplace:
+            logits = logits.clone()
         n, r = (g.size, g.rank) if g is not None else (1, 0)
         vp = logits.shape[-1]
         zmax = logits.max(dim=-1).values
         if g is not None:
             _log("all_reduce", g, zmax)
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=g.pg)  # 1: global max for stability
-        z = logits - zmax.unsqueeze(-1)
+        z = logits.sub_(zmax.unsqueeze(-1))  # the one [s, b, V/tp] buffer: shifted logits, then exp, then softmax
         local = target - r * vp
         outside = (local < 0) | (local >= vp)
         idx = local.masked_fill(outside, 0).unsqueeze(-1)
         z_target = z.gather(-1, idx).squeeze(-1).masked_fill(outside, 0.0)
         sums = torch.stack([z_target, z.sum(-1)]) if eps > 0 else z_target.unsqueeze(0)
-        softmax = z.exp_()  # in place (z is not needed again), normalized in place below: one [s, b, V/tp] buffer
+        # exp of z < −80 is denormal or 0, which a CPU computes ~25× slower (untrained T5 logits reach z ≈ −100):
+        # clamped at −80, they change Σ exp(z) ≥ 1 (the max term is exp(0)) by < V·exp(−80) ≈ 1e-31 of it
+        softmax = z.clamp_(min=-80.0).exp_()
         sum_exp = softmax.sum(-1)
         sums = _all_reduce(sums, g)  # 2: the target logit (owned by one rank) [and Σ z]
         sum_exp = _all_reduce(sum_exp, g)  # 3: the softmax denominator
@@ -545,18 +550,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.eps > 0:
             grad -= ctx.eps / ctx.V
         grad.scatter_add_(-1, idx, -(1 - ctx.eps) * (~outside).unsqueeze(-1).to(grad.dtype))
-        return grad.mul_(dloss.unsqueeze(-1)), None, None, None
+        return grad.mul_(dloss.unsqueeze(-1)), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, grid_or_group=None, label_smoothing: float = 0.0):
-    """Per-token loss [s, b] from vocabulary-sharded logits [s, b, V/tp] without gathering the vocabulary."""
+def vocab_parallel_cross_entropy(logits, target, grid_or_group=None, label_smoothing: float = 0.0,
+                                 inplace: bool = False):
+    """Per-token loss [s, b] from vocabulary-sharded logits [s, b, V/tp] without gathering the vocabulary.
+    inplace: the logits' buffer becomes the softmax (Megatron's in-place forward): no second [s, b, V/tp] buffer,
+    and the logits are overwritten — for a caller that drops them (autograd refuses a backward through any other
+    use of them: their version changed)."""
     g = tp_of(grid_or_group) if isinstance(grid_or_group, Grid) else grid_or_group
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    if inplace and logits.is_leaf and logits.requires_grad:
+        raise ValueError("inplace=True needs logits a layer computed, not a leaf tensor that requires grad "
+                         f"(shape {tuple(logits.shape)}): its .grad would share its buffer")
     # also at one shard (g None): one [s, b, V] buffer (the softmax, its own gradient in backward), where
     # F.cross_entropy's log-softmax output, NLL-gradient zeros and log-softmax gradient make three
     return _VocabParallelCrossEntropy.apply(logits, target, g if g is not None and g.size > 1 else None,
-                                            float(label_smoothing))
+                                            float(label_smoothing), inplace)
 
 
 # ============================================================================================================

@@ -18,6 +18,8 @@ one line `train.py: error: ...`. Data order depends only on (seed, iteration): e
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import math
 import os
@@ -124,6 +126,18 @@ class LossScaler:
 # ============================================================================================================
 # 3. Training
 # ============================================================================================================
+def keep_freed_memory():
+    """glibc gives freed blocks over 32 MiB (mmap'd) and its heap's free top back to the kernel, so each step's
+    [s, b, V] logits and other large buffers fault in all their pages again: ~19,000 page faults an iteration of
+    the default run, 840 with this. mallopt: no mmap under 1 GiB, no trimming under 2 GiB — freed memory is reused,
+    the process stays at its peak. glibc (Linux) only; elsewhere this does nothing."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+            libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD
+
+
 def setup(args):
     """Validate everything, then make the process group, the grid and the model. Returns a dict of the pieces."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -138,6 +152,7 @@ def setup(args):
     config = model_config(args.model_module, args)
     checkpoint.check_same_model(args, ckpt, base)
     # ---- nothing above made a process group; everything below may
+    keep_freed_memory()
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     mesh, tp, pp, dp = None, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size

@@ -3,21 +3,22 @@
 A step is forward + backward + torch.optim.AdamW. Ours: the model's loss as train.py's recipe computes it (the SUM of
 the per-token losses / their count, + BERT's binary loss); Hugging Face: `hf(..., labels=...).loss` (its means).
 Our model is `<model>.from_hf(hf)`, so both start from the same weights. Rows: GPT-2 (GPT2LMHeadModel) and Llama
-(LlamaForCausalLM) as gpt.py, BERT (BertForPreTraining) as bert.py, T5 (T5ForConditionalGeneration) as t5.py,
-Mamba-2 (Mamba2ForCausalLM, its torch path: no CUDA kernels) as mamba.py — at the shapes of train.py's defaults and
-each model file's TRAIN_DEFAULTS where Hugging Face has the architecture (see SHAPES). Runs are interleaved (ours,
-HF, ours, HF, ...) after a warm-up, and each side's median tokens/s over the rounds is reported with the ratio
-ours / HF. Tokens: the b·s input tokens of a step (T5: the encoder's b·se, as train.py counts). On a busy machine,
-`--threads 1 --clock cpu` times each run by this process's CPU time (time.process_time) instead of the wall clock:
-with one thread no thread waits for another, so what the process computes is timed, not how long it waited for a
-core (the ratio it gives is the one to compare; absolute tokens per CPU-second are not a wall-clock throughput).
+(LlamaForCausalLM) as gpt.py, BERT (BertForPreTraining) as bert.py, T5 (T5ForConditionalGeneration) as t5.py, Mamba-2
+(Mamba2ForCausalLM, its torch path: no CUDA kernels) as mamba.py — at the shapes of train.py's defaults and each model
+file's TRAIN_DEFAULTS where Hugging Face has the architecture (see SHAPES). Each row runs in a fresh process; its runs
+are interleaved (ours, HF, ours, HF, ...) after a warm-up, and each side's median tokens/s over the rounds is reported
+with the ratio ours / HF. Tokens: the b·s input tokens of a step (T5: the encoder's b·se, as train.py counts). On a
+busy machine, `--threads 1 --clock cpu` times each run by this process's CPU time (time.process_time) instead of the
+wall clock: with one thread no thread waits for another, so what the process computes is timed, not how long it waited
+for a core (the ratio it gives is the one to compare; absolute tokens per CPU-second are not a wall-clock throughput).
 
-    .venv/bin/python bench/bench_hf.py [--rounds 5] [--steps 2] [--threads 2] [--only gpt2 llama bert t5 mamba2]
+    .venv/bin/python bench/bench_hf.py [--rounds 9] [--steps 1] [--threads 2] [--only gpt2 llama bert t5 mamba2]
                                        [--clock wall|cpu] [--profile] [--parts]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -177,14 +178,15 @@ def parts(rounds: int, clock):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=2, help="steps per timed run")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=1, help="steps per timed run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="+", choices=list(SHAPES), default=None)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables (2 steps each) first")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: this process's CPU time (busy machine)")
     ap.add_argument("--parts", action="store_true", help="only time the Llama row's attention / MLP / layer / head")
+    ap.add_argument("--row", choices=list(SHAPES), help=argparse.SUPPRESS)  # internal: run one row in this process
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import transformers
@@ -200,11 +202,21 @@ def main():
         parts(3 * a.rounds, clock)
         print(f"load at end: {load()}")
         return
+    if a.row:  # a child: one row, its result as a JSON line for the parent
+        desc, b, s, med, tps = bench(a.row, a.rounds, a.steps, a.warmup, a.profile, clock)
+        print(f"{a.row}: ours {[round(t) for t in tps['ours']]}  hf {[round(t) for t in tps['hf']]}", flush=True)
+        print("ROW " + json.dumps([desc, b, s, med]))
+        return
+    # each row in a fresh process: one row's allocator state (glibc's heap, its mmap threshold) must not carry into
+    # the next — the Llama row run after the GPT-2 row in one process measured 0.97×, alone 1.06-1.10×
     rows = []
     for which in (a.only or list(SHAPES)):
-        desc, b, s, med, tps = bench(which, a.rounds, a.steps, a.warmup, a.profile, clock)
-        rows.append((desc, b, s, med))
-        print(f"{which}: ours {[round(t) for t in tps['ours']]}  hf {[round(t) for t in tps['hf']]}", flush=True)
+        child = subprocess.run([sys.executable, *sys.argv, "--row", which], capture_output=True, text=True)
+        out = [ln for ln in child.stdout.splitlines() if not ln.startswith(("command:", "machine:", "load at"))]
+        if child.returncode != 0 or not out or not out[-1].startswith("ROW "):
+            sys.exit(f"bench_hf.py: the {which} row failed (exit {child.returncode}):\n{child.stderr[-2000:]}")
+        print("\n".join(out[:-1]), flush=True)
+        rows.append(json.loads(out[-1][4:]))
     print(f"load at end: {load()}")
     unit = "tokens per CPU-second" if a.clock == "cpu" else "tokens/s"
     print(f"\n{a.rounds} interleaved rounds of {a.steps} steps after {a.warmup} warm-up steps; medians, {unit}\n")

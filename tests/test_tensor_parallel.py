@@ -64,22 +64,24 @@ def test_mappings_match_formulas(pool, tp):
 
 
 # --------------------------------------------------------------------------------------- 2. vocab-parallel CE
-def ce_case(rank, n, vocab, padded, smoothing, seed):
+def ce_case(rank, n, vocab, padded, smoothing, seed, inplace=False):
     grid = P.Grid(tp=n)
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(5, 3, padded, generator=gen, dtype=torch.float64) * 3  # [s, b, V] same on all ranks
     target = torch.randint(0, vocab, (5, 3), generator=gen)
-    local = P.shard(logits, 2, 1, grid.tp.rank, n).requires_grad_()
-    loss = P.vocab_parallel_cross_entropy(local, target, grid, smoothing)
+    leaf = P.shard(logits, 2, 1, grid.tp.rank, n).requires_grad_()
+    local = leaf * 1.0 if inplace else leaf  # in place: logits a layer computed (autograd keeps no copy of them)
+    loss = P.vocab_parallel_cross_entropy(local, target, grid, smoothing, inplace=inplace)
     dloss = torch.rand(5, 3, generator=gen, dtype=torch.float64)
     loss.backward(dloss)
-    return logits, target, dloss, loss.detach(), local.grad
+    return logits, target, dloss, loss.detach(), leaf.grad
 
 
-@pytest.mark.parametrize("tp,vocab,smoothing", [(2, 97, 0.0), (4, 250, 0.0), (2, 97, 0.1), (4, 1001, 0.2)])
-def test_vocab_parallel_cross_entropy(pool, tp, vocab, smoothing):
+@pytest.mark.parametrize("tp,vocab,smoothing,inplace", [(2, 97, 0.0, False), (4, 250, 0.0, True), (2, 97, 0.1, True),
+                                                        (4, 1001, 0.2, False)])
+def test_vocab_parallel_cross_entropy(pool, tp, vocab, smoothing, inplace):
     padded = P.pad_vocab(vocab, 8)  # vocab sizes TP does not divide, padded as the model does
-    res = pool.run(ce_case, tp, vocab=vocab, padded=padded, smoothing=smoothing, seed=tp + vocab)
+    res = pool.run(ce_case, tp, vocab=vocab, padded=padded, smoothing=smoothing, seed=tp + vocab, inplace=inplace)
     logits, target, dloss = res[0][:3]
     full = logits.clone().requires_grad_()
     ref = F.cross_entropy(full.reshape(-1, padded), target.reshape(-1), reduction="none",
@@ -92,21 +94,40 @@ def test_vocab_parallel_cross_entropy(pool, tp, vocab, smoothing):
 
 
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_cross_entropy_one_shard_is_the_function(smoothing):
+@pytest.mark.parametrize("smoothing,inplace", [(0.0, False), (0.1, False), (0.0, True), (0.1, True)])
+def test_cross_entropy_one_shard_is_the_function(smoothing, inplace):
     """At tp = 1 vocab_parallel_cross_entropy (the vocab-parallel Function on one shard) is F.cross_entropy: the same
-    loss and gradient (padded vocabulary included, smoothed over all V columns), in float64."""
+    loss and gradient (padded vocabulary included, smoothed over all V columns), in float64; in place too (the
+    logits' buffer becomes the softmax: they are overwritten). Logits spanning 200 nats check the clamp of exp at
+    z < −80 (denormals): it changes nothing visible in float64."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 3, P.pad_vocab(97, 8), generator=gen, dtype=torch.float64) * 3
+    logits[0, 0, :40] -= 200.0  # z far below −80 (exp(−200) ≈ 1e-87: float64 keeps it, the clamp replaces it)
     target, dloss = torch.randint(0, 97, (5, 3), generator=gen), torch.rand(5, 3, generator=gen, dtype=torch.float64)
+    target[0, 0] = 3  # a target in the clamped range: its log-probability is ≈ −200, its gradient ≈ −1
     a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    fused = P.vocab_parallel_cross_entropy(a, target, None, smoothing)
+    fused = P.vocab_parallel_cross_entropy(a * 1.0 if inplace else a, target, None, smoothing, inplace=inplace)
     ref = F.cross_entropy(b.reshape(-1, b.shape[-1]), target.reshape(-1), reduction="none",
                           label_smoothing=smoothing).view(target.shape)
     (fused * dloss).sum().backward()
     (ref * dloss).sum().backward()
     torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_cross_entropy_inplace_refuses_other_uses():
+    """inplace=True overwrites the logits: a backward through another op that saved them fails autograd's version
+    check (no silently wrong gradient), and a leaf that requires grad is refused before anything is overwritten."""
+    x = torch.randn(4, 2, 16, dtype=torch.float64, requires_grad=True)
+    logits = x * 1.0
+    other = logits.pow(2).sum()  # saves the logits
+    loss = P.vocab_parallel_cross_entropy(logits, torch.randint(0, 16, (4, 2)), inplace=True).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
+    before = x.detach().clone()
+    with pytest.raises(ValueError, match="inplace=True.*leaf"):
+        P.vocab_parallel_cross_entropy(x, torch.randint(0, 16, (4, 2)), inplace=True)
+    assert torch.equal(x.detach(), before)
 
 
 def test_cross_entropy_second_backward_refused():

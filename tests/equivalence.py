@@ -101,7 +101,8 @@ def reference_steps(model, opt, micro, num_tokens, clip, steps, after_step=None)
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a − b| / max |b| (an absolute floor of 1e-300 keeps all-zero tensors comparable)."""
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def assert_same(got: dict, ref: dict, rtol: float, what: str = ""):

@@ -50,8 +50,8 @@ sample: $(STAMP)
 	$(PY) train.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)
 
 # Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs
-# Hugging Face transformers (GPT-2, Llama, BERT, T5, Mamba-2 rows), one process, fp32 (bench/bench_hf.py, ~3 min
-# quiet, estimated from its per-step CPU times; its table in README).
+# Hugging Face transformers (GPT-2, Llama, BERT, T5, Mamba-2 rows, each in a fresh process), fp32 (bench/bench_hf.py;
+# the whole target 2 min 23 s quiet on 2 cores; its table in README and bench/README.md).
 bench: $(STAMP)
 	$(LAUNCH) train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --train-iters 30 --log-interval 10 \
 		--eval-iters 0 $(ARGS)

@@ -5,7 +5,7 @@ optimizer step, evaluation) and optimizer/grad_scaler.py (dynamic loss scaling).
 loop you can read. The flags live in arguments.py (megatron/training/arguments.py), checkpoints in checkpoint.py
 (checkpointing.py), the optimizers (plain and distributed, one interface) in parallel.py section 9.
 
-    make train MODEL=gpt                                       # the default run below: ~9 min on 2 CPU cores
+    make train MODEL=gpt                                       # the default run below: ~7.5 min on 2 CPU cores
     python train.py --save runs/gpt                            # the same, without make
     python train.py --train-iters 50 --num-layers 2 --save runs/tiny --data-path my.jsonl --json-keys text
     torchrun --nproc_per_node 2 train.py --tensor-model-parallel-size 2 --sequence-parallel --save runs/tp2

@@ -193,6 +193,22 @@ def test_first_layers_dense():
                                                  "decoder.layers.3.mlp.router.expert_bias"]
 
 
+def test_from_megatron_loads_the_expert_bias():
+    """Megatron-core's TopKRouter keeps the aux-loss-free bias as a persistent buffer, `...mlp.router.expert_bias`
+    (float32 [E]; building one needs CUDA, so the state dict here is ours, which has Megatron's names, behind
+    Megatron's DDP prefix): gpt.from_megatron loads it into our buffer, and refuses one of the wrong size by name."""
+    c = gpt.Config(**{**DEEPSEEK, "num_layers": 4, "moe_layer_freq": [0, 0, 1, 1]})
+    sd = {"module." + k: v for k, v in gpt.Model(c).state_dict().items()}
+    bias = torch.randn(8, dtype=torch.float64)
+    sd["module.decoder.layers.3.mlp.router.expert_bias"] = bias
+    m = gpt.from_megatron(sd, c)
+    assert torch.equal(m.decoder.layers[3].mlp.router.expert_bias, bias)
+    assert not m.decoder.layers[2].mlp.router.expert_bias.any()  # the checkpoint's own zeros
+    sd["module.decoder.layers.3.mlp.router.expert_bias"] = torch.zeros(7, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"decoder\.layers\.3\.mlp\.router\.expert_bias: checkpoint shape \(7,\)"):
+        gpt.from_megatron(sd, c)
+
+
 # --------------------------------------------------------------------------------------- 3. layouts vs one process
 DEEPSEEK = dict(num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32, vocab_size=97,
                 max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64,

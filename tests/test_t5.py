@@ -6,14 +6,18 @@ order of reductions differs).
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from hypothesis import given
 from hypothesis import strategies as st
 
 import parallel as P
 import t5
+import transformer
 from equivalence import assert_same, train_steps
 
 V = 211
@@ -297,3 +301,22 @@ def test_train_py_recipe_unpacks_and_counts_target_tokens():
                                attention_dropout=0.0))
     loss_func, count = t5.batch_recipe(flat)
     assert count == 4 * t5.corrupted_lengths(33)[3] and torch.isclose(loss_func(model, flat), t5.t5_loss(model, out))
+
+
+@pytest.mark.parametrize("groups,scale", [(4, 1.0), (2, 0.125)], ids=["mha-unscaled", "gqa-scaled"])
+def test_biased_attention_is_sdpa(groups, scale):
+    """transformer.Attention.biased_attention (an additive float bias, written out) = SDPA with the same float mask:
+    output and the gradients of q, k, v and the bias, float64 to 1e-12, grouped-query heads and a scale included."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, groups, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(1, 4, 6, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    att = types.SimpleNamespace(g=groups, n=4, scale=scale)
+    ours = transformer.Attention.biased_attention(att, q, k, v, bias, 0.0)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=groups != 4)
+    dy = torch.randn(ours.shape, generator=gen, dtype=torch.float64)
+    g_ours = torch.autograd.grad(ours, (q, k, v, bias), dy)
+    g_ref = torch.autograd.grad(ref, (q, k, v, bias), dy)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -279,7 +279,7 @@ def init_ssm_params(module: nn.Module, seed: int, grid, rename=lambda n: n):
     for name, p in module.named_parameters():
         if hasattr(p, "ssm_init"):
             shape = [d * (n if i == p.partition_dim else 1) for i, d in enumerate(p.shape)]
-            u = torch.rand(shape, generator=torch.Generator().manual_seed(P._seed_for(seed, rename(name))),
+            u = torch.rand(shape, generator=torch.Generator().manual_seed(P.seed_for(seed, rename(name))),
                            dtype=torch.float64)
             p.copy_(P.shard(p.ssm_init(u), p.partition_dim, p.partition_stride, r, n).to(p.dtype))
 

@@ -201,7 +201,9 @@ def _log(kind: str, g: Group, t: torch.Tensor, times: int = 1):
         COMM_LOG.append((kind, g.name, times * t.numel() * t.element_size()))
 
 
-def _all_reduce(x, g: Group | None):
+def all_reduce(x, g: Group | None):
+    """The sum of x over group g, as a new tensor (a caller's x, e.g. a grad, is never reduced in place); x itself
+    when g is None or of size 1. Public: the loop and post-training reduce their losses and metrics with it."""
     if g is None or g.size == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)  # never reduce a caller's tensor (e.g. a grad) in place
@@ -247,13 +249,13 @@ class _CopyToTP(torch.autograd.Function):  # f
 
     @staticmethod
     def backward(ctx, dy):
-        return _all_reduce(dy, ctx.g), None
+        return all_reduce(dy, ctx.g), None
 
 
 class _ReduceFromTP(torch.autograd.Function):  # g (Shoeybi et al.)
     @staticmethod
     def forward(ctx, x, g):
-        return _all_reduce(x, g)
+        return all_reduce(x, g)
 
     @staticmethod
     def backward(ctx, dy):
@@ -386,7 +388,8 @@ def unshard(shards: list[torch.Tensor], dim: int, stride) -> torch.Tensor:
     return torch.cat([pieces[r][i] for i in range(stride) for r in range(len(shards))], dim=dim)
 
 
-def _seed_for(seed: int, name: str) -> int:
+def seed_for(seed: int, name: str) -> int:
+    """The generator seed of the parameter with global name `name`: (seed · 1,000,003 + crc32(name)) mod 2^63."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
@@ -409,7 +412,7 @@ def init_params(module: nn.Module, seed: int, grid: Grid | None, rename=lambda n
             full_shape[p.partition_dim] *= size
         kind, *args = p.init
         if kind == "normal":
-            gen = torch.Generator().manual_seed(_seed_for(seed, rename(name)))
+            gen = torch.Generator().manual_seed(seed_for(seed, rename(name)))
             full = torch.randn(full_shape, generator=gen, dtype=torch.float64) * args[0]
         elif kind in ("zeros", "ones"):
             full = torch.zeros(full_shape) if kind == "zeros" else torch.ones(full_shape)
@@ -531,8 +534,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # clamped at −80, they change Σ exp(z) ≥ 1 (the max term is exp(0)) by < V·exp(−80) ≈ 1e-31 of it
         softmax = z.clamp_(min=-80.0).exp_()
         sum_exp = softmax.sum(-1)
-        sums = _all_reduce(sums, g)  # 2: the target logit (owned by one rank) [and Σ z]
-        sum_exp = _all_reduce(sum_exp, g)  # 3: the softmax denominator
+        sums = all_reduce(sums, g)  # 2: the target logit (owned by one rank) [and Σ z]
+        sum_exp = all_reduce(sum_exp, g)  # 3: the softmax denominator
         log_z = sum_exp.log()
         loss = log_z - sums[0]
         if eps > 0:
@@ -675,7 +678,7 @@ def _sum_grads(params, g: Group, attr: str = "grad"):
     if not params:
         return
     grads = [getattr(p, attr) for p in params]
-    flat = _all_reduce(torch.cat([t.reshape(-1) for t in grads]), g)
+    flat = all_reduce(torch.cat([t.reshape(-1) for t in grads]), g)
     for t, new in zip(grads, flat.split([t.numel() for t in grads])):
         t.copy_(new.view_as(t))
 
@@ -983,11 +986,11 @@ def clip_by_global_norm(sq, grads, max_norm: float | None, grid: Grid | None, dp
     different experts) and nothing over DP: plain DP grads are already summed, so DP ranks agree.
     Scales `grads` by max_norm / norm when above max_norm (0/None: off). Returns the norm before clipping."""
     if grid is not None:
-        sq = _all_reduce(sq, grid.mp)
+        sq = all_reduce(sq, grid.mp)
         if dp_sliced:
-            sq = _all_reduce(sq, grid.dp_cp)
+            sq = all_reduce(sq, grid.dp_cp)
         elif grid.ep_size > 1:
-            sq[1:] = _all_reduce(sq[1:], grid.ep)
+            sq[1:] = all_reduce(sq[1:], grid.ep)
     norm = sq.sum().sqrt()
     if max_norm is not None and max_norm > 0 and float(norm) > max_norm:
         for g in grads:
@@ -1128,7 +1131,7 @@ class DDP:
                 continue
             if emb is not None and emb.size > 1 and any(getattr(p, "shared_embedding", False) for p in b.params):
                 for p in b.params:  # tied embedding: first + last stage's local sums, before the DP sum
-                    p.main_grad.copy_(_all_reduce(p.main_grad, emb))
+                    p.main_grad.copy_(all_reduce(p.main_grad, emb))
             self._launch(b)
         for b in self.buckets:
             if b.handle is not None:
@@ -1338,7 +1341,7 @@ class Router(nn.Module):
     @torch.no_grad()
     def after_step(self):  # the optimizers' post-step hook (section 7's after_step): aux-loss-free load balancing
         if self.expert_bias is not None:
-            load = _all_reduce(self.step_tokens, self.dp)  # [E] the global batch's tokens per expert
+            load = all_reduce(self.step_tokens, self.dp)  # [E] the global batch's tokens per expert
             self.expert_bias += self.c.moe_router_bias_update_rate * torch.sign(load.mean() - load)
         self.step_tokens = self.weight.new_zeros(self.E)
 
@@ -1372,7 +1375,7 @@ class Router(nn.Module):
         aux_map = routing_map  # the switch loss's routing: plain top-k of the scores (Megatron's aux-loss scores)
         if c.moe_router_group_topk or self.expert_bias is not None:
             aux_map = torch.zeros_like(routing_map).scatter(1, scores.topk(k, dim=-1).indices, True)
-        stats = _all_reduce(torch.cat([routing_map.sum(0).to(logits.dtype), aux_map.sum(0).to(logits.dtype),
+        stats = all_reduce(torch.cat([routing_map.sum(0).to(logits.dtype), aux_map.sum(0).to(logits.dtype),
                                        scores.detach().sum(0),
                                        torch.logsumexp(logits.detach(), -1).square().sum()[None]]), self.tp)
         counts, aux_counts = stats[:E], stats[E:2 * E]  # tokens per expert over the micro-batch (all TP ranks)
@@ -1556,12 +1559,6 @@ class MoELayer(nn.Module):
         if self.ep is not None or self.etp is not None:
             raise ValueError("MoELayer.reference needs all experts whole on one rank (ep = etp = 1)")
         return sum(probs[:, e, None] * self.experts.expert(e, x) for e in range(self.E))
-
-
-def moe_set_num_tokens(chunks, num_tokens):
-    """What the schedules do before the first micro-batch (set_num_tokens, section 7), for a model run outside them:
-    every Router learns the global batch's loss-token count."""
-    set_num_tokens(chunks, num_tokens)
 
 
 def moe_load(model, reset: bool = True) -> torch.Tensor | None:

@@ -554,7 +554,7 @@ class Task:
         """KTO's z0 from this rank's (policy − reference) KL-row log-probs at their indices [g] (0 elsewhere)."""
         total = diff.sum().reshape(1)
         for group in (self.grid.dp, self.grid.pp):  # each sample is held by one DP rank's last stage
-            total = P._all_reduce(total, group)
+            total = P.all_reduce(total, group)
         return (total / g).clamp_min(0)[0]
 
     @torch.no_grad()

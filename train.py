@@ -222,7 +222,7 @@ def evaluate(s, valid, args, stage_step, autocast):
                 counts[name] = counts.get(name, 0) + torch.tensor(hits, dtype=torch.float64, device=device)
     total = torch.cat([total] + list(counts.values()))
     for g in (grid.pp, grid.dp, grid.cp):  # the last stage holds the loss; each DP and CP rank its part
-        total = P._all_reduce(total, g)
+        total = P.all_reduce(total, g)
     for c in chunks:
         c.train()
     return dict(val_loss=float(total[0]) / args.eval_iters,
@@ -327,10 +327,10 @@ def train(args):
         optimizer.finish_grad_sync()  # SP norm grads over TP; tied embedding over stages; sum over DP
         load = P.moe_load(model)  # MoE: tokens per expert [MoE layers, E] routed in this step, this DP rank
         if load is not None:
-            window["moe_load"] = window.get("moe_load", 0) + P._all_reduce(load.to(device), grid.dp).cpu()
+            window["moe_load"] = window.get("moe_load", 0) + P.all_reduce(load.to(device), grid.dp).cpu()
         loss = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)
         for g in (grid.pp, grid.dp, grid.cp):  # the last stage holds the loss; each DP and CP rank its part of the mean
-            loss = P._all_reduce(loss, g)
+            loss = P.all_reduce(loss, g)
         overflow = scaler.unscale_and_check(params)  # fp16: inf/nan grads on any rank -> skip, halve the scale
         grad_norm = float("nan") if overflow else float(optimizer.clip_grad_norm(args.clip_grad))  # each param once
         # ---- non-finite loss or grad norm: stop before the step (so no checkpoint holds it), or skip it. Both values

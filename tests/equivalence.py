@@ -75,9 +75,9 @@ def clipped_steps(chunks, grid, opt, micro, num_tokens, shape, dtype, clip, step
             first = first_step(log)
         norms.append(opt.clip_grad_norm(clip))
         opt.step()
-        losses.append(P._all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp_cp)
+        losses.append(P.all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp_cp)
                       if grid.pp.rank == grid.pp_size - 1 else torch.zeros(1, dtype=torch.float64))
-    return dict(first, losses=P._all_reduce(torch.cat(losses), grid.pp), norms=torch.stack(norms))
+    return dict(first, losses=P.all_reduce(torch.cat(losses), grid.pp), norms=torch.stack(norms))
 
 
 def reference_steps(model, opt, micro, num_tokens, clip, steps, after_step=None):

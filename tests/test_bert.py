@@ -107,7 +107,7 @@ def train_bert(grid, cfg, sp, M, batch, steps=2):
         P.finalize_grads(chunks, grid)
         loss = torch.as_tensor(loss, dtype=torch.float64).reshape(1)
         if grid is not None:
-            loss = P._all_reduce(P._all_reduce(loss, grid.dp_cp), grid.pp)  # only last stages hold a part
+            loss = P.all_reduce(P.all_reduce(loss, grid.dp_cp), grid.pp)  # only last stages hold a part
         losses.append(loss)
         if step == 0:
             grads = named(chunks, grid, True)

@@ -68,12 +68,12 @@ def iteration_case(rank, n, shape, tp=1, pp=1, dp=1, ep=1, sp=False, ddp=False, 
         opt.finish_grad_sync()
         load = P.moe_load(torch.nn.ModuleList(chunks))
         if load is not None:  # train.py logs the tokens per expert of the whole DP group
-            P._all_reduce(load, grid.dp)
+            P.all_reduce(load, grid.dp)
         loss = torch.as_tensor(loss, dtype=torch.float64).reshape(1)
         for g in (grid.pp, grid.dp):  # train.py: the logged loss, reduced over PP and DP
-            loss = P._all_reduce(loss, g)
+            loss = P.all_reduce(loss, g)
         if extra:  # the negative control: one all-reduce nobody asked for
-            P._all_reduce(loss, grid.tp)
+            P.all_reduce(loss, grid.tp)
         opt.clip_grad_norm(1.0)
         opt.step()
         if fp8 is not None:  # train.py: after the step, the delayed recipe's amaxes -> next step's scales

@@ -140,7 +140,7 @@ def bf16_case(rank, n, steps=3):
         ddp.finish_grad_sync()
         opt.clip_grad_norm(CLIP)
         opt.step()
-        losses.append(P._all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp))
+        losses.append(P.all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp))
     master = torch.cat([m.clone() for m in opt.master])
     if ddp.distopt and n > 1:  # whole fp32 master weights: all-gather the slices
         full = torch.zeros_like(ddp.grad_buffer)

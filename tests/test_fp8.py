@@ -208,7 +208,7 @@ def fp8_train(model, grid, batch, recipe, steps=2):
         P.finalize_grads(model, grid)  # SP norm grads over TP, sum over DP
         state.update()
         if step > 0:
-            losses.append(P._all_reduce(loss.detach(), dp))
+            losses.append(P.all_reduce(loss.detach(), dp))
             grads = named_full(model, grid, grads=True)
             opt.step()
     scales = torch.stack([t.scale for t in state.tensors()])

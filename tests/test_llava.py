@@ -196,7 +196,7 @@ def optimizer_case(rank, n, cfg, tp, distopt, b=4, seed=3, steps=2):
         opt.finish_grad_sync()
         opt.clip_grad_norm(0.05)
         opt.step()
-        losses.append(P._all_reduce(torch.as_tensor(loss).reshape(1), grid.dp) if grid else torch.as_tensor(loss))
+        losses.append(P.all_reduce(torch.as_tensor(loss).reshape(1), grid.dp) if grid else torch.as_tensor(loss))
     state = {id(p) for p in opt.full_state()}
     return dict(losses=torch.cat([x.reshape(1) for x in losses]),
                 params={model.global_name(k): P.gather_full(p.data, p, grid) for k, p in model.named_parameters()},

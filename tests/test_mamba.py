@@ -121,7 +121,7 @@ def mamba_case(rank, n, cfg, tp, dp, sp, b, s, plain_in_proj=False):
 
     def loss_fn(model, batch):  # this DP rank's rows; the sum is divided by the *global* token count
         local = batch.chunk(dp)[grid.dp.rank]
-        P.moe_set_num_tokens(model, batch[:, 1:].numel())  # MoE aux losses follow the same rule (the schedules do this)
+        P.set_num_tokens(model, batch[:, 1:].numel())  # MoE aux losses follow the same rule (the schedules do this)
         return model(local[:, :-1], labels=local[:, 1:]).sum() / batch[:, 1:].numel()
 
     rec = train_steps(model, grid, batch, loss_fn=loss_fn)
@@ -158,7 +158,7 @@ def test_moe_layers_in_the_hybrid_stack_equal_single_process_float64(pool, tp, d
     cfg = dict(TINY, hybrid_layer_pattern="ME*E", num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
                mamba_num_groups=2, seed=5)
     def micro_batched(model, batch):  # the aux loss is per micro-batch (as Megatron's): the reference sees dp of them
-        P.moe_set_num_tokens(model, batch[:, 1:].numel())
+        P.set_num_tokens(model, batch[:, 1:].numel())
         return sum(model(mb[:, :-1], labels=mb[:, 1:]).sum() for mb in batch.chunk(dp)) / batch[:, 1:].numel()
 
     ref = train_steps(mamba.Model(mamba.Config(**cfg)), None, make_batch(cfg["vocab_size"], 2 * dp, 8, seed=7),

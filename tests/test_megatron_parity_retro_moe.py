@@ -34,7 +34,7 @@ add_bias_linear False, the all-gather dispatcher, switch load-balancing loss (co
   - Aux losses: both define them per micro-batch exactly alike (f_i = tokens to i / (T·k): the 1/k is in both;
     z-loss = coeff · mean logsumexp²), and both inject them in backward through an identity autograd function. The
     weight they enter with: Megatron's MoEAuxLossAutoScaler.main_loss_backward_scale (its schedule sets it to
-    loss_scale / num_micro_batches), ours T / num_tokens (moe_set_num_tokens: the global batch's loss tokens). The
+    loss_scale / num_micro_batches), ours T / num_tokens (set_num_tokens: the global batch's loss tokens). The
     test emulates M = 2 equal micro-batches of T = b·s tokens: Megatron's scale 1/2, our num_tokens 2·T, so both
     weigh the aux losses by 1/2; the objective's main part Σ w·loss is the same in both. The router's gradient
     therefore includes both aux losses' gradients and is compared like every other.
@@ -294,7 +294,7 @@ def moe_case(rank, n, tp, b=2, s=12, seed=7, wrong_experts=False, aux_weight=Non
         full = seeded_full_state(mc, tp, seed)
         load_into_megatron(mc, full, tp, c.gated_linear_unit)
         ours = gpt.from_megatron(swap_experts(full, 0, 1) if wrong_experts else full, c, grid)
-        P.moe_set_num_tokens(ours, b * s * (MICRO_BATCHES if aux_weight is None else 1 / aux_weight))  # T / num_tokens
+        P.set_num_tokens(ours, b * s * (MICRO_BATCHES if aux_weight is None else 1 / aux_weight))  # T / num_tokens
         mc.ddp_config = type("DDPConfig", (), {"use_megatron_fsdp": False})()  # what Megatron's finalize reads
         got, ref = run_both(mc, ours, grid, tp, dict(input_ids=ids[:, :-1], position_ids=torch.arange(s).expand(b, s),
                                                      attention_mask=causal_mask(s)),

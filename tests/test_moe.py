@@ -213,8 +213,8 @@ def moe_case(rank, n, cfg, tp, ep, etp, M, b, s, pp=1, break_aux_rule=False, ign
     batch = make_batch(cfg["vocab_size"], b, s, 5)
     rec = train(chunks, grid, list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M)), batch[:, 1:].numel())
     rec["dispatcher_calls"] = calls
-    rec["losses"] = P._all_reduce(P._all_reduce(rec["losses"], grid.dp), grid.pp)  # the last stage has them
-    rec["load"] = P._all_reduce(rec["load"], grid.dp)  # each micro-batch's counts are whole on every TP rank
+    rec["losses"] = P.all_reduce(P.all_reduce(rec["losses"], grid.dp), grid.pp)  # the last stage has them
+    rec["load"] = P.all_reduce(rec["load"], grid.dp)  # each micro-batch's counts are whole on every TP rank
     rec["load"] = P._gather(rec["load"], grid.pp if pp > 1 else None, 1)  # [steps, MoE layers, E] of all stages
     return rec
 

@@ -210,7 +210,7 @@ def train_packed(grid, cfg, sp, vp, M, steps=2, local_count=False):
                                   num_tokens, grid, shape, f64)
         P.finalize_grads(chunks, grid)
         if grid is not None:
-            loss = P._all_reduce(torch.as_tensor(loss, dtype=f64), grid.dp_cp)
+            loss = P.all_reduce(torch.as_tensor(loss, dtype=f64), grid.dp_cp)
         losses.append(torch.as_tensor(loss).detach().clone())
         grads = _named(chunks, grid, True) if step == 0 else grads
         opt.step()

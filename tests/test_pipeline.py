@@ -41,7 +41,7 @@ def train_pipelined(grid, cfg, tp_sp, vp, M, b, s, steps=2, seed=7):
                                   trace=trace if step == 0 else None)
         P.finalize_grads(chunks, grid)
         if grid is not None:  # each DP rank holds its share of the global loss
-            loss = P._all_reduce(torch.as_tensor(loss, dtype=c.params_dtype), grid.dp_cp)
+            loss = P.all_reduce(torch.as_tensor(loss, dtype=c.params_dtype), grid.dp_cp)
         losses.append(torch.as_tensor(loss).detach().clone())
         if step == 0:
             grads = _named(chunks, grid, True)

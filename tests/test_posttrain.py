@@ -224,7 +224,7 @@ def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, ste
                               lora_rank=4 if use_lora else None, **HYPER)
     t = posttrain.Task(args, chunks, grid, (S // tp if sp else S, mbs, c.hidden_size), c.params_dtype, ref_chunks=ref)
     if control == "z0_of_one_dp_rank":  # the DP all-reduce forgotten: the mean over this rank's samples only
-        t.reference_point = lambda diff, n_all: (P._all_reduce(diff.sum().reshape(1), grid.pp)
+        t.reference_point = lambda diff, n_all: (P.all_reduce(diff.sum().reshape(1), grid.pp)
                                                  / (n_all // grid.dp_size)).clamp_min(0)[0]
     batch = make_task_batch(task, g, packing=packing, seed=3)
     losses, grads = [], None
@@ -238,9 +238,9 @@ def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, ste
         if step == 0:
             grads = _trainable_grads(chunks, ddp, grid)
         optimizer.step()
-        losses.append(P._all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp)
+        losses.append(P.all_reduce(torch.as_tensor(loss, dtype=torch.float64).reshape(1), grid.dp)
                       if grid.pp.rank == pp - 1 else torch.zeros(1, dtype=torch.float64))
-    return dict(losses=P._all_reduce(torch.cat(losses), grid.pp), grads=grads, metrics=t.metrics(),
+    return dict(losses=P.all_reduce(torch.cat(losses), grid.pp), grads=grads, metrics=t.metrics(),
                 params={m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks
                         for k, p in m.named_parameters() if p.requires_grad})
 

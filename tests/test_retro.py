@@ -97,7 +97,7 @@ def layout_case(rank, n, tp, sp, num_layers, b=4, s=8, break_sp=False):
         rec = train_steps(model, grid, batch(b, s, 5), loss_fn=_loss_fn(grid.dp.rank, grid.dp_size, b * s))
     finally:
         P.gather_from_sp = gather
-    rec["losses"] = P._all_reduce(rec["losses"], grid.dp)  # each DP rank summed its rows' share of the loss
+    rec["losses"] = P.all_reduce(rec["losses"], grid.dp)  # each DP rank summed its rows' share of the loss
     return rec if rank == 0 else None
 
 

@@ -47,7 +47,7 @@ train: $(STAMP)
 		--load $(RUN) --save $(RUN) --exit-duration-in-mins $(MINUTES) $(ARGS)
 
 sample: $(STAMP)
-	$(PY) train.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)
+	$(PY) tools.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)
 
 # Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs
 # Hugging Face transformers (GPT-2, Llama, BERT, T5, Mamba-2 rows, each in a fresh process), fp32 (bench/bench_hf.py;

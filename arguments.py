@@ -2,60 +2,74 @@
 
 Mirrors Megatron-LM's megatron/training/arguments.py (parse_args, validate_args) and core_transformer_config_from_args.
 A file of its own because the flags are a reference a reader looks up by name, not part of the loop: train.py reads
-top to bottom as the training loop, and `checkpoint.load_model` (train.py sample, Retro's BERT embedder) rebuilds a
-model from a run's saved flags with `import_model` and `model_config` without importing train.py.
+top to bottom as the training loop, and `checkpoint.load_model` (tools.py, Retro's BERT embedder) rebuilds a model
+from a run's saved flags with `model_config` without importing train.py.
 
-Everything is validated before any process group is made; a bad flag or combination raises ConfigError, which
-train.py prints as one line `train.py: error: ...`.
+The flags here are the ones every model shares; a model file adds its own (its `add_arguments`, Megatron's
+extra_args_provider) and its defaults (`TRAIN_DEFAULTS`), read through contract.model_file. Everything is validated
+before any process group is made; a bad flag or combination raises ConfigError, which train.py prints as one line
+`train.py: error: ...`. check_args returns the flags read-only (Args): what a run finds later (the tokenizer's
+vocabulary, the checkpoint it starts from) is returned by whatever finds it and passed on, never written back here.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import difflib
-import importlib
 import json
 import math
+import re
 from pathlib import Path
 
 import yaml
 
 import lora
+from config import ConfigError  # noqa: F401 (re-exported: the error every flag check raises)
+from contract import default_model, model_file, model_files
 
-MODELS = ("gpt", "bert", "t5", "retro", "mamba")  # --model NAME imports NAME.py (the model-file contract)
-MODELS += ("llava",)
 TASKS = ("pretrain", "sft", "dpo", "kto", "rm")  # --task: pretraining, or a post-training task (posttrain.py)
-TASK_MODELS = ("gpt", "mamba")  # the decoders a post-training task runs on
-# Models context parallelism does not cover, and why (it lives in the self-attention of gpt's layer stack)
-CP_UNSUPPORTED = {
-    "t5": "T5's cross-attention reads another sequence (the encoder's) and its relative-position buckets span the "
-          "whole sequence; neither is split here",
-    "retro": "Retro's chunked cross-attention ties each chunk of the sequence to its retrieved neighbours; a split "
-             "sequence would cut chunks apart",
-    "llava": "LLaVA splices the image's embeddings into the whole text sequence before the decoder; that splice is "
-             "not split over cp ranks",
-    "mamba": "Mamba's scan is a recurrence along the sequence: splitting it needs the SSM state passed from rank to "
-             "rank, which is not implemented",
-}
-
-
-class ConfigError(ValueError):
-    """A bad flag or combination; the message names the values."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, but a bad flag raises ConfigError (train.py prints it as one line, on rank 0 only) instead
-    of printing the whole usage and exiting on every rank. --help still prints the usage."""
+    """argparse's parser, as strict as Megatron's: no abbreviations (--train-iter is not --train-iters), negative
+    numbers read as numbers (then range-checked: --lr -1e-3 is "--lr=-0.001 must be >= 0"), and a bad flag raises
+    ConfigError (train.py prints it as one line, on rank 0 only) instead of printing the usage and exiting on every
+    rank. --help still prints the usage."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, allow_abbrev=False, **kw)
+        # argparse reads "-1e-3" or "-inf" as an option unless it looks like a number to this pattern
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.I)
 
     def error(self, message):
         raise ConfigError(message)
 
 
+class Args(argparse.Namespace):
+    """The flags after check_args: read-only. Anything a run discovers later is returned by the function that finds
+    it and passed on (data.Corpus, checkpoint.Start, ...), so args always say what was asked for."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"args are read-only after check_args (args.{name} = {value!r}): return what you found "
+                             "and pass it on")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"args are read-only after check_args (del args.{name})")
+
+
 def parse_args(argv):
-    p = ArgumentParser(prog="train.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """argv -> the flags (a plain Namespace; check_args validates them and makes them read-only). The model's own
+    flags and defaults come from its model file, so `--model X --help` lists them."""
+    p = ArgumentParser(prog="train.py", add_help=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Train a model (`make train` runs the defaults); tools.py samples, merges, exports "
+                                   "and scores a saved run.")
     a = p.add_argument
     a("--config", default=None, help="a YAML file {flag name: value} (examples/); flags on the command line override it")
-    a("--model", default="gpt", choices=MODELS)
+    a("--model", default=default_model(), help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py "
+                                     "on the Python path (contract.py)")
     # model (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters)
     a("--num-layers", type=int, default=4)
     a("--hidden-size", type=int, default=256)
@@ -82,13 +96,13 @@ def parse_args(argv):
     a("--vocab-size", type=int, default=None, help="the BPE to train (default 8192), or the model's vocabulary")
     a("--data-cache-dir", default="data_cache")
     # packed documents (data.Packing; megatron/core/datasets/gpt_dataset.py): the documents a sample holds, apart
-    a("--reset-position-ids", action="store_true", help="GPT: positions restart at 0 after each end-of-document token")
+    a("--reset-position-ids", action="store_true", help="positions restart at 0 after each end-of-document token")
     a("--reset-attention-mask", action="store_true",
-      help="GPT: a token attends only to its own document (block-causal mask)")
-    a("--eod-mask-loss", action="store_true", help="GPT: no loss on the prediction made at an end-of-document token")
+      help="a token attends only to its own document (block-causal mask)")
+    a("--eod-mask-loss", action="store_true", help="no loss on the prediction made at an end-of-document token")
     # training
     a("--micro-batch-size", type=int, default=16)
-    a("--global-batch-size", type=int, default=16)
+    a("--global-batch-size", type=int, default=None, help="default: --micro-batch-size x data-parallel size")
     a("--train-iters", type=int, default=500)
     a("--lr", type=float, default=3e-3)
     a("--min-lr", type=float, default=3e-4)
@@ -134,7 +148,7 @@ def parse_args(argv):
     # context parallelism (parallel.py section 12): the sequence split over cp ranks, attention exchanges K/V
     a("--context-parallel-size", type=int, default=1, help="cp: each rank holds 2 of 2·cp sequence chunks")
     a("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"],
-      help="p2p: ring attention; all_gather: all-gather K/V; a2a: Ulysses all-to-all (heads % cp == 0)")
+      help="p2p: ring attention; all_gather: all-gather K/V; a2a: Ulysses all-to-all (heads %% cp == 0)")
     # mixture of experts (parallel.py section 10)
     a("--num-experts", type=int, default=None, help="MoE layers with this many experts (default: dense MLPs)")
     a("--moe-router-topk", type=int, default=2)
@@ -166,12 +180,6 @@ def parse_args(argv):
     a("--eval-interval", type=int, default=100)
     a("--eval-iters", type=int, default=10)
     a("--log-interval", type=int, default=10)
-    a("--bert-no-binary-head", action="store_true", help="BERT: masked LM only, no sentence-order head")
-    a("--retro-chunk-length", type=int, default=None, help="Retro: chunk length m (default 64)")
-    a("--retro-num-neighbors", type=int, default=None, help="Retro: neighbours k per chunk (default 2)")
-    a("--retro-encoder-num-layers", type=int, default=None, help="Retro: neighbour encoder layers (default 2)")
-    a("--retro-bert-load", default=None, help="Retro: embed chunks with this BERT run (train.py --model bert --save "
-                                               "DIR; same tokenizer) instead of the deterministic bag of tokens")
     # long context (rope.py, transformer.py): position scaling and activation recomputation. Defaults None = the
     # Config's (as a run saved before these flags existed has them), so checkpoint.ARCH_FLAGS compares them as equal
     a("--rotary-percent", type=float, default=None, help="rotate this fraction of each head's dims (default 1.0)")
@@ -190,10 +198,6 @@ def parse_args(argv):
     a("--recompute-method", default=None, choices=["uniform", "block"],
       help="full only: uniform = chunks of --recompute-num-layers layers; block = the first N layers of each stage")
     a("--recompute-num-layers", type=int, default=None)
-    # Mamba (mamba.py): the hybrid stack and the mixer's dimensions (Megatron's flag names)
-    a("--hybrid-layer-pattern", default=None, help='Mamba: e.g. "M-M*-M" (M mamba, * attention, - MLP, | stage)')
-    for name in ("state-dim", "head-dim", "num-groups", "num-heads", "chunk-size"):
-        a(f"--mamba-{name}", type=int, default=None)
     # post-training (lora.py, checkpoint.py): LoRA adapters on a frozen model; weights-only loading (--finetune)
     a("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on the frozen model (default: off)")
     a("--lora-alpha", type=float, default=None, help="LoRA scale = alpha / rank (default: alpha = rank)")
@@ -220,22 +224,13 @@ def parse_args(argv):
     a("--v-head-dim", type=int, default=128)
     a("--mtp-num-layers", type=int, default=None, help="multi-token prediction depths on the last stage (default: off)")
     a("--mtp-loss-scaling-factor", type=float, default=0.1, help="MTP: the loss enters backward as factor/D per depth")
-    # LLaVA (llava.py): Megatron's --freeze-LM, --freeze-ViT, --disable-vision-class-token (examples/multimodal) and
-    # --img-h, --img-w, --patch-dim; the ViT's size is ours (Megatron fixes it per --vision-model-type). All None =
-    # not given (llava.Config's defaults), so checkpoints of other models compare equal on them (checkpoint.ARCH_FLAGS)
-    a("--freeze-LM", dest="freeze_language_model", action="store_true", default=None, help="LLaVA: freeze the LM")
-    a("--freeze-ViT", dest="freeze_vision_model", action="store_true", default=None, help="LLaVA: freeze the ViT")
-    a("--disable-vision-class-token", dest="drop_vision_class_token", action=argparse.BooleanOptionalAction,
-      default=None, help="LLaVA: drop the ViT's class token before the projector")
-    for name in ("img-h", "img-w", "patch-dim", "vision-num-layers", "vision-hidden-size",
-                 "vision-num-attention-heads", "vision-ffn-hidden-size"):
-        a(f"--{name}", type=int, default=None, help="LLaVA (default: llava.Config's)")
     config = p.parse_known_args(argv)[0].config  # --config: its flags first, so the command line overrides them
-    argv = (config_argv(p, config) if config else []) + list(argv)
-    model = p.parse_known_args(argv)[0].model  # a model file may bring its own defaults (BERT: its architecture)
-    if Path(__file__).with_name(f"{model}.py").exists():
-        p.set_defaults(**getattr(importlib.import_module(model), "TRAIN_DEFAULTS", {}))
-    return p.parse_args(argv)
+    model = p.parse_known_args((config_argv(p, config, known=True) if config else []) + list(argv))[0].model
+    mf = model_file(model)  # the model file: its own flags, then its defaults for everyone's
+    mf.add_arguments(p.add_argument_group(f"--model {model}'s own flags ({model}.py)"))
+    p.set_defaults(**mf.TRAIN_DEFAULTS)
+    a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")
+    return p.parse_args((config_argv(p, config) if config else []) + list(argv))
 
 
 # The range of every numeric flag: (test, what it must be). A flag left at None (its default: derived or off) is not
@@ -250,11 +245,8 @@ RANGES = {
                      "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters", "loss_scale_window",
                      "fp8_amax_history_len", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "ddp_bucket_size", "expert_model_parallel_size", "num_experts", "moe_router_topk",
-                     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "exit_interval", "log_interval",
-                     "retro_chunk_length", "retro_num_neighbors", "retro_encoder_num_layers", "mamba_state_dim",
-                     "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_chunk_size"], _AT_LEAST_1),
-    **dict.fromkeys(["img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden_size",
-                     "vision_num_attention_heads", "vision_ffn_hidden_size"], _AT_LEAST_1),  # LLaVA
+                     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "exit_interval", "log_interval"],
+                    _AT_LEAST_1),
     **dict.fromkeys(["lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "init_method_std", "fp8_margin",
                      "moe_aux_loss_coeff", "moe_z_loss_coeff", "seed", "ckpt_step", "save_interval", "eval_interval",
                      "eval_iters"], _AT_LEAST_0),
@@ -302,18 +294,16 @@ RANGES.update(**dict.fromkeys(["dpo_beta", "kto_beta", "kto_desirable_weight", "
               dpo_label_smoothing=(lambda v: 0 <= v <= 0.5, "in [0, 0.5] (cDPO: the fraction of flipped labels)"))
 
 
-def check_task_args(args):
+def check_task_args(args, mf):
     """A post-training task (posttrain.py) runs on the decoders' next-token path: what it does not cover."""
     task, cp = args.task, args.context_parallel_size
     if args.packing and task != "sft":
         raise ConfigError(f"--packing packs SFT samples: it needs --task sft (it is {task})")
-    if args.packing and args.model == "mamba":
-        raise ConfigError("--packing with --model mamba: the scan's state would cross from one packed sample into "
-                          "the next (no block-diagonal mask for a recurrence)")
+    if args.packing:
+        mf.refuse("sft_packing", "--packing")
     if task == "pretrain":
         return
-    if args.model not in TASK_MODELS:
-        raise ConfigError(f"--task {task} runs on --model {' or '.join(TASK_MODELS)}, not --model {args.model}")
+    mf.refuse("post_training", f"--task {task}")
     if cp > 1:
         raise ConfigError(f"--task {task} with --context-parallel-size={cp}: a task's per-sequence log-probs and "
                           "the reward model's last token are not gathered over cp ranks")
@@ -326,10 +316,11 @@ def check_task_args(args):
                           "builds its own masks (--packing for sft)")
 
 
-def config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
+def config_argv(p: argparse.ArgumentParser, path: str, known: bool = False) -> list[str]:
     """--config FILE: a YAML mapping {flag name: value} -> the command-line tokens it stands for, so that argparse
     checks every value as if typed. Keys are flag names without the dashes (`lora-rank: 8` or `lora_rank: 8`);
-    true/false for switches, a list for a many-valued flag; null leaves the default. Unknown keys: ConfigError."""
+    true/false for switches, a list for a many-valued flag; null leaves the default. Unknown keys: ConfigError
+    (known=True skips them: the first pass, before the model file has added its flags)."""
     try:
         body = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
@@ -341,6 +332,8 @@ def config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
     for key, v in (body or {}).items():
         flag = "--" + str(key).replace("_", "-")
         act = actions.get(flag)
+        if act is None and known:
+            continue
         if act is None:
             near = difflib.get_close_matches(flag, actions, n=1)
             raise ConfigError(f"--config {path}: unknown key {key!r} (no flag {flag}"
@@ -358,8 +351,11 @@ RANGES.update({**dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "q
                                 "mtp_num_layers"], _AT_LEAST_1), "mtp_loss_scaling_factor": _AT_LEAST_0})  # deepseek.py
 
 
-def check_args(args, world: int):
-    """Every flag and combination, before any process group exists. Fills the derived fields."""
+def check_args(args, world: int) -> Args:
+    """Every flag and combination, before any process group exists. Returns the flags read-only (Args), with the
+    derived ones filled in: the data-parallel size, the micro-batches per step, the virtual pipeline size, ..."""
+    args = argparse.Namespace(**vars(args))  # the caller's namespace is left as it was
+    mf = model_file(args.model)
     for name, (ok, must) in RANGES.items():
         v = getattr(args, name, None)
         if v is not None and not (ok(v) and math.isfinite(v)):
@@ -401,6 +397,8 @@ def check_args(args, world: int):
                           + (f" x context-parallel size {cp}" if cp > 1 else ""))
     args.world_size, args.data_parallel_size = world, world // (tp * pp * cp)
     step_rows = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:  # Megatron's default: one micro-batch per data-parallel rank
+        args.global_batch_size = step_rows
     if args.global_batch_size % step_rows:
         raise ConfigError(f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size x "
                           f"data-parallel size = {args.micro_batch_size} x {args.data_parallel_size} = {step_rows}")
@@ -419,8 +417,7 @@ def check_args(args, world: int):
     if args.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length={args.seq_length} divisible by TP={tp}")
     if cp > 1:  # context parallelism (parallel.py section 12): what it does not split
-        if args.model in CP_UNSUPPORTED:
-            raise ConfigError(f"--model {args.model} with --context-parallel-size={cp}: {CP_UNSUPPORTED[args.model]}")
+        mf.refuse("context_parallel", f"--context-parallel-size={cp}")
         if args.seq_length % (2 * cp):
             raise ConfigError(f"--context-parallel-size={cp} needs --seq-length={args.seq_length} divisible by "
                               f"2 x cp = {2 * cp} (each rank holds 2 of 2·cp chunks)")
@@ -448,42 +445,38 @@ def check_args(args, world: int):
         raise ConfigError("--lora-rank with --num-experts: adapters on MoE experts are not supported; pass "
                           "--lora-target-modules linear_qkv linear_proj")
     packing = [f for f in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(args, f)]
-    if packing and args.model != "gpt":  # others have their own samples, or (Mamba) state that crosses documents
-        raise ConfigError(f"--{packing[0].replace('_', '-')} is for --model gpt, not --model {args.model}")
+    if packing:
+        mf.refuse("document_packing", f"--{packing[0].replace('_', '-')}")
     if args.reset_position_ids and args.position_embedding_type == "none":
         raise ConfigError("--reset-position-ids with --position-embedding-type none: there are no positions to reset")
-    if (args.multi_latent_attention or args.mtp_num_layers) and args.model != "gpt":  # deepseek.py's layers
-        raise ConfigError(f"--multi-latent-attention / --mtp-num-layers are --model gpt flags, not --model {args.model}")
-    check_task_args(args)
-    args.model_module = import_model(args.model)
+    if args.multi_latent_attention:
+        mf.refuse("multi_latent_attention", "--multi-latent-attention")
+    if args.mtp_num_layers:
+        mf.refuse("multi_token_prediction", f"--mtp-num-layers={args.mtp_num_layers}")
+    check_task_args(args, mf)
     # The model's own checks (layer counts, sizes divisible by TP) now, before the data (Retro: its database) is built.
     # The vocabulary comes with the data; no check but TP's divisibility of the padded size reads it: a stand-in
-    c = model_config(args.model_module, argparse.Namespace(**{
-        **vars(args), "vocab_size": args.vocab_size or tp * args.make_vocab_size_divisible_by}))
+    c = model_config(mf, args, vocab_size=args.vocab_size or tp * args.make_vocab_size_divisible_by)
     try:
-        c.check_context_parallel(cp, tp)  # attention dropout, MoE, a2a's heads (gpt.Config)
+        c.check_context_parallel(cp, tp)  # attention dropout, MoE, a2a's heads (config.Config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return Args(**vars(args))
 
 
-def import_model(name):
-    if not Path(__file__).with_name(f"{name}.py").exists():
-        raise ConfigError(f"--model {name}: not available yet ({name}.py does not exist)")
-    return importlib.import_module(name)
-
-
-def model_config(module, args):
+def model_config(mf, args, vocab_size: int | None = None, tok=None):
     """The model's Config from the flags, as Megatron's core_transformer_config_from_args: every flag whose name is
-    a Config field is copied, plus the few whose meaning differs."""
-    fields = {f.name for f in dataclasses.fields(module.Config)}
+    a Config field is copied, plus the few whose meaning differs, plus the fields the model file derives itself
+    (its config_fields(args, tok)). `vocab_size`: the run's (data.Corpus's), default --vocab-size."""
+    fields = {f.name for f in dataclasses.fields(mf.Config)}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     f = args.ffn_hidden_size or (64 * math.ceil(8 * args.hidden_size / 3 / 64) if args.swiglu else 4 * args.hidden_size)
     kw.update(ffn_hidden_size=f, activation="silu" if args.swiglu else "gelu", gated_linear_unit=args.swiglu,
               add_bias_linear=not args.disable_bias_linear,
               share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-              add_binary_head=not args.bert_no_binary_head)
+              **({"vocab_size": vocab_size} if vocab_size is not None else {}), **mf.config_fields(args, tok))
     try:
-        c = module.Config(**{k: v for k, v in kw.items() if k in fields})
+        c = mf.Config(**{k: v for k, v in kw.items() if k in fields})
         tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
         c.check_layout(tp, pp, ep)
     except ValueError as e:
@@ -495,7 +488,6 @@ def print_args(args, summary: str):
     """Megatron's argument dump at start (rank 0), with one line on the model, the layout and the data."""
     print("------------------------ arguments ------------------------")
     for k, v in sorted(vars(args).items()):
-        if k != "model_module":
-            print(f"  {k} {'.' * (44 - len(k))} {v}")
+        print(f"  {k} {'.' * (44 - len(k))} {v}")
     print(f"  ({summary})")
     print("-------------------- end of arguments ---------------------", flush=True)

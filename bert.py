@@ -19,6 +19,7 @@ Dimension glossary: gpt.py's (b batch, s sequence, h hidden, V vocabulary).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 import convert
 import data
 import gpt
+import metrics
 import parallel as P
 import transformer
 
@@ -35,6 +37,11 @@ import transformer
 @dataclass
 class Config(gpt.Config):
     """gpt.Config + BERT's fields. The inherited defaults (learned positions, LayerNorm, GeLU, tied output) are BERT's."""
+    UNSUPPORTED: ClassVar[dict] = {
+        "document_packing": "BERT's samples are sentence pairs with their own padding mask (BertDataset), not windows "
+                            "of packed documents",
+        "post_training": "the post-training tasks score the next-token log-probs of a causal decoder; BERT is a "
+                         "bidirectional masked LM", **gpt.DEEPSEEK_UNSUPPORTED}
     add_binary_head: bool = True  # False = Megatron's --bert-no-binary-head
     num_tokentypes: int | None = None  # None = 2 with the binary head, else 0 (Megatron's rule)
 
@@ -285,15 +292,40 @@ TRAIN_DEFAULTS = dict(position_embedding_type="rope", normalization="LayerNorm",
                       disable_bias_linear=False, lr=2.5e-4, min_lr=2.5e-5)
 
 
+def add_arguments(p):
+    """BERT's own flag (Megatron's)."""
+    p.add_argument("--bert-no-binary-head", action="store_true", help="masked LM only, no sentence-order head")
+
+
+ARCH_FLAGS = ("bert_no_binary_head",)  # the binary head's weights exist or not
+
+
+def config_fields(args, tok) -> dict:
+    return {"add_binary_head": not args.bert_no_binary_head}
+
+
 def dataset(source, doc_ids, args, tok, seed) -> BertDataset:
     return BertDataset(source, doc_ids, args.seq_length, seed, data.special_ids(tok), tok.get_vocab_size(),
                        binary_head=not args.bert_no_binary_head)
 
 
-def batch_recipe(batch):
+def batch_recipe(batch, args=None, corpus=None):
     """(loss_func(model, mb) -> SUM, its divisor: the masked tokens of the global batch [B, 6, s])."""
     num_masked, num_seqs = num_masked_tokens(batch), batch.shape[0]
     return (lambda model, mb: loss_func(model, mb, num_masked, num_seqs)), num_masked
+
+
+def flops(c: Config, B: int, s: int) -> float:
+    """Model FLOPs of one iteration on B sequences of s tokens — our count, not Megatron's (Megatron gives BERT the
+    GPT formula): L layers of bidirectional attention (the full s x s square: the padding mask only hides keys, every
+    score is computed), the masked-LM head's dense h -> h and the logit layer on every token (postprocess computes
+    all s positions), and with the binary head the pooler's dense h -> h and binary_head h -> 2 once per sequence
+    (on [CLS]). metrics.py's conventions (forward multiply-adds x 2 x 3)."""
+    h = c.hidden_size
+    per_token = (sum(metrics.self_attention_flops(c, s, causal=False) + metrics.mlp_flops(c, c.is_moe_layer(i))
+                     for i in range(c.num_layers)) + h * h + h * c.padded_vocab_size)
+    per_sequence = h * h + h * 2 if c.add_binary_head else 0
+    return 3 * 2 * B * (s * per_token + per_sequence)
 
 
 def eval_counts(model, mb) -> dict:

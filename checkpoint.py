@@ -1,13 +1,13 @@
 """checkpoint.py — saving, finding and loading runs: sharded torch.distributed.checkpoint in Megatron's layout.
 
 Mirrors Megatron-LM's megatron/training/checkpointing.py (save_checkpoint, load_checkpoint, the iter_0000100/ and
-latest_checkpointed_iteration.txt layout) with torch DCP as its dist_checkpointing. A file of its own because two
-readers need it and neither is the loop: train.py saves and resumes, and `load_model` rebuilds a saved run in one
-process for `train.py sample` and Retro's BERT chunk embedder (retrieval.py), which must not import train.py.
+latest_checkpointed_iteration.txt layout) with torch DCP as its dist_checkpointing. A file of its own because three
+readers need it and only one is the loop: train.py saves and resumes, and `load_model` rebuilds a saved run in one
+process for tools.py (sample, merge, export, score) and Retro's BERT chunk embedder (retrieval.py).
 
     SAVE/iter_0000100/  .metadata  __0_0.distcp ...  (DCP: each TP slice written once, by its owner)
                         rng_rank0.pt ...              (per-rank RNG states: tensors, read with weights_only)
-                        meta.json                     (iteration, flags, scaler)
+                        meta.json                     (iteration, the run's settings, scaler)
                         manifest.json                 (size and SHA-256 of every other file: checked before loading)
     SAVE/latest_checkpointed_iteration.txt            written (atomically) only after iter_.../ is complete
 Loading verifies the manifest before anything reads a checkpoint file, so a damaged checkpoint ends in one line
@@ -17,7 +17,6 @@ A strided shard (SwiGLU fc1: [gate_r; up_r] on rank r) is viewed as [2, f/tp, h]
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -27,6 +26,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,23 @@ import torch.distributed.checkpoint as dcp
 import data
 import lora
 import parallel as P
-from arguments import ConfigError, import_model, model_config, parse_args
+from arguments import Args, ConfigError, model_config, parse_args
+from contract import ModelFile, model_file
+
+
+class Checkpoint(NamedTuple):
+    """A verified checkpoint directory (SAVE/iter_0000100/) and its meta.json."""
+    path: Path
+    meta: dict
+
+
+ADDED = "added_to_base"  # p.added_to_base = True: a parameter a run adds on top of the model it starts from
+
+
+def added_to_base(p) -> bool:
+    """A parameter a run adds on top of its base model (LoRA adapters, lora.py; a reward model's value head,
+    posttrain.py): a base checkpoint need not hold it, and a run on a frozen base (LoRA) saves only these."""
+    return getattr(p, ADDED, False)
 
 
 def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True, only=None):
@@ -182,33 +198,35 @@ def read_rng(path: Path) -> dict:
     return rng
 
 
-def save_checkpoint(args, it, chunks, optimizer, scaler, mesh):
+def save_checkpoint(save_dir, it, chunks, optimizer, scaler, mesh, settings: dict, lora_base: dict | None = None):
+    """Iteration `it` of this rank's chunks, and the optimizer's state (None: weights only, as tools.py merge writes),
+    into save_dir/iter_{it:07d}/, atomically (a .tmp directory renamed, then the pointer file). `settings`: the run's
+    flags and what it found (meta.json's "args"); `lora_base` ({"path", "sha256"}): the frozen base a LoRA run trains
+    on, whose checkpoints then hold only what the run added (added_to_base)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    final = Path(args.save) / f"iter_{it:07d}"
+    final = Path(save_dir) / f"iter_{it:07d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
     _barrier()
     tmp.mkdir(parents=True, exist_ok=True)
-    adapters = getattr(args, "lora_rank", None) is not None  # a LoRA run saves its adapters and names its base
     with _quiet_dcp():
-        dcp.save(checkpoint_state(chunks, optimizer, mesh, only=on_base if adapters else None),
+        dcp.save(checkpoint_state(chunks, optimizer, mesh, only=added_to_base if lora_base else None),
                  checkpoint_id=str(tmp))
     torch.save(rng_state(chunks), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:  # every rank's files are complete: meta.json, then the manifest of them all
         meta = {"iteration": it, "checkpoint_format": FORMAT, "loss_scale": scaler.scale, "clean_steps": scaler.clean,
-                "stuck_steps": scaler.stuck,
-                "args": {k: v for k, v in vars(args).items() if k != "model_module"}}
-        if adapters:
-            meta["lora_base"] = args.lora_base  # {"path": base checkpoint directory, "sha256": its manifest's digest}
+                "stuck_steps": scaler.stuck, "args": settings}
+        if lora_base:
+            meta["lora_base"] = lora_base  # {"path": base checkpoint directory, "sha256": its manifest's digest}
         if optimizer is None:
-            meta["weights_only"] = True  # no optimizer state (train.py merge): a run starts from it with --finetune
+            meta["weights_only"] = True  # no optimizer state (tools.py merge): a run starts from it with --finetune
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        pointer = Path(args.save) / POINTER
+        pointer = Path(save_dir) / POINTER
         pointer.with_suffix(".tmp").write_text(f"{it}\n")
         os.replace(pointer.with_suffix(".tmp"), pointer)  # the commit point
     _barrier()
@@ -225,8 +243,8 @@ def _pointer(run_dir: Path, flag: str):
     return int(text)
 
 
-def find_checkpoint(load_dir, step=None, flag="--load"):
-    """(directory, meta) of the checkpoint to load, or None when load_dir has no checkpoint yet. The directory is
+def find_checkpoint(load_dir, step=None, flag="--load") -> Checkpoint | None:
+    """The Checkpoint to load, or None when load_dir has no checkpoint yet. The directory is
     verified against its manifest first (verify_checkpoint) and its RNG files parsed (tensors only), so a damaged
     checkpoint is refused here, before any process group exists, with one line naming the file. A checkpoint saved
     before manifests existed loads with a warning (runs saved earlier must not be lost)."""
@@ -255,7 +273,7 @@ def find_checkpoint(load_dir, step=None, flag="--load"):
                   file=sys.stderr, flush=True)
     for p in sorted(d.glob("rng_rank*.pt")):  # every rank checks every file, so all reach the same verdict
         read_rng(p)
-    return d, meta
+    return Checkpoint(d, meta)
 
 
 def check_run_dirs(args):
@@ -271,10 +289,10 @@ def check_run_dirs(args):
     ckpt = find_checkpoint(load, args.ckpt_step) if load is not None and load.is_dir() else None
     if ckpt is None and load is not None and args.ckpt_step is not None:
         raise ConfigError(f"--ckpt-step {args.ckpt_step}: --load {load} has no checkpoint yet")
-    if save is not None and save.is_dir() and not same and not getattr(args, "overwrite_save", False):
+    if save is not None and save.is_dir() and not same and not args.overwrite_save:
         saved = [int(m.group(1)) for p in save.iterdir() if (m := ITER_DIR.fullmatch(p.name)) and p.is_dir()]
         if saved:
-            start = f"{ckpt[0]} (iteration {ckpt[1]['iteration']})" if ckpt else "scratch"
+            start = f"{ckpt.path} (iteration {ckpt.meta['iteration']})" if ckpt else "scratch"
             raise ConfigError(f"--save {save} holds a run (checkpoint at iteration {max(saved)}) and this run starts "
                               f"from {start}: saving would overwrite it; pass --load {save} to resume it, or "
                               "--overwrite-save to replace it")
@@ -285,25 +303,23 @@ def check_run_dirs(args):
     return ckpt, same and ckpt is not None
 
 
+# The flags that shape the weights, which a resumed run and a run's base must share (a model file adds its own:
+# contract.ModelFile.ARCH_FLAGS). Recomputation, dropout, the layout and the like are not architecture.
 ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "vocab_size",
               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
 ARCH_FLAGS += ["rotary_percent", "seq_len_interpolation_factor", "rope_scaling", "rope_scaling_factor",  # position
                "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",  # scaling
-               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"]  # (recomputation is not architecture)
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"]
 ARCH_FLAGS += ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",  # DeepSeek-V3's
                "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers"]  # layers (deepseek.py)
-
 ARCH_FLAGS += ["moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",  # MoE routing
                "moe_router_enable_expert_bias"]
-ARCH_FLAGS += ["img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
-               "vision_ffn_hidden_size", "drop_vision_class_token",  # LLaVA; frozen towers keep no optimizer state,
-               "freeze_language_model", "freeze_vision_model"]  # so a resume cannot change what is frozen
 
-# ---------------------------------------------------------------------------------------------- post-training
-# A LoRA run's checkpoints hold its adapters only (lora.is_adapter) and, in meta.json, "lora_base": the path of the
-# base checkpoint directory and the SHA-256 digest of its manifest, so --load finds the weights the adapters belong to
-# and refuses other ones. --finetune / --pretrained-checkpoint load a checkpoint's weights only (Megatron's flags).
+# ---------------------------------------------------------------------------------------------- where a run starts
+# A LoRA run's checkpoints hold what it added (added_to_base: its adapters) and, in meta.json, "lora_base": the path
+# of the base checkpoint directory and the SHA-256 digest of its manifest, so --load finds the weights the adapters
+# belong to and refuses other ones. --finetune / --pretrained-checkpoint load a checkpoint's weights only (Megatron's).
 LORA_FLAGS = ["lora_rank", "lora_alpha", "lora_target_modules"]  # a LoRA run resumes only with the same adapters
 
 
@@ -311,31 +327,46 @@ def _manifest_digest(d: Path):
     return json.loads((d / MANIFEST).read_text())["sha256"] if (d / MANIFEST).exists() else None
 
 
-def lora_base(ckpt, flag="--load", who="the adapters"):
-    """(directory, meta) of the base checkpoint a LoRA run's checkpoint names, verified: its files against its manifest,
-    its manifest against the digest recorded when the adapters started training."""
-    ptr = ckpt[1]["lora_base"]
-    d = Path(ptr["path"])
+def pointer_to(ckpt: Checkpoint) -> dict:
+    """{"path", "sha256"}: how a run records the checkpoint it started from (its manifest's digest pins the files)."""
+    return {"path": str(ckpt.path.resolve()), "sha256": _manifest_digest(ckpt.path)}
+
+
+def recorded_base(pointer: dict, run_dir, flag="--load", who="the adapters") -> Checkpoint:
+    """The checkpoint a run recorded with pointer_to (a LoRA run's base, a DPO run's reference), verified: its files
+    against its manifest, its manifest against the digest recorded when the run started. `run_dir`: the run that
+    recorded it (for the message)."""
+    d = Path(pointer["path"])
     if not (d / "meta.json").is_file():
-        raise ConfigError(f"{flag} {ckpt[0].parent}: its base checkpoint {d} is missing (needed by {who})")
+        raise ConfigError(f"{flag} {run_dir}: its base checkpoint {d} is missing (needed by {who})")
     verify_checkpoint(d)
-    if _manifest_digest(d) != ptr["sha256"]:
-        raise ConfigError(f"{flag} {ckpt[0].parent}: its base checkpoint {d} is not the one {who} "
+    if _manifest_digest(d) != pointer["sha256"]:
+        raise ConfigError(f"{flag} {run_dir}: its base checkpoint {d} is not the one {who} "
                           f"{'were trained on' if who == 'the adapters' else 'started from'} (its manifest's SHA-256 "
                           "differs)")
-    return d, json.loads((d / "meta.json").read_text())
+    return Checkpoint(d, json.loads((d / "meta.json").read_text()))
 
 
-def plan_load(args, ckpt):
-    """What a run starts from, given the checkpoint check_run_dirs found in --load: (checkpoint to resume or None,
-    base checkpoint whose model weights load first, or None). Megatron's rules, plus LoRA's base:
+class Start(NamedTuple):
+    """Where a run starts (plan_start), from --load, --pretrained-checkpoint and --finetune."""
+    resume: Checkpoint | None  # the checkpoint it resumes: weights, optimizer, iteration, RNG
+    base: Checkpoint | None  # the weights it starts from (a LoRA run: the frozen base its adapters sit on)
+    continues: bool  # --load is --save and holds a checkpoint: the run's metrics.jsonl continues
+    tokenizer_file: str | None  # --tokenizer-file, else the tokenizer.json of the run it starts from
+    vocab_size: int | None  # --vocab-size, else that run's
+    lora_base: dict | None  # a LoRA run: pointer_to(its base), recorded in every checkpoint it saves
+
+
+def plan_start(args) -> Start:
+    """Where a run starts, checked before anything is built (check_run_dirs, then Megatron's rules plus LoRA's):
       --finetune                   base = --load's checkpoint, else --pretrained-checkpoint's; nothing is resumed
                                    (iteration 0, a fresh optimizer and RNG)
       --pretrained-checkpoint P    base = P's checkpoint while --load has none; once it has one, the run resumes it
       resuming a LoRA run          base = the checkpoint its meta.json names (lora_base), verified
-    A run resumes only with its own --task (a run starting from another run's weights may change task).
-    A LoRA run records its base in args.lora_base (saved in every checkpoint's meta.json). The run takes the tokenizer
-    (tokenizer.json beside the checkpoints) and --vocab-size of the checkpoint it starts from, unless given."""
+    A run resumes only with its own --task (a run starting from another run's weights may change task). The run
+    takes the tokenizer (tokenizer.json beside the checkpoints) and vocabulary size of the checkpoint it starts
+    from, unless --tokenizer-file / --vocab-size say otherwise."""
+    ckpt, continues = check_run_dirs(args)
     base = None
     if args.finetune and ckpt is not None:
         ckpt, base = None, ckpt
@@ -345,101 +376,88 @@ def plan_load(args, ckpt):
             raise ConfigError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no checkpoint there")
     if args.finetune and base is None:
         raise ConfigError(f"--finetune: --load {args.load} has no checkpoint to take the weights from")
-    task = ckpt[1]["args"].get("task", "pretrain") if ckpt is not None else None  # (older runs: pretraining)
+    task = ckpt.meta["args"].get("task", "pretrain") if ckpt is not None else None  # (older runs: pretraining)
     if task is not None and task != args.task:
         raise ConfigError(f"--load {args.load} is a --task {task} run: resuming it with --task {args.task} is refused; "
                           "start from its weights instead (--finetune, or --pretrained-checkpoint with a new --load)")
-    if base is not None and "lora_base" in base[1]:
-        raise ConfigError(f"{base[0]} holds LoRA adapters, not a whole model: merge them into it first "
-                          f"(train.py merge --load {base[0].parent} --save DIR)")
-    if base is not None and args.save and base[0].parent.resolve() == Path(args.save).resolve():
+    if base is not None and "lora_base" in base.meta:
+        raise ConfigError(f"{base.path} holds LoRA adapters, not a whole model: merge them into it first "
+                          f"(tools.py merge --load {base.path.parent} --save DIR)")
+    if base is not None and args.save and base.path.parent.resolve() == Path(args.save).resolve():
         raise ConfigError(f"--save {args.save} is the run whose weights this run starts from: its checkpoints would "
                           "overwrite that run's; --save elsewhere")
-    if ckpt is not None and ckpt[1].get("weights_only"):
-        raise ConfigError(f"--load {ckpt[0]} holds model weights only (no optimizer state: train.py merge wrote it): "
+    if ckpt is not None and ckpt.meta.get("weights_only"):
+        raise ConfigError(f"--load {ckpt.path} holds model weights only (no optimizer state: tools.py merge wrote it): "
                           "start from it with --finetune")
-    if ckpt is not None and "lora_base" in ckpt[1]:
-        base = lora_base(ckpt)
+    if ckpt is not None and "lora_base" in ckpt.meta:
+        base = recorded_base(ckpt.meta["lora_base"], ckpt.path.parent)
     elif ckpt is not None and args.lora_rank is not None:
         raise ConfigError(f"--lora-rank with --load {args.load}, a run without adapters: add --finetune to adapt its "
                           "model (or --pretrained-checkpoint with a fresh --load)")
-    if args.lora_rank is not None:
-        if base is None:
-            raise ConfigError(f"--lora-rank: --load {args.load} has no checkpoint, so there is no model to adapt: "
-                              "pass --pretrained-checkpoint DIR")
-        args.lora_base = {"path": str(base[0].resolve()), "sha256": _manifest_digest(base[0])}
+    if args.lora_rank is not None and base is None:
+        raise ConfigError(f"--lora-rank: --load {args.load} has no checkpoint, so there is no model to adapt: "
+                          "pass --pretrained-checkpoint DIR")
+    tok_file, vocab = args.tokenizer_file, args.vocab_size
     if (ckpt or base) is not None:  # the tokenizer and vocabulary the model was trained with
-        run = (ckpt or base)[0].parent
-        if args.tokenizer_file is None and (run / "tokenizer.json").exists():
-            args.tokenizer_file = str(run / "tokenizer.json")
-        if args.vocab_size is None:
-            args.vocab_size = (ckpt or base)[1]["args"]["vocab_size"]
-    return ckpt, base
+        run = (ckpt or base).path.parent
+        if tok_file is None and (run / "tokenizer.json").exists():
+            tok_file = str(run / "tokenizer.json")
+        vocab = vocab or (ckpt or base).meta["args"]["vocab_size"]
+    return Start(ckpt, base, continues, tok_file, vocab, pointer_to(base) if args.lora_rank is not None else None)
 
 
-def check_same_model(args, ckpt, base):
-    """The flags that shape the model must be the checkpoints': ARCH_FLAGS for the base and for a resumed run, and
-    LORA_FLAGS too for a resumed LoRA run. ConfigError naming every difference."""
-    for c, what in ((base, f"base checkpoint {base and base[0]}"), (ckpt, f"--load {args.load}")):
+def check_same_model(args, start: Start, mf: ModelFile, vocab_size: int):
+    """The flags that shape the model must be the checkpoints': ARCH_FLAGS and the model file's for the base and for
+    a resumed run, and LORA_FLAGS too for a resumed LoRA run. ConfigError naming every difference."""
+    now = {**vars(args), "vocab_size": vocab_size}
+    for c, what in ((start.base, f"base checkpoint {start.base and start.base.path}"), (start.resume, f"--load {args.load}")):
         if c is None:
             continue
-        saved = dict(c[1]["args"])
-        flags = ARCH_FLAGS + (LORA_FLAGS if c is ckpt and (saved.get("lora_rank") or args.lora_rank) else [])
+        saved = dict(c.meta["args"])
+        flags = ARCH_FLAGS + list(mf.ARCH_FLAGS)
+        flags += LORA_FLAGS if c is start.resume and (saved.get("lora_rank") or args.lora_rank) else []
         if any(k not in saved for k in flags):  # saved before the flag existed: it had the flag's default then
             defaults = vars(parse_args(["--model", saved.get("model", args.model)]))
-            saved.update({k: defaults[k] for k in flags if k not in saved})
-        diff = {k: (saved.get(k), getattr(args, k)) for k in flags if saved.get(k) != getattr(args, k)}
+            saved.update({k: defaults.get(k) for k in flags if k not in saved})
+        diff = {k: (saved.get(k), now.get(k)) for k in flags if saved.get(k) != now.get(k)}
         if diff:
             raise ConfigError(f"{what}: the checkpoint's model differs: "
                               + ", ".join(f"{k}={a} in the checkpoint, {b} now" for k, (a, b) in diff.items()))
 
 
-def is_value_head(p) -> bool:
-    return getattr(p, "value_head", False)  # a reward model's head (gpt.Model.add_value_head, --task rm)
+# ---------------------------------------------------------------------------------------------- loading
+def saved_names(ckpt: Checkpoint) -> set[str]:
+    """The model tensors' names a checkpoint holds (DCP's metadata: no tensor is read)."""
+    meta = dcp.FileSystemReader(str(ckpt.path)).read_metadata()
+    return {k.split(".", 1)[1] for k in meta.state_dict_metadata if k.startswith("model.")}
 
 
-def on_base(p) -> bool:
-    """What a LoRA run trains and saves on top of its frozen base: its adapters, and a reward model's value head."""
-    return lora.is_adapter(p) or is_value_head(p)
-
-
-def reference_checkpoint(args, ckpt, base):
-    """The weights of a DPO / KTO run's frozen reference model (posttrain.py): the checkpoint the run started from,
-    recorded in args.reference_base ({"path", "sha256"} as lora_base; None: the seed's initialization) so that a
-    resumed run rebuilds the same reference; verified like a LoRA base. None for other tasks, for a LoRA run (its
-    reference is its base with the adapters off) and for the seed's initialization."""
-    if args.task not in ("dpo", "kto"):
-        return None
-    if ckpt is not None:  # resuming: the reference the run started with
-        args.reference_base = ckpt[1]["args"].get("reference_base")
-        if args.reference_base is None or args.lora_rank is not None:
-            return None
-        return lora_base((ckpt[0], {"lora_base": args.reference_base}), who="the reference model")
-    args.reference_base = None if base is None else {"path": str(base[0].resolve()), "sha256": _manifest_digest(base[0])}
-    return None if args.lora_rank is not None else base
-
-
-def load_weights(ckpt, chunks, mesh):
+def load_weights(ckpt: Checkpoint, chunks, mesh):
     """Only the model weights of checkpoint `ckpt` into `chunks` (no optimizer, iteration, RNG or FP8 state): the
-    start of a --finetune run, or a LoRA run's frozen base (adapters excluded: the base has none). Any layout. A value
-    head (--task rm) loads when the checkpoint is a reward model's, else it keeps its initialization."""
-    head = ckpt[1]["args"].get("task") == "rm"
-    state = checkpoint_state(chunks, None, mesh, fp8=False,
-                             only=lambda p: not lora.is_adapter(p) and (head or not is_value_head(p)))
+    start of a --finetune run, a LoRA run's frozen base, a DPO run's reference model. Any layout. A parameter the run
+    added on top (added_to_base: adapters, a value head) keeps its initialization unless the checkpoint holds it."""
+    held = saved_names(ckpt)
+    state = checkpoint_state(chunks, None, mesh, fp8=False)["model"]
+    missing = {k for k in state if k not in held}
+    added = {k for c in chunks for name, p in c.named_parameters() if added_to_base(p)
+             for k in [c.global_name(name) if hasattr(c, "global_name") else name]}
+    if missing - added:
+        raise ConfigError(f"{ckpt.path} lacks {sorted(missing - added)[:3]}: not a checkpoint of this model")
     with _quiet_dcp():
-        dcp.load({"model": state["model"]}, checkpoint_id=str(ckpt[0]))
+        dcp.load({"model": {k: v for k, v in state.items() if k in held}}, checkpoint_id=str(ckpt.path))
 
 
-def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None):
-    """`fp8_args` (this run's --fp8* flags, or None): the FP8 scaling state is loaded when the checkpoint was saved
-    with the same ones; otherwise scaling starts afresh."""
+def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, fp8_args=None):
+    """Resume from `ckpt`: weights (a LoRA run's: what it added), optimizer state, loss scale, RNG streams (same layout
+    only, as in Megatron). `fp8_args` (this run's --fp8* flags, or None): the FP8 scaling state is loaded when the
+    checkpoint was saved with the same ones; otherwise scaling starts afresh. Returns (iteration, RNG restored)."""
     path, meta = ckpt
     keys = ["fp8", "fp8_format", "fp8_recipe", "fp8_amax_history_len"]
     fp8 = fp8_args is not None and all(meta["args"].get(k) == fp8_args[k] for k in keys)
     if fp8_args is not None and not fp8 and (dist.get_rank() if dist.is_initialized() else 0) == 0:
         saved = {k: meta["args"].get(k) for k in keys}
         print(f"note: {path} was saved with other FP8 settings ({saved}): FP8 scaling starts afresh")
-    state = checkpoint_state(chunks, optimizer, mesh, fp8, only=on_base if "lora_base" in meta else None)
+    state = checkpoint_state(chunks, optimizer, mesh, fp8, only=added_to_base if "lora_base" in meta else None)
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:  # the distributed optimizer keeps this rank's slices of the loaded moments
@@ -459,48 +477,65 @@ def load_checkpoint(ckpt, chunks, optimizer, scaler, mesh, layout, fp8_args=None
     return meta["iteration"], same_layout
 
 
-def load_model(load_dir, step=None, flag="--load", merge=True):
-    """A saved run for inference in one process (TP = PP = 1): (model, its flags, its tokenizer, (checkpoint
-    directory, meta)). `train.py sample` and Retro's BERT chunk embedder (retrieval.ChunkEmbedder.load) read runs so.
-    A LoRA run: its base model with the adapters, merged into the weights (lora.merge) unless merge=False."""
+class Loaded(NamedTuple):
+    """A saved run rebuilt in one process (load_model)."""
+    model: object  # the whole model (TP = PP = 1), eval-ready
+    args: Args  # the run's settings (its flags and vocabulary), with TP = PP = 1
+    tok: object  # its tokenizer
+    ckpt: Checkpoint
+    model_file: ModelFile
+
+
+def load_model(load_dir, step=None, flag="--load", merge=True, extend=None) -> Loaded:
+    """A saved run for inference in one process (TP = PP = 1): tools.py and Retro's BERT chunk embedder
+    (retrieval.ChunkEmbedder.load) read runs so. A LoRA run: its base model with the adapters, merged into the weights
+    (lora.merge) unless merge=False. `extend(model)`: what the run added on top of the model before it was saved
+    (posttrain.add_value_head for a reward model), so that it loads too."""
     ckpt = find_checkpoint(load_dir, step, flag)
     if ckpt is None:
         raise ConfigError(f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt)")
-    args = argparse.Namespace(**ckpt[1]["args"])
-    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    saved = ckpt.meta["args"]
+    mf = model_file(saved["model"])
+    # flags a run saved before they existed take their defaults (of the flags of its time, the same values)
+    args = Args(**{**vars(parse_args(["--model", mf.name])), **saved, "tensor_model_parallel_size": 1,
+                   "pipeline_model_parallel_size": 1})
     tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
-    module = args.model_module = import_model(args.model)
-    model = module.Model(model_config(module, args))
-    if getattr(args, "task", None) == "rm":  # a reward model: its value head (train.py score)
-        model.add_value_head()
-    adapters = "lora_base" in ckpt[1]
+    model = mf.Model(model_config(mf, args, tok=tok))
+    if extend is not None:
+        extend(model)
+    adapters = "lora_base" in ckpt.meta
     if adapters:
-        load_weights(lora_base(ckpt, flag), [model], None)
+        load_weights(recorded_base(ckpt.meta["lora_base"], ckpt.path.parent, flag), [model], None)
         lora.apply_lora(model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
     with _quiet_dcp():
-        dcp.load({"model": checkpoint_state([model], None, None, only=on_base if adapters else None)["model"]},
-                 checkpoint_id=str(ckpt[0]))
+        dcp.load({"model": checkpoint_state([model], None, None, only=added_to_base if adapters else None)["model"]},
+                 checkpoint_id=str(ckpt.path))
     if adapters and merge:
         lora.merge(model)
-        args.lora_rank = None
-        vars(args).pop("lora_base", None)
-    return model, args, tok, ckpt
+        args = Args(**{**vars(args), "lora_rank": None})
+    return Loaded(model, args, tok, ckpt, mf)
 
 
 def save_merged(load_dir, save_dir):
-    """`train.py merge`: a LoRA run's base with its adapters merged (W + (alpha/r)·B·A) saved to `save_dir` as a plain
-    checkpoint of model weights (its iteration; its flags without LoRA's; its tokenizer). Start from it with
+    """tools.py merge: a LoRA run's base with its adapters merged (W + (alpha/r)·B·A) saved to `save_dir` as a plain
+    checkpoint of model weights (its iteration; its settings without LoRA's; its tokenizer). Start from it with
     --finetune, or sample or export it."""
-    model, args, tok, ckpt = load_model(load_dir, merge=False)
-    if "lora_base" not in ckpt[1]:
+    run = load_model(load_dir, merge=False)
+    if "lora_base" not in run.ckpt.meta:
         raise ConfigError(f"--load {load_dir}: not a LoRA run (no adapters to merge)")
     out = Path(save_dir)
     if out.is_dir() and any(ITER_DIR.fullmatch(p.name) for p in out.iterdir()):
         raise ConfigError(f"--save {out} holds a run already: merge into an empty directory")
-    lora.merge(model)
-    args.save, args.load, args.lora_rank = str(out), None, None
-    vars(args).pop("lora_base", None)
+    lora.merge(run.model)
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    save_checkpoint(args, ckpt[1]["iteration"], [model], None, argparse.Namespace(scale=1.0, clean=0, stuck=0), None)
+    run.tok.save(str(out / "tokenizer.json"))
+    settings = {**run.ckpt.meta["args"], "save": str(out), "load": None, "lora_rank": None}
+    save_checkpoint(out, run.ckpt.meta["iteration"], [run.model], None, Scale(), None, settings)
     return out
+
+
+class Scale(NamedTuple):
+    """The loss scaler's state of a checkpoint without training state (fp32: scale 1)."""
+    scale: float = 1.0
+    clean: int = 0
+    stuck: int = 0

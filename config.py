@@ -16,9 +16,19 @@ import math
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 import parallel as P
-from transformer import ACTIVATIONS
+
+
+class ConfigError(ValueError):
+    """A bad configuration: a flag, a combination of flags, or a Config field. The message is one line naming the
+    values; train.py prints it as `train.py: error: ...` before any process group exists."""
+
+
+# The activations a Config may name (transformer.py's MLP and the ViT apply them)
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu,
+               "quick_gelu": lambda x: x * F.sigmoid(1.702 * x)}  # CLIP's (Radford et al. 2021; Megatron's quick_gelu)
 
 
 @dataclasses.dataclass
@@ -26,6 +36,12 @@ class Config:
     """Megatron's TransformerConfig field names. Derived fields are filled in __post_init__."""
     POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("learned_absolute", "rope", "yarn", "none")  # a model file may add its own
     FULL_RECOMPUTE: ClassVar[bool] = True  # its layer stack runs transformer.Decoder.forward (False: a model file's own)
+    # What the model does not do, and why (the one line the refusal prints). A model file's Config adds its own entries;
+    # the infrastructure asks (contract.ModelFile.unsupported) and never names a model. The features:
+    #   pipeline_parallel, context_parallel, document_packing (--reset-position-ids / --reset-attention-mask /
+    #   --eod-mask-loss), post_training (--task sft/dpo/kto/rm), sft_packing (--packing), multi_latent_attention,
+    #   multi_token_prediction
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
     num_layers: int = 4
     hidden_size: int = 256
     num_attention_heads: int = 8
@@ -217,6 +233,8 @@ class Config:
 
     def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
         """Refuse a parallel layout this model cannot take, naming the values — before any process group exists."""
+        if pp > 1 and "pipeline_parallel" in self.UNSUPPORTED:
+            raise ValueError(f"pipeline-model-parallel size {pp}: {self.UNSUPPORTED['pipeline_parallel']}")
         if self.num_experts and self.num_experts % ep:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by expert-model-parallel size {ep}")
         for what, v in self.tp_split_sizes():
@@ -228,10 +246,17 @@ class Config:
             raise ValueError(f"recompute_num_layers={self.recompute_num_layers} > the {self.num_layers // pp} "
                              f"layers of a pipeline stage (num_layers={self.num_layers}, pp={pp})")
 
+    def stage_layers(self, num_layers: int, grid, vp: int = 1, chunk: int = 0) -> tuple[int, int]:
+        """(first global layer, layer count) of virtual chunk `chunk` on this rank's pipeline stage: Megatron's even
+        split (parallel.stage_layers; a model file with its own stage cuts overrides this)."""
+        return P.stage_layers(num_layers, grid, vp, chunk)
+
     def check_context_parallel(self, cp: int, tp: int = 1):
         """Refuse what context parallelism (parallel.py section 12) does not cover, naming the values."""
         if cp == 1:
             return
+        if "context_parallel" in self.UNSUPPORTED:
+            raise ValueError(f"context-parallel size {cp}: {self.UNSUPPORTED['context_parallel']}")
         if self.attention_dropout > 0:
             raise ValueError(f"attention_dropout={self.attention_dropout} with context-parallel size {cp}: dropout on "
                              "the split attention is not implemented (set it to 0)")

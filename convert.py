@@ -11,7 +11,7 @@ by side.
                  tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
-  Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`train.py export`) —
+  Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`tools.py export`) —
                  tests/test_export.py loads them with transformers and compares the logits.
 Mirrors the name maps of Megatron-LM's tools/checkpoint/ loaders and of transformers' Megatron conversion scripts.
 
@@ -479,13 +479,11 @@ _EXPORT_READ = {"num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "moe_router_pre_softmax", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size"}
 
 
-def gpt_to_hf(c, full: dict, model: str = "gpt") -> tuple[dict, dict]:
+def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
     """The inverse of gpt_from_hf: (config.json as a dict, {HF name: tensor}) of a GPT2LMHeadModel (learned positions,
     LayerNorm, biases, tied embeddings), a LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, no biases) or, with MoE in every
     layer, a MixtralForCausalLM (Hugging Face hub layout: block_sparse_moe.experts.{j}.w1/w2/w3). `full`: our full
     state dict (one process). Anything else, or any setting those classes cannot express: ExportError naming it."""
-    if model != "gpt":
-        raise ExportError(f"export: --model {model} has no Hugging Face export here (gpt has)")
     for f in dataclasses.fields(c):  # a field this exporter does not know (a later feature) must be at its default
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.name not in _EXPORT_IGNORED | _EXPORT_READ and getattr(c, f.name) != default:

@@ -15,6 +15,7 @@ The default corpus is the Python standard library's own source (no download, eve
 preprocess_data.py --append-eod. A batch depends only on (seed, iteration), never on the parallel layout.
 """
 import argparse
+import dataclasses
 import fcntl
 import hashlib
 import itertools
@@ -361,11 +362,25 @@ def global_batch(dataset, iteration, global_batch_size):
     return torch.from_numpy(np.stack([dataset[start + j] for j in range(global_batch_size)]))
 
 
-def build_data(args, samples: bool = True):
-    """train.py's data: (tokenizer, train dataset, valid dataset) from the flags (--data-path, --tokenizer-file,
-    --vocab-size, --split, ...); sets args.vocab_size and args.eod_token. Runs on every rank; a file lock lets one
-    rank build the caches. samples=False (post-training tasks: posttrain.py makes their samples from --data-path):
-    (tokenizer, None, None), the tokenizer of --tokenizer-file (a base run's) or else the BPE of the default corpus."""
+@dataclass(frozen=True)
+class Corpus:
+    """What build_data finds and makes, passed on (args stay as parsed): the tokenizer, the model's vocabulary size
+    (--vocab-size, else the tokenizer's), its end-of-document id (Megatron's tokenizer.eod), and the train and valid
+    datasets (None for a post-training task, which makes its own samples: posttrain.py)."""
+    tokenizer: Tokenizer
+    vocab_size: int
+    eod: int
+    train: object = None
+    valid: object = None
+
+
+def build_data(args, dataset=None, tokenizer_file=None, vocab_size=None, samples: bool = True) -> Corpus:
+    """train.py's data from the flags (--data-path, --json-keys, --split, --seq-length, --seed, --data-cache-dir):
+    the tokenizer of `tokenizer_file` (else a BPE of `vocab_size`, default 8192, trained on the corpus), and the
+    samples `dataset(source, doc_ids, args, tok, seed)` makes (the model file's hook; default GPT windows). Runs on
+    every rank; a file lock lets one rank build the caches. samples=False (post-training tasks): the tokenizer only,
+    `tokenizer_file`'s (a base run's) or else the BPE of the default corpus."""
+    dataset = dataset or (lambda source, ids, args, tok, seed: GPTDataset(source, ids, args.seq_length, seed))
     cache = Path(args.data_cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".lock", "w") as lock:
@@ -373,7 +388,7 @@ def build_data(args, samples: bool = True):
         prefix = args.data_path if samples else None
         if prefix and not os.path.exists(prefix) and os.path.exists(prefix + ".idx"):  # Megatron .bin/.idx
             source = IndexedDataset(prefix)
-            tok_file = args.tokenizer_file or prefix + ".tokenizer.json"  # data.py preprocess writes it there
+            tok_file = tokenizer_file or prefix + ".tokenizer.json"  # data.py preprocess writes it there
             if not os.path.exists(tok_file):
                 raise DataError(f"{prefix}.bin/.idx needs the tokenizer it was made with: pass --tokenizer-file")
             tok = get_tokenizer(None, None, tokenizer_file=tok_file)
@@ -381,36 +396,33 @@ def build_data(args, samples: bool = True):
             if top >= tok.get_vocab_size():
                 raise DataError(f"{prefix}.bin holds token id {top}, outside the tokenizer's "
                                 f"vocabulary of {tok.get_vocab_size()} ({tok_file})")
-        elif not samples and args.tokenizer_file:
-            tok = get_tokenizer(None, None, tokenizer_file=args.tokenizer_file)
+        elif not samples and tokenizer_file:
+            tok = get_tokenizer(None, None, tokenizer_file=tokenizer_file)
         else:
             docs = load_documents(prefix, tuple(args.json_keys))
             h = hashlib.sha256(str(len(docs)).encode())
             for d in docs:
                 h.update(d.encode("utf-8", errors="surrogatepass"))
             key = h.hexdigest()[:16]
-            v = args.vocab_size or 8192
-            tok = get_tokenizer(docs, str(cache / f"{key}-bpe{v}.json"), v, args.tokenizer_file)
+            v = vocab_size or 8192
+            tok = get_tokenizer(docs, str(cache / f"{key}-bpe{v}.json"), v, tokenizer_file)
             tok_key = hashlib.sha256(tok.to_str().encode()).hexdigest()[:8]
             if samples:
                 source = build_token_cache(None, None, tok, str(cache / f"{key}-{tok_key}-tokens"), documents=docs)
     n_tok = tok.get_vocab_size()
-    if args.vocab_size is not None and args.vocab_size < n_tok:
-        raise DataError(f"the tokenizer has {n_tok} tokens, more than the model's --vocab-size={args.vocab_size}"
-                        f" (tokenizer: {args.tokenizer_file or 'trained BPE'})")
-    args.vocab_size = args.vocab_size or n_tok
-    args.eod_token = special_ids(tok)["eod"]  # Megatron's tokenizer.eod: separates packed documents
+    if vocab_size is not None and vocab_size < n_tok:
+        raise DataError(f"the tokenizer has {n_tok} tokens, more than the model's --vocab-size={vocab_size}"
+                        f" (tokenizer: {tokenizer_file or 'trained BPE'})")
+    corpus = Corpus(tok, vocab_size or n_tok, special_ids(tok)["eod"])
     if not samples:
-        return tok, None, None
+        return corpus
     train_ids, valid_ids = split_documents(len(source), args.valid_fraction, seed=args.seed)
-    make = getattr(args.model_module, "dataset", None)  # a model file may bring its samples (BERT: MLM + SOP)
-    make = make or (lambda source, ids, args, tok, seed: GPTDataset(source, ids, args.seq_length, seed))
-    train = make(source, train_ids, args, tok, args.seed)
-    valid = make(source, valid_ids, args, tok, args.seed + 1) if len(valid_ids) else None
+    train = dataset(source, train_ids, args, tok, args.seed)
+    valid = dataset(source, valid_ids, args, tok, args.seed + 1) if len(valid_ids) else None
     if (valid is None or len(valid) == 0) and args.eval_iters > 0 and int(os.environ.get("RANK", 0)) == 0:
         print(f"WARNING: the validation set is empty (--split={args.split} leaves no validation document: a corpus of "
               "one document?): evaluation is off", flush=True)
-    return tok, train, (valid if valid is not None and len(valid) else None)
+    return dataclasses.replace(corpus, train=train, valid=valid if valid is not None and len(valid) else None)
 
 
 # ----------------------------------------------------------------------------- packed documents
@@ -454,10 +466,10 @@ class Packing:
     eod_mask_loss: bool = False
 
     @classmethod
-    def from_args(cls, args):
+    def from_args(cls, args, eod: int):
         """None unless one of --reset-position-ids, --reset-attention-mask, --eod-mask-loss is set."""
         flags = {k: getattr(args, k, False) for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")}
-        return cls(args.eod_token, **flags) if any(flags.values()) else None
+        return cls(eod, **flags) if any(flags.values()) else None
 
     def __call__(self, tokens):
         return get_ltor_masks_and_position_ids(tokens, self.eod, self.reset_position_ids, self.reset_attention_mask,

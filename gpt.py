@@ -23,15 +23,21 @@ from einops import rearrange
 from torch import nn
 
 import convert
+import data
 import deepseek
 import parallel as P
 from config import Config
 from rope import rope_for
 from transformer import Attention, Decoder, InferenceContext
 
-# `make train MODEL=gpt`: 650 iterations of 16 x 128 tokens, ~6½ minutes of the 8-minute budget on 2 CPU cores
-# (train.py's other defaults are this model's; arguments.py reads a model file's TRAIN_DEFAULTS)
+# The model-file contract (contract.py): gpt.py supports every feature (config.Config.UNSUPPORTED is empty) and
+# takes the default hooks but these. `make train MODEL=gpt`: 650 iterations of 16 x 128 tokens, ~6½ minutes of the
+# 8-minute budget on 2 CPU cores (train.py's other defaults are this model's)
 TRAIN_DEFAULTS = dict(train_iters=650)
+DEFAULT_MODEL = True  # train.py's --model default (contract.default_model)
+# What a model built on gpt.py's skeleton but with its own stack cannot take from DeepSeek-V3's layers (deepseek.py)
+DEEPSEEK_UNSUPPORTED = dict.fromkeys(["multi_latent_attention", "multi_token_prediction"],
+                                     "DeepSeek-V3's layers (deepseek.py) are built and tested for the GPT decoder only")
 
 
 # ---------------------------------------------------------------------------------------------- the GPT model
@@ -86,10 +92,7 @@ class Model(nn.Module):
         tp, pp, ep = (grid.tp_size, grid.pp_size, grid.ep_size) if grid is not None else (1, 1, 1)
         config.check_layout(tp, pp, ep)
         if grid is not None and grid.cp_size > 1:  # CP lives in transformer.Attention inside gpt's Decoder
-            if type(self).build_decoder is not Model.build_decoder:
-                raise ValueError(f"{type(self).__module__}.Model builds its own layer stack: context parallelism "
-                                 f"(cp={grid.cp_size}) covers the models built on gpt's Decoder (GPT, BERT)")
-            config.check_context_parallel(grid.cp_size, tp)
+            config.check_context_parallel(grid.cp_size, tp)  # (a model with its own stack: Config.UNSUPPORTED)
         if config.sequence_parallel and tp == 1:  # SP is a TP feature: a no-op without TP
             config = dataclasses.replace(config, sequence_parallel=False)
         c = self.config = config
@@ -181,20 +184,7 @@ class Model(nn.Module):
             inference_context.sequence_len_offset += s
         if hasattr(self, "mtp") and labels is not None:  # the MTP loss joins backward through x (deepseek.py)
             x = self.mtp(x, input_ids, labels, self.embedding, self.postprocess, rope=rope, mask=mask)
-        if self.post_process and hasattr(self, "value_head"):  # a reward model: a value per position [s(/tp), b, 1]
-            return self.value_head(x)
         return self.postprocess(x, labels) if self.post_process else x
-
-    def add_value_head(self):
-        """A reward model's head (posttrain.py, --task rm; InstructGPT's): Linear h -> 1 on the last stage's final
-        hidden states, named `value_head.weight`, initialized from the seed like every parameter. Replicated over
-        TP; under SP each rank sees its s/tp tokens, so its gradient is summed over TP (`sequence_parallel`)."""
-        c = self.config
-        self.value_head = nn.Linear(c.hidden_size, 1, bias=False, dtype=c.params_dtype,
-                                    device=next(self.parameters()).device)
-        P.mark(self.value_head.weight, ("normal", c.init_method_std), sequence_parallel=c.sequence_parallel)
-        self.value_head.weight.value_head = True  # (checkpoint.is_value_head)
-        P.init_params(self.value_head, c.seed, self.grid, rename=lambda name: f"value_head.{name}")
 
     def logits(self, x):
         """Final hidden states [s(/tp), b, h] -> this rank's logits [s, b, V/tp] (the output layer, tied or not)."""
@@ -261,7 +251,19 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
     return ids
 
 
+def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
+           generate=generate) -> str:
+    """tools.py sample: the prompt and its continuation, sampled (KV-cached) until the end-of-document token or
+    max_new_tokens. `generate`: another model file's (mamba.py's recurrent one)."""
+    ids = torch.tensor([tok.encode(prompt).ids])
+    out = generate(model, ids, max_new_tokens, temperature, top_k, eod=data.special_ids(tok)["eod"])
+    return tok.decode(out[0].tolist())
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
+to_hf = convert.gpt_to_hf  # tools.py export: a GPT-2, Llama or Mixtral directory (anything else refused by name)
+
+
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` GPT2LMHeadModel, LlamaForCausalLM or DeepseekV3ForCausalLM
     (MLA, deepseek.py) — the logits match."""

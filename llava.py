@@ -24,10 +24,12 @@ Dimension glossary (on top of gpt.py's b, s, h, V)
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import zlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -47,6 +49,12 @@ IMAGE_TOKEN = "<extra_id_99>"  # the placeholder: our tokenizers have no <image>
 @dataclass
 class Config(gpt.Config):
     """gpt.Config (the language model) + the vision tower and LLaVA's own fields (Megatron's LLaVAModel names)."""
+    UNSUPPORTED: ClassVar[dict] = {
+        "pipeline_parallel": "LLaVA's vision tower and projector are not split into pipeline stages",
+        "context_parallel": "LLaVA splices the image's embeddings into the whole text sequence before the decoder; "
+                            "that splice is not split over cp ranks",
+        "document_packing": "LLaVA's samples are an image and its caption (CaptionDataset), not packed documents",
+        "post_training": "the post-training tasks' samples have no images", **gpt.DEEPSEEK_UNSUPPORTED}
     img_h: int = 32
     img_w: int = 32
     patch_dim: int = 8
@@ -63,6 +71,9 @@ class Config(gpt.Config):
 
     def __post_init__(self):
         super().__post_init__()
+        sizes = ("img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden_size", "vision_num_attention_heads")
+        if small := {f: getattr(self, f) for f in sizes if getattr(self, f) < 1}:
+            raise ValueError(f"{small} must be >= 1")
         self.vision_ffn_hidden_size = self.vision_ffn_hidden_size or 4 * self.vision_hidden_size
         if self.img_h % self.patch_dim or self.img_w % self.patch_dim:
             raise ValueError(f"img_h={self.img_h} and img_w={self.img_w} must be multiples of patch_dim={self.patch_dim}")
@@ -94,12 +105,6 @@ class Config(gpt.Config):
         return super().tp_split_sizes() + [("vision_num_attention_heads", self.vision_num_attention_heads),
                                            ("vision_ffn_hidden_size", self.vision_ffn_hidden_size),
                                            ("hidden_size (the projector's fc1)", self.hidden_size)]
-
-    def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
-        if pp != 1:
-            raise ValueError(f"LLaVA: pipeline-model-parallel-size={pp} must be 1 (the vision tower and projector "
-                             "are not split into stages)")
-        super().check_layout(tp, pp, ep)
 
 
 # ---------------------------------------------------------------------------------------------- the two towers
@@ -168,8 +173,8 @@ class Model(gpt.Model):
     def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
                  num_layers=None):
         if not (pre_process and post_process) or layer_offset or num_layers not in (None, config.num_layers):
-            raise ValueError(f"LLaVA has no pipeline stages: pre_process={pre_process}, post_process={post_process} "
-                             "must both be True")
+            raise ValueError(f"LLaVA has no pipeline stages: pre_process={pre_process}, post_process={post_process}, "
+                             f"layer_offset={layer_offset}, num_layers={num_layers} must be the whole model")
         super().__init__(config, grid)
         c = self.config
         frozen = ([self.embedding, self.decoder] + ([self.output_layer] if hasattr(self, "output_layer") else [])
@@ -286,10 +291,9 @@ class CaptionDataset:
 
     def __init__(self, source, doc_ids, args, tok, seed):
         sp = data.special_ids(tok)
-        args.image_token_index = tok.token_to_id(IMAGE_TOKEN)  # the model's Config reads it (Megatron: likewise)
         kw = {f: getattr(args, f) for f in ("img_h", "img_w", "patch_dim", "drop_vision_class_token")
-              if getattr(args, f, None) is not None}
-        self.c = Config(**kw, image_token_index=args.image_token_index)
+              if getattr(args, f) is not None}
+        self.c = Config(**kw, **config_fields(args, tok))
         self.tok, self.seed, self.s, self.eod, self.pad = tok, seed, args.seq_length, sp["eod"], sp["pad"]
         longest = max(len(e.ids) for e in tok.encode_batch([c for c, _ in all_captions()]))
         if self.c.num_image_tokens + longest + 1 > self.s + 1:
@@ -329,7 +333,7 @@ def loss_func(model, mb):
     return (loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss).mul(mask).sum()
 
 
-def batch_recipe(batch):
+def batch_recipe(batch, args=None, corpus=None):
     s = (batch.shape[1] - 3) // 2
     return loss_func, int(batch[:, s + 3:].sum())
 
@@ -348,6 +352,30 @@ def eval_counts(model, mb) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- train.py's hooks
+def add_arguments(p):
+    """Megatron's --freeze-LM, --freeze-ViT, --disable-vision-class-token (examples/multimodal) and --img-h, --img-w,
+    --patch-dim; the ViT's size is ours (Megatron fixes it per --vision-model-type). None = not given: the Config's."""
+    p.add_argument("--freeze-LM", dest="freeze_language_model", action="store_true", default=None,
+                   help="freeze the language model")
+    p.add_argument("--freeze-ViT", dest="freeze_vision_model", action="store_true", default=None,
+                   help="freeze the vision tower")
+    p.add_argument("--disable-vision-class-token", dest="drop_vision_class_token",
+                   action=argparse.BooleanOptionalAction, default=None, help="drop the ViT's class token")
+    for name in ("img-h", "img-w", "patch-dim", "vision-num-layers", "vision-hidden-size",
+                 "vision-num-attention-heads", "vision-ffn-hidden-size"):
+        p.add_argument(f"--{name}", type=int, default=None, help="(default: llava.Config's)")
+
+
+# The flags that shape the weights; and frozen towers keep no optimizer state, so a resume cannot change what is frozen
+ARCH_FLAGS = ("img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
+              "vision_ffn_hidden_size", "drop_vision_class_token", "freeze_language_model", "freeze_vision_model")
+
+
+def config_fields(args, tok) -> dict:
+    """The image token's id in the run's tokenizer (None before the tokenizer is known: the Config's default)."""
+    return {} if tok is None else {"image_token_index": tok.token_to_id(IMAGE_TOKEN)}
+
+
 TRAIN_DEFAULTS = dict(seq_length=36, num_layers=2, hidden_size=128, num_attention_heads=4, drop_vision_class_token=True,
                       micro_batch_size=32, global_batch_size=32, train_iters=600, lr=2e-3, min_lr=2e-4,
                       eval_interval=100, eval_iters=4)
@@ -361,9 +389,10 @@ def ascii_image(img) -> str:
                      for y in range(rgb.shape[1]))
 
 
-def sample_text(model: Model, tok, prompt: str, max_new_tokens: int) -> str:
-    """`train.py sample` for LLaVA: the prompt picks a scene (a number, or any text hashed), drawn as letters; the
-    model describes it (greedy) after its image tokens."""
+def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None
+           ) -> str:
+    """tools.py sample for LLaVA: the prompt picks a scene (a number, or any text hashed), drawn as letters; the
+    model describes it after its image tokens (greedy at temperature 0)."""
     c = model.config
     index = int(prompt) if prompt.strip().isdigit() else zlib.crc32(prompt.encode())
     img, truth = scene(7, index, c.img_h, c.img_w)
@@ -372,8 +401,8 @@ def sample_text(model: Model, tok, prompt: str, max_new_tokens: int) -> str:
     def next_logits(ids):  # the last position's logits [1, V]; never another image token
         return model(ids, pixels)[:, -1].index_fill(-1, torch.tensor([c.image_token_index]), float("-inf"))
 
-    out = gpt.generate(model, ids, max_new_tokens, temperature=0.0, eod=data.special_ids(tok)["eod"],
-                       next_logits=next_logits)
+    out = gpt.generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                       eod=data.special_ids(tok)["eod"], next_logits=next_logits)
     said = tok.decode(out[0, c.num_image_tokens:].tolist())
     return f"{ascii_image(img)}\nscene {index}: {truth.strip()}\nthe model: {said.strip()}"
 

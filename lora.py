@@ -8,7 +8,7 @@ Paper: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (A G
 
 Run:    .venv/bin/python -m pytest -q tests/test_lora.py
         make train NPROC=2 TP=2 RUN=runs/gpt-lora ARGS="--lora-rank 8 --pretrained-checkpoint runs/gpt"
-        python train.py merge --load runs/gpt-lora --save runs/gpt-merged      # plain weights W + (alpha/r)·B·A
+        python tools.py merge --load runs/gpt-lora --save runs/gpt-merged      # plain weights W + (alpha/r)·B·A
 
 Dimension glossary
   b batch    s sequence (s/tp under sequence parallelism)    i in features    o out features    r LoRA rank
@@ -79,6 +79,7 @@ class LoRA(nn.Module):
                             sequence_parallel=self.sp)  # [o, r] replicated
         for p in (self.A, self.B):
             p.lora = True
+            p.added_to_base = True  # (checkpoint.added_to_base: a base checkpoint does not hold it)
         self.enabled = True  # off inside `disabled(model)`
 
     def forward(self, x):  # the base layer's input: column x [s(/tp), b, i]; row x [s, b, i/tp]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +47,31 @@ TRAIN_DEFAULTS = dict(hybrid_layer_pattern="M-M*-M-", num_layers=7, hidden_size=
                       position_embedding_type="none", normalization="RMSNorm")
 
 
+def add_arguments(p):
+    """Megatron's Mamba flags: the hybrid stack and the mixer's dimensions (None = the Config's default)."""
+    p.add_argument("--hybrid-layer-pattern", default=None, help='e.g. "M-M*-M" (M mamba, * attention, - MLP, E MoE, '
+                                                                "| a pipeline-stage cut); --num-layers must match it")
+    for name, what in (("state-dim", "N, the SSM state size"), ("head-dim", "P"), ("num-groups", "G, heads sharing B "
+                       "and C (divides the heads)"), ("num-heads", "H (default 2·hidden / head-dim)"),
+                       ("chunk-size", "Q, the SSD scan's chunk")):
+        p.add_argument(f"--mamba-{name}", type=int, default=None, help=what)
+
+
+ARCH_FLAGS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+
+
 @dataclass
 class Config(gpt.Config):
     """gpt.Config plus Megatron's Mamba fields; defaults follow Megatron's MambaModel (no positions, RMSNorm)."""
     FULL_RECOMPUTE = False  # full recomputation: its hybrid stack is its own, not transformer.Decoder's
+    UNSUPPORTED: ClassVar[dict] = {
+        "context_parallel": "Mamba's scan is a recurrence along the sequence: splitting it needs the SSM state "
+                            "passed from rank to rank, which is not implemented",
+        "document_packing": "Mamba's scan carries its state from one document into the next (a recurrence has no "
+                            "block-diagonal mask)",
+        "sft_packing": "the scan's state would cross from one packed sample into the next (a recurrence has no "
+                       "block-diagonal mask)",
+        **gpt.DEEPSEEK_UNSUPPORTED}
     num_layers: int | None = None  # None = the pattern's length
     hybrid_layer_pattern: str | None = None  # e.g. "M-M*-M", "MM*|M-M-"; None = "M" * num_layers
     mamba_state_dim: int = 128  # N
@@ -74,7 +96,12 @@ class Config(gpt.Config):
                              " - (MLP), E (MoE), | (pipeline boundary)")
         layers = p.replace("|", "")
         if not layers or (self.num_layers is not None and self.num_layers != len(layers)):
-            raise ValueError(f"num_layers={self.num_layers} != the {len(layers)} layers of hybrid_layer_pattern={p!r}")
+            raise ValueError(f"num_layers={self.num_layers} != the {len(layers)} layers of hybrid_layer_pattern={p!r}"
+                             f" (set --num-layers {len(layers)}, or a pattern of {self.num_layers} layers)")
+        small = {f: getattr(self, f) for f in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+                                               "mamba_chunk_size", "mamba_conv_kernel") if getattr(self, f) < 1}
+        if small or self.mamba_num_heads is not None and self.mamba_num_heads < 1:
+            raise ValueError(f"{small or {'mamba_num_heads': self.mamba_num_heads}} must be >= 1")
         self.hybrid_layer_pattern, self.layer_types, self.num_layers = p, layers, len(layers)
         super().__post_init__()
         if "E" in layers and not self.num_experts:
@@ -101,6 +128,17 @@ class Config(gpt.Config):
     def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
         super().check_layout(tp, 1, ep)  # gpt's TP and EP checks; the pipeline stages are the pattern's:
         self.stages(pp)
+
+    def stage_layers(self, num_layers: int, grid, vp: int = 1, chunk: int = 0) -> tuple[int, int]:
+        """(first global layer, layer count) of this rank's pipeline stage: the pattern's '|' cuts, else even."""
+        pp, rank = (grid.pp_size, grid.pp.rank) if grid is not None else (1, 0)
+        if "|" not in self.hybrid_layer_pattern:
+            return super().stage_layers(num_layers, grid, vp, chunk)
+        if vp > 1:
+            raise ValueError(f"hybrid_layer_pattern={self.hybrid_layer_pattern!r} cuts its own pipeline stages ('|'):"
+                             f" virtual pipeline stages (vp={vp}) need a pattern without '|'")
+        offset, symbols = self.stages(pp)[rank]
+        return offset, len(symbols)
 
     def stages(self, pp: int = 1) -> list[tuple[int, str]]:
         """Each pipeline stage's (first global layer, layer symbols): cut at '|', else evenly (Megatron's MambaStack)."""
@@ -346,15 +384,7 @@ class Model(gpt.Model):
     """Megatron's MambaModel: gpt.Model's embedding, output layer, loss, global names and forward around the hybrid
     Stack. forward(input_ids [b, s], labels=None) -> logits [b, s, vocab_size] or per-token loss [b, s].
 
-    The pipeline stage's layers: `layer_offset`/`num_layers` when given, else this grid's stage of the pattern."""
-
-    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=None,
-                 num_layers=None):
-        if layer_offset is None:  # this grid's pipeline stage of the pattern
-            pp = grid.pp_size if grid is not None else 1
-            layer_offset, symbols = config.stages(pp)[grid.pp.rank if grid is not None else 0]
-            num_layers = len(symbols)
-        super().__init__(config, grid, pre_process, post_process, layer_offset, num_layers)
+    A pipeline stage's layers: `layer_offset`/`num_layers` (Config.stage_layers places them: the pattern's '|')."""
 
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         return Stack(c, grid, self.rng, c.layer_types[layer_offset:layer_offset + num_layers], self.post_process)
@@ -391,6 +421,35 @@ def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, t
     model.train(was_training)
     return gpt.generate(model, ids, max_new_tokens, temperature, top_k, eod,
                         next_logits=lambda ids: model.step(ids[:, -1], cache))
+
+
+def flops(c: Config, B: int, s: int) -> float:
+    """Megatron's hybrid_flops (megatron/training/training.py): per layer symbol of the pattern (M Mamba, * attention,
+    - MLP, E MoE), forward x 3. Megatron writes the Mamba width as d_in = 2·h (expand 2); here it is the config's H·P,
+    the same number unless mamba_num_heads is set to another width (then this counts the mixer that runs). MTP:
+    Megatron's hybrid count adds only each depth's logit layer, not the depths' own layers; so does this (a floor)."""
+    h, t = c.hidden_size, c.layer_types
+    d_in, H, G, N = c.d_inner, c.mamba_num_heads, c.mamba_num_groups, c.mamba_state_dim
+    mamba = (2 * B * s * h * (2 * d_in + 2 * G * N + H)  # in_proj: h -> [z, x, B, C, dt]
+             + 7 * B * s * d_in * N  # the scan (Megatron's estimate of the SSD kernels)
+             + 2 * B * s * d_in * h)  # out_proj
+    q = c.kv_channels * c.num_attention_heads
+    attn = 4 * B * s * q * (h + h * c.num_query_groups / c.num_attention_heads + s / 2)  # QKV, proj, causal core
+    swiglu = 1.5 if c.gated_linear_unit else 1.0
+    mlp = 4 * B * s * h * c.ffn_hidden_size * swiglu
+    moe = 0.0
+    if "E" in t:
+        moe = 4 * B * s * h * (c.moe_ffn_hidden_size * c.moe_router_topk
+                               + (c.moe_shared_expert_intermediate_size or 0)) * swiglu
+    fwd = (t.count("M") * mamba + t.count("*") * attn + t.count("-") * mlp + t.count("E") * moe
+           + 2 * B * s * h * c.padded_vocab_size * (1 + (c.mtp_num_layers or 0)))  # the logit layer, one per depth
+    return 3 * fwd
+
+
+def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50
+           ) -> str:
+    """tools.py sample: gpt.sample with the recurrent step (generate above)."""
+    return gpt.sample(model, tok, prompt, max_new_tokens, temperature, top_k, generate=generate)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)

@@ -32,33 +32,23 @@ import torch.distributed as dist
 #   the other norms, softmax, activations, RoPE, dropout, the MoE router's h x E GEMM, the embedding lookup, the
 #   cross-entropy — and no recomputation (model FLOPs, not hardware FLOPs). Every term below is per token (or per
 #   sequence) of the FORWARD, in multiply-adds; x 2 (a multiply-add is 2 FLOPs) x 3 (forward, dgrad, wgrad) at the end.
-def flops(c, batch: int, seq: int, decoder_seq: int | None = None) -> float:
-    """Model FLOPs of one training iteration (forward + backward) on `batch` sequences of `seq` tokens, dispatching on
-    the config: a `hybrid_layer_pattern` (mamba.Config) takes Megatron's hybrid_flops, a t5.Config _t5_flops
-    (decoder_seq: the decoder's length, default what t5.SpanCorruptionDataset makes of `seq`), a bert.Config
-    _bert_flops, everything else Megatron's transformer_flops (num_floating_point_operations,
-    megatron/training/training.py: GPT, GQA, SwiGLU, MoE top-k + shared expert, multi-latent attention, MTP).
-    Megatron has one formula for every model; the BERT and T5 counts are ours (DESIGN.md §6). Retro and LLaVA get
-    the GPT count of their decoder (Retro's encoder and chunked cross-attention, LLaVA's ViT and projector are not
-    counted: a floor)."""
-    import bert  # function-level: the model files sit below metrics (tests/test_repo.py LAYERS)
-    import t5
-    if getattr(c, "hybrid_layer_pattern", None) is not None:
-        return _hybrid_flops(c, batch, seq)
-    if isinstance(c, t5.Config):
-        return _t5_flops(c, batch, seq, decoder_seq)
-    if isinstance(c, bert.Config):
-        return _bert_flops(c, batch, seq)
+def flops(c, batch: int, seq: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) on `batch` sequences of `seq` tokens: Megatron's
+    transformer_flops (num_floating_point_operations, megatron/training/training.py: GPT, GQA, SwiGLU, MoE top-k +
+    shared expert, multi-latent attention, MTP). The default of the model-file contract (contract.py): a model file
+    with other layers declares its own `flops` from the pieces below (bert.py, t5.py: ours, DESIGN.md §6; mamba.py:
+    Megatron's hybrid count). Retro and LLaVA take this count of their decoder (Retro's encoder and chunked
+    cross-attention, LLaVA's ViT and projector are not counted: a floor)."""
     h, L, D = c.hidden_size, c.num_layers, c.mtp_num_layers or 0
     moe = [c.is_moe_layer(i) for i in range(L)]
     moe += moe[-1:] * D  # each MTP depth holds one more layer of the last layer's kind (Megatron's last_layer_is_moe)
-    layers = sum(_self_attention(c, seq, causal=True) + _mlp(c, m) for m in moe)
+    layers = sum(self_attention_flops(c, seq, causal=True) + mlp_flops(c, m) for m in moe)
     mtp = D * (3 * h + 2 * h * h)  # per depth: enorm, hnorm, final_layernorm (Megatron's 3h) and eh_proj 2h -> h
     logits = h * c.padded_vocab_size * (1 + D)  # the main logit layer and each depth's
     return 3 * 2 * batch * seq * (layers + mtp + logits)  # 3: forward, dgrad, wgrad; 2: a multiply-add is 2 FLOPs
 
 
-def _self_attention(c, s: int, causal: bool, mla: bool | None = None) -> float:
+def self_attention_flops(c, s: int, causal: bool, mla: bool | None = None) -> float:
     """One self-attention layer, forward multiply-adds per token over s keys (causal: half the s x s square).
     Multi-latent attention (deepseek.MLASelfAttention) as Megatron's formula: q = linear_q_proj h -> n(dn+dr), or
     with q-lora linear_q_down_proj h -> rq, q_layernorm (rq: Megatron's "+ 1"), linear_q_up_proj rq -> n(dn+dr);
@@ -75,73 +65,12 @@ def _self_attention(c, s: int, causal: bool, mla: bool | None = None) -> float:
     return h * (n + 2 * g) * d + keys * n * d * 2 + n * d * h  # QKV (GQA: g key/value heads), QKᵀ and PV, proj
 
 
-def _mlp(c, moe: bool) -> float:
+def mlp_flops(c, moe: bool) -> float:
     """One MLP (h -> f -> h; SwiGLU: h -> 2f, f -> h) or MoE layer (top-k routed experts + the shared expert),
     forward multiply-adds per token."""
     f = c.moe_ffn_hidden_size * c.moe_router_topk + (c.moe_shared_expert_intermediate_size or 0) if moe \
         else c.ffn_hidden_size
     return c.hidden_size * f * (3 if c.gated_linear_unit else 2)
-
-
-def _bert_flops(c, B: int, s: int) -> float:
-    """BERT (bert.Model) — our count, not Megatron's (Megatron gives BERT the GPT formula): L layers of bidirectional
-    attention (the full s x s square: the padding mask only hides keys, every score is computed), the masked-LM
-    head's dense h -> h and the logit layer on every token (postprocess computes all s positions), and with the
-    binary head the pooler's dense h -> h and binary_head h -> 2 once per sequence (on [CLS])."""
-    h = c.hidden_size
-    per_token = (sum(_self_attention(c, s, causal=False) + _mlp(c, c.is_moe_layer(i)) for i in range(c.num_layers))
-                 + h * h + h * c.padded_vocab_size)
-    per_sequence = h * h + h * 2 if c.add_binary_head else 0
-    return 3 * 2 * B * (s * per_token + per_sequence)
-
-
-def t5_decoder_length(seq: int) -> int:
-    """The decoder length t5.SpanCorruptionDataset gives rows of seq + 1 raw tokens: the targets' length, rounded up
-    to a multiple of 8."""
-    import t5
-    return -(-t5.corrupted_lengths(seq + 1)[3] // 8) * 8
-
-
-def _t5_flops(c, B: int, se: int, sd: int | None) -> float:
-    """T5 (t5.Model) — our count, not Megatron's (Megatron gives T5 the GPT formula: no decoder, no cross-attention).
-    Encoder: Le layers of bidirectional self-attention (full se x se) + MLP on B·se tokens. Decoder: Ld layers on
-    B·sd tokens of causal self-attention (half the sd x sd square, Megatron's causal rule; the mask makes it causal),
-    cross-attention — linear_q h -> nd and linear_proj nd -> h per decoder token, QKᵀ and PV over all se keys, and
-    linear_kv h -> 2gd on each of the B·se encoder outputs — and MLP; the logit layer on B·sd tokens. MoE layers
-    where moe_layer_freq says, each stack numbering its layers from 0. Relative-position biases are lookups."""
-    sd = t5_decoder_length(se) if sd is None else sd
-    h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels
-    enc = sum(_self_attention(c, se, causal=False, mla=False) + _mlp(c, c.is_moe_layer(i))
-              for i in range(c.encoder_num_layers))
-    cross_q = h * n * d + se * n * d * 2 + n * d * h  # per decoder token: q projection, QKᵀ and PV over se, proj
-    dec = sum(_self_attention(c, sd, causal=True, mla=False) + cross_q + _mlp(c, c.is_moe_layer(i))
-              for i in range(c.decoder_num_layers)) + h * c.padded_vocab_size
-    cross_kv = c.decoder_num_layers * h * 2 * g * d  # per encoder token: every decoder layer's linear_kv
-    return 3 * 2 * B * (se * (enc + cross_kv) + sd * dec)
-
-
-def _hybrid_flops(c, B: int, s: int) -> float:
-    """Megatron's hybrid_flops: per layer symbol of the pattern (M Mamba, * attention, - MLP, E MoE), forward x 3.
-    Megatron writes the Mamba width as d_in = 2·h (expand 2); here it is the config's H·P, the same number unless
-    mamba_num_heads is set to another width (then this counts the mixer that runs). MTP (mtp_num_layers D): Megatron's
-    hybrid count adds only each depth's logit layer, not the depths' own layers (eh_proj, the transformer layer); so
-    does this (a floor with MTP)."""
-    h, t = c.hidden_size, c.layer_types
-    d_in, H, G, N = c.d_inner, c.mamba_num_heads, c.mamba_num_groups, c.mamba_state_dim
-    mamba = (2 * B * s * h * (2 * d_in + 2 * G * N + H)  # in_proj: h -> [z, x, B, C, dt]
-             + 7 * B * s * d_in * N  # the scan (Megatron's estimate of the SSD kernels)
-             + 2 * B * s * d_in * h)  # out_proj
-    q = c.kv_channels * c.num_attention_heads
-    attn = 4 * B * s * q * (h + h * c.num_query_groups / c.num_attention_heads + s / 2)  # QKV, proj, causal core
-    swiglu = 1.5 if c.gated_linear_unit else 1.0
-    mlp = 4 * B * s * h * c.ffn_hidden_size * swiglu
-    moe = 0.0
-    if "E" in t:
-        moe = 4 * B * s * h * (c.moe_ffn_hidden_size * c.moe_router_topk
-                               + (c.moe_shared_expert_intermediate_size or 0)) * swiglu
-    fwd = (t.count("M") * mamba + t.count("*") * attn + t.count("-") * mlp + t.count("E") * moe
-           + 2 * B * s * h * c.padded_vocab_size * (1 + (c.mtp_num_layers or 0)))  # the logit layer, one per depth
-    return 3 * fwd
 
 
 # Peak dense TFLOP/s (no sparsity) from the vendors' data sheets: (bf16/fp16 tensor cores, fp32 without TF32 —

@@ -821,14 +821,16 @@ def stage_layers(num_layers: int, grid: Grid | None, vp: int = 1, chunk: int = 0
     return chunk * (num_layers // vp) + r * per_chunk, per_chunk
 
 
-def build_chunks(make, num_layers: int, grid: Grid | None, vp: int = 1) -> list[nn.Module]:
-    """This rank's model chunks: make(pre_process, post_process, layer_offset, num_layers) for each virtual stage."""
+def build_chunks(make, num_layers: int, grid: Grid | None, vp: int = 1, stages=stage_layers) -> list[nn.Module]:
+    """This rank's model chunks: make(pre_process, post_process, layer_offset, num_layers) for each virtual stage;
+    `stages(num_layers, grid, vp, chunk)` places them (default: stage_layers, the even split; a Config's
+    stage_layers, e.g. a Mamba pattern's '|' cuts)."""
     pp, r = (grid.pp_size, grid.pp.rank) if grid is not None else (1, 0)
     if vp > 1 and pp == 1:
         raise ValueError(f"virtual pipeline stages (vp={vp}) need pipeline parallelism (pp > 1)")
     chunks = []
     for v in range(vp):
-        offset, n = stage_layers(num_layers, grid, vp, v)
+        offset, n = stages(num_layers, grid, vp, v)
         chunks.append(make(r == 0 and v == 0, r == pp - 1 and v == vp - 1, offset, n))
     for m in (m for c in chunks[1:] for m in c.modules()):  # one RNG tracker per rank, as in Megatron: chunks with
         if isinstance(getattr(m, "rng", None), RNGTracker):  # trackers of one seed would repeat each other's masks

@@ -1,5 +1,5 @@
 """posttrain.py — post-training tasks on the parallel backend: SFT, DPO, KTO, reward models: their datasets, chat
-template, losses and the reference model.
+template, losses, the reference model and the reward model's value head.
 
 Mirrors, in Megatron-LM, megatron/training (the finetune flow, --finetune / --pretrained-checkpoint); NeMo-Aligner
 and Megatron-Bridge (DPO and reward-model training on Megatron-core); Hugging Face TRL for the loss definitions
@@ -50,7 +50,8 @@ the signature and the docstring; the response is the true body; a rejected/undes
 body or the true body with its lines shuffled. Their samples are built once and cached in --data-cache-dir
 (example_samples).
 
-Section 2 (task losses and the reference model): see its header.
+Section 2 (task losses and the reference model): see its header. Section 3 (what a task adds to the model: the
+frozen reference, the value head): `setup_task`, which train.py calls once.
 """
 from __future__ import annotations
 
@@ -70,12 +71,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
+from torch import nn
 
 import checkpoint
 import data
 import lora
 import parallel as P
-from arguments import ArgumentParser, ConfigError
 from data import DataError
 
 # ==== 1. Task data: JSON-lines records, chat template, samples, example data, datasets
@@ -409,7 +410,7 @@ def build_task_datasets(args, tok):
     out = []
     for ids, sd in zip(split_by_prompt(samples, args.valid_fraction), (seed, seed + 1)):
         part = samples[ids]
-        if getattr(args, "packing", False) and len(ids):
+        if args.packing and len(ids):
             part = pack_sft(part, s, eod, [wheres[i] for i in ids])
         out.append(TaskDataset(part, sd) if len(part) else None)
     return out[0], out[1]
@@ -520,11 +521,11 @@ class Task:
     forward-only pass of the policy, summed over DP (and the pipeline, whose last stage holds it).
     Forward-only passes run in eval mode (no dropout), as TRL's reference model."""
 
-    def __init__(self, args, chunks, grid, shape, dtype, device="cpu", autocast=contextlib.nullcontext,
+    def __init__(self, args, chunks, grid, shape, dtype, eod: int, device="cpu", autocast=contextlib.nullcontext,
                  ref_chunks=None):
-        self.a, self.kind, self.chunks, self.grid = args, args.task, chunks, grid
+        self.a, self.kind, self.chunks, self.grid, self.eod = args, args.task, chunks, grid, eod
         self.shape, self.dtype, self.device, self.autocast = shape, dtype, device, autocast
-        self.lora = bool(getattr(args, "lora_rank", None))
+        self.lora = args.lora_rank is not None
         self.ref_chunks = chunks if self.lora else ref_chunks
         if self.kind in ("dpo", "kto") and self.ref_chunks is None:
             raise ValueError(f"--task {self.kind} needs a reference model (ref_chunks) or LoRA adapters")
@@ -585,7 +586,7 @@ class Task:
     def policy_step(self, model, mb, split="train"):
         a, kind = self.a, self.kind
         if kind == "sft":
-            res = run_model(model, mb, (CHOSEN,), eod=a.eod_token if getattr(a, "packing", False) else None)
+            res = run_model(model, mb, (CHOSEN,), eod=self.eod if a.packing else None)
             return sft_loss(*res) if model.post_process else res
         res = run_model(model, mb, (CHOSEN, REJECTED) if kind in ("dpo", "rm") else (CHOSEN,), value=kind == "rm")
         if not model.post_process:
@@ -634,42 +635,57 @@ class Task:
         return {prefix + k: float(t[i, 0] / t[i, 1]) for i, k in enumerate(names) if t[i, 1] > 0}
 
 
-def add_value_heads(chunks):
-    """--task rm: the value head on the last stage (gpt.Model.add_value_head). The output layer is then unused: an
-    untied one is frozen; a last stage's copy of the tied embedding stays trainable (its first-stage twin learns)."""
-    for c in chunks:
-        if c.post_process:
-            c.add_value_head()
-            w = getattr(c.output_layer, "weight", None)
-            if w is not None and not getattr(w, "shared_embedding", False):
-                w.requires_grad_(False)
-    return chunks
+# ==== 3. What a task adds to the model: the frozen reference (dpo, kto), the value head (rm)
+
+class ValueHead(nn.Module):
+    """A reward model's head (InstructGPT's): Linear h -> 1 on the last stage's final hidden states [s(/tp), b, h] ->
+    values [s(/tp), b, 1], named `value_head.weight`, initialized from the seed like every parameter. Replicated over
+    TP; under SP each rank sees its s/tp tokens, so its gradient is summed over TP (`sequence_parallel`)."""
+
+    def __init__(self, c, grid, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, c.hidden_size, dtype=c.params_dtype, device=device))
+        P.mark(self.weight, ("normal", c.init_method_std), sequence_parallel=c.sequence_parallel)
+        setattr(self.weight, checkpoint.ADDED, True)  # a base checkpoint does not hold it
+        P.init_params(self, c.seed, grid, rename=lambda name: f"value_head.{name}")
+
+    def forward(self, x, labels=None):  # in the model's postprocess seat: the labels are not used
+        return F.linear(x, self.weight)
 
 
-def check_generates(args, load):
-    """`train.py sample` / `export` need a language model: a reward model's output is a value, not next-token logits."""
-    if getattr(args, "task", "pretrain") == "rm":
-        raise ConfigError(f"--load {load} is a reward model (--task rm): it scores text (train.py score), it does not "
-                          "generate or export as a causal LM")
+def add_value_head(model):
+    """A reward model: the value head takes the output layer's seat on the model's last stage (model.postprocess):
+    forward returns values [s(/tp), b, 1] instead of logits or losses. The output layer is then unused: an untied one
+    is frozen; a last stage's copy of the tied embedding stays trainable (its first-stage twin learns)."""
+    model.value_head = ValueHead(model.config, model.grid, next(model.parameters()).device)
+    model.postprocess = model.value_head.__call__
+    w = getattr(model.output_layer, "weight", None)
+    if w is not None and not getattr(w, "shared_embedding", False):
+        w.requires_grad_(False)
+    return model
 
 
-def score(argv):
-    """`train.py score --load RUN --data-path FILE.jsonl`: a reward model's (--task rm) reward of each record of an SFT
-    file ({"prompt", "response"} or {"messages"}), one per line, in file order. One process, the whole model."""
-    p = ArgumentParser(prog="train.py score")
-    p.add_argument("--load", required=True)
-    p.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
-    a = p.parse_args(argv)
-    model, args, tok, _ = checkpoint.load_model(a.load)
-    if getattr(args, "task", "pretrain") != "rm":
-        raise ConfigError(f"--load {a.load} is a --task {getattr(args, 'task', 'pretrain')} run, not a reward model "
-                          "(--task rm)")
-    eod, rewards = data.special_ids(tok)["eod"], []
-    model.eval()
-    for record in load_records(a.data_path, "sft"):
-        sample = make_sample(record, "sft", tok, args.seq_length, eod, record["_where"])
-        with torch.no_grad():
-            values = last_token_values(*run_model(model, torch.from_numpy(sample)[None], (CHOSEN,), value=True))
-        rewards.append(float(values[0, 0]))
-        print(f"{rewards[-1]:.6f}", flush=True)
-    return rewards
+def setup_task(args, start, chunks, build, mesh):
+    """What --task adds to this rank's model chunks, before the optimizer is made: rm, the value head on the last
+    stage; dpo and kto, the frozen reference model — without LoRA a copy built like the policy (`build()`: fresh
+    chunks) and loaded with the weights the run started from (none: the seed's initialization, the policy's), with
+    LoRA the policy itself with its adapters off (Task). Returns (reference chunks or None, its pointer for meta.json
+    "reference_base": recorded at the start, and read back on resume so a resumed run rebuilds the same reference)."""
+    if args.task == "rm":
+        for c in chunks:
+            if c.post_process:
+                add_value_head(c)
+    if args.task not in ("dpo", "kto"):
+        return None, None
+    if start.resume is not None:  # resuming: the reference the run started with
+        pointer = start.resume.meta["args"].get("reference_base")
+        ref = None if pointer is None else checkpoint.recorded_base(pointer, args.load, who="the reference model")
+    else:
+        ref = start.base
+        pointer = None if ref is None else checkpoint.pointer_to(ref)
+    if args.lora_rank is not None:
+        return None, pointer
+    ref_chunks = [c.requires_grad_(False) for c in build()]  # the seed's init, or the checkpoint it started from
+    if ref is not None:
+        checkpoint.load_weights(ref, ref_chunks, mesh)
+    return ref_chunks, pointer

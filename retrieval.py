@@ -1,4 +1,4 @@
-"""retrieval.py — Retro's retrieval database: chunks, a frozen embedder, a FAISS index, neighbour queries, samples.
+"""retrieval.py — Retro's retrieval database: chunks, a frozen embedder, a FAISS index, neighbour queries.
 
 Why its own file (the data module the design card allows): the retrieval database is a data pipeline, not a model.
 It cuts the training documents into m-token chunks, embeds them with a frozen embedder (a bag of tokens, or a BERT
@@ -9,7 +9,7 @@ Mirrors Megatron-LM's tools/retro/preprocess_data.py (the driver: build the chun
 neighbours) and tools/bert_embedding/embed.py (the BERT chunk embedder), over Megatron-core's
 megatron/core/datasets/retro/ — db/build.py (the chunk database), index/build.py + index/factory.py (the FAISS
 index), config/bert_embedders.py (the embedder interface), query/query.py (query_neighbors: each chunk's neighbours,
-other documents only) and query/retro_dataset.py (RetroDataset: GPT samples + their chunks' neighbours).
+other documents only). retro.py's RetroDataset (query/retro_dataset.py) turns it into samples.
 Papers: Borgeaud et al. 2021 (Retro, arXiv:2112.04426); Wang et al. 2023 "Shall we pretrain autoregressive language
         models with retrieval?" (Megatron's Retro).
 
@@ -22,7 +22,6 @@ Dimension glossary
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 from dataclasses import dataclass
@@ -32,8 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import bert
-import checkpoint  # reads a saved run (as `train.py sample` does)
+import checkpoint  # reads a saved run (as tools.py sample does)
 import data
 
 
@@ -62,29 +60,31 @@ class ChunkEmbedder:
     as Megatron's Hugging Face embedder zeroes its nan). Then L2-normalized: our index searches by inner product,
     i.e. cosine (Megatron's FAISS index is L2 on the raw means). Eval mode, no_grad, float32, batch_size at a time."""
 
-    def __init__(self, model: bert.Model, tok, name: str = "bert", batch_size: int = 128, device=None):
+    def __init__(self, model, tok, name: str = "encoder", batch_size: int = 128, device=None):
         c, V = model.config, tok.get_vocab_size()
         if c.vocab_size != V:
-            raise data.DataError(f"the BERT chunk embedder has a vocabulary of {c.vocab_size} tokens, the corpus "
-                                 f"tokenizer {V}: the BERT must be trained with the corpus's tokenizer")
+            raise data.DataError(f"the chunk embedder has a vocabulary of {c.vocab_size} tokens, the corpus "
+                                 f"tokenizer {V}: its run must be trained with the corpus's tokenizer")
         self.special, self.name, self.batch_size = data.special_ids(tok), name, batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.float().eval().requires_grad_(False).to(self.device)
 
     @classmethod
-    def load(cls, load_dir, tok, **kw) -> ChunkEmbedder:
-        """The embedder of a BERT run train.py saved (`make train MODEL=bert` -> runs/bert), at its latest checkpoint.
-        Its name (part of the database and neighbour cache keys) holds the iteration and a hash of the checkpoint's
-        files, so a cache built with other weights is never reused."""
-        model, args, run_tok, (path, meta) = checkpoint.load_model(load_dir, flag="--retro-bert-load")
-        if args.model != "bert":
-            raise data.DataError(f"--retro-bert-load {load_dir}: a {args.model} run, not a bert run")
-        if run_tok.get_vocab_size() == tok.get_vocab_size() and run_tok.get_vocab() != tok.get_vocab():
-            raise data.DataError(f"--retro-bert-load {load_dir}: the BERT's tokenizer.json is not the corpus's tokenizer")
+    def load(cls, load_dir, tok, flag: str, **kw) -> ChunkEmbedder:
+        """The embedder of a run train.py saved whose model has an encoder, `encode(ids, padding_mask)` (Megatron's:
+        a BERT run, `make train MODEL=bert` -> runs/bert), at its latest checkpoint. Its name (part of the database
+        and neighbour cache keys) holds the model, the iteration and a hash of the checkpoint's files, so a cache built
+        with other weights is never reused. `flag`: the flag that named the run, for the error messages."""
+        run = checkpoint.load_model(load_dir, flag=flag)
+        if not callable(getattr(run.model, "encode", None)):
+            raise data.DataError(f"{flag} {load_dir}: a --model {run.args.model} run, whose model has no encoder "
+                                 "(encode(ids, padding_mask)) to embed chunks with")
+        if run.tok.get_vocab_size() == tok.get_vocab_size() and run.tok.get_vocab() != tok.get_vocab():
+            raise data.DataError(f"{flag} {load_dir}: the run's tokenizer.json is not the corpus's tokenizer")
         h = hashlib.sha256()
-        for f in sorted(Path(path).iterdir()):
+        for f in sorted(Path(run.ckpt.path).iterdir()):
             h.update(f.name.encode() + f.read_bytes())
-        return cls(model, tok, name=f"bert-iter{meta['iteration']}-{h.hexdigest()[:16]}", **kw)
+        return cls(run.model, tok, name=f"{run.args.model}-iter{run.ckpt.meta['iteration']}-{h.hexdigest()[:16]}", **kw)
 
     @torch.no_grad()
     def __call__(self, chunks: np.ndarray) -> np.ndarray:  # [N, m] -> [N, h]
@@ -92,7 +92,7 @@ class ChunkEmbedder:
         chunks = torch.as_tensor(np.asarray(chunks), dtype=torch.long)
         N, m = chunks.shape
         if c.position_embedding_type == "learned_absolute" and m + 2 > c.max_position_embeddings:
-            raise data.DataError(f"chunks of {m} tokens + [cls] + [sep] do not fit the BERT chunk embedder's "
+            raise data.DataError(f"chunks of {m} tokens + [cls] + [sep] do not fit the chunk embedder's "
                                  f"max_position_embeddings={c.max_position_embeddings}")
         keep = chunks != sp["eod"]  # [N, m]
         n = keep.sum(1, keepdim=True)  # [N, 1] the chunk's tokens without eod
@@ -139,7 +139,7 @@ def chunk_documents(token_arrays, doc_ids, m: int, r: int, pad_id: int = 0):
 def build_database(token_arrays, doc_ids, m: int, embedder, r: int | None = None, index: str = "flat",
                    nlist: int = 64, pad_id: int = 0, cache_dir: str | None = None, progress: bool = True,
                    batch: int = 4096) -> Database:
-    """Chunk, embed (with a tqdm bar) and index a corpus; cached under cache_dir/retro-<hash>/ and reused.
+    """Chunk, embed (with a tqdm bar) and index a corpus; cached under cache_dir/retrieval-db-<hash>/ and reused.
     index: "flat" = exact inner product (IndexFlatIP); "ivf" = IndexIVFFlat with `nlist` lists (large corpora)."""
     import faiss
     from tqdm import tqdm
@@ -147,11 +147,11 @@ def build_database(token_arrays, doc_ids, m: int, embedder, r: int | None = None
     r = r or 2 * m
     tokens, doc = chunk_documents(token_arrays, doc_ids, m, r, pad_id)
     key = hashlib.sha256(tokens.tobytes() + doc.tobytes() + f"{m}-{r}-{embedder.name}-{index}-{nlist}".encode())
-    path = os.path.join(cache_dir, f"retro-{key.hexdigest()[:16]}") if cache_dir else None
+    path = os.path.join(cache_dir, f"retrieval-db-{key.hexdigest()[:16]}") if cache_dir else None
     if path and os.path.exists(os.path.join(path, "index.faiss")):
         return Database(tokens, doc, faiss.read_index(os.path.join(path, "index.faiss")), m)
     emb = np.concatenate([embedder(tokens[i: i + batch, :m]) for i in tqdm(
-        range(0, len(tokens), batch), desc="retro: embedding chunks", disable=not progress)]).astype(np.float32)
+        range(0, len(tokens), batch), desc="retrieval: embedding chunks", disable=not progress)]).astype(np.float32)
     if index == "flat":
         ix = faiss.IndexFlatIP(emb.shape[1])
     elif index == "ivf":
@@ -188,59 +188,3 @@ def query_neighbors(db: Database, chunks: np.ndarray, chunk_doc: np.ndarray, k: 
     order = np.argsort(~ok, axis=1, kind="stable")[:, :k]  # the first k allowed, in rank order
     out = np.take_along_axis(ids, order, axis=1)
     return out, db.tokens[out]
-
-
-
-# ---------------------------------------------------------------------------------------------- the samples
-class RetroDataset:
-    """GPT samples (data.GPTDataset) with the neighbours of their chunks: sample = [tokens (n + 1) | neighbours
-    (l·k·r)] flat, so train.py's batches stay one LongTensor. Samples start at multiples of n, so with n % m == 0
-    their chunks are chunks of the token stream, whose neighbours are queried once (cached) from the database of
-    the *training* documents; a stream chunk straddling two documents excludes both."""
-
-    def __init__(self, source, doc_ids, args, tok, seed):
-        from tqdm import tqdm
-
-        m, k = args.retro_chunk_length or 64, args.retro_num_neighbors or 2
-        n, self.k, self.m = args.seq_length, k, m
-        if n % m:
-            raise data.DataError(f"--seq-length={n} is not a multiple of --retro-chunk-length={m}")
-        self.gpt = data.GPTDataset(source, doc_ids, n, seed)
-        train_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)[0]
-        bert_dir = getattr(args, "retro_bert_load", None)  # a trained BERT (Megatron's embedder) or the bag of tokens
-        self.embedder = ChunkEmbedder.load(bert_dir, tok) if bert_dir else BagOfTokensEmbedder(tok.get_vocab_size())
-        try:
-            pad = data.special_ids(tok)["eod"]  # continuations past a document's end are padded with eod
-        except data.DataError:
-            pad = 0
-        lock = open(os.path.join(args.data_cache_dir, ".retro-lock"), "w")  # one rank builds, the others read
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        self.db = build_database([np.asarray(source[d]) for d in train_ids], list(train_ids), m, self.embedder,
-                                 pad_id=pad, cache_dir=args.data_cache_dir)
-        lengths = [len(source[int(d)]) for d in doc_ids]
-        token_doc = np.repeat(np.asarray(doc_ids, dtype=np.int64), lengths)  # the document of each stream token
-        C = len(self.gpt.tokens) // m
-        key = hashlib.sha256(self.gpt.tokens[: C * m].tobytes() + token_doc.tobytes() + repr(
-            (self.db.tokens.shape, int(self.db.tokens.sum()), k, self.embedder.name)).encode()).hexdigest()[:16]
-        path = os.path.join(args.data_cache_dir, f"retro-neighbors-{key}.npy")
-        if os.path.exists(path):
-            self.neighbors = np.load(path)
-        else:
-            chunks = self.gpt.tokens[: C * m].reshape(C, m)
-            docs = np.stack([token_doc[: C * m: m], token_doc[m - 1: C * m: m]], 1)  # first and last token's doc
-            self.neighbors = np.concatenate([query_neighbors(self.db, chunks[i: i + 4096], docs[i: i + 4096], k,
-                                                             self.embedder)[0]
-                                             for i in tqdm(range(0, C, 4096), desc="retro: querying neighbours")])
-            np.save(path, self.neighbors)  # [C, k] database chunk ids
-        lock.close()
-
-    def __len__(self):
-        return len(self.gpt)
-
-    def __getitem__(self, i):
-        tokens = self.gpt[i]
-        epoch, j = divmod(int(i), len(self.gpt))
-        first = int(self.gpt._order(epoch)[j]) * self.gpt.seq_length // self.m  # the sample's first stream chunk
-        l = self.gpt.seq_length // self.m  # noqa: E741
-        nbr = self.db.tokens[self.neighbors[first: first + l]]  # [l, k, r]
-        return np.concatenate([tokens, nbr.reshape(-1)])

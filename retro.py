@@ -29,14 +29,21 @@ Differences from Megatron-core 0.15.3 (tests/test_megatron_parity_retro_moe.py: 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
+import os
 from dataclasses import dataclass
+from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
+from tqdm import tqdm
 
 import convert
+import data
 import gpt
 import parallel as P
 import retrieval
@@ -46,6 +53,14 @@ import transformer
 @dataclass
 class Config(gpt.Config):
     FULL_RECOMPUTE = False  # full recomputation: Model.forward runs the layers itself, not transformer.Decoder's
+    UNSUPPORTED: ClassVar[dict] = {
+        "pipeline_parallel": "Retro's chunked cross-attention and neighbour encoder are not split into pipeline "
+                             "stages (nor are they in Megatron)",
+        "context_parallel": "Retro's chunked cross-attention ties each chunk of the sequence to its retrieved "
+                            "neighbours; a split sequence would cut chunks apart",
+        "document_packing": "Retro's samples carry their chunks' neighbours (RetroDataset), not packed documents",
+        "post_training": "the post-training tasks have no retrieved neighbours to give Retro's chunked cross-attention",
+        **gpt.DEEPSEEK_UNSUPPORTED}
     retro_chunk_length: int = 64  # m
     retro_num_neighbors: int = 2  # k
     retro_num_retrieved_chunks: int = 2  # a neighbour and its continuation
@@ -66,11 +81,6 @@ class Config(gpt.Config):
     @property
     def retro_layer_numbers(self) -> list[int]:  # 1-based, as decoder_spec.py
         return list(range(6 if self.num_layers <= 15 else 9, self.num_layers + 1, 3))
-
-    def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
-        if pp > 1:
-            raise ValueError(f"Retro does not support pipeline parallelism (pp={pp}), as in Megatron")
-        super().check_layout(tp, pp, ep)
 
 
 def _no_sp(c: Config, **kw) -> Config:
@@ -191,8 +201,12 @@ class Model(gpt.Model):
     The GPT model with its layers at Megatron's CCA positions swapped for Retro decoder layers. Initialization is by
     global parameter name, so the GPT weights are the ones gpt.Model(same config) has."""
 
-    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True):
-        super().__init__(config, grid, pre_process, post_process)  # Config.check_layout refuses pipelining
+    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
+                 num_layers=None):
+        if not (pre_process and post_process) or layer_offset or num_layers not in (None, config.num_layers):
+            raise ValueError(f"Retro has no pipeline stages: pre_process={pre_process}, post_process={post_process}, "
+                             f"layer_offset={layer_offset}, num_layers={num_layers} must be the whole model")
+        super().__init__(config, grid)
 
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         decoder = super().build_decoder(c, grid, layer_offset, num_layers)
@@ -238,9 +252,72 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
 TRAIN_DEFAULTS = dict(num_layers=6)  # the first CCA layer is layer 6
 
 
-def dataset(source, doc_ids, args, tok, seed) -> retrieval.RetroDataset:
-    """GPT samples + their chunks' neighbours, flat (see unpack); the database is retrieval.py's, built or reused."""
-    return retrieval.RetroDataset(source, doc_ids, args, tok, seed)
+def add_arguments(p):
+    """Retro's own flags (Megatron's --retro-* names; None = the Config's default)."""
+    p.add_argument("--retro-chunk-length", type=int, default=None, help="chunk length m (default 64)")
+    p.add_argument("--retro-num-neighbors", type=int, default=None, help="neighbours k per chunk (default 2)")
+    p.add_argument("--retro-encoder-num-layers", type=int, default=None, help="neighbour encoder layers (default 2)")
+    p.add_argument("--retro-bert-load", default=None, help="embed chunks with this BERT run (train.py --model bert "
+                                                            "--save DIR; same tokenizer) instead of a bag of tokens")
+
+
+ARCH_FLAGS = ("retro_encoder_num_layers",)  # the neighbour encoder's depth (m and k shape the data, not the weights)
+
+
+class RetroDataset:
+    """GPT samples (data.GPTDataset) with the neighbours of their chunks: sample = [tokens (n + 1) | neighbours
+    (l·k·r)] flat, so train.py's batches stay one LongTensor. Samples start at multiples of n, so with n % m == 0
+    their chunks are chunks of the token stream, whose neighbours are queried once (cached) from the database of
+    the *training* documents; a stream chunk straddling two documents excludes both."""
+
+    def __init__(self, source, doc_ids, args, tok, seed):
+        m, k = args.retro_chunk_length or Config.retro_chunk_length, args.retro_num_neighbors or Config.retro_num_neighbors
+        n, self.k, self.m = args.seq_length, k, m
+        if n % m:
+            raise data.DataError(f"--seq-length={n} is not a multiple of --retro-chunk-length={m}")
+        self.gpt = data.GPTDataset(source, doc_ids, n, seed)
+        train_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)[0]
+        bert_dir = args.retro_bert_load  # a trained BERT (Megatron's embedder) or the bag of tokens
+        self.embedder = (retrieval.ChunkEmbedder.load(bert_dir, tok, flag="--retro-bert-load") if bert_dir
+                         else retrieval.BagOfTokensEmbedder(tok.get_vocab_size()))
+        try:
+            pad = data.special_ids(tok)["eod"]  # continuations past a document's end are padded with eod
+        except data.DataError:
+            pad = 0
+        lock = open(os.path.join(args.data_cache_dir, ".retro-lock"), "w")  # one rank builds, the others read
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        self.db = retrieval.build_database([np.asarray(source[d]) for d in train_ids], list(train_ids), m, self.embedder,
+                                 pad_id=pad, cache_dir=args.data_cache_dir)
+        lengths = [len(source[int(d)]) for d in doc_ids]
+        token_doc = np.repeat(np.asarray(doc_ids, dtype=np.int64), lengths)  # the document of each stream token
+        C = len(self.gpt.tokens) // m
+        key = hashlib.sha256(self.gpt.tokens[: C * m].tobytes() + token_doc.tobytes() + repr(
+            (self.db.tokens.shape, int(self.db.tokens.sum()), k, self.embedder.name)).encode()).hexdigest()[:16]
+        path = os.path.join(args.data_cache_dir, f"retro-neighbors-{key}.npy")
+        if os.path.exists(path):
+            self.neighbors = np.load(path)
+        else:
+            chunks = self.gpt.tokens[: C * m].reshape(C, m)
+            docs = np.stack([token_doc[: C * m: m], token_doc[m - 1: C * m: m]], 1)  # first and last token's doc
+            self.neighbors = np.concatenate([retrieval.query_neighbors(self.db, chunks[i: i + 4096], docs[i: i + 4096], k,
+                                                             self.embedder)[0]
+                                             for i in tqdm(range(0, C, 4096), desc="retro: querying neighbours")])
+            np.save(path, self.neighbors)  # [C, k] database chunk ids
+        lock.close()
+
+    def __len__(self):
+        return len(self.gpt)
+
+    def __getitem__(self, i):
+        tokens = self.gpt[i]
+        epoch, j = divmod(int(i), len(self.gpt))
+        first = int(self.gpt._order(epoch)[j]) * self.gpt.seq_length // self.m  # the sample's first stream chunk
+        l = self.gpt.seq_length // self.m  # noqa: E741
+        nbr = self.db.tokens[self.neighbors[first: first + l]]  # [l, k, r]
+        return np.concatenate([tokens, nbr.reshape(-1)])
+
+
+dataset = RetroDataset  # train.py: dataset(source, doc_ids, args, tok, seed)
 
 
 def unpack(model: Model, mb):
@@ -255,3 +332,8 @@ def loss_func(model: Model, mb):
     """The SUM of the micro-batch's next-token losses (train.py divides by the global token count)."""
     tokens, neighbors = unpack(model, mb)
     return model(tokens[:, :-1], neighbors, labels=tokens[:, 1:]).float().sum()
+
+
+def batch_recipe(batch, args, corpus=None):
+    """(loss_func, the global batch's next-token count: gbs x --seq-length)."""
+    return loss_func, batch.shape[0] * args.seq_length

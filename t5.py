@@ -35,6 +35,7 @@ from torch import nn
 import convert
 import data
 import gpt
+import metrics
 import parallel as P
 import transformer
 
@@ -45,6 +46,14 @@ class Config(gpt.Config):
     encoder_num_layers / decoder_num_layers say otherwise."""
     FULL_RECOMPUTE = False  # full recomputation: its encoder and decoder stacks are its own, not transformer.Decoder's
     POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("relative", "rope", "learned_absolute")
+    UNSUPPORTED: ClassVar[dict] = {
+        "pipeline_parallel": "T5's encoder and decoder are not split into pipeline stages (Megatron-core's T5 "
+                             "refuses pipelining too)",
+        "context_parallel": "T5's cross-attention reads another sequence (the encoder's) and its relative-position "
+                            "buckets span the whole sequence; neither is split here",
+        "document_packing": "T5's samples are span-corrupted rows (SpanCorruptionDataset), not packed documents",
+        "post_training": "the post-training tasks score the next-token log-probs of a decoder-only model",
+        **gpt.DEEPSEEK_UNSUPPORTED}
     position_embedding_type: str = "relative"
     encoder_num_layers: int | None = None
     decoder_num_layers: int | None = None
@@ -70,12 +79,6 @@ class Config(gpt.Config):
                                                                               self.decoder_num_layers):
             raise ValueError(f"moe_layer_freq has {len(f)} entries for encoder_num_layers={self.encoder_num_layers}, "
                              f"decoder_num_layers={self.decoder_num_layers}")
-
-    def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
-        if pp > 1:
-            raise ValueError(f"T5 has no pipeline parallelism (Megatron-core's T5 refuses it too): "
-                             f"--pipeline-model-parallel-size={pp} must be 1")
-        super().check_layout(tp, pp, ep)
 
 
 # ---------------------------------------------------------------------------------------------- relative positions
@@ -182,10 +185,11 @@ class Model(gpt.Model):
     `encoder_hidden_states` (from `encode`) skips the encoder: generation encodes once.
     gpt.Model's skeleton with two stacks (and their relative-position tables) for one, and the lm_head."""
 
-    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True):
-        if not (pre_process and post_process):
-            raise ValueError(f"T5 has no pipeline stages: pre_process={pre_process}, post_process={post_process} "
-                             "must both be True")
+    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
+                 num_layers=None):
+        if not (pre_process and post_process) or layer_offset or num_layers not in (None, config.num_layers):
+            raise ValueError(f"T5 has no pipeline stages: pre_process={pre_process}, post_process={post_process}, "
+                             f"layer_offset={layer_offset}, num_layers={num_layers} must be the whole model")
         super().__init__(config, grid)  # one embedding for both stacks (and the tied lm_head)
 
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
@@ -267,14 +271,17 @@ def random_spans_noise_mask(length: int, rng: np.random.Generator, noise_density
     return np.repeat(np.tile([False, True], num_spans), runs)
 
 
-def sample_text(model: Model, tok, prompt: str, max_new_tokens: int) -> str:
-    """`train.py sample` for T5: the prompt, then one masked span (<extra_id_0>), then more of it if the prompt holds
-    "<extra_id_0>" itself; greedy-decode what the sentinels hide. Returns the prompt with the decoded spans shown."""
+def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None
+           ) -> str:
+    """tools.py sample for T5: the prompt, then one masked span (<extra_id_0>), then more of it if the prompt holds
+    "<extra_id_0>" itself; decode what the sentinels hide (greedy at temperature 0). Returns the prompt with the
+    decoded spans shown."""
     sp = data.special_ids(tok)
     ids = tok.encode(prompt).ids
     if sp["sentinels"][0] not in ids:
         ids = ids + [sp["sentinels"][0]]
-    out = generate(model, torch.tensor([ids + [sp["eod"]]]), max_new_tokens, bos=sp["cls"], eos=sp["eod"])
+    out = generate(model, torch.tensor([ids + [sp["eod"]]]), max_new_tokens, bos=sp["cls"], eos=sp["eod"],
+                   temperature=temperature, top_k=top_k)
     return f"{prompt}\n--- decoded spans ---\n{tok.decode(out[0].tolist(), skip_special_tokens=False)}"
 
 
@@ -331,8 +338,7 @@ class SpanCorruptionDataset:
         self.rows = data.GPTDataset(source, doc_ids, args.seq_length, seed)
         sp = data.special_ids(tok)
         self.kw = dict(sentinels=sp["sentinels"], bos=sp["cls"], eos=sp["eod"], pad=sp["pad"], seed=seed)
-        self.se, sd = args.seq_length, corrupted_lengths(args.seq_length + 1)[3]
-        self.sd, self.pad = -(-sd // 8) * 8, sp["pad"]  # a multiple of 8: sequence parallelism can split it
+        self.se, self.sd, self.pad = args.seq_length, decoder_length(args.seq_length), sp["pad"]  # sd: SP splits it
 
     def __len__(self):
         return len(self.rows)
@@ -355,9 +361,34 @@ def unpack(mb) -> dict:
     return dict(text_enc=enc, text_dec=dec, labels=labels, loss_mask=loss_mask, dec_mask=loss_mask, enc_mask=enc_mask)
 
 
-def batch_recipe(batch):
+def batch_recipe(batch, args=None, corpus=None):
     """(loss_func(model, mb) -> the SUM of its target-token losses, the global batch's count of target tokens)."""
     return (lambda model, mb: t5_loss(model, unpack(mb)).float()), int(unpack(batch)["loss_mask"].sum())
+
+
+def decoder_length(seq: int) -> int:
+    """The decoder length SpanCorruptionDataset gives rows of seq + 1 raw tokens: the targets' length, rounded up to a
+    multiple of 8."""
+    return -(-corrupted_lengths(seq + 1)[3] // 8) * 8
+
+
+def flops(c: Config, B: int, se: int, sd: int | None = None) -> float:
+    """Model FLOPs of one iteration on B samples — our count, not Megatron's (Megatron gives T5 the GPT formula: no
+    decoder, no cross-attention). Encoder: Le layers of bidirectional self-attention (full se x se) + MLP on B·se
+    tokens. Decoder: Ld layers on B·sd tokens (sd: default what the data recipe makes of se, decoder_length) of
+    causal self-attention (half the sd x sd square, Megatron's causal rule), cross-attention — linear_q h -> nd and
+    linear_proj nd -> h per decoder token, QKᵀ and PV over all se keys, and linear_kv h -> 2gd on each of the B·se
+    encoder outputs — and MLP; the logit layer on B·sd tokens. MoE layers where moe_layer_freq says, each stack
+    numbering its layers from 0. Relative-position biases are lookups. metrics.py's conventions (x 2 x 3)."""
+    sd = decoder_length(se) if sd is None else sd
+    h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels
+    enc = sum(metrics.self_attention_flops(c, se, causal=False, mla=False) + metrics.mlp_flops(c, c.is_moe_layer(i))
+              for i in range(c.encoder_num_layers))
+    cross_q = h * n * d + se * n * d * 2 + n * d * h  # per decoder token: q projection, QKᵀ and PV over se, proj
+    dec = sum(metrics.self_attention_flops(c, sd, causal=True, mla=False) + cross_q
+              + metrics.mlp_flops(c, c.is_moe_layer(i)) for i in range(c.decoder_num_layers)) + h * c.padded_vocab_size
+    cross_kv = c.decoder_num_layers * h * 2 * g * d  # per encoder token: every decoder layer's linear_kv
+    return 3 * 2 * B * (se * (enc + cross_kv) + sd * dec)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)

@@ -28,10 +28,8 @@ from einops import rearrange
 from torch import nn
 
 import parallel as P
+from config import ACTIVATIONS
 from rope import apply_rope
-
-ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
-ACTIVATIONS["quick_gelu"] = lambda x: x * F.sigmoid(1.702 * x)  # CLIP's (Radford et al. 2021; Megatron's quick_gelu)
 
 
 def Norm(c, size: int | None = None) -> nn.Module:

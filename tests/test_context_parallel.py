@@ -263,9 +263,7 @@ def test_bert_with_padding_equals_single_process(pool, n=4, tp=2, cp=2, sp=True)
 
 # --------------------------------------------------------------------------------------- 3. refusals
 def check(argv, world):
-    args = arguments.parse_args(argv)
-    arguments.check_args(args, world)
-    return args
+    return arguments.check_args(arguments.parse_args(argv), world)
 
 
 @pytest.mark.parametrize("argv,world,expect", [
@@ -297,7 +295,7 @@ def test_good_flags_derive_the_data_parallel_size():
 def test_models_with_their_own_layer_stack_are_refused_at_build():
     import t5  # its Config is gpt's; its Model builds its own stack
     grid = argparse.Namespace(tp_size=1, pp_size=1, ep_size=1, cp_size=2)
-    with pytest.raises(ValueError, match="t5.Model builds its own layer stack"):
+    with pytest.raises(ValueError, match="context-parallel size 2: T5's cross-attention reads another sequence"):
         t5.Model(t5.Config(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=64), grid)
 
 

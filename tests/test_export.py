@@ -1,4 +1,4 @@
-"""convert.gpt_to_hf (train.py export) against Hugging Face transformers: our model written as a Hugging Face directory
+"""convert.gpt_to_hf (tools.py export) against Hugging Face transformers: our model written as a Hugging Face directory
 (config.json + model.safetensors), loaded back with `transformers.AutoModelForCausalLM.from_pretrained` offline, gives
 our logits. GPT-2, Llama (grouped-query, multi-query, tied or not) and Mixtral shapes; settings those classes cannot
 express are refused with one line naming them.
@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+import contract
 import convert
 import gpt
 from equivalence import make_batch, rel_err
@@ -89,6 +90,5 @@ def test_settings_hf_cannot_represent_are_refused(config, expect):
     with pytest.raises(convert.ExportError, match=expect) as e:
         convert.gpt_to_hf(config, {})
     assert "\n" not in str(e.value)
-    with pytest.raises(convert.ExportError, match="--model bert has no Hugging Face export"):
-        convert.gpt_to_hf(config, {}, "bert")
+    assert contract.model_file("bert").to_hf is None  # tools.py export refuses a model without one (test_contract)
     convert.gpt_to_hf(FutureConfig(**dict(LLAMA)), gpt.Model(FutureConfig(**dict(LLAMA))).state_dict())  # at default: ok

@@ -3,7 +3,7 @@
   - a non-finite loss or gradient norm stops the run before the step, naming the iteration (exit 2, one line);
     the last good checkpoint stays `latest`; under torchrun every rank stops and none hangs;
   - fp16 stuck at --min-loss-scale stops; --skip-nonfinite-steps skips and counts instead; the check can be turned off;
-  - every numeric flag's range, and `train.py sample`'s arguments, are checked with one line before any work
+  - every numeric flag's range, and `tools.py sample`'s arguments, are checked with one line before any work
     (under torchrun printed once, without argparse's usage); a model's own checks come before the data is built;
   - an empty validation split says so; every model's default flags take TP=2.
 The NaN runs use --lr 1e6: the first step blows the weights up, a later iteration's gradient norm is NaN.
@@ -19,6 +19,8 @@ import test_train
 from test_train import ROOT, SNIPPET, metrics, tiny
 
 import arguments
+import contract
+import tools
 import train
 
 corpus, cache = test_train.corpus, test_train.cache  # test_train's fixtures: the synthetic corpus, its token cache
@@ -26,15 +28,15 @@ corpus, cache = test_train.corpus, test_train.cache  # test_train's fixtures: th
 NAN = ["--lr", "1e6", "--min-lr", "0", "--lr-warmup-iters", "1", "--save-interval", "1"]
 
 
-def fails(argv, capsys) -> str:
-    """Run train.main(argv); it must exit with 2 and one stderr line `train.py: error: ...`. Returns that line."""
+def fails(argv, capsys, main=train.main, prog="train.py") -> str:
+    """Run main(argv); it must exit with 2 and one stderr line `train.py: error: ...` (`prog`'s). Returns that line."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        train.main(argv)
+        main(argv)
     err = capsys.readouterr().err
     line = err.strip().splitlines()[-1] if err.strip() else ""
     assert e.value.code == 2 and "Traceback" not in err and "usage:" not in err, err
-    assert line.startswith("train.py: error: ") and err.count("train.py: error") == 1, err
+    assert line.startswith(f"{prog}: error: ") and err.count(f"{prog}: error") == 1, err
     return line
 
 
@@ -157,7 +159,7 @@ def test_model_checks_come_before_the_data(corpus, cache, tmp_path, capsys, monk
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_sample_bad_arguments_give_one_line(tmp_path, capsys, extra, expect):
-    line = fails(["sample", "--load", str(tmp_path / "none"), *extra], capsys)
+    line = fails(["sample", "--load", str(tmp_path / "none"), *extra], capsys, tools.main, "tools.py")
     assert expect in line, line
 
 
@@ -175,10 +177,8 @@ def test_empty_validation_split_is_announced(cache, tmp_path, capsys):
     assert "WARNING: the validation set is empty" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("model", arguments.MODELS)
+@pytest.mark.parametrize("model", contract.model_files())
 def test_every_models_defaults_take_tp2(model):
     """`make train MODEL=X NPROC=2 TP=2`: the model's default Config takes TP=2 (Mamba: 8 groups, as Megatron)."""
-    a = arguments.parse_args(["--model", model, "--tensor-model-parallel-size", "2"])
-    arguments.check_args(a, 2)
-    a.vocab_size = 8192
-    arguments.model_config(a.model_module, a).check_layout(2, 1, 1)
+    a = arguments.check_args(arguments.parse_args(["--model", model, "--tensor-model-parallel-size", "2"]), 2)
+    arguments.model_config(contract.model_file(model), a, vocab_size=8192).check_layout(2, 1, 1)

@@ -1,4 +1,5 @@
-"""metrics.flops (Megatron's num_floating_point_operations, megatron/training/training.py; ours for BERT and T5)
+"""The model FLOPs formulas (metrics.flops: Megatron's num_floating_point_operations, megatron/training/training.py;
+bert.flops, t5.flops: ours; mamba.flops: Megatron's hybrid count)
 against two independent counts: a hand count walked over the model's own modules (every GEMM weight 2·tokens·numel,
 the core attention — causal half, BERT's and T5's encoder full square, T5's cross-attention sd x se —, the routed
 experts x top-k, Megatron's scan estimate, the norms Megatron's MLA and MTP terms name), and
@@ -11,6 +12,7 @@ All counts are integers below 2^53 (float64 holds them exactly), so every compar
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 
@@ -150,19 +152,19 @@ def test_hybrid_formula_equals_the_hand_count(mtp):
     of the model minus that of model.mtp (whose modules do not include the shared output layer)."""
     model = mamba.Model(mamba.Config(**MAMBA, mtp_num_layers=mtp))
     mtp_layers = hand_count(model, B, S, within=model.mtp) if mtp else 0
-    assert metrics.flops(model.config, B, S) == hand_count(model, B, S) - mtp_layers
+    assert mamba.flops(model.config, B, S) == hand_count(model, B, S) - mtp_layers
 
 
 @pytest.mark.parametrize("binary_head", [True, False], ids=["binary-head", "no-binary-head"])
 def test_bert_formula_equals_the_hand_count(binary_head):
     model = bert.Model(bert.Config(**BERT, add_binary_head=binary_head))
-    assert metrics.flops(model.config, B, S) == bert_hand_count(model, B, S)
+    assert bert.flops(model.config, B, S) == bert_hand_count(model, B, S)
 
 
 def test_t5_formula_equals_the_hand_count():
     model = t5.Model(t5.Config(**T5))
-    assert metrics.flops(model.config, B, SE, SD) == t5_hand_count(model, B, SE, SD)
-    assert metrics.flops(model.config, B, SE) == t5_hand_count(model, B, SE, metrics.t5_decoder_length(SE))
+    assert t5.flops(model.config, B, SE, SD) == t5_hand_count(model, B, SE, SD)
+    assert t5.flops(model.config, B, SE) == t5_hand_count(model, B, SE, t5.decoder_length(SE))
 
 
 def test_t5_decoder_length_is_the_datasets():
@@ -174,7 +176,7 @@ def test_t5_decoder_length_is_the_datasets():
 
     for seq in (16, 32, 128):
         ds = t5.SpanCorruptionDataset([np.arange(4 * seq) % 50 + 150], [0], argparse.Namespace(seq_length=seq), Tok(), 0)
-        assert t5.unpack(torch.from_numpy(ds[0])[None])["text_dec"].shape[1] == metrics.t5_decoder_length(seq)
+        assert t5.unpack(torch.from_numpy(ds[0])[None])["text_dec"].shape[1] == t5.decoder_length(seq)
 
 
 def test_a_wrong_formula_is_caught():
@@ -188,18 +190,20 @@ def test_a_wrong_formula_is_caught():
         assert metrics.flops(dataclasses.replace(model.config, **wrong), B, S) != hand_count(model, B, S), wrong
     model = mamba.Model(mamba.Config(**MAMBA))
     c = model.config
-    assert metrics.flops(dataclasses.replace(c, mamba_state_dim=0), B, S) != hand_count(model, B, S)
+    no_scan = copy.copy(c)  # (a Config refuses mamba_state_dim=0: the field is set past its checks)
+    no_scan.mamba_state_dim = 0
+    assert mamba.flops(no_scan, B, S) != hand_count(model, B, S)
     model = mamba.Model(mamba.Config(**MAMBA, mtp_num_layers=1))
     hand = hand_count(model, B, S) - hand_count(model, B, S, within=model.mtp)
-    assert metrics.flops(dataclasses.replace(model.config, mtp_num_layers=None), B, S) != hand
+    assert mamba.flops(dataclasses.replace(model.config, mtp_num_layers=None), B, S) != hand
     model = bert.Model(bert.Config(**BERT))
     assert metrics.flops(gpt.Config(**BERT), B, S) != bert_hand_count(model, B, S)
-    assert metrics.flops(model.config, B, S) != hand_count(model, B, S)  # the GPT hand count: causal, heads per token
+    assert bert.flops(model.config, B, S) != hand_count(model, B, S)  # the GPT hand count: causal, heads per token
     model = t5.Model(t5.Config(**T5))
     gpt_fields = {k: v for k, v in T5.items() if k in {f.name for f in dataclasses.fields(gpt.Config)}
                   and k != "position_embedding_type"}
     assert metrics.flops(gpt.Config(**gpt_fields), B, SE) != t5_hand_count(model, B, SE, SD)
-    assert metrics.flops(model.config, B, SE, SE) != t5_hand_count(model, B, SE, SD)
+    assert t5.flops(model.config, B, SE, SE) != t5_hand_count(model, B, SE, SD)
 
 
 def sdpa_as_matmuls(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -238,7 +242,7 @@ def counter_case(name, monkeypatch):
         types = torch.randint(0, 2, (B, S))
         run = lambda: sum(t.sum() for t in model(ids, None, types, lm_labels=ids)).backward()  # noqa: E731
         core_m = 3 * c.num_layers * core(B, c.num_attention_heads, S, S, c.kv_channels, c.kv_channels, False)
-        return matmul_flops(run, monkeypatch), metrics.flops(c, B, S), core_m, core_m, 0
+        return matmul_flops(run, monkeypatch), bert.flops(c, B, S), core_m, core_m, 0
     if name == "t5":
         model = t5.Model(t5.Config(**dict(T5, num_experts=None)))  # dense: the router's GEMM is not a model FLOP
         c, n, d = model.config, model.config.num_attention_heads, model.config.kv_channels
@@ -247,7 +251,7 @@ def counter_case(name, monkeypatch):
         core_e, cross = core(B, n, SE, SE, d, d, False), core(B, n, SD, SE, d, d, False)
         core_m = 3 * (c.encoder_num_layers * core_e + c.decoder_num_layers * (core(B, n, SD, SD, d, d, True) + cross))
         core_f = 3 * (c.encoder_num_layers * core_e + c.decoder_num_layers * (core(B, n, SD, SD, d, d, False) + cross))
-        return matmul_flops(run, monkeypatch), metrics.flops(c, B, SE, SD), core_m, core_f, 0
+        return matmul_flops(run, monkeypatch), t5.flops(c, B, SE, SD), core_m, core_f, 0
     model = gpt.Model(gpt.Config(**{"gpt2-like": GPT, "llama-gqa-swiglu": LLAMA, "mla-q-lora": MLA,
                                     "mla-full-q-mtp": dict(MLA_FULL_Q, mtp_num_layers=2)}[name]))
     c, L = model.config, model.config.num_layers + (model.config.mtp_num_layers or 0)
@@ -296,7 +300,7 @@ def test_train_logs_tflops(tmp_path):
         (corpus / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
     s = train.train(train.parse_args(tiny(corpus, tmp_path / "cache", tmp_path / "run", "--eval-iters", "0", iters=2)))
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    per_token = metrics.flops(s["config"], 8, 32) / (8 * 32)  # tiny(): global batch 8, sequence 32
+    per_token = metrics.flops(s.config, 8, 32) / (8 * 32)  # tiny(): global batch 8, sequence 32
     assert len(recs) == 2
     for r in recs:
         assert "mfu" not in r  # CPU: no peak

@@ -19,7 +19,7 @@ from test_train import SNIPPET, metrics, torchrun
 import data
 import llava
 import parallel as P
-import train
+import tools
 from equivalence import assert_same, rel_err, train_steps
 
 
@@ -73,7 +73,7 @@ def test_from_hf_detects_a_wrong_feature_layer():
 
 
 def test_bad_inputs_are_refused_with_their_values():
-    with pytest.raises(ValueError, match="pipeline-model-parallel-size=2 must be 1"):
+    with pytest.raises(ValueError, match="pipeline-model-parallel size 2: LLaVA's vision tower and projector are not split"):
         llava.Config().check_layout(tp=1, pp=2)
     with pytest.raises(ValueError, match="img_h=30 and img_w=32 must be multiples of patch_dim=8"):
         llava.Config(img_h=30)
@@ -236,7 +236,7 @@ def test_caption_rows_draw_the_same_scene_and_mask_only_the_caption(tok):
     args = argparse.Namespace(seq_length=64, img_h=16, img_w=16, patch_dim=8, drop_vision_class_token=None)
     ds = llava.dataset(None, None, args, tok, seed=11)
     c, n, sp = ds.c, 5, data.special_ids(tok)
-    assert args.image_token_index == tok.token_to_id(llava.IMAGE_TOKEN) and c.num_image_tokens == n
+    assert c.image_token_index == tok.token_to_id(llava.IMAGE_TOKEN) and c.num_image_tokens == n
     batch = data.global_batch(ds, 2, 4)  # samples 8..11
     assert torch.equal(batch, data.global_batch(ds, 2, 4)) and not torch.equal(batch, data.global_batch(ds, 3, 4))
     ids, pixels, labels, mask = llava.unpack(batch, c)
@@ -267,7 +267,7 @@ def test_caption_rows_draw_the_same_scene_and_mask_only_the_caption(tok):
 # --------------------------------------------------------------------------------------- 4. train.py
 def test_train_py_tp2_sp_frozen_vit_distributed_optimizer_and_sample(tmp_path, capsys):
     """`make train MODEL=llava NPROC=2 TP=2`, small: SP on, the ViT frozen (no optimizer state: the checkpoint
-    has none for it), evaluation with the caption metrics; then `train.py sample` describes a scene."""
+    has none for it), evaluation with the caption metrics; then `tools.py sample` describes a scene."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(40):
@@ -283,6 +283,6 @@ def test_train_py_tp2_sp_frozen_vit_distributed_optimizer_and_sample(tmp_path, c
     assert sorted(losses) == [1, 2, 3, 4] and sorted(val) == [2, 4]
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["caption_accuracy"] <= 1 and "caption_accuracy_shuffled" in r for r in recs if "val_loss" in r)
-    text = train.main(["sample", "--load", str(run), "--prompt", "3", "--max-new-tokens", "4"])
+    text = tools.main(["sample", "--load", str(run), "--prompt", "3", "--max-new-tokens", "4"])
     lines = text.splitlines()
     assert len(lines[0]) == 16 and lines[8].startswith("scene 3: ") and lines[9].startswith("the model: ")  # 16/2 rows

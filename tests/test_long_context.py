@@ -20,7 +20,6 @@ Run:    .venv/bin/python -m pytest -q tests/test_long_context.py
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
@@ -276,19 +275,20 @@ def test_bad_long_context_flags_give_one_line(flags, expect):
 def test_long_context_flags_reach_the_config():
     import arguments
     import checkpoint
+    import contract
 
     a = arguments.parse_args(["--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4",
                               "--yarn-original-max-position-embeddings", "64", "--rotary-percent", "0.5",
                               "--recompute-granularity", "full", "--recompute-method", "block",
                               "--recompute-num-layers", "2"])
-    arguments.check_args(a, 1)
-    c = arguments.model_config(a.model_module, argparse.Namespace(**{**vars(a), "vocab_size": 1000}))
+    a = arguments.check_args(a, 1)
+    c = arguments.model_config(contract.model_file(a.model), a, vocab_size=1000)
     assert (c.position_embedding_type, c.yarn_rotary_scaling_factor, c.yarn_original_max_position_embeddings,
             c.rotary_percent, c.recompute_method, c.recompute_num_layers) == ("yarn", 4.0, 64, 0.5, "block", 2)
     assert c.yarn_beta_fast == 32.0  # an unset flag leaves the Config default
     b = arguments.parse_args(["--use-rope-scaling", "--rope-scaling-factor", "16"])
-    arguments.check_args(b, 1)
-    c = arguments.model_config(b.model_module, argparse.Namespace(**{**vars(b), "vocab_size": 1000}))
+    b = arguments.check_args(b, 1)
+    c = arguments.model_config(contract.model_file(b.model), b, vocab_size=1000)
     assert c.rope_scaling and c.rope_scaling_factor == 16.0
     flags = set(checkpoint.ARCH_FLAGS)
     assert {"rotary_percent", "rope_scaling", "yarn_rotary_scaling_factor", "seq_len_interpolation_factor"} <= flags

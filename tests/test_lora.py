@@ -26,6 +26,7 @@ import checkpoint
 import gpt
 import lora
 import parallel as P
+import tools
 import train
 import transformer
 from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err
@@ -304,7 +305,7 @@ def test_lora_run_resumes_merges_and_finetunes(base_run, lora_whole, tmp_path, c
     assert losses(run) == losses(lora_whole)  # stop + resume = uninterrupted
     meta = json.loads((run / "iter_0000004" / "meta.json").read_text())
     assert meta["lora_base"]["path"] == str((base / "iter_0000004").resolve())
-    model, args, _, _ = train.load_model(run, merge=False)
+    model, args, _, _, _ = checkpoint.load_model(run, merge=False)
     import torch.distributed.checkpoint as dcp
 
     saved = dcp.FileSystemReader(str(run / "iter_0000004")).read_metadata().state_dict_metadata
@@ -313,12 +314,12 @@ def test_lora_run_resumes_merges_and_finetunes(base_run, lora_whole, tmp_path, c
     ids = make_batch(384, 2, 16, 3)[:, :-1]
     with torch.no_grad():
         adapted = model(ids)
-    train.main(["merge", "--load", str(run), "--save", str(tmp_path / "merged")])
-    merged, margs, _, _ = train.load_model(tmp_path / "merged")
+    tools.main(["merge", "--load", str(run), "--save", str(tmp_path / "merged")])
+    merged, margs, _, _, _ = checkpoint.load_model(tmp_path / "merged")
     with torch.no_grad():
         assert rel_err(merged(ids), adapted) < 1e-5  # float32: one rounding of W + c·B·A per weight
     assert margs.lora_rank is None and not any(".lora." in k for k, _ in merged.named_parameters())
-    train.main(["export", "--load", str(run), "--hf-out", str(tmp_path / "hf")])  # a LoRA run exports merged
+    tools.main(["export", "--load", str(run), "--hf-out", str(tmp_path / "hf")])  # a LoRA run exports merged
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert rel_err(hf(ids).logits, adapted) < 1e-5  # float32 (tests/test_export.py)
@@ -332,7 +333,7 @@ def test_lora_run_resumes_merges_and_finetunes(base_run, lora_whole, tmp_path, c
 
 def test_torchrun_tp2_sp_lora_matches_one_process_and_merges_at_tp1(base_run, lora_whole, tmp_path):
     """`make train NPROC=2 TP=2 ARGS="--lora-rank 8 --pretrained-checkpoint ..."` in small: float32, 1e-5 relative
-    (reduction order only; measured ~1e-7); the TP-sharded adapters then load in one process (train.py merge)."""
+    (reduction order only; measured ~1e-7); the TP-sharded adapters then load in one process (tools.py merge)."""
     from test_train import torchrun
 
     corpus, cache, base = base_run
@@ -341,10 +342,10 @@ def test_torchrun_tp2_sp_lora_matches_one_process_and_merges_at_tp1(base_run, lo
     one, two = losses(lora_whole), losses(tmp_path / "tp2")
     assert one.keys() == two.keys() == {1, 2, 3, 4}
     assert all(abs(one[k] - two[k]) <= 1e-5 * abs(one[k]) for k in one), (one, two)
-    train.main(["merge", "--load", str(tmp_path / "tp2"), "--save", str(tmp_path / "merged")])
+    tools.main(["merge", "--load", str(tmp_path / "tp2"), "--save", str(tmp_path / "merged")])
     ids = make_batch(384, 2, 16, 3)[:, :-1]
     with torch.no_grad():
-        a, b = train.load_model(lora_whole)[0](ids), train.load_model(tmp_path / "merged")[0](ids)
+        a, b = checkpoint.load_model(lora_whole)[0](ids), checkpoint.load_model(tmp_path / "merged")[0](ids)
     assert rel_err(b, a) < 1e-5
 
 

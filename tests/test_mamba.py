@@ -186,7 +186,8 @@ def mamba_pp_case(rank, n, cfg, tp, pp, sp, b, s, M):
     """Two AdamW steps through parallel.forward_backward (1F1B over M micro-batches), as equivalence.train_steps."""
     grid = P.Grid(tp=tp, pp=pp)
     c = mamba.Config(**cfg, sequence_parallel=sp)
-    model = mamba.Model(c, grid, grid.pp.rank == 0, grid.pp.rank == pp - 1)  # this stage's layers of the pattern
+    offset, layers = c.stage_layers(c.num_layers, grid)  # this stage's layers of the pattern ('|', else even)
+    model = mamba.Model(c, grid, grid.pp.rank == 0, grid.pp.rank == pp - 1, offset, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     batch = make_batch(cfg["vocab_size"], b, s, seed=7)
     shape = (s // tp if model.config.sequence_parallel else s, b // M, c.hidden_size)
@@ -224,7 +225,7 @@ def test_pipeline_parallel_equals_single_process_float64(pool, pattern, tp, sp, 
 
 
 def test_pipeline_stages_compose_to_the_whole_model():
-    """pp itself is not wired yet; the stage split ('|'), layer offsets and global names already are."""
+    """The stage split ('|'), layer offsets and global names: two stages in one process compose to the model."""
     c = mamba.Config(**TINY, hybrid_layer_pattern="M*|-M")
     (o0, s0), (o1, s1) = c.stages(2)
     assert (o0, s0, o1, s1) == (0, "M*", 2, "-M")

@@ -259,7 +259,8 @@ def test_config_refuses_bad_mla_mtp_values():
         gpt.Config(**dict(TINY, qk_pos_emb_head_dim=3), multi_latent_attention=True)
     with pytest.raises(ValueError, match="mtp_num_layers=0"):
         gpt.Config(mtp_num_layers=0)
-    for argv, named in [(["--model", "bert", "--mtp-num-layers", "1"], "--model gpt flags, not --model bert"),
+    for argv, named in [(["--model", "bert", "--mtp-num-layers", "1"],
+                         "--model bert with --mtp-num-layers=1: DeepSeek-V3's layers"),
                         (["--mtp-num-layers", "0"], "--mtp-num-layers=0 must be >= 1"),
                         (["--multi-latent-attention", "--position-embedding-type", "none"], "needs position_embedding")]:
         with pytest.raises(arguments.ConfigError, match=named):

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arguments
+import contract
 import gpt
 import parallel as P
 from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err
@@ -175,9 +176,8 @@ def test_flags_reach_the_config_and_are_checked():
              "--moe-layer-freq", "[0,1]", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
              "--overlap-grad-reduce", "--micro-batch-size", "4"]
     a = arguments.parse_args(flags)
-    arguments.check_args(a, 2)  # ep 2 with DDP and the distributed optimizer is accepted
-    a.vocab_size = 256  # (comes with the data)
-    c = arguments.model_config(a.model_module, a)
+    a = arguments.check_args(a, 2)  # ep 2 with DDP and the distributed optimizer is accepted
+    c = arguments.model_config(contract.model_file(a.model), a, vocab_size=256)  # (the vocabulary comes with the data)
     assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
             c.moe_router_enable_expert_bias, c.moe_router_bias_update_rate) == (4, 2, 2.5, True, 0.01)
     a = arguments.parse_args([*flags, "--moe-router-group-topk", "5"])

@@ -27,6 +27,7 @@ import torch
 from test_pipeline import _named, merge
 
 import arguments
+import contract
 import data
 import gpt
 import parallel as P
@@ -91,7 +92,7 @@ def packed_vs_alone(cfg, pack):
     model = gpt.Model(gpt.Config(**cfg))
     batch = packed_batch(3, 20, seed=5)
     model.zero_grad()
-    loss = train.next_token_loss(model, batch, pack)
+    loss = contract.next_token_loss(model, batch, pack)
     loss.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     mask, loss_mask, pos = pack(batch[:, :-1])
@@ -163,7 +164,7 @@ def megatron_packed_case(rank, n, tp, seed=7, plain_mask=False):
         mask, loss_mask, pos = data.Packing(EOD, **FLAGS)(inputs)
         mask = None if plain_mask else mask  # negative control: ours causal, Megatron block-causal
         out = ours(inputs, position_ids=pos, mask=mask).detach()
-        loss = train.next_token_loss(ours, batch, data.Packing(EOD, **FLAGS))
+        loss = contract.next_token_loss(ours, batch, data.Packing(EOD, **FLAGS))
         loss.backward()
         got = dict(logits=out, loss=ours(inputs, labels, position_ids=pos, mask=mask).detach() * loss_mask,
                    grads=named_full(ours, grid, grads=True))
@@ -195,13 +196,13 @@ def train_packed(grid, cfg, sp, vp, M, steps=2, local_count=False):
     opt = torch.optim.AdamW([p for m in chunks for p in m.parameters()], lr=1e-3, betas=(0.9, 0.95),
                             weight_decay=0.1, foreach=False)
     batch = packed_batch(8, 16, seed=11)
-    args = argparse.Namespace(eod_token=EOD, seq_length=16, **FLAGS)
-    recipe, num_tokens = train.batch_recipe(gpt, batch, args)  # the loss tokens of the whole global batch
+    args, corpus = argparse.Namespace(seq_length=16, **FLAGS), data.Corpus(None, GPT["vocab_size"], EOD)
+    recipe, num_tokens = contract.next_token_recipe(batch, args, corpus)  # the loss tokens of the whole global batch
     assert num_tokens == int((batch[:, :-1] != EOD).sum()) < batch[:, :-1].numel()
     dp, tp = (grid.dp_size, grid.tp_size) if grid is not None else (1, 1)
     local = batch.chunk(dp)[grid.dp.rank if grid is not None else 0]
     if local_count:  # negative control: the DP rank's own loss tokens, scaled to the batch, as the denominator
-        num_tokens = train.batch_recipe(gpt, local, args)[1] * dp
+        num_tokens = contract.next_token_recipe(local, args, corpus)[1] * dp
     shape = (16 // tp if chunks[0].config.sequence_parallel else 16, local.shape[0] // M, c.hidden_size)
     losses, grads = [], None
     for step in range(steps):
@@ -242,7 +243,7 @@ def test_count_from_a_dp_ranks_own_rows_is_caught(pool):
 
 # --------------------------------------------------------------------------------------- 4. flags
 @pytest.mark.parametrize("argv,expect", [
-    (["--model", "mamba", "--reset-attention-mask"], "--reset-attention-mask is for --model gpt, not --model mamba"),
+    (["--model", "mamba", "--reset-attention-mask"], "--model mamba with --reset-attention-mask: Mamba's scan carries"),
     (["--reset-position-ids", "--position-embedding-type", "none"], "no positions to reset")])
 def test_bad_packing_flags_are_refused(argv, expect):
     with pytest.raises(arguments.ConfigError, match=expect):
@@ -251,10 +252,11 @@ def test_bad_packing_flags_are_refused(argv, expect):
 
 def test_recipe_packs_only_with_the_flags():
     batch = packed_batch(4, 8, seed=2)
-    plain = argparse.Namespace(eod_token=EOD, seq_length=8, reset_position_ids=False, reset_attention_mask=False,
-                               eod_mask_loss=False)
-    assert train.batch_recipe(gpt, batch, plain) == (train.next_token_loss, 32)
-    recipe, count = train.batch_recipe(gpt, batch, argparse.Namespace(**{**vars(plain), "reset_attention_mask": True}))
+    plain, corpus = argparse.Namespace(seq_length=8, reset_position_ids=False, reset_attention_mask=False,
+                                       eod_mask_loss=False), data.Corpus(None, GPT["vocab_size"], EOD)
+    assert contract.next_token_recipe(batch, plain, corpus) == (contract.next_token_loss, 32)
+    recipe, count = contract.next_token_recipe(batch, argparse.Namespace(**{**vars(plain), "reset_attention_mask": True}),
+                                               corpus)
     assert recipe.keywords["pack"] == data.Packing(EOD, reset_attention_mask=True) and count == 32
 
 

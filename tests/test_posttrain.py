@@ -30,6 +30,7 @@ import gpt
 import lora
 import parallel as P
 import posttrain
+import tools
 import train
 from equivalence import assert_same
 
@@ -208,7 +209,9 @@ def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, ste
     if use_lora:
         chunks = [_adapt(m) for m in chunks]
     if task == "rm":
-        posttrain.add_value_heads(chunks)
+        for m in chunks:
+            if m.post_process:
+                posttrain.add_value_head(m)
     ref = None
     if task in ("dpo", "kto") and not use_lora:
         ref = [m.requires_grad_(False) for m in P.build_chunks(make, c.num_layers, grid, vp)]
@@ -220,9 +223,9 @@ def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, ste
         ddp = P.DDP(chunks, grid, bucket_size=3000, overlap=True, distributed_optimizer=opt)
         optimizer = P.DistributedOptimizer(ddp, **OPT)
     mbs = g // (grid.dp_size * M)
-    args = argparse.Namespace(task=task, packing=packing, eod_token=EOD, micro_batch_size=mbs, global_batch_size=g,
+    args = argparse.Namespace(task=task, packing=packing, micro_batch_size=mbs, global_batch_size=g,
                               lora_rank=4 if use_lora else None, **HYPER)
-    t = posttrain.Task(args, chunks, grid, (S // tp if sp else S, mbs, c.hidden_size), c.params_dtype, ref_chunks=ref)
+    t = posttrain.Task(args, chunks, grid, (S // tp if sp else S, mbs, c.hidden_size), c.params_dtype, EOD, ref_chunks=ref)
     if control == "z0_of_one_dp_rank":  # the DP all-reduce forgotten: the mean over this rank's samples only
         t.reference_point = lambda diff, n_all: (P.all_reduce(diff.sum().reshape(1), grid.pp)
                                                  / (n_all // grid.dp_size)).clamp_min(0)[0]
@@ -323,9 +326,9 @@ def _fails(argv, capsys):
 
 
 @pytest.mark.parametrize("extra,expect", [
-    (["--task", "dpo", "--model", "t5"], "--task dpo runs on --model gpt or mamba, not --model t5"),
+    (["--task", "dpo", "--model", "t5"], "--model t5 with --task dpo: the post-training tasks score the next-token"),
     (["--packing"], "--packing packs SFT samples: it needs --task sft (it is pretrain)"),
-    (["--task", "sft", "--packing", "--model", "mamba"], "--packing with --model mamba"),
+    (["--task", "sft", "--packing", "--model", "mamba"], "--model mamba with --packing: the scan's state would cross"),
     (["--task", "kto", "--context-parallel-size", "2", "--world"], "--task kto with --context-parallel-size=2"),
     (["--task", "rm", "--mtp-num-layers", "1"], "--task rm with --mtp-num-layers=1"),
     (["--task", "sft", "--reset-attention-mask"], "--reset-attention-mask is pretraining's document packing"),
@@ -399,7 +402,7 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
     """train.py's task path on hand-built samples (section 1's datasets stood in for): 2 iterations with evaluation
     and the task's metrics; the checkpoint records the task. DPO also stops and resumes: the same losses as the
     uninterrupted run (its reference model rebuilt from the recorded base). A LoRA reward model saves its value head
-    with its adapters, and checkpoint.load_model (train.py score) loads it."""
+    with its adapters, and checkpoint.load_model (tools.py score) loads it."""
     import json
 
     task, use_lora = task.split("-")[0], task.endswith("-lora")
@@ -423,13 +426,12 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
         again = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["loss"] for r in recs if "loss" in r] == [r["loss"] for r in again if "loss" in r]
     if task == "rm":
-        model, args, _, _ = checkpoint.load_model(whole)
-        fresh = gpt.Model(model.config)
-        fresh.add_value_head()
+        model, args, _, _, _ = checkpoint.load_model(whole, extend=posttrain.add_value_head)
+        fresh = posttrain.add_value_head(gpt.Model(model.config))
         assert not torch.equal(model.value_head.weight, fresh.value_head.weight)  # the trained head, loaded
         assert (args.lora_rank is None) and not any(".lora." in k for k, _ in model.named_parameters())  # merged
         with pytest.raises(SystemExit):
-            train.main(["sample", "--load", str(whole)])
+            tools.main(["sample", "--load", str(whole)])
 
 
 def test_torchrun_tp2_dpo_matches_one_process(tmp_path):

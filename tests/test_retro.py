@@ -137,8 +137,10 @@ def test_megatron_reshape_gives_each_chunk_its_own_neighbours():
 
 
 def test_pipeline_parallelism_is_refused():
-    with pytest.raises(ValueError, match="pipeline parallelism"):
+    with pytest.raises(ValueError, match="pipeline-model-parallel size 2: Retro's chunked cross-attention"):
         retro.Config(**CFG).check_layout(tp=1, pp=2)
+    with pytest.raises(ValueError, match="layer_offset=6, num_layers=3 must be the whole model"):
+        retro.Model(retro.Config(**CFG), None, True, True, 6, 3)
 
 
 # --------------------------------------------------------------------------------------------- 4. retrieval
@@ -224,7 +226,7 @@ class _Tok:  # the tokenizer surface the hooks use (no special tokens: continuat
 def test_train_hooks_samples_carry_other_document_neighbours(tmp_path):
     docs = corpus(n_docs=12, length=41)
     args = SimpleNamespace(retro_chunk_length=M, retro_num_neighbors=K, seq_length=8, valid_fraction=0.2, seed=1,
-                           data_cache_dir=str(tmp_path))
+                           data_cache_dir=str(tmp_path), retro_bert_load=None)
     train_ids, valid_ids = data.split_documents(len(docs), args.valid_fraction, seed=args.seed)
     ds = retro.dataset(docs, train_ids, args, _Tok(), 1)
     valid = retro.dataset(docs, valid_ids, args, _Tok(), 2)  # neighbours from the training database (cached)
@@ -263,8 +265,11 @@ def test_train_py_retro_with_a_trained_bert_embedder(tmp_path, monkeypatch):
     losses, _ = metrics(tmp_path / "retro")
     assert sorted(losses) == [1, 2] and all(np.isfinite(r["loss"]) for r in losses.values())
     assert calls and all(n.startswith("bert-iter3-") for n in calls)  # the database and the queries: BERT's
-    assert len([p for p in cache.glob("retro-*") if p.is_dir()]) == 1  # one database (train and valid share it)
+    assert len([p for p in cache.glob("retrieval-db-*") if p.is_dir()]) == 1  # one database (train and valid share it)
     # other weights, another name: a database or neighbours cached with the iteration-3 BERT are not reused
     train.main(tiny(src, cache, tmp_path / "bert", "--model", "bert", "--load", str(tmp_path / "bert"), iters=4))
     tok = data.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "bert" / "tokenizer.json"))
-    assert retrieval.ChunkEmbedder.load(tmp_path / "bert", tok).name.startswith("bert-iter4-")
+    assert retrieval.ChunkEmbedder.load(tmp_path / "bert", tok, "--retro-bert-load").name.startswith("bert-iter4-")
+    with pytest.raises(data.DataError, match="--retro-bert-load .*/retro: a --model retro run, whose model has no "
+                                             "encoder"):
+        retrieval.ChunkEmbedder.load(tmp_path / "retro", tok, "--retro-bert-load")

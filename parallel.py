@@ -1,5 +1,37 @@
 """parallel.py — every way mini-megatron splits a model across processes, in one file, one fenced section each.
 
+Contents. One row per fenced section: its lines here (from its opening `# ====` fence to the line before the next
+section's fence; the last section runs to the end of the file), its title, and the files it mirrors as its header
+names them (Megatron-LM's; Transformer Engine's where Megatron takes the piece from TE). tests/test_repo.py checks the
+table; after an edit to this file, refresh its line numbers: .venv/bin/python tests/test_repo.py --fix-parallel-contents
+  §    lines      section                                         mirrors
+  1    73-180     Grid                                            megatron/core/parallel_state.py
+  2    181-367    Mappings                                        megatron/core/tensor_parallel/mappings.py
+  3    368-442    Initialization                                  megatron/core/tensor_parallel/layers.py
+  4    443-594    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
+                                                                  megatron/core/tensor_parallel/cross_entropy.py
+  5    595-658    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
+  6    659-773    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
+  7    774-813    Schedules                                       megatron/core/pipeline_parallel/schedules.py
+  8    814-971    Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+                                                                  megatron/core/pipeline_parallel/p2p_communication.py
+  9    972-1272   Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+                                                                  megatron/core/distributed/param_and_grad_buffer.py
+                                                                  megatron/core/distributed/finalize_model_grads.py
+                                                                  megatron/core/optimizer/distrib_optimizer.py
+  10a  1273-1409  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+                                                                  megatron/core/transformer/moe/moe_utils.py
+  10b  1410-1606  Mixture of Experts: experts, dispatchers, the layer
+                                                                  megatron/core/transformer/moe/token_dispatcher.py
+                                                                  megatron/core/transformer/moe/experts.py
+                                                                  megatron/core/transformer/moe/moe_utils.py
+                                                                  megatron/core/transformer/moe/shared_experts.py
+                                                                  megatron/core/transformer/moe/moe_layer.py
+  11   1607-1835  FP8                                             megatron/core/fp8_utils.py
+                                                                  transformer_engine/pytorch/fp8.py
+  12   1836-2097  Context parallelism                             megatron/core/utils.py
+                                                                  transformer_engine/pytorch/attention
+
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
 `transformer/moe/` and `fp8_utils.py`.
@@ -11,20 +43,6 @@ Papers: Shoeybi et al. 2019, "Megatron-LM" (tensor parallelism, the f and g oper
 
 Run its tests:  make test   (or: .venv/bin/python -m pytest -q tests/test_tensor_parallel.py tests/test_pipeline.py ...)
 
-Sections
-  1. Grid                 — the process grid (tp, cp, dp, pp; ep carved from dp), TP innermost.  ~ parallel_state.py
-  2. Mappings             — f, g, scatter/gather, the sequence-parallel trio (g, ḡ).   ~ tensor_parallel/mappings.py
-  3. Initialization       — full master weights from the seed, sliced per rank.         ~ tensor_parallel/layers.py
-  4. Tensor-parallel layers and vocab-parallel cross-entropy.                            ~ layers.py, cross_entropy.py
-  5. RNG tracker and dropout.                                                             ~ tensor_parallel/random.py
-  6. Gradient finalization (SP norm grads, tied embeddings, plain DP) and shard gathering. ~ finalize_model_grads.py
-  7. Schedules: no pipelining (gradient accumulation).                                   ~ pipeline_parallel/schedules.py
-  8. Pipeline parallelism: stages, 1F1B, interleaved 1F1B, the p2p executor.             ~ schedules.py, p2p_communication.py
-  9. Data parallelism: bucketed overlapped reduction, the distributed optimizer.         ~ distributed/, distrib_optimizer.py
- 10. Mixture of Experts: 10a router (DeepSeek-V3 routing, aux losses); 10b dispatchers, grouped experts. ~ moe/
- 11. FP8: scaling recipes and the FP8 linear.                                            ~ fp8_utils.py, TE fp8.py
- 12. Context parallelism: the load-balanced sequence split; ring (p2p), all-gather and all-to-all (Ulysses)
-     attention beside a plain oracle.                                   ~ utils.get_batch_on_this_cp_rank, TE's CP attention
 A section calls only the sections above it. MoE and FP8 plug into the core through hooks: a TP layer's
 `linear_impl(x, weight, bias)` (section 4; fp8_enable installs the FP8 GEMM there), `set_num_tokens(n)`, which
 the schedules call on every submodule that has it (section 7; MoE's Router does, for its aux losses), and

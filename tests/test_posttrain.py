@@ -4,6 +4,8 @@ under every parallel layout against the single process.
   - each loss (SFT's masked token sum, DPO with cDPO smoothing, KTO, the reward model's Bradley-Terry) equals a
     per-element float64 formula written out with `math` here, loss and gradient (autograd against the formula's
     derivative), to 1e-12 relative (the same operations in another order: measured ~1e-16);
+  - DPO's, KTO's and RM's recipes (Task.prepare + policy_step, what train.py runs) equal those formulas applied to
+    their flags and to the log-probs / values of plain forwards, sample by sample (float64, 1e-12 relative);
   - SFT (plain and packed), DPO, KTO and RM, with and without LoRA, under TP / SP / PP 1F1B / interleaved PP / DP /
     DDP / the distributed optimizer, equal the single process (one micro-batch of the whole global batch): the losses
     of 2 steps, every trainable gradient after the first backward and every trainable parameter after 2 AdamW steps,

@@ -146,13 +146,16 @@ class _NoStageOffset(P.RNGTracker):
         self.seeds = {"model-parallel-rng": seed + 2718 + (grid.tp.rank if grid is not None else 0)}
 
 
-def model_dropout_masks_case(rank, n, tp, pp, sp, b=2, s=8, no_stage_offset=False):
+def model_dropout_masks_case(rank, n, tp, pp, sp, b=2, s=8, no_stage_offset=False, pos="rope"):
     """One training-mode forward of this rank's stage of a GPT with hidden dropout 0.5; returns its TP and PP rank
-    and the keep-mask of every hidden dropout it ran, in order (parallel.dropout is wrapped to record them)."""
+    and the keep-mask of every hidden dropout it ran, in order (parallel.dropout is wrapped to record them).
+    pos: the position embedding type; "learned_absolute" takes the embedding's other path (positions added to the
+    whole sequence, then split to shards under SP). Its nn.Embedding draws its initial weights from the default
+    stream, so only the model-parallel stream's masks (SP) are still that stream's first draws."""
     import gpt
 
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
-    c = gpt.Config(**DROPOUT_CFG, sequence_parallel=sp)
+    c = gpt.Config(**dict(DROPOUT_CFG, position_embedding_type=pos), sequence_parallel=sp)
     real_tracker = P.RNGTracker
     P.RNGTracker = _NoStageOffset if no_stage_offset else real_tracker
     try:

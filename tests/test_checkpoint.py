@@ -1,7 +1,8 @@
 """Checkpoint safety (checkpoint.py, train.py's setup): what a damaged, tampered or misnamed run directory does.
 
-  - every file of a checkpoint is in its manifest.json (size, SHA-256): a byte flipped, a file truncated, deleted or
-    added, a garbled latest_checkpointed_iteration.txt: one line `train.py: error: ...` naming the file;
+  - every file of a checkpoint is in its manifest.json (size, SHA-256 of the whole file): a byte flipped (past the
+    first MiB too), a file truncated, deleted or added, a garbled latest_checkpointed_iteration.txt: one line
+    `train.py: error: ...` naming the file;
   - RNG files hold tensors only and are read with weights_only=True: a pickle payload in one never runs;
   - a --load that does not exist is an error, and --save never overwrites another run without --overwrite-save;
   - partial iter_*.tmp/ of interrupted saves are removed at start; checkpoints saved before manifests still load.
@@ -18,6 +19,7 @@ from test_train import metrics, tiny
 
 import checkpoint
 import train
+from arguments import ConfigError
 
 corpus, cache = test_train.corpus, test_train.cache  # its fixtures: the synthetic corpus, the token cache
 
@@ -65,6 +67,26 @@ def test_damaged_checkpoint_file_is_refused_naming_it(run, corpus, cache, tmp_pa
     assert str(f) in err, err
     what = {"flip": "content differs", "truncate": "size differs", "delete": "is missing"}[damage]
     assert (what if kind != "manifest" or damage == "delete" else "is damaged") in err, err
+
+
+def test_byte_flipped_past_the_first_mib_is_refused(run, corpus, cache, tmp_path, capsys):
+    """The manifest's SHA-256 covers a whole file, not its first read block: the last byte of the checkpoint's largest
+    file (over 1 MiB, so that byte lies past the first 1 MiB block) flipped is refused, naming the file. A hash of
+    the first MiB only (the file read once instead of block by block) passes this file as intact."""
+    c = copy(run, tmp_path / "c")
+    f = max((c / "iter_0000004").iterdir(), key=lambda p: p.stat().st_size)
+    raw = bytearray(f.read_bytes())
+    assert len(raw) > (1 << 20) + 1, f"{f} has {len(raw)} bytes: the flipped byte would lie in the first MiB"
+    raw[-1] ^= 0x01
+    f.write_bytes(bytes(raw))
+    try:
+        checkpoint.verify_checkpoint(f.parent)
+    except ConfigError:
+        pass
+    else:
+        pytest.fail(f"{f} with its last byte flipped verifies against the manifest: its hash misses the file's end")
+    err = one_line_error(tiny(corpus, cache, tmp_path / "new", "--load", str(c), iters=6), capsys)
+    assert str(f) in err and "content differs" in err, err
 
 
 def test_unexpected_file_and_garbled_pointer_are_refused(run, corpus, cache, tmp_path, capsys):

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import test_train
+import torch
 from test_train import ROOT, SNIPPET, metrics, tiny
 
 import arguments
@@ -67,6 +68,39 @@ def test_nan_stops_before_the_step_and_keeps_the_last_good_checkpoint(corpus, ca
     line = fails(tiny(corpus, cache, run, *NAN), capsys)
     assert "is nan" in line and "first non-finite gradient on rank 0: " in line, line
     check_stopped_before_saving(run, line)
+
+
+def test_nonfinite_gradient_with_a_finite_loss_stops_at_its_iteration(corpus, cache, tmp_path, capsys, monkeypatch):
+    """The check looks at the gradient norm, not only the loss: at iteration K = 3 a hook on one weight's gradient
+    returns inf (the loss of that iteration stays finite). The run must stop at K, naming that iteration, the
+    gradient norm and the weight, before the step: the latest checkpoint is K - 1's, with finite weights, and nothing
+    of K is saved. A check of the loss alone applies the step (AdamW turns the inf gradient into NaN weights), saves
+    them at K and only stops at K + 1, on the NaN loss."""
+    import checkpoint
+
+    K, run, iteration, hooked = 3, tmp_path / "inf_grad", [0], []
+    real = train.make_optimizer
+
+    def make_optimizer(chunks, grid, args):  # train.py's optimizer; its zero_grad (once per iteration) counts them
+        opt = real(chunks, grid, args)
+        zero_grad = opt.zero_grad
+
+        def counting_zero_grad(*a, **kw):
+            iteration[0] += 1
+            return zero_grad(*a, **kw)
+        opt.zero_grad = counting_zero_grad
+        name, p = next((n, p) for n, p in chunks[0].named_parameters() if p.requires_grad)
+        p.register_hook(lambda g: torch.full_like(g, float("inf")) if iteration[0] == K else None)
+        hooked.append(name)
+        return opt
+    monkeypatch.setattr(train, "make_optimizer", make_optimizer)
+    line = fails(tiny(corpus, cache, run, "--save-interval", "1", iters=5), capsys)
+    assert line.startswith(f"train.py: error: iteration {K}: the gradient norm is inf"), f"not stopped at {K}: {line}"
+    assert f"first non-finite gradient on rank 0: {hooked[0]}" in line, line
+    assert check_stopped_before_saving(run, line) == K
+    model, _, _, (ckpt, _) = checkpoint.load_model(run)
+    assert ckpt.name == f"iter_{K - 1:07d}"
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters()), f"{ckpt} holds non-finite weights"
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--use-distributed-optimizer"]],

@@ -4,6 +4,8 @@ under every parallel layout against the single process.
   - each loss (SFT's masked token sum, DPO with cDPO smoothing, KTO, the reward model's Bradley-Terry) equals a
     per-element float64 formula written out with `math` here, loss and gradient (autograd against the formula's
     derivative), to 1e-12 relative (the same operations in another order: measured ~1e-16);
+  - DPO's, KTO's and RM's recipes (Task.prepare + policy_step, what train.py runs) equal those formulas applied to
+    their flags and to the log-probs / values of plain forwards, sample by sample (float64, 1e-12 relative);
   - SFT (plain and packed), DPO, KTO and RM, with and without LoRA, under TP / SP / PP 1F1B / interleaved PP / DP /
     DDP / the distributed optimizer, equal the single process (one micro-batch of the whole global batch): the losses
     of 2 steps, every trainable gradient after the first backward and every trainable parameter after 2 AdamW steps,
@@ -163,6 +165,101 @@ def test_hand_built_samples_follow_the_format():
             assert ((b[:, k + 1] == 1) <= ((b[:, k] != EOD) | (b[:, k + 1] == 1))).all()
             last = S - b[:, k + 1].flip(-1).argmax(-1)
             assert (b[torch.arange(4), k, last] == EOD).all()
+
+
+# --------------------------------------------------------------------------------------- 2b. the recipes vs formulas
+# Flag values under which every loss term is visible: smoothing > 0, beta != 1, desirable weight != undesirable
+RECIPE_FLAGS = dict(dpo_beta=0.3, dpo_label_smoothing=0.2, kto_beta=0.4, kto_desirable_weight=1.3,
+                    kto_undesirable_weight=0.7)
+# a 2-layer float64 GPT whose padded vocabulary is V itself: its logits [.., V] are the whole softmax the loss uses
+RECIPE_CFG = dict(CFG, num_layers=2, make_vocab_size_divisible_by=1)
+
+
+def recipe_unit_losses(task, policy, ref, batch):
+    """What train.py gets from the task for `batch` [g, R, s+1] on one process: posttrain.Task(...).prepare(batch),
+    then the recipe (Task.policy_step) on each micro-batch. With --micro-batch-size 1 each micro-batch is one sample,
+    so the recipe's sum is that sample's loss: [g] float64. The only place this test builds a Task (its arguments:
+    train.py's flags as a Namespace, the model chunks, the grid, the p2p shape, the dtype, the reference chunks)."""
+    args = argparse.Namespace(task=task, packing=False, eod_token=EOD, micro_batch_size=1,
+                              global_batch_size=len(batch), lora_rank=None, **RECIPE_FLAGS)
+    c = policy.config
+    t = posttrain.Task(args, [policy], P.Grid(), (S, 1, c.hidden_size), c.params_dtype,
+                       ref_chunks=None if ref is None else [ref])
+    micro, recipe, count, _ = t.prepare(batch.clone())
+    assert count == len(batch) == len(micro)
+    return torch.stack([recipe(policy, mb).detach().reshape(()) for mb in micro])
+
+
+def _hand_logps(model, tokens, mask):
+    """Each sequence's response log-prob from a plain forward: sum over t of mask[t+1]·log softmax(logits[t])[tokens[t+1]]
+    (tokens, mask [n, s+1]) -> [n], in float64, by explicit loops."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(tokens[:, :-1]).double(), -1)  # [n, s, V]
+    return torch.tensor([sum(float(logp[i, t, tokens[i, t + 1]]) for t in range(tokens.shape[1] - 1)
+                             if mask[i, t + 1]) for i in range(len(tokens))], dtype=torch.float64)
+
+
+def _hand_values(model, tokens, mask):
+    """A reward model's value of each sequence [n]: its value at the input position whose next token is the last
+    response token (the closing eod), from a plain forward (the value head's output [s, n, 1])."""
+    with torch.no_grad():
+        values = model(tokens[:, :-1])[..., 0].double()  # [s, n]
+    last = [max(t for t in range(tokens.shape[1]) if mask[i, t]) for i in range(len(tokens))]
+    return torch.tensor([float(values[j - 1, i]) for i, j in enumerate(last)], dtype=torch.float64)
+
+
+def _recipe_models(task):
+    """The policy (seed 2) and, for dpo and kto, a frozen reference of another seed (1), so pi − ref != 0 (and,
+    on make_task_batch's seed 11, KTO's z0 ≈ 0.096 > 0, not clamped)."""
+    policy = gpt.Model(gpt.Config(**RECIPE_CFG, seed=2))
+    if task == "rm":
+        posttrain.add_value_heads([policy])
+    ref = gpt.Model(gpt.Config(**RECIPE_CFG, seed=1)).requires_grad_(False) if task in ("dpo", "kto") else None
+    return policy, ref
+
+
+@pytest.mark.parametrize("task", ["dpo", "kto", "rm"])
+def test_recipe_losses_are_the_formulas_of_their_flags(task):
+    """Each task's recipe (Task.prepare + policy_step, what train.py runs) gives, sample by sample, the loss written
+    out here from the flags and the model's own log-probs / values (plain forwards, no Task machinery):
+      dpo: −(1 − eps)·logsigmoid(h) − eps·logsigmoid(−h), h = beta·((pi_c − ref_c) − (pi_r − ref_r));
+      kto: desirable w_d·(1 − sigmoid(beta·(r − z0))), undesirable w_u·(1 − sigmoid(beta·(z0 − r))), r = pi − ref,
+           z0 = max(0, mean over the batch of the KL rows' pi − ref);
+      rm:  −logsigmoid(v_chosen − v_rejected), each value at its sequence's last response token.
+    The layout tests compare two runs of the same recipe, so a recipe that passes the wrong flags or swaps its
+    arguments agrees with itself there; here it is caught: DPO without its label smoothing, KTO's desirable and
+    undesirable weights swapped, the reward model's chosen and rejected values swapped (it would learn to prefer the
+    rejected answer). float64, 1e-12 relative: the same operations, summation order only (measured <= 7e-16)."""
+    batch = make_task_batch(task, 4, seed=11)
+    if task == "kto":
+        batch[:, -1, 0] = torch.tensor([1, 0, 1, 0])  # both labels, desirable first
+    policy, ref = _recipe_models(task)
+    got = recipe_unit_losses(task, policy, ref, batch)
+    # (tokens, mask) rows [g, s+1]: dpo/rm's chosen and rejected sequences; kto's sample and its KL row
+    first, second = (batch[:, 0], batch[:, 1]), (batch[:, 2], batch[:, 3])
+    f = RECIPE_FLAGS
+    if task == "dpo":
+        pi_c, pi_r = _hand_logps(policy, *first), _hand_logps(policy, *second)
+        ref_c, ref_r = _hand_logps(ref, *first), _hand_logps(ref, *second)
+        eps, h = f["dpo_label_smoothing"], f["dpo_beta"] * ((pi_c - ref_c) - (pi_r - ref_r))
+        assert (h.abs() > 1e-3).all(), h  # the smoothing term changes the loss only where h != 0
+        want = [-(1 - eps) * math.log(_sig(x)) - eps * math.log(_sig(-x)) for x in h.tolist()]
+    elif task == "kto":
+        r = (_hand_logps(policy, *first) - _hand_logps(ref, *first)).tolist()
+        kl = (_hand_logps(policy, *second) - _hand_logps(ref, *second)).tolist()
+        z0, beta = max(0.0, sum(kl) / len(kl)), f["kto_beta"]
+        assert z0 > 0, "z0 clamped at 0: the reference point would go untested"
+        want = [f["kto_desirable_weight"] * (1 - _sig(beta * (x - z0))) if label else
+                f["kto_undesirable_weight"] * (1 - _sig(beta * (z0 - x)))
+                for x, label in zip(r, batch[:, -1, 0].tolist())]
+    else:
+        v_c, v_r = _hand_values(policy, *first), _hand_values(policy, *second)
+        assert ((v_c - v_r).abs() > 1e-6).all(), (v_c, v_r)  # a swap changes the loss only where they differ
+        want = [-math.log(_sig(x)) for x in (v_c - v_r).tolist()]
+    want = torch.tensor(want, dtype=torch.float64)
+    err = ((got - want).abs() / want.abs()).max()
+    assert err <= 1e-12, f"--task {task}: the recipe's per-sample losses {got.tolist()} are not the formula's " \
+                         f"{want.tolist()} (relative error {err:.1e})"
 
 
 # --------------------------------------------------------------------------------------- 3. any layout == one process

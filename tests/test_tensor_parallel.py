@@ -263,14 +263,20 @@ def test_rng_tracker_dropout_masks(pool):
     assert not torch.equal(res[0][0], res[0][2])  # the default stream advanced
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sequence-parallel"])
-def test_model_hidden_dropout_streams(pool, sp):
+@pytest.mark.parametrize("sp,pos", [(False, "rope"), (True, "rope"), (True, "learned_absolute")],
+                         ids=["replicated", "sequence-parallel", "sequence-parallel-learned-positions"])
+def test_model_hidden_dropout_streams(pool, sp, pos):
     """A whole model's hidden dropouts on tp=2 (dropout 0.5): without SP the activations are replicated and both
     TP ranks drop the same elements (default stream, seed); with SP every hidden dropout, the embedding's included,
     acts on a sequence shard and draws from the model-parallel stream (seed + 2718 + tp_rank), as in Megatron's
     LanguageModelEmbedding and TransformerLayer. The equivalence tests run with dropout 0 and cannot see this.
-    Masks are compared exactly (equal draws of one generator)."""
-    check_dropout_streams(pool.run(model_dropout_masks_case, 2, tp=2, pp=1, sp=sp), sp)
+    The embedding has two SP paths: RoPE models take the fused reduce-scatter; learned absolute positions add the
+    positions to the whole sequence and then split it. Its dropout drawn from the default stream there (as if the
+    shard were replicated) makes both TP ranks drop the same positions of their different shards: caught by the
+    third case. (Learned positions without SP are left out: their nn.Embedding's initialization draws from the
+    default stream, so its masks are not that stream's first draws.) Masks are compared exactly (equal draws of
+    one generator)."""
+    check_dropout_streams(pool.run(model_dropout_masks_case, 2, tp=2, pp=1, sp=sp, pos=pos), sp)
 
 
 # --------------------------------------------------------------------------------------- 6. the GEMM hook

@@ -98,9 +98,9 @@ def test_nonfinite_gradient_with_a_finite_loss_stops_at_its_iteration(corpus, ca
     assert line.startswith(f"train.py: error: iteration {K}: the gradient norm is inf"), f"not stopped at {K}: {line}"
     assert f"first non-finite gradient on rank 0: {hooked[0]}" in line, line
     assert check_stopped_before_saving(run, line) == K
-    model, _, _, (ckpt, _) = checkpoint.load_model(run)
-    assert ckpt.name == f"iter_{K - 1:07d}"
-    assert all(bool(torch.isfinite(p).all()) for p in model.parameters()), f"{ckpt} holds non-finite weights"
+    saved = checkpoint.load_model(run)
+    assert saved.ckpt.path.name == f"iter_{K - 1:07d}"
+    assert all(bool(torch.isfinite(p).all()) for p in saved.model.parameters()), f"{saved.ckpt.path}: non-finite"
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--use-distributed-optimizer"]],

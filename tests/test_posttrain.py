@@ -179,11 +179,12 @@ def recipe_unit_losses(task, policy, ref, batch):
     """What train.py gets from the task for `batch` [g, R, s+1] on one process: posttrain.Task(...).prepare(batch),
     then the recipe (Task.policy_step) on each micro-batch. With --micro-batch-size 1 each micro-batch is one sample,
     so the recipe's sum is that sample's loss: [g] float64. The only place this test builds a Task (its arguments:
-    train.py's flags as a Namespace, the model chunks, the grid, the p2p shape, the dtype, the reference chunks)."""
-    args = argparse.Namespace(task=task, packing=False, eod_token=EOD, micro_batch_size=1,
-                              global_batch_size=len(batch), lora_rank=None, **RECIPE_FLAGS)
+    train.py's flags as a Namespace, the model chunks, the grid, the p2p shape, the dtype, the eod id, the reference
+    chunks)."""
+    args = argparse.Namespace(task=task, packing=False, micro_batch_size=1, global_batch_size=len(batch),
+                              lora_rank=None, **RECIPE_FLAGS)
     c = policy.config
-    t = posttrain.Task(args, [policy], P.Grid(), (S, 1, c.hidden_size), c.params_dtype,
+    t = posttrain.Task(args, [policy], P.Grid(), (S, 1, c.hidden_size), c.params_dtype, EOD,
                        ref_chunks=None if ref is None else [ref])
     micro, recipe, count, _ = t.prepare(batch.clone())
     assert count == len(batch) == len(micro)
@@ -213,7 +214,7 @@ def _recipe_models(task):
     on make_task_batch's seed 11, KTO's z0 ≈ 0.096 > 0, not clamped)."""
     policy = gpt.Model(gpt.Config(**RECIPE_CFG, seed=2))
     if task == "rm":
-        posttrain.add_value_heads([policy])
+        posttrain.add_value_head(policy)
     ref = gpt.Model(gpt.Config(**RECIPE_CFG, seed=1)).requires_grad_(False) if task in ("dpo", "kto") else None
     return policy, ref
 

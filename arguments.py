@@ -60,16 +60,18 @@ class Args(argparse.Namespace):
         raise AttributeError(f"args are read-only after check_args (del args.{name})")
 
 
-def parse_args(argv):
+def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     """argv -> the flags (a plain Namespace; check_args validates them and makes them read-only). The model's own
-    flags and defaults come from its model file, so `--model X --help` lists them."""
+    flags and defaults come from its model file, so `--model X --help` lists them. `saved`: the flags of the checkpoint
+    the run starts from that shape the model (checkpoint.saved_flags), as defaults the command line may override.
+    known_only: ignore flags this parser does not know (a first pass, before the checkpoint names the model)."""
     p = ArgumentParser(prog="train.py", add_help=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Train a model (`make train` runs the defaults); tools.py samples, merges, exports "
                                    "and scores a saved run.")
     a = p.add_argument
     a("--config", default=None, help="a YAML file {flag name: value} (examples/); flags on the command line override it")
-    a("--model", default=default_model(), help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py "
-                                     "on the Python path (contract.py)")
+    a("--model", default=(saved or {}).get("model") or default_model(),
+      help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py on the Python path (contract.py)")
     # model (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters)
     a("--num-layers", type=int, default=4)
     a("--hidden-size", type=int, default=256)
@@ -177,6 +179,8 @@ def parse_args(argv):
     a("--save-interval", type=int, default=0, help="0 = only at the end")
     a("--exit-interval", type=int, default=None, help="save and exit after this iteration number")
     a("--exit-duration-in-mins", type=float, default=None, help="save and exit after this many minutes of training")
+    a("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
+      help="on SIGINT (Ctrl-C) or SIGTERM: finish the step, save, say how to resume, exit (a second one: at once)")
     a("--eval-interval", type=int, default=100)
     a("--eval-iters", type=int, default=10)
     a("--log-interval", type=int, default=10)
@@ -229,8 +233,11 @@ def parse_args(argv):
     mf = model_file(model)  # the model file: its own flags, then its defaults for everyone's
     mf.add_arguments(p.add_argument_group(f"--model {model}'s own flags ({model}.py)"))
     p.set_defaults(**mf.TRAIN_DEFAULTS)
+    dests = {act.dest for act in p._actions}
+    p.set_defaults(**{k: v for k, v in (saved or {}).items() if k in dests})
     a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")
-    return p.parse_args((config_argv(p, config) if config else []) + list(argv))
+    argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)
+    return p.parse_known_args(argv)[0] if known_only else p.parse_args(argv)
 
 
 # The range of every numeric flag: (test, what it must be). A flag left at None (its default: derived or off) is not

@@ -406,6 +406,25 @@ def plan_start(args) -> Start:
     return Start(ckpt, base, continues, tok_file, vocab, pointer_to(base) if args.lora_rank is not None else None)
 
 
+def saved_flags(args) -> dict:
+    """The flags that shape the model (ARCH_FLAGS and its model file's; LORA_FLAGS of a LoRA run it resumes) of the
+    checkpoint a run would resume (--load's, or --ckpt-step's) or else start from (--pretrained-checkpoint's): train.py
+    parses the command line again with them as defaults, so a run on a checkpoint needs none of its size flags
+    (Megatron's --use-checkpoint-args, on by default here). Read, not verified (plan_start verifies it later); {} when
+    there is no checkpoint or its meta.json does not read."""
+    for d, step in ((args.load, args.ckpt_step), (args.pretrained_checkpoint, None)):
+        try:
+            it = step if step is not None else _pointer(Path(d), "--load") if d else None
+            meta = json.loads((Path(d) / f"iter_{it:07d}" / "meta.json").read_text()) if it is not None else None
+            saved = meta["args"]
+            flags = ARCH_FLAGS + list(model_file(saved["model"]).ARCH_FLAGS) + (LORA_FLAGS if "lora_base" in meta
+                                                                               and d == args.load else [])
+        except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            continue  # no checkpoint there (or a damaged one: plan_start says so)
+        return {k: saved[k] for k in flags if k in saved}
+    return {}
+
+
 def check_same_model(args, start: Start, mf: ModelFile, vocab_size: int):
     """The flags that shape the model must be the checkpoints': ARCH_FLAGS and the model file's for the base and for
     a resumed run, and LORA_FLAGS too for a resumed LoRA run. ConfigError naming every difference."""

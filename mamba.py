@@ -112,7 +112,8 @@ class Config(gpt.Config):
                 raise ValueError(f"2·hidden_size={2 * h} is not divisible by mamba_head_dim={Pd}")
             self.mamba_num_heads = 2 * h // Pd
         if self.mamba_num_heads % G:
-            raise ValueError(f"mamba_num_heads={self.mamba_num_heads} is not divisible by mamba_num_groups={G}")
+            raise ValueError(f"mamba_num_heads={self.mamba_num_heads} is not divisible by mamba_num_groups={G} (groups "
+                             f"share B and C among heads: --mamba-num-groups must divide {self.mamba_num_heads})")
         if self.mamba_scan not in ("chunked", "sequential"):
             raise ValueError(f"mamba_scan={self.mamba_scan!r} is not one of ('chunked', 'sequential')")
         self.d_inner = self.mamba_num_heads * Pd

@@ -73,7 +73,8 @@ class Config(gpt.Config):
         super().__post_init__()
         self.retro_retrieved_length = self.retro_num_retrieved_chunks * self.retro_chunk_length
         if self.num_layers < 6:
-            raise ValueError(f"num_layers={self.num_layers}: Retro's first chunked cross-attention layer is layer 6")
+            raise ValueError(f"num_layers={self.num_layers}: Retro's first chunked cross-attention layer is layer 6 "
+                             "(--num-layers 6 or more)")
         r = self.retro_retrieved_length
         if self.position_embedding_type == "learned_absolute" and r > self.max_position_embeddings:
             raise ValueError(f"retrieved length r={r} > max_position_embeddings={self.max_position_embeddings}")

@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -375,14 +376,35 @@ def evaluate(run: Run) -> dict:
 # ============================================================================================================
 # 4. The loop
 # ============================================================================================================
-def out_of_time(t0: float, minutes: float | None) -> bool:
-    """--exit-duration-in-mins passed, as every rank agrees (or some would wait in a collective)."""
-    if minutes is None:
-        return False
-    late = torch.tensor([float(time.time() - t0 > 60 * minutes)])
+class ExitSignals:
+    """Megatron's --exit-signal-handler, on by default here: SIGINT (Ctrl-C) and SIGTERM (a scheduler's; torchrun
+    passes Ctrl-C and its own SIGTERM on to its ranks) only note the signal, so the step in flight finishes and the
+    loop stops, saves and says how to resume. The same signal arriving again within a second (a terminal's Ctrl-C
+    reaches torchrun's ranks both directly and through torchrun) is the same request; a later one stops at once."""
+
+    def __init__(self, enabled: bool):
+        self.signum, self.t, self.old = 0, 0.0, {}
+        if enabled and sys.platform != "win32":
+            with contextlib.suppress(ValueError):  # (not the main thread: no handlers; the loop runs as before)
+                self.old = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(self, signum, frame):
+        if self.signum and time.time() - self.t > 1.0:
+            raise KeyboardInterrupt  # a second request: stop now
+        self.signum, self.t = self.signum or signum, self.t or time.time()
+
+    def restore(self):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+def agree_to_stop(t0: float, minutes: float | None, signals: ExitSignals) -> tuple[bool, str | None]:
+    """(--exit-duration-in-mins passed, the name of a signal received), as every rank agrees (a MAX over ranks: a rank
+    that decided alone would leave the others waiting in a collective)."""
+    flags = torch.tensor([float(minutes is not None and time.time() - t0 > 60 * minutes), float(signals.signum)])
     if dist.is_initialized():
-        dist.all_reduce(late, op=dist.ReduceOp.MAX)
-    return late.item() > 0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0] > 0), signal.Signals(int(flags[1])).name if flags[1] > 0 else None
 
 
 def train(args) -> Run:
@@ -391,8 +413,8 @@ def train(args) -> Run:
     seqs = a.global_batch_size * posttrain.SEQUENCES.get(a.task, 1)  # sequences the model trains on per batch
     tokens_per_batch = seqs * a.seq_length  # (a pair is 2; a reference model's forward passes are not counted)
     flops_per_batch = run.mf.flops(run.config, seqs, a.seq_length)  # Megatron's model FLOPs
-    t0 = time.time()
-    window, n = dict(steps=[], t=t0, moe_load=None), run.first  # the steps since the last log line
+    t0, signals = time.time(), ExitSignals(a.exit_signal_handler)
+    window, n, signaled = dict(steps=[], t=t0, moe_load=None), run.first, None  # the steps since the last log line
     for it in range(run.first, a.train_iters):
         step = train_step(run, it)
         n, t_end = it + 1, time.time()  # n: iterations done (Megatron counts from 1)
@@ -405,11 +427,13 @@ def train(args) -> Run:
             log.log(log_record(run, n, window, tokens_per_batch, flops_per_batch))
             window = dict(steps=[], t=time.time(), moe_load=None)
         stop = a.exit_interval is not None and n % a.exit_interval == 0
-        if out_of_time(t0, a.exit_duration_in_mins) and n < a.train_iters:
+        late, signaled = agree_to_stop(t0, a.exit_duration_in_mins, signals)
+        if late and n < a.train_iters:
             stop = True
             if run.rank == 0:
                 log.bar.write(f"--exit-duration-in-mins={a.exit_duration_in_mins} reached: stopping at {n}")
-        if run.corpus.valid is not None and a.eval_iters > 0 and (
+        stop = stop or signaled is not None
+        if run.corpus.valid is not None and a.eval_iters > 0 and not signaled and (
                 (a.eval_interval and n % a.eval_interval == 0) or n == a.train_iters or stop):
             log.log(dict(iteration=n, **evaluate(run)))
         if a.save and ((a.save_interval and n % a.save_interval == 0) or n == a.train_iters or stop):
@@ -418,12 +442,17 @@ def train(args) -> Run:
         if stop:
             break
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
+    signals.restore()
     log.close()
     if run.rank == 0:
         secs = time.time() - t0
         done = max(0, n - run.first)
         print(f"done: {done} iterations in {secs:.0f} s ({done * tokens_per_batch / secs:.0f} "
               f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {log.dir}", flush=True)
+    if signaled and run.rank == 0:
+        print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
+              + ("" if a.load == a.save else f" with --load {a.save}") if a.save else
+              "no --save was given, so nothing is saved"), flush=True)
     return run
 
 
@@ -445,17 +474,34 @@ def log_record(run: Run, n: int, window: dict, tokens_per_batch: int, flops_per_
     return rec
 
 
+def parse(argv):
+    """The flags, with the model's shape taken from the checkpoint the run resumes or starts from unless given
+    (checkpoint.saved_flags; Megatron's --use-checkpoint-args), said in one line."""
+    saved = checkpoint.saved_flags(parse_args(argv, known_only=True))
+    args = parse_args(argv, saved)
+    plain = vars(parse_args(argv, known_only=True)) if saved else {}
+    taken = {k: v for k, v in saved.items() if k in plain and plain[k] != v == getattr(args, k)}
+    if taken and int(os.environ.get("RANK", "0")) == 0:
+        print("from the checkpoint: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items()), flush=True)
+    return args
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] in (["sample"], ["merge"], ["export"], ["score"]):
             raise ConfigError(f"train.py {argv[0]} is now tools.py {argv[0]} (the same flags)")
-        train(parse_args(argv))
+        train(parse(argv))
     except (ConfigError, data.DataError, TrainingError, convert.ExportError, lora.LoRAError) as e:
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun: every rank finds the same error and rank 0 says it;
             time.sleep(5)  # when it exits, torchrun stops this rank. Still alive: rank 0 did not fail, so this one speaks
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # before the loop (or a second Ctrl-C in it): nothing more is saved
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("train.py: interrupted: stopped at once, nothing more saved (the loop, once running, finishes its "
+                  "step and saves on the first Ctrl-C)", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -328,6 +328,25 @@ def flops(c: Config, B: int, s: int) -> float:
     return 3 * 2 * B * (s * per_token + per_sequence)
 
 
+@torch.no_grad()
+def sample(model: Model, tok, prompt: str, max_new_tokens: int = 0, temperature: float = 0.0, top_k: int | None = None
+           ) -> str:
+    """tools.py sample for BERT (a masked LM: it fills blanks, it does not continue text): every <mask> in the prompt
+    (one appended if it has none) replaced by the model's prediction — the most likely token at temperature 0, else
+    one sampled (top-k) — as pretraining saw it: [CLS] prompt [SEP]. max_new_tokens is not used."""
+    sp = data.special_ids(tok)
+    ids = tok.encode(prompt, add_special_tokens=False).ids  # "<mask>" in the text is the mask token
+    if sp["mask"] not in ids:
+        ids.append(sp["mask"])
+    ids = torch.tensor([[sp["cls"], *ids, sp["sep"]]])
+    logits, _ = model.eval()(ids)  # [1, s, V]
+    at = (ids[0] == sp["mask"]).nonzero()[:, 0]
+    filled = ids[0].clone()
+    filled[at] = gpt.sample_next(logits[0, at], temperature, top_k)[:, 0]
+    shown = [f"[{tok.decode([int(t)])}]" if i in at else tok.decode([int(t)]) for i, t in enumerate(filled[1:-1], 1)]
+    return "".join(shown)
+
+
 def eval_counts(model, mb) -> dict:
     return {"mlm_accuracy": mlm_accuracy(model, mb)}
 

@@ -60,6 +60,8 @@ class Config(gpt.Config):
                             "neighbours; a split sequence would cut chunks apart",
         "document_packing": "Retro's samples carry their chunks' neighbours (RetroDataset), not packed documents",
         "post_training": "the post-training tasks have no retrieved neighbours to give Retro's chunked cross-attention",
+        "sample": "Retro generates with each chunk's retrieved neighbours and tools.py builds no retrieval database; a "
+                  "Retro run is judged by train.py's validation loss (with neighbours)",
         **gpt.DEEPSEEK_UNSUPPORTED}
     retro_chunk_length: int = 64  # m
     retro_num_neighbors: int = 2  # k

@@ -35,6 +35,8 @@ def test_every_model_file_resolves_with_its_hooks_and_the_defaults():
     assert files["gpt"].unsupported("context_parallel") is None and "recurrence" in files["mamba"].unsupported(
         "context_parallel")
     assert contract.default_model() == "gpt" and arguments.parse_args([]).model == "gpt"
+    for name, mf in files.items():  # tools.py sample: every model file samples, or says why it cannot
+        assert mf.sample is not None or mf.unsupported("sample"), name
 
 
 @pytest.mark.parametrize("name, expect", [

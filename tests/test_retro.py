@@ -7,6 +7,7 @@ encoder) or 9 (CCA layers 6 and 9), h 32, float64. Tolerance for the layouts: 1e
 from __future__ import annotations
 
 import functools
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,6 +23,7 @@ import gpt
 import parallel as P
 import retrieval
 import retro
+import tools
 import train
 from equivalence import assert_same, train_steps
 
@@ -258,12 +260,16 @@ def test_train_py_retro_with_a_trained_bert_embedder(tmp_path, monkeypatch):
         (src / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
     cache, calls = tmp_path / "cache", []
     train.main(tiny(src, cache, tmp_path / "bert", "--model", "bert", iters=3))
+    filled = tools.main(["sample", "--load", str(tmp_path / "bert"), "--prompt", "def add_1(a, <mask>):"])
+    assert re.fullmatch(r"def add_1\(a, \[.+\]\):", filled), filled  # tools.py sample: BERT fills the mask
     real = retrieval.ChunkEmbedder.__call__
     monkeypatch.setattr(retrieval.ChunkEmbedder, "__call__", lambda self, x: calls.append(self.name) or real(self, x))
     train.main(tiny(src, cache, tmp_path / "retro", "--model", "retro", "--num-layers", "6", "--retro-chunk-length",
                     "8", "--retro-bert-load", str(tmp_path / "bert"), iters=2))
     losses, _ = metrics(tmp_path / "retro")
     assert sorted(losses) == [1, 2] and all(np.isfinite(r["loss"]) for r in losses.values())
+    with pytest.raises(SystemExit, match="^2$"):  # tools.py sample: a one-line refusal that says why
+        tools.main(["sample", "--load", str(tmp_path / "retro")])
     assert calls and all(n.startswith("bert-iter3-") for n in calls)  # the database and the queries: BERT's
     assert len([p for p in cache.glob("retrieval-db-*") if p.is_dir()]) == 1  # one database (train and valid share it)
     # other weights, another name: a database or neighbours cached with the iteration-3 BERT are not reused

@@ -162,6 +162,7 @@ def test_mamba_trains_and_its_segmented_checkpoint_reshards(corpus, cache, tmp_p
     assert sorted(got) == [3, 4] and ref[4]["loss"] < ref[1]["loss"]
     for i in got:
         assert_close(got[i]["loss"], ref[i]["loss"], 1e-5, f"mamba TP=1 -> TP=2 loss at iteration {i}")
+    assert tools.main(["sample", "--load", str(one), "--prompt", "def ", "--max-new-tokens", "4"]).startswith("def ")
 
 
 @pytest.mark.parametrize("fp8", [[], ["--fp8"]], ids=["fp32", "fp8-delayed"])

@@ -1,7 +1,10 @@
-# mini-megatron — the two commands a fresh machine needs: `make train MODEL=gpt` and `make test`.
-#   make train MODEL=gpt [NPROC=2 TP=2 PP=1 ARGS="--train-iters 100"]   -> runs/$(MODEL)/
-#   make train ARGS="--task dpo [--pretrained-checkpoint runs/gpt]"      -> runs/$(MODEL)-dpo/ (sft, dpo, kto, rm)
-#   make sample [PROMPT="def "]     make test     make lint     make bench     make soak [ARGS="--minutes 3"]
+# mini-megatron — the two commands a fresh machine needs: `make train MODEL=gpt` and `make test`. More:
+#   make train MODEL=gpt NPROC=2 TP=2 ARGS="--train-iters 100"    # -> runs/gpt/ (torchrun when NPROC > 1; also PP=)
+#   make train ARGS="--task dpo --pretrained-checkpoint runs/gpt"   # -> runs/gpt-dpo/ (--task sft, dpo, kto or rm)
+#   make sample PROMPT="class "                                     # text from runs/$(MODEL) (RUN=... for another)
+#   make lint
+#   make bench
+#   make soak ARGS="--minutes 3"
 PYTHON  ?= python3
 PY      := .venv/bin/python
 STAMP   := .venv/.stamp

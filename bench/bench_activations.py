@@ -1,6 +1,6 @@
 """Activation-memory audit: bytes one transformer layer saves for backward, measured, next to the formula.
 
-Run:  .venv/bin/python bench/bench_activations.py [--list]   (spawns tp = 1, 2, 4 gloo ranks on this CPU; ~1 min)
+Run:  .venv/bin/python bench/bench_activations.py      (spawns tp = 1, 2, 4 gloo ranks on this CPU; ~1 min; --list)
 
 Measured on rank 0 of a tp-rank gloo world: one training-mode forward of one GPT layer (transformer.py's Decoder
 with one TransformerLayer: LayerNorm, GeLU MLP 4h, biases, dropout 0.1 on attention and hidden states, multi-head

@@ -3,7 +3,7 @@ parallel.count_collectives() against the analytic volume (tests/test_comm_audit.
 of the test at the default model's width: h 256, 8 heads, seq 128, 4 layers, vocab 8192, micro-batch 2, 2 micro-
 batches, float64; MoE with 4 experts, top-2. Bytes are summed over all ranks (2 or 4 gloo ranks on CPU).
 
-    .venv/bin/python bench/bench_comm.py [--layouts tp2 tp2_sp ...]
+    .venv/bin/python bench/bench_comm.py                    (or --layouts tp2 tp2_sp ...)
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ measured with parallel.count_collectives() against the theory (tests/test_contex
 mean seconds of its forward + backward, at the default model's attention shape: 8 heads (8 query groups), head dim
 32, seq 128, micro-batch 16, float32. 2 and 4 gloo ranks on CPU (the times depend on the machine's load).
 
-    .venv/bin/python bench/bench_cp.py [--cp 2 4] [--repeats 3]
+    .venv/bin/python bench/bench_cp.py --cp 2 4 --repeats 3
 
 Bytes follow the audit's rule (parallel.py section 2): an all-gather counts its whole output, a reduce-scatter its
 whole input, all-to-all / send / recv what this rank sends or receives. What leaves the rank over the wire is

@@ -12,8 +12,7 @@ busy machine, `--threads 1 --clock cpu` times each run by this process's CPU tim
 wall clock: with one thread no thread waits for another, so what the process computes is timed, not how long it waited
 for a core (the ratio it gives is the one to compare; absolute tokens per CPU-second are not a wall-clock throughput).
 
-    .venv/bin/python bench/bench_hf.py [--rounds 9] [--steps 1] [--threads 2] [--only gpt2 llama bert t5 mamba2]
-                                       [--clock wall|cpu] [--profile] [--parts]
+    .venv/bin/python bench/bench_hf.py --rounds 9 --threads 2     (or --only ..., --clock cpu, --profile, --parts)
 """
 from __future__ import annotations
 

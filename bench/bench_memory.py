@@ -7,6 +7,7 @@ separate copy only when the parameters are bf16) and the two Adam moments. Formu
 fp32 parameters 4 + 4 + (4+4)/d = 8 + 8/d;  bf16 parameters + fp32 grads 2 + 4 + (4+4+4)/d = 6 + 12/d.
 Buckets are padded to a multiple of d, so the measured value may exceed the formula by a few elements per bucket.
 """
+import argparse
 import os
 import sys
 
@@ -37,10 +38,13 @@ def worker(rank, d, dtype, port, out):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4], help="data-parallel sizes d")
+    args = ap.parse_args()
     ctx = mp.get_context("spawn")
     print("| params | d | bytes/param measured | formula |\n|---|---|---|---|")
     for dtype, formula in [(torch.float32, lambda d: 8 + 8 / d), (torch.bfloat16, lambda d: 6 + 12 / d)]:
-        for d in (1, 2, 4):
+        for d in args.dp:
             q = ctx.Queue()
             port = 29600 + d + (10 if dtype == torch.bfloat16 else 0)
             procs = [ctx.Process(target=worker, args=(r, d, dtype, port, q)) for r in range(d)]

@@ -6,7 +6,7 @@ Each run is `train.py` in one process on the default corpus with a small model (
 iteration of the MoE model takes ~30 s there), logging metrics.jsonl every --log-interval iterations; the table shows,
 per log window, the worst MoE layer's max/min tokens per expert (1.0 = perfectly balanced) and the loss.
 
-    .venv/bin/python bench/bench_moe_balance.py [--iters 60] [--data-cache-dir data_cache]
+    .venv/bin/python bench/bench_moe_balance.py --iters 60
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--log-interval", type=int, default=10)
     ap.add_argument("--data-cache-dir", default="data_cache")
+    ap.add_argument("--data-path", default=None, help="train.py's --data-path (default: the default corpus)")
     args = ap.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,6 +46,7 @@ def main():
             run = os.path.join(tmp, str(len(rows)))
             cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, *extra, "--train-iters", str(args.iters),
                    "--log-interval", str(args.log_interval), "--data-cache-dir", args.data_cache_dir, "--save", run]
+            cmd += ["--data-path", args.data_path] if args.data_path else []
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
             with open(os.path.join(run, "metrics.jsonl")) as f:
                 recs = [r for r in map(json.loads, f) if "moe_load_max_over_min" in r]

@@ -8,6 +8,7 @@ timing measures the schedule, not CPU contention between ranks on a small machin
 forward and ends with the last backward, so its wall time is the step time. What remains above the theory is the
 p2p latency per message (gloo over loopback, ~1 ms), which the interleaved schedule pays v times more often.
 """
+import argparse
 import os
 import sys
 import time
@@ -48,7 +49,7 @@ class Stage(nn.Module):
         return y.sum() if self.post_process else y
 
 
-def worker(rank, p, vp, M, port, out):
+def worker(rank, p, vp, M, port, out, T=T):
     dist.init_process_group("gloo", rank=rank, world_size=p, init_method=f"tcp://127.0.0.1:{port}")
     grid = P.Grid(pp=p)
     chunks = [Stage(rank == 0 and v == 0, rank == p - 1 and v == vp - 1, T / vp) for v in range(vp)]
@@ -64,13 +65,17 @@ def worker(rank, p, vp, M, port, out):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16], help="m")
+    ap.add_argument("--t", type=float, default=T, help="seconds of forward per stage and micro-batch")
+    args = ap.parse_args()
     ctx = mp.get_context("spawn")
-    p = 4
-    print(f"p = {p}, forward {T * 1e3:.0f} ms / backward {2 * T * 1e3:.0f} ms per stage and micro-batch\n")
+    p, t = 4, args.t
+    print(f"p = {p}, forward {t * 1e3:.0f} ms / backward {2 * t * 1e3:.0f} ms per stage and micro-batch\n")
     print("| schedule | m | v | theory (p−1)/(v·m) | measured step bubble | per rank 0..p−1 |\n|---|---|---|---|---|---|")
-    for vp, M in [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16)]:
+    for vp, M in [(vp, M) for vp in (1, 2) for M in args.micro_batches]:
         q = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, p, vp, M, 29700 + 10 * vp + M, q)) for r in range(p)]
+        procs = [ctx.Process(target=worker, args=(r, p, vp, M, 29700 + 10 * vp + M, q, t)) for r in range(p)]
         for pr in procs:
             pr.start()
         res = dict(q.get() for _ in range(p))

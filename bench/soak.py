@@ -1,7 +1,7 @@
 """Soak test of checkpoint/resume: train while being SIGKILLed at random moments, some right after a save starts;
 the final losses, parameters and optimizer state must equal an uninterrupted run's, bit for bit.
 
-Run:  .venv/bin/python bench/soak.py [--minutes 10] [--nproc 1]     (or: make soak ARGS="--minutes 3")
+Run:  .venv/bin/python bench/soak.py --minutes 10      (or make soak ARGS="--minutes 3"; --nproc 2: torchrun)
 
 1. calibrates (short runs: start-up time, seconds per iteration) and sizes the run to ~1/5 of the budget;
 2. runs it uninterrupted (the reference);

@@ -77,18 +77,21 @@ def _train_worker(rank, world, inq, outq):
         job = inq.get()
         if job is None:
             break
-        argv, port = job
+        argv, port, cwd = job
         parallel._GROUPS.clear()  # a fresh process's state: the last run's groups died with its process group
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        out = io.StringIO()
+        out, home = io.StringIO(), os.getcwd()
         try:
+            os.chdir(cwd or home)  # the run's working directory (relative paths in argv are relative to it)
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                 code = train.main(argv)
         except SystemExit as e:
             code = e.code
         except BaseException:  # noqa: BLE001 — report everything to the parent
             code = traceback.format_exc()
+        finally:
+            os.chdir(home)
         outq.put((rank, code, out.getvalue()[-3000:]))
 
 
@@ -176,15 +179,15 @@ class Pools:
 _LAUNCHERS: dict[int, Pool] = {}  # world size -> warm train.py ranks, for the whole session (daemons: end with it)
 
 
-def launch(n: int, argv: list[str], timeout: float = 300.0):
-    """train.main(argv) on n warm ranks, as `torchrun --nproc_per_node n train.py argv`; raises CaseFailed (with the
-    ranks' output) unless every rank returns 0."""
+def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None):
+    """train.main(argv) on n warm ranks, as `torchrun --nproc_per_node n train.py argv` run in `cwd` (default: where
+    the ranks started, the repository root); raises CaseFailed (with the ranks' output) unless every rank returns 0."""
     if n not in _LAUNCHERS:
         _LAUNCHERS[n] = Pool(n, timeout, target=_train_worker)
     pool = _LAUNCHERS[n]
     port = _free_port()
     for r in range(n):
-        pool.inqs[r].put((list(argv), port))
+        pool.inqs[r].put((list(argv), port, None if cwd is None else str(cwd)))
     codes, outs, deadline = {}, {}, time.monotonic() + timeout
     while len(outs) < n:
         try:

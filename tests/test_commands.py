@@ -1,0 +1,306 @@
+"""Every shell command the repository documents runs as printed (tests/commands.py finds them: README.md, DESIGN.md,
+bench/README.md, the Makefile's comments, examples/, every module's docstring), at a tiny size; and every entry
+point answers --help. A changed default or a renamed flag breaks a documented command here first.
+
+What "at a tiny size" changes, and nothing else:
+  - train.py (directly, through torchrun, through `make train` / `make bench`'s ARGS, or a --config file): TINY's
+    flags appended, which argparse lets win over earlier ones: 2 iterations, a 2-layer model of hidden size 64 (each
+    model's own small shape), short sequences, one evaluation batch. A pretraining run whose command names no
+    --data-path reads SMALL_CORPUS (40 small Python files) instead of the default corpus (the stdlib: ~25 s to
+    tokenize); a post-training task keeps its example records.
+  - tools.py sample: at most 4 new tokens. A bench script: its own size flags (BENCH), e.g. one round, one row.
+  - `make soak`: --minutes 0.3.
+What runs where: in a scratch copy of the repository (its tracked files, this checkout's .venv linked, one data cache
+for the session), so no command touches your runs/; the commands run in document order, so a run one command makes
+is there for the next (a command that starts a run in a directory it does not resume starts from an empty one).
+`python` and `torchrun` are .venv's. To stay within make test's budget, train.py, tools.py and data.py commands run
+in this process (train.main, ...), torchrun's on warm ranks (harness.launch: torchrun's environment), and a make
+target runs the recipe `make -n` prints (so the Makefile's expansion is what runs); `make sample` and `make lint` run
+make itself. Not run, with the reason: `make test` and .ci/run (this suite itself), `make setup` (builds a virtualenv:
+`make -n` only), pytest commands (collected, not run: the suite runs them), a multi-node torchrun (its train.py
+flags are checked for its world size), bench/gpu_default_runs.sh (a GPU machine's script: `bash -n`), tensorboard (a
+server: --version).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from commands import ROOT, Command, documented
+from test_train import SNIPPET
+
+import arguments
+import data
+import harness
+import tools
+import train
+
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+COMMON = ["--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1",
+          "--micro-batch-size", "2", "--exit-duration-in-mins", "5"]
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+TINY = {  # each model's tiny shape (a run on a checkpoint takes the checkpoint's, so every run of a model shares it)
+    "gpt": SHAPE + ["--seq-length", "32"],
+    "bert": SHAPE + ["--seq-length", "32"],
+    "t5": SHAPE + ["--seq-length", "32"],
+    "retro": SHAPE[2:] + ["--num-layers", "6", "--seq-length", "32", "--retro-chunk-length", "16"],
+    "mamba": SHAPE + ["--hybrid-layer-pattern", "M*", "--mamba-num-groups", "2", "--mamba-head-dim", "16",
+                      "--mamba-state-dim", "16", "--mamba-chunk-size", "16", "--seq-length", "32"],
+    "llava": ["--vision-num-layers", "1"],
+}
+TASK_SEQ = ["--seq-length", "128"]  # a post-training task's example records need 128 tokens
+BENCH = {  # size flags appended to each bench script
+    "bench_activations.py": ["--tp", "1"], "bench_comm.py": ["--layouts", "tp2"], "bench_cp.py": ["--cp", "2",
+    "--repeats", "1"], "bench_decode.py": ["--tokens", "16", "--budget", "1"], "bench_fp8.py": ["--sizes", "small",
+    "--rounds", "1", "--steps", "1", "--warmup", "0"], "bench_hf.py": ["--rounds", "1", "--warmup", "0", "--only",
+    "llama"], "bench_mamba_scan.py": ["--lengths", "64", "--repeat", "1", "--heads", "2", "--head-dim", "8",
+    "--state", "8", "--chunk", "16"], "bench_memory.py": ["--dp", "1"], "bench_pipeline.py": ["--micro-batches", "4",
+    "--t", "0.001"], "bench_moe_balance.py": ["--iters", "2", "--log-interval", "1",
+    "--data-path", "small_corpus"], "soak.py": ["--minutes", "0.3"]}
+# The files the documents name as the reader's own, made in the scratch copy: a few records of each kind
+RECORDS = {"sft": {"prompt": "Add 2 and 3.", "response": "5"}, "dpo": {"prompt": "Add 2 and 3.", "chosen": "5",
+           "rejected": "6"}, "kto": {"prompt": "Add 2 and 3.", "completion": "5", "label": True}}
+FIXTURES = {"my.jsonl": "text", "corpus.jsonl": "text", "chat.jsonl": "sft", "answers.jsonl": "sft",
+            "pairs.jsonl": "dpo", "prefs.jsonl": "dpo", "kto.jsonl": "kto"}
+
+
+class Skipped(Exception):
+    """A command this test does not run, with the reason (see the module docstring)."""
+
+
+# ---------------------------------------------------------------------------------------------- the scratch copy
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    work = tmp_path_factory.mktemp("repo")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (work / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, work / name)  # (mtimes kept: make sees the virtualenv up to date)
+    (work / ".venv").symlink_to(ROOT / ".venv")
+    (work / "data_cache").mkdir()
+    corpus = work / "small_corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
+    for name, kind in FIXTURES.items():
+        rows = [{"text": SNIPPET.format(i=i)} for i in range(40)] if kind == "text" else [
+            {**RECORDS[kind], "prompt": f"Add {i} and 3.", **({"label": i % 2 == 0} if kind == "kto" else {})}
+            for i in range(12)]
+        (work / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "my_docs").mkdir()
+    for i in range(40):
+        (work / "my_docs" / f"doc{i}.txt").write_text(SNIPPET.format(i=i))
+    tok = data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=512)
+    tok.save(str(work / "tokenizer.json"))
+    return work
+
+
+@contextlib.contextmanager
+def inside(work):
+    home = os.getcwd()
+    os.chdir(work)
+    try:
+        yield
+    finally:
+        os.chdir(home)
+
+
+# ---------------------------------------------------------------------------------------------- running one command
+def tiny_train(argv: list[str], work: Path) -> list[str]:
+    """train.py's argv with the tiny size appended (see the module docstring)."""
+    args = arguments.parse_args(argv, known_only=True)
+    model = args.model
+    for flag in ("--load", "--pretrained-checkpoint"):  # a run on a checkpoint: the checkpoint's model
+        if flag in argv and (Path(work) / argv[argv.index(flag) + 1] / "latest_checkpointed_iteration.txt").exists():
+            saved = Path(work) / argv[argv.index(flag) + 1]
+            it = int((saved / "latest_checkpointed_iteration.txt").read_text())
+            model = json.loads((saved / f"iter_{it:07d}" / "meta.json").read_text())["args"]["model"]
+            break
+    extra = COMMON + TINY[model]
+    if args.task != "pretrain":
+        extra += TASK_SEQ
+    elif args.data_path is None:
+        extra += ["--data-path", str(work / "small_corpus")]
+    if args.save and args.load != args.save and not args.finetune:  # a run that starts afresh in --save
+        shutil.rmtree(work / args.save, ignore_errors=True)
+    return argv + extra
+
+
+def run_train(argv, work, nproc=1):
+    argv = tiny_train(argv, work)
+    if nproc > 1:
+        return harness.launch(nproc, argv, cwd=work)
+    with inside(work):
+        code = train.main(argv)
+    assert code == 0, f"train.py exited {code}"
+
+
+def run_python(words: list[str], work: Path):
+    """`python SCRIPT ARGS` (or -m, -c)."""
+    if words[0] == "-m" and words[1] == "pytest":
+        raise Skipped("pytest: collected, not run (the suite runs it)")  # (collected in test_pytest_commands)
+    if words[0] == "-m" and words[1] in ("torch.distributed.run", "torchrun"):
+        return run_torchrun(words[2:], work)
+    if words[0] == "-c":
+        r = subprocess.run([PY, *words], cwd=work, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return
+    script, argv = words[0], words[1:]
+    if script == "train.py":
+        return run_train(argv, work)
+    if script == "tools.py":
+        if argv[:1] == ["sample"]:
+            argv = argv + ["--max-new-tokens", "4"]
+        with inside(work):
+            tools.main(argv)
+        return
+    if script == "data.py":
+        with inside(work):
+            assert data.main(argv) == 0
+        return
+    if script.startswith("bench/"):
+        r = subprocess.run([PY, script, *argv, *BENCH[Path(script).name]], cwd=work, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        return
+    raise AssertionError(f"no runner for python {script}")
+
+
+def run_torchrun(words: list[str], work: Path):
+    p = argparse.ArgumentParser()
+    p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1)
+    p.add_argument("--nnodes", default="1")
+    p.add_argument("--standalone", action="store_true")
+    p.add_argument("--rdzv-backend", "--rdzv_backend")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint")
+    p.add_argument("--master-port", "--master_port")
+    p.add_argument("script")
+    launcher, argv = p.parse_known_args(words)
+    assert launcher.script == "train.py", launcher.script
+    if launcher.nnodes != "1":  # a multi-node command: its flags, checked for the world it names
+        world = int(launcher.nnodes) * launcher.nproc_per_node
+        arguments.check_args(arguments.parse_args(argv), world)
+        raise Skipped(f"needs {launcher.nnodes} nodes: its flags were checked for a world of {world}")
+    return run_train(argv, work, launcher.nproc_per_node)
+
+
+def run_make(words: list[str], work: Path):
+    target = next((w for w in words if "=" not in w), "train")
+    assigns = dict(w.split("=", 1) for w in words if "=" in w)
+    if target == "test":
+        raise Skipped("make test: this suite itself")
+    if target in ("sample", "lint", "clean"):
+        if target == "sample":
+            assigns["ARGS"] = (assigns.get("ARGS", "") + " --max-new-tokens 4").strip()
+        r = subprocess.run(["make", target, *[f"{k}={v}" for k, v in assigns.items()]], cwd=work,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        return
+    if target == "setup":
+        r = subprocess.run(["make", "-n", "setup"], cwd=work, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        raise Skipped("make setup: builds a virtualenv (make -n checked)")
+    if target == "soak":
+        assigns["ARGS"] = (assigns.get("ARGS", "") + " " + " ".join(BENCH["soak.py"])).strip()
+    r = subprocess.run(["make", "-n", target, *[f"{k}={v}" for k, v in assigns.items()]], cwd=work,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for line in r.stdout.replace("\\\n", " ").splitlines():  # the recipe's python (torchrun) lines, joined
+        words = shlex.split(line)
+        while words and re.fullmatch(r"\w+=\S*", words[0]):
+            words = words[1:]  # OMP_NUM_THREADS=1
+        if words[:1] != [".venv/bin/python"]:
+            continue
+        if words[1:2] == ["train.py"] and target == "bench":
+            words = words[:2] + ["--train-iters", "2", "--log-interval", "1"] + words[2:]
+        run_python(words[1:], work)
+
+
+def run(command: Command, work: Path):
+    """Run one documented command (its parts, if joined by &&) at a tiny size; Skipped says why one is not run."""
+    for part in command.text.split(" && "):
+        words = shlex.split(part)
+        env = {}
+        while words and re.fullmatch(r"\w+=\S*", words[0]):
+            k, v = words.pop(0).split("=", 1)
+            env[k] = v
+        prog = words[0]
+        if prog in ("python", ".venv/bin/python"):
+            run_python(words[1:], work)
+        elif prog in ("torchrun", ".venv/bin/torchrun"):
+            run_torchrun(words[1:], work)
+        elif prog == "make":
+            run_make(words[1:], work)
+        elif prog in ("tensorboard", ".venv/bin/tensorboard"):
+            r = subprocess.run([str(ROOT / ".venv" / "bin" / "tensorboard"), "--version"], capture_output=True)
+            assert r.returncode == 0
+            raise Skipped("tensorboard: a server (--version checked)")
+        elif prog == "bash" and words[1:2] == ["bench/gpu_default_runs.sh"]:
+            assert subprocess.run(["bash", "-n", words[1]], cwd=work).returncode == 0
+            raise Skipped("a GPU machine's script (bash -n checked)")
+        elif prog.startswith("d=$(mktemp") or words[:2] == ["bash", ".ci/run"] or ".ci/run" in part:
+            raise Skipped(".ci/run: this suite itself, in a clean clone")
+        else:
+            raise AssertionError(f"no runner for {prog!r}")
+
+
+# ---------------------------------------------------------------------------------------------- the tests
+COMMANDS = list({c.text: c for c in reversed(documented())}.values())[::-1]  # each command once, where first met
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
+def test_documented_command_runs(command, scratch, capsys):
+    try:
+        run(command, scratch)
+    except Skipped as e:
+        pytest.skip(str(e))
+    except (SystemExit, Exception) as e:  # noqa: BLE001 — report the command and where it is documented
+        out = capsys.readouterr()
+        raise AssertionError(f"{command.where}: `{command.text}` fails: {type(e).__name__}: {e}\n"
+                             f"{(out.out + out.err)[-2000:]}") from e
+
+
+def test_pytest_commands_collect():
+    """The documented pytest commands name tests that exist (collected in one go; the suite runs them)."""
+    files = sorted({w for c in COMMANDS for w in shlex.split(c.text) if w.startswith("tests/")})
+    assert files
+    r = subprocess.run([PY, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:]
+
+
+ENTRY_POINTS = [["train.py"], ["train.py", "--model", "mamba"], ["tools.py"], *[["tools.py", c] for c in
+                ("sample", "merge", "export", "score")], ["data.py"], ["data.py", "preprocess"]]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=" ".join)
+def test_help_of_every_entry_point(entry, capsys):
+    main = {"train.py": lambda a: train.main(a), "tools.py": tools.main, "data.py": data.main}[entry[0]]
+    with pytest.raises(SystemExit, match="^0$"):
+        main([*entry[1:], "--help"])
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
+def test_help_of_every_bench_script():
+    for script in sorted(ROOT.glob("bench/*.py")):
+        r = subprocess.run([PY, str(script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith("usage: "), f"{script.name}: {r.stderr[-500:]}"
+
+
+def test_a_broken_documented_flag_is_caught(scratch):
+    """Negative control: a documented command with a flag renamed (as a changed parser would break it) fails here."""
+    command = next(c for c in COMMANDS if c.text.startswith("python train.py") and "--save" in c.text)
+    broken = Command(command.text.replace("--save", "--save-dir"), command.where)
+    with pytest.raises(SystemExit, match="^2$"):
+        run(broken, scratch)

@@ -6,9 +6,15 @@ file of its own so that train.py is only the training loop. Each command loads t
 (checkpoint.load_model: whatever layout it was saved at) and asks its model file (contract.py) what it can do.
 
     python tools.py sample --load runs/gpt --prompt "def "      # generated text (make sample)
+    python tools.py sample --load runs/gpt-sft --chat --prompt "Add 2 and 3."    # an SFT model's answer
     python tools.py merge --load runs/gpt-lora --save runs/gpt-merged    # a LoRA run's adapters merged into its base
     python tools.py export --load runs/gpt --hf-out runs/gpt-hf          # a Hugging Face model directory
     python tools.py score --load runs/gpt-rm --data-path answers.jsonl   # a reward model's score of each record
+
+sample --chat: --prompt is one user turn of the chat template the SFT task trains on (posttrain.py section 1), then
+the assistant's header, `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized piece by piece as SFT's samples are; the
+model answers until the end-of-document token, and only the answer is printed. A causal language model's (its model
+file's sample_ids, contract.py); anything else is refused.
 
 Bad input ends with one line `tools.py: error: ...`.
 """
@@ -46,14 +52,29 @@ def sample(a):
         raise ConfigError(f"--top-k={a.top_k} must be >= 1")
     run = checkpoint.load_model(a.load)
     refuse_reward_model(run, a.load)
+    if a.chat and run.model_file.sample_ids is None:
+        raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot answer --chat: its model file "
+                          "declares no sample_ids() (only a causal language model continues a chat prompt)")
     if run.model_file.sample is None:
         raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot sample: "
                           + (run.model_file.unsupported("sample") or "its model file declares no sample()"))
     torch.manual_seed(a.seed)
     opts = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k)) if v is not None}
-    text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, a.max_new_tokens, **opts)
+    if a.chat:
+        answer = chat_answer(run, a.prompt, a.max_new_tokens, **opts)
+        text = run.tok.decode(answer[:-1] if answer[-1:] == [data.special_ids(run.tok)["eod"]] else answer)
+    else:
+        text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, a.max_new_tokens, **opts)
     print(text)
     return text
+
+
+def chat_answer(run, prompt: str, max_new_tokens: int, **opts) -> list[int]:
+    """sample --chat: the token ids of the model's answer to `prompt` as one user turn of the training chat template
+    (posttrain.chat_prompt_ids: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized as SFT's samples were), up to and
+    including the end-of-document token that ends an assistant turn (or max_new_tokens of them)."""
+    ids = posttrain.chat_prompt_ids([{"role": "user", "content": prompt}], run.tok)
+    return run.model_file.sample_ids(run.model.eval(), run.tok, ids, max_new_tokens, **opts)
 
 
 def merge(a):
@@ -99,6 +120,8 @@ def parse(argv):
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model file's sample())")
     s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely (default: the model's)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--chat", action="store_true", help="answer --prompt as a user turn of the chat template the SFT "
+                   "task trains on; print the answer only (a causal language model)")
     s.set_defaults(run=sample)
     m = sub.add_parser("merge", help="a LoRA run's adapters merged into its base: a plain checkpoint")
     m.add_argument("--load", required=True, help="the LoRA run")

@@ -15,6 +15,10 @@ sample --chat: --prompt is one user turn of the chat template the SFT task train
 the assistant's header, `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized piece by piece as SFT's samples are; the
 model answers until the end-of-document token, and only the answer is printed. A causal language model's (its model
 file's sample_ids, contract.py); anything else is refused.
+export writes what serving needs: the weights and config.json, the tokenizer with its special tokens (eos = the
+end-of-document token), generation_config.json, and the same chat template as Jinja, so that
+`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` renders the text --chat feeds the model
+(tests/test_serve_export.py: the same token ids and the same greedy answer in transformers).
 
 Bad input ends with one line `tools.py: error: ...`.
 """
@@ -82,14 +86,17 @@ def merge(a):
 
 
 def export(a):
-    """A Hugging Face model directory (config.json, model.safetensors, tokenizer.json) of the run (a LoRA run:
-    merged), which transformers loads offline; a setting Hugging Face's class cannot express is refused by name."""
+    """A Hugging Face model directory of the run (a LoRA run: merged), which transformers loads offline and serves:
+    config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the training chat template as Jinja
+    (posttrain.chat_template_jinja), generation_config.json; eos is our end-of-document token (convert.save_hf). A
+    setting Hugging Face's class cannot express is refused by name."""
     run = checkpoint.load_model(a.load)
     refuse_reward_model(run, a.load)
     if run.model_file.to_hf is None:
         raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
                                   + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
-    return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok)
+    return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
+                           chat_template=posttrain.chat_template_jinja())
 
 
 def score(a):
@@ -127,7 +134,7 @@ def parse(argv):
     m.add_argument("--load", required=True, help="the LoRA run")
     m.add_argument("--save", required=True, help="an empty directory for the merged checkpoint")
     m.set_defaults(run=merge)
-    e = sub.add_parser("export", help="a Hugging Face model directory (config.json, model.safetensors)")
+    e = sub.add_parser("export", help="a Hugging Face model directory (weights, tokenizer, chat template)")
     e.add_argument("--load", required=True)
     e.add_argument("--hf-out", required=True, help="the directory to write")
     e.set_defaults(run=export)

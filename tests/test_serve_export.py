@@ -10,7 +10,8 @@ iterations) on short chat records, exported and loaded back offline with transfo
   - `apply_chat_template([user turn], add_generation_prompt=True)` gives the token ids --chat feeds the model;
   - HF's greedy `generate` from those ids gives exactly the token ids of our `sample --chat --temperature 0`, stopping
     at the same eos;
-  - --chat is refused in one line for a model that cannot sample (BERT) and for a reward model.
+  - --chat is refused in one line for a model that cannot sample (BERT) and for a reward model;
+  - a GPT-2 directory gets the same files (its longest input is n_positions, Llama's max_position_embeddings).
 
 Where the two tokenizations differ. Training (posttrain._encode) tokenizes the template piece by piece: the header
 "<|user|>\\n", then the content with its "\\n", then "<|assistant|>\\n"; transformers renders the whole string, then
@@ -39,6 +40,7 @@ import transformers
 from test_train import SNIPPET
 
 import checkpoint
+import convert
 import data
 import gpt
 import mamba
@@ -229,3 +231,18 @@ def test_the_other_causal_lm_answers_a_chat_prompt_through_its_recurrent_step(ru
     got = mamba.sample_ids(model, tok, ids, 8, temperature=0)
     ref = gpt.generate(model, torch.tensor([ids]), 8, temperature=0, eod=data.special_ids(tok)["eod"], use_cache=False)
     assert got == ref[0, len(ids):].tolist() and len(got) == 8
+
+
+def test_a_gpt2_directory_gets_the_same_serving_files(runs, tmp_path):
+    """GPT-2's config names the longest input n_positions (Llama's max_position_embeddings): tokenizer_config.json's
+    model_max_length comes from either, and config.json's token ids are ours in both."""
+    from test_export import GPT2
+
+    tok = data.get_tokenizer(None, None, tokenizer_file=str(runs / "tokenizer.json"))
+    model = gpt.Model(gpt.Config(**dict(GPT2, vocab_size=384)))
+    convert.save_hf(tmp_path, *convert.gpt_to_hf(model.config, model.state_dict()), tok,
+                    chat_template=posttrain.chat_template_jinja())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["eos_token_id"] == data.special_ids(tok)["eod"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert hf_tok.model_max_length == config["n_positions"] == 64 and hf_tok.eos_token == "<|endoftext|>"

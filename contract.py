@@ -89,9 +89,13 @@ class ModelFile:
     eval_counts: Callable | None = None
     # metrics: flops(config, batch, seq) -> the model FLOPs of one iteration (Megatron's transformer count)
     flops: Callable = metrics.flops
-    # tools.py: sample(model, tok, prompt, max_new_tokens, temperature, top_k) -> text; to_hf(config, state) ->
-    # (Hugging Face config.json dict, {name: tensor}). None: it does not (UNSUPPORTED["sample"/"export"] says why)
+    # tools.py: sample(model, tok, prompt, max_new_tokens, temperature, top_k) -> text; a causal LM's
+    # sample_ids(model, tok, ids, max_new_tokens, temperature, top_k) -> the token ids it samples after the prompt's
+    # token ids, through the end-of-document token (tools.py sample --chat: an SFT model's answer to a chat prompt);
+    # to_hf(config, state) -> (Hugging Face config.json dict, {name: tensor}). None: it does not
+    # (UNSUPPORTED["sample"/"export"] says why)
     sample: Callable | None = None
+    sample_ids: Callable | None = None
     to_hf: Callable | None = None
 
     def unsupported(self, feature: str) -> str | None:

@@ -1,18 +1,19 @@
 """convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
 Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
 
-It imports no model file (only parallel.py, and rope.py for YaRN's mscale), and returns plain data: a Hugging Face
-converter takes the HF model and the model file's Config class (for derived values such as padded_vocab_size and
-num_query_groups) and returns (Config, full state dict); `megatron_state` takes the state dict and our config. Each
-model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with `load`. So the imports
-run one way, parallel, rope <- convert <- gpt <- bert / t5 / retro / mamba, and every external layout sits here side
-by side.
+It imports no model file (only parallel.py, rope.py for YaRN's mscale and data.py for the special tokens), and returns
+plain data: a Hugging Face converter takes the HF model and the model file's Config class (for derived values such as
+padded_vocab_size and num_query_groups) and returns (Config, full state dict); `megatron_state` takes the state dict
+and our config. Each model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with
+`load`. So the imports run one way, parallel, rope, data <- convert <- gpt <- bert / t5 / retro / mamba, and every
+external layout sits here side by side.
   Hugging Face   GPT-2, Llama and DeepSeek-V3 (gpt.py), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
                  tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
   Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`tools.py export`) —
-                 tests/test_export.py loads them with transformers and compares the logits.
+                 tests/test_export.py loads them with transformers and compares the logits; save_hf writes them with
+                 the tokenizer, its special tokens and chat template, ready to serve (tests/test_serve_export.py).
 Mirrors the name maps of Megatron-LM's tools/checkpoint/ loaders and of transformers' Megatron conversion scripts.
 
 Layouts met on the way in
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+import data
 import parallel as P
 from rope import yarn_mscale
 
@@ -571,18 +573,47 @@ def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
     return hc, {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def save_hf(out_dir, hf_config: dict, state: dict, tokenizer=None):
-    """Write a Hugging Face model directory: config.json, model.safetensors (and tokenizer.json when given), which
-    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads offline."""
+def save_hf(out_dir, hf_config: dict, state: dict, tokenizer=None, chat_template: str | None = None):
+    """Write a Hugging Face model directory: config.json and model.safetensors, which
+    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads offline, and with the tokenizer what serving
+    needs: tokenizer.json, tokenizer_config.json (hf_tokenizer_config: its special tokens, longest input and
+    `chat_template`), generation_config.json and config.json with our token ids (hf_token_ids). No
+    special_tokens_map.json: AutoTokenizer.from_pretrained takes the special tokens from tokenizer_config.json and
+    reads that file only to override them (a legacy file)."""
     from safetensors.torch import save_file  # (requirements.txt; installed with transformers too)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        ids = hf_token_ids(tokenizer)
+        hf_config = {**hf_config, **ids}  # not Llama's defaults (bos 1, eos 2: other tokens here)
+        tokenizer.save(str(out / "tokenizer.json"))
+        longest = hf_config.get("max_position_embeddings", hf_config.get("n_positions"))  # Llama's, GPT-2's name
+        for name, content in [("tokenizer_config.json", hf_tokenizer_config(tokenizer, longest, chat_template)),
+                              ("generation_config.json", ids)]:
+            (out / name).write_text(json.dumps(content, indent=1) + "\n")
     (out / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save(str(out / "tokenizer.json"))
     return out
+
+
+def hf_token_ids(tok) -> dict:
+    """The exported token ids (config.json, generation_config.json). eos: our end-of-document token, which ends every
+    document and every assistant turn, so generation stops where training taught the model to stop. pad: <pad>.
+    bos: the eod token too, as GPT-2's is: our models train without a bos token, and in the pretraining stream the
+    token before a document is the previous document's eod. Nothing adds it to an input (the tokenizer has no
+    post-processor, the chat template writes none): it only starts a generation from nothing."""
+    sp = data.special_ids(tok)
+    return dict(bos_token_id=sp["eod"], eos_token_id=sp["eod"], pad_token_id=sp["pad"])
+
+
+def hf_tokenizer_config(tok, model_max_length: int, chat_template: str | None = None) -> dict:
+    """tokenizer_config.json: the class that reads tokenizer.json, the special tokens of hf_token_ids as text, the
+    longest input (max_position_embeddings), the Jinja chat template (None: none), and decoding as ours does it
+    (no clean-up of the spaces before punctuation)."""
+    tokens = {name.removesuffix("_id"): tok.id_to_token(i) for name, i in hf_token_ids(tok).items()}
+    return dict(tokenizer_class="PreTrainedTokenizerFast", **tokens, model_max_length=model_max_length,
+                clean_up_tokenization_spaces=False, **({"chat_template": chat_template} if chat_template else {}))
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: LLaVA

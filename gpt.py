@@ -251,13 +251,20 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
     return ids
 
 
+def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+               top_k: int | None = 50, generate=generate) -> list[int]:
+    """tools.py sample --chat: the token ids sampled (KV-cached) after the prompt's token ids `ids`, up to and
+    including the end-of-document token, or max_new_tokens of them. `generate`: another model file's (mamba.py's)."""
+    out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, top_k, eod=data.special_ids(tok)["eod"])
+    return out[0, len(ids):].tolist()
+
+
 def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
            generate=generate) -> str:
     """tools.py sample: the prompt and its continuation, sampled (KV-cached) until the end-of-document token or
     max_new_tokens. `generate`: another model file's (mamba.py's recurrent one)."""
-    ids = torch.tensor([tok.encode(prompt).ids])
-    out = generate(model, ids, max_new_tokens, temperature, top_k, eod=data.special_ids(tok)["eod"])
-    return tok.decode(out[0].tolist())
+    ids = tok.encode(prompt).ids
+    return tok.decode(ids + sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, generate))
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)

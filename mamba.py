@@ -453,6 +453,12 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
     return gpt.sample(model, tok, prompt, max_new_tokens, temperature, top_k, generate=generate)
 
 
+def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+               top_k: int | None = 50) -> list[int]:
+    """tools.py sample --chat: gpt.sample_ids with the recurrent step."""
+    return gpt.sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, generate=generate)
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path)."""

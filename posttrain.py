@@ -38,10 +38,15 @@ exactly on the assistant's tokens. A 2-turn conversation renders as (<|endoftext
 The loss covers "5<|endoftext|>" and "8<|endoftext|>" only: each assistant turn ends with eod, which is part of the
 loss, so the model learns to stop (gpt.Model.generate stops at eod). Role markers are plain text (BPE pieces, no new
 vocabulary); special-token strings inside a record's text are encoded as plain text, so only the template's eod is
-ever an eod. A sample is a numpy int64 array [R, s+1] (the SAMPLE FORMAT): token rows right-padded with eod, 0/1
-mask rows (mask[t] = 1 iff token t is a response token: input tok[:-1], labels tok[1:], loss mask mask[1:]) and the
-META row last (meta[0] = the KTO label; meta[1] = the index in the global batch, filled by the recipe). Samples are
-never truncated. KTO's kl row pairs the prompt with the NEXT record's completion in file order ((i + 1) mod N), the
+ever an eod. The same template serves the trained model: chat_prompt_ids is tools.py sample --chat's prompt (a user
+turn, then the assistant's header, tokenized piece by piece like a sample), and chat_template_jinja is it as a Jinja
+chat template, which tools.py export writes for transformers' apply_chat_template. transformers tokenizes the whole
+rendered string, not piece by piece: the same ids, except where a message starts or ends with whitespace or holds
+special-token text (tests/test_serve_export.py shows both).
+A sample is a numpy int64 array [R, s+1] (the SAMPLE FORMAT): token rows right-padded with eod, 0/1 mask rows
+(mask[t] = 1 iff token t is a response token: input tok[:-1], labels tok[1:], loss mask mask[1:]) and the META row
+last (meta[0] = the KTO label; meta[1] = the index in the global batch, filled by the recipe). Samples are never
+truncated. KTO's kl row pairs the prompt with the NEXT record's completion in file order ((i + 1) mod N), the
 KTO paper's mismatched pairs for the reference point z0, fixed by the data so it cannot depend on the layout.
 SFT --packing puts several samples back to back (greedy, in order) in one row; every sample ends with eod, so
 data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them.
@@ -103,6 +108,33 @@ def render_chat(messages):
         else:
             pieces.append((m["content"] + CHAT_TEMPLATE["end"], False))
     return pieces
+
+
+def chat_prompt_ids(messages, tok):
+    """The token ids of a conversation that ends with a user turn, then the assistant's header: what an SFT model
+    answers (tools.py sample --chat), tokenized piece by piece exactly as its training samples were (_encode)."""
+    pieces = render_chat(messages) + [(CHAT_TEMPLATE["assistant"], False)]
+    return _encode(pieces, tok, data.special_ids(tok)["eod"])[0]
+
+
+def chat_template_jinja(template=CHAT_TEMPLATE, eod_text=EOD_TEXT):
+    """render_chat as a Jinja2 chat template (tools.py export writes it to tokenizer_config.json), built from
+    CHAT_TEMPLATE (`template`: another, for a test): `tokenizer.apply_chat_template(messages, tokenize=False)` is the
+    text of render_chat(messages), and add_generation_prompt appends the assistant's header. An unknown role raises,
+    as render_chat does. Every tag trims the whitespace around it ({%- -%}), so the template's own line breaks render
+    nothing; its strings are JSON literals, which Jinja reads as the same strings."""
+    headers = {role: template[role] for role in ("system", "user", "assistant")}
+    return "\n".join([
+        "{%- set headers = " + json.dumps(headers) + " -%}",
+        "{%- for message in messages -%}",
+        "{%- if message['role'] not in headers -%}",
+        "{{- raise_exception('unknown role ' + message['role'] + ': expected system, user or assistant') -}}",
+        "{%- endif -%}",
+        "{{- headers[message['role']] + message['content'] -}}",
+        "{%- if message['role'] == 'assistant' -%}{{- " + json.dumps(eod_text) + " -}}",
+        "{%- else -%}{{- " + json.dumps(template["end"]) + " -}}{%- endif -%}",
+        "{%- endfor -%}",
+        "{%- if add_generation_prompt -%}{{- headers['assistant'] -}}{%- endif -%}"])
 
 
 def _messages(record, response_key="response"):

@@ -6,9 +6,19 @@ file of its own so that train.py is only the training loop. Each command loads t
 (checkpoint.load_model: whatever layout it was saved at) and asks its model file (contract.py) what it can do.
 
     python tools.py sample --load runs/gpt --prompt "def "      # generated text (make sample)
+    python tools.py sample --load runs/gpt-sft --chat --prompt "Add 2 and 3."    # an SFT model's answer
     python tools.py merge --load runs/gpt-lora --save runs/gpt-merged    # a LoRA run's adapters merged into its base
     python tools.py export --load runs/gpt --hf-out runs/gpt-hf          # a Hugging Face model directory
     python tools.py score --load runs/gpt-rm --data-path answers.jsonl   # a reward model's score of each record
+
+sample --chat: --prompt is one user turn of the chat template the SFT task trains on (posttrain.py section 1), then
+the assistant's header, `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized piece by piece as SFT's samples are; the
+model answers until the end-of-document token, and only the answer is printed. A causal language model's (its model
+file's sample_ids, contract.py); anything else is refused.
+export writes what serving needs: the weights and config.json, the tokenizer with its special tokens (eos = the
+end-of-document token), generation_config.json, and the same chat template as Jinja, so that
+`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` renders the text --chat feeds the model
+(tests/test_serve_export.py: the same token ids and the same greedy answer in transformers).
 
 Bad input ends with one line `tools.py: error: ...`.
 """
@@ -46,14 +56,29 @@ def sample(a):
         raise ConfigError(f"--top-k={a.top_k} must be >= 1")
     run = checkpoint.load_model(a.load)
     refuse_reward_model(run, a.load)
+    if a.chat and run.model_file.sample_ids is None:
+        raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot answer --chat: its model file "
+                          "declares no sample_ids() (only a causal language model continues a chat prompt)")
     if run.model_file.sample is None:
         raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot sample: "
                           + (run.model_file.unsupported("sample") or "its model file declares no sample()"))
     torch.manual_seed(a.seed)
     opts = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k)) if v is not None}
-    text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, a.max_new_tokens, **opts)
+    if a.chat:
+        answer = chat_answer(run, a.prompt, a.max_new_tokens, **opts)
+        text = run.tok.decode(answer[:-1] if answer[-1:] == [data.special_ids(run.tok)["eod"]] else answer)
+    else:
+        text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, a.max_new_tokens, **opts)
     print(text)
     return text
+
+
+def chat_answer(run, prompt: str, max_new_tokens: int, **opts) -> list[int]:
+    """sample --chat: the token ids of the model's answer to `prompt` as one user turn of the training chat template
+    (posttrain.chat_prompt_ids: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized as SFT's samples were), up to and
+    including the end-of-document token that ends an assistant turn (or max_new_tokens of them)."""
+    ids = posttrain.chat_prompt_ids([{"role": "user", "content": prompt}], run.tok)
+    return run.model_file.sample_ids(run.model.eval(), run.tok, ids, max_new_tokens, **opts)
 
 
 def merge(a):
@@ -61,14 +86,17 @@ def merge(a):
 
 
 def export(a):
-    """A Hugging Face model directory (config.json, model.safetensors, tokenizer.json) of the run (a LoRA run:
-    merged), which transformers loads offline; a setting Hugging Face's class cannot express is refused by name."""
+    """A Hugging Face model directory of the run (a LoRA run: merged), which transformers loads offline and serves:
+    config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the training chat template as Jinja
+    (posttrain.chat_template_jinja), generation_config.json; eos is our end-of-document token (convert.save_hf). A
+    setting Hugging Face's class cannot express is refused by name."""
     run = checkpoint.load_model(a.load)
     refuse_reward_model(run, a.load)
     if run.model_file.to_hf is None:
         raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
                                   + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
-    return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok)
+    return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
+                           chat_template=posttrain.chat_template_jinja())
 
 
 def score(a):
@@ -99,12 +127,14 @@ def parse(argv):
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model file's sample())")
     s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely (default: the model's)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--chat", action="store_true", help="answer --prompt as a user turn of the chat template the SFT "
+                   "task trains on; print the answer only (a causal language model)")
     s.set_defaults(run=sample)
     m = sub.add_parser("merge", help="a LoRA run's adapters merged into its base: a plain checkpoint")
     m.add_argument("--load", required=True, help="the LoRA run")
     m.add_argument("--save", required=True, help="an empty directory for the merged checkpoint")
     m.set_defaults(run=merge)
-    e = sub.add_parser("export", help="a Hugging Face model directory (config.json, model.safetensors)")
+    e = sub.add_parser("export", help="a Hugging Face model directory (weights, tokenizer, chat template)")
     e.add_argument("--load", required=True)
     e.add_argument("--hf-out", required=True, help="the directory to write")
     e.set_defaults(run=export)

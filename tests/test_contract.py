@@ -31,6 +31,8 @@ def test_every_model_file_resolves_with_its_hooks_and_the_defaults():
     assert set(files) == {"gpt", "bert", "t5", "retro", "mamba", "llava"}
     assert files["gpt"].flops is M.flops and files["bert"].flops is bert.flops and files["t5"].flops is t5.flops
     assert files["mamba"].sample is mamba.sample and files["gpt"].to_hf is gpt.to_hf and files["bert"].to_hf is None
+    assert files["gpt"].sample_ids is gpt.sample_ids and files["mamba"].sample_ids is mamba.sample_ids  # causal LMs
+    assert files["t5"].sample_ids is files["llava"].sample_ids is files["bert"].sample_ids is None  # (--chat: refused)
     assert files["gpt"].batch_recipe is contract.next_token_recipe and files["bert"].batch_recipe is bert.batch_recipe
     assert files["gpt"].unsupported("context_parallel") is None and "recurrence" in files["mamba"].unsupported(
         "context_parallel")

@@ -67,4 +67,5 @@ def add_arguments(p):
 
 ARCH_FLAGS = ("scalenorm_learned_gain",)  # the gains exist or not
 TRAIN_DEFAULTS = dict(num_layers=2)
-sample = gpt.sample  # generation is gpt's (the default run's dataset, recipe and FLOPs are the contract's defaults)
+# generation is gpt's, text and chat (the default run's dataset, recipe and FLOPs are the contract's defaults)
+sample, sample_ids = gpt.sample, gpt.sample_ids

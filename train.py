@@ -226,6 +226,9 @@ def load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank) -> int:
         if args.load and start.base is None and rank == 0:
             print(f"a new run in {args.load}" if args.load == args.save else
                   f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
+        if args.task != "pretrain" and start.base is None and rank == 0:
+            print(f"note: --task {args.task} starts from random weights (the seed's initialization); pass "
+                  "--pretrained-checkpoint DIR to start from a trained model", flush=True)
         return 0
     layout = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"]}
     fp8_args = {k: getattr(args, k) for k in ["fp8", "fp8_format", "fp8_recipe", "fp8_amax_history_len"]}

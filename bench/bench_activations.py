@@ -104,11 +104,16 @@ def worker(rank, world, port, out, tps, listing):
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}")
     ap.add_argument("--list", action="store_true", help="print every saved storage")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     ctx = mp.get_context("spawn")
     sbh, world = S * B * H, max(args.tp)
     print(f"s={S} b={B} h={H} a={A} (a·s/h = {A * S // H}); bytes one layer saves for backward, and / (s·b·h)\n")

@@ -22,10 +22,15 @@ from harness import Pools  # noqa: E402
 SHAPE = dict(L=4, h=256, heads=8, s=128, b=2, M=2, V=8192, E=4, k=2)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     print("command: .venv/bin/python bench/bench_comm.py" + (" --layouts " + " ".join(args.layouts)
                                                              if args.layouts != list(LAYOUTS) else ""))
     print("shape: " + ", ".join(f"{k} {v}" for k, v in SHAPE.items()) + " (float64; bytes summed over the ranks)")

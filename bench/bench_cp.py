@@ -28,11 +28,16 @@ from harness import Pools  # noqa: E402
 SHAPE = dict(b=16, heads=8, groups=8, s=128, d=32)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     ap.add_argument("--cp", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     print(f"command: .venv/bin/python bench/bench_cp.py --cp {' '.join(map(str, args.cp))} --repeats {args.repeats}")
     print("shape: " + ", ".join(f"{k} {v}" for k, v in SHAPE.items()) + " (float32; bytes of one rank, one layer)")
     kv_full = 2 * SHAPE["b"] * SHAPE["groups"] * SHAPE["s"] * SHAPE["d"] * 4

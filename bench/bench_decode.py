@@ -64,13 +64,18 @@ def recompute_seconds(model, prompt_len: int, n: int, points: int = 5) -> float:
     return float(np.interp(np.arange(prompt_len, prompt_len + n), lengths, times).sum())
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    p = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--budget", type=float, default=45.0, help="seconds per run (the recompute path stops there)")
     p.add_argument("--threads", type=int, default=1, help="1: on a shared machine 2 threads spin against other jobs")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
     torch.set_num_threads(a.threads)
     model = build(a.prompt_len + max(a.tokens))
     prompt = torch.randint(0, 8192, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))

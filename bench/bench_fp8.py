@@ -52,14 +52,19 @@ def step(model, state, opt, batch):
     return float(loss)
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}")
     ap.add_argument("--sizes", nargs="+", default=["default", "small"], choices=list(SIZES))
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds per mode (median)")
     ap.add_argument("--steps", type=int, default=2, help="steps per round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]

@@ -175,8 +175,9 @@ def parts(rounds: int, clock):
         print(f"| {name} | {m['ours']:.1f} | {m['hf']:.1f} | {m['ours'] / m['hf']:.2f} |", flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=1, help="steps per timed run")
     ap.add_argument("--warmup", type=int, default=2)
@@ -186,7 +187,11 @@ def main():
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: this process's CPU time (busy machine)")
     ap.add_argument("--parts", action="store_true", help="only time the Llama row's attention / MLP / layer / head")
     ap.add_argument("--row", choices=list(SHAPES), help=argparse.SUPPRESS)  # internal: run one row in this process
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    a = parse_args()
     torch.set_num_threads(a.threads)
     import transformers
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),

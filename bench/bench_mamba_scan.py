@@ -54,8 +54,9 @@ def tokens_per_s(fn, b, l, args, backward=False):
     return b * l / best
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=24)
@@ -66,7 +67,11 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"device {args.device} ({torch.get_num_threads()} threads), float32, b={args.batch}, H={args.heads}, "

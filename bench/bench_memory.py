@@ -37,10 +37,15 @@ def worker(rank, d, dtype, port, out):
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4], help="data-parallel sizes d")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     ctx = mp.get_context("spawn")
     print("| params | d | bytes/param measured | formula |\n|---|---|---|---|")
     for dtype, formula in [(torch.float32, lambda d: 8 + 8 / d), (torch.bfloat16, lambda d: 6 + 12 / d)]:

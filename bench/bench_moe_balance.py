@@ -33,13 +33,18 @@ RUNS = {
 }
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--log-interval", type=int, default=10)
     ap.add_argument("--data-cache-dir", default="data_cache")
     ap.add_argument("--data-path", default=None, help="train.py's --data-path (default: the default corpus)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in RUNS.items():

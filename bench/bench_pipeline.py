@@ -64,11 +64,16 @@ def worker(rank, p, vp, M, port, out, T=T):
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16], help="m")
     ap.add_argument("--t", type=float, default=T, help="seconds of forward per stage and micro-batch")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     ctx = mp.get_context("spawn")
     p, t = 4, args.t
     print(f"p = {p}, forward {t * 1e3:.0f} ms / backward {2 * t * 1e3:.0f} ms per stage and micro-batch\n")

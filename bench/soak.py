@@ -107,14 +107,19 @@ def final_state(d, out):
     return flat
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    ap = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10.0, help="total budget (calibration + reference + soak)")
     ap.add_argument("--nproc", type=int, default=1, help="ranks (TP = nproc, torchrun) of every run")
     ap.add_argument("--seed", type=int, default=0, help="of the kill schedule")
     ap.add_argument("--workdir", default=None, help="default: a temporary directory, removed at the end")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    a = parse_args()
     rng, t_begin, budget = random.Random(a.seed), time.time(), 60 * a.minutes
     work = Path(a.workdir or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,11 @@ What "at a tiny size" changes, and nothing else:
     model's own small shape), short sequences, one evaluation batch. A pretraining run whose command names no
     --data-path reads SMALL_CORPUS (40 small Python files) instead of the default corpus (the stdlib: ~25 s to
     tokenize); a post-training task keeps its example records.
-  - tools.py sample: at most 4 new tokens. A bench script: its own size flags (BENCH), e.g. one round, one row.
-  - `make soak`: --minutes 0.3.
+  - tools.py sample: at most 4 new tokens; data.py preprocess: SMALL_CORPUS when the command names no --input.
+  - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
+    starts processes of its own (ranks, or one per row), tens of seconds even at that size, so `make test` parses
+    its documented arguments with the script's own parser, and COMMANDS=all runs it too
+    (`COMMANDS=all .venv/bin/python -m pytest -q tests/test_commands.py`, ~6 min on 2 cores).
 What runs where: in a scratch copy of the repository (its tracked files, this checkout's .venv linked, one data cache
 for the session), so no command touches your runs/; the commands run in document order, so a run one command makes
 is there for the next (a command that starts a run in a directory it does not resume starts from an empty one).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -44,10 +48,11 @@ import harness
 import tools
 import train
 
+FULL = os.environ.get("COMMANDS") == "all"  # also run the bench scripts (see the module docstring)
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 COMMON = ["--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1",
           "--micro-batch-size", "2", "--exit-duration-in-mins", "5"]
-SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--max-position-embeddings", "128"]
 TINY = {  # each model's tiny shape (a run on a checkpoint takes the checkpoint's, so every run of a model shares it)
     "gpt": SHAPE + ["--seq-length", "32"],
     "bert": SHAPE + ["--seq-length", "32"],
@@ -75,6 +80,16 @@ FIXTURES = {"my.jsonl": "text", "corpus.jsonl": "text", "chat.jsonl": "sft", "an
 
 class Skipped(Exception):
     """A command this test does not run, with the reason (see the module docstring)."""
+
+
+def bench_module(name: str):
+    """bench/NAME.py imported (not run: its main is behind __name__ == "__main__")."""
+    if f"bench_{name}" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[f"bench_{name}"] = module
+    return sys.modules[f"bench_{name}"]
 
 
 # ---------------------------------------------------------------------------------------------- the scratch copy
@@ -165,12 +180,17 @@ def run_python(words: list[str], work: Path):
             tools.main(argv)
         return
     if script == "data.py":
+        if argv[:1] == ["preprocess"] and "--input" not in argv:
+            argv = argv + ["--input", str(work / "small_corpus")]
         with inside(work):
             assert data.main(argv) == 0
         return
     if script.startswith("bench/"):
-        r = subprocess.run([PY, script, *argv, *BENCH[Path(script).name]], cwd=work, capture_output=True, text=True,
-                           timeout=600)
+        argv = argv + BENCH[Path(script).name]
+        bench_module(Path(script).stem).parse_args(argv)  # its own parser takes the documented arguments
+        if not FULL:
+            raise Skipped("a bench script: its arguments parsed (COMMANDS=all runs it)")
+        r = subprocess.run([PY, script, *argv], cwd=work, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         return
     raise AssertionError(f"no runner for python {script}")
@@ -255,7 +275,8 @@ def run(command: Command, work: Path):
 
 
 # ---------------------------------------------------------------------------------------------- the tests
-COMMANDS = list({c.text: c for c in reversed(documented())}.values())[::-1]  # each command once, where first met
+COMMANDS = list({c.text: c for c in documented()[::-1]}.values())  # each command once, where it is first met
+COMMANDS.sort(key=documented().index)  # in the order a reader meets them
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
@@ -272,7 +293,7 @@ def test_documented_command_runs(command, scratch, capsys):
 
 def test_pytest_commands_collect():
     """The documented pytest commands name tests that exist (collected in one go; the suite runs them)."""
-    files = sorted({w for c in COMMANDS for w in shlex.split(c.text) if w.startswith("tests/")})
+    files = sorted({w for c in COMMANDS if "pytest" in c.text for w in shlex.split(c.text) if w.startswith("tests/")})
     assert files
     r = subprocess.run([PY, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
@@ -291,10 +312,11 @@ def test_help_of_every_entry_point(entry, capsys):
     assert capsys.readouterr().out.startswith("usage: ")
 
 
-def test_help_of_every_bench_script():
-    for script in sorted(ROOT.glob("bench/*.py")):
-        r = subprocess.run([PY, str(script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and r.stdout.startswith("usage: "), f"{script.name}: {r.stderr[-500:]}"
+@pytest.mark.parametrize("script", sorted(p.stem for p in ROOT.glob("bench/*.py")))
+def test_help_of_every_bench_script(script, capsys):
+    with pytest.raises(SystemExit, match="^0$"):
+        bench_module(script).parse_args(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: bench/{script}.py")
 
 
 def test_a_broken_documented_flag_is_caught(scratch):

@@ -824,7 +824,7 @@ def forward_backward_no_pipelining(model: nn.Module, micro_batches, loss_func, n
 #
 #  1F1B, pp = 4, M = 6 micro-batches: the output of timetable(4, 6) below, which runs schedule_1f1b's orders with
 #  their data dependencies, each action one time unit (F = forward, B = backward, . = waiting: the bubble;
-#  tests/test_pipeline.py holds this picture to that output):
+#  tests/test_pipeline.py holds this picture and README.md's to that output):
 #      rank 0: F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 .  B3 .  B4 .  B5
 #      rank 1: .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5
 #      rank 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 .  B5

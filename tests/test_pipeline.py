@@ -265,7 +265,7 @@ def test_deadlock_simulation_can_fail():
         simulate(orders, 2, 1)
 
 
-# ---- the timetable (parallel.timetable): the picture in parallel.py section 8
+# ---- the timetable (parallel.timetable): the picture in parallel.py section 8 and in README.md
 def timetable_cells(text):
     """{rank: [(time, (kind, mb, chunk)), ...]} from timetable()'s text ("." cells are waits)."""
     cells = {}
@@ -314,9 +314,11 @@ def test_timetable_negative_controls():
 
 
 def test_the_drawn_1f1b_pictures_are_the_code_s_timetable():
-    """parallel.py section 8's comment is parallel.timetable(4, 6)'s output, line by line."""
+    """README.md's picture and parallel.py section 8's comment are parallel.timetable(4, 6)'s output, line by line."""
     want = P.timetable(4, 6).splitlines()
     root = Path(__file__).resolve().parent.parent
+    readme = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("rank ")]
+    assert readme == want
     comment = [line.removeprefix("#      ") for line in (root / "parallel.py").read_text().splitlines()
                if line.startswith("#      rank ")]
     assert comment == want

@@ -54,7 +54,7 @@ sample: $(STAMP)
 
 # Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs
 # Hugging Face transformers (GPT-2, Llama, BERT, T5, Mamba-2 rows, each in a fresh process), fp32 (bench/bench_hf.py;
-# the whole target 2 min 23 s quiet on 2 cores; its table in README and bench/README.md).
+# its time and table in bench/README.md).
 bench: $(STAMP)
 	$(LAUNCH) train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --train-iters 30 --log-interval 10 \
 		--eval-iters 0 $(ARGS)

@@ -287,7 +287,7 @@ def mlm_batch(dataset: BertDataset, iteration: int, global_batch_size: int) -> t
 # ---------------------------------------------------------------------------------------------- train.py's hooks
 # `make train MODEL=bert`: BERT's LayerNorm / GeLU / biases, but RoPE (Megatron's --position-embedding-type rope):
 # in a 500-iteration run learned absolute positions find a token's neighbours too slowly (held-out MLM accuracy
-# 7.8 % vs 12.7 % with RoPE; README). --position-embedding-type learned_absolute gives BERT's own embeddings.
+# 7.8 % vs 12.7 % with RoPE; bench/README.md). --position-embedding-type learned_absolute gives BERT's own embeddings.
 TRAIN_DEFAULTS = dict(position_embedding_type="rope", normalization="LayerNorm", swiglu=False,
                       disable_bias_linear=False, lr=2.5e-4, min_lr=2.5e-5)
 

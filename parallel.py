@@ -13,23 +13,23 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
   5    595-658    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
   6    659-773    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
   7    774-813    Schedules                                       megatron/core/pipeline_parallel/schedules.py
-  8    814-971    Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+  8    814-1003   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
                                                                   megatron/core/pipeline_parallel/p2p_communication.py
-  9    972-1272   Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+  9    1004-1304  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1273-1409  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1305-1441  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1410-1606  Mixture of Experts: experts, dispatchers, the layer
+  10b  1442-1638  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1607-1835  FP8                                             megatron/core/fp8_utils.py
+  11   1639-1867  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1836-2097  Context parallelism                             megatron/core/utils.py
+  12   1868-2129  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
@@ -822,11 +822,13 @@ def forward_backward_no_pipelining(model: nn.Module, micro_batches, loss_func, n
 #  asynchronous and every message is tagged (micro-batch, chunk, direction), so the only waits are real data
 #  dependencies — the schedule's order alone decides the timetable.
 #
-#  1F1B, pp = 4, M = 6 micro-batches (F = forward, B = backward, . = bubble):
+#  1F1B, pp = 4, M = 6 micro-batches: the output of timetable(4, 6) below, which runs schedule_1f1b's orders with
+#  their data dependencies, each action one time unit (F = forward, B = backward, . = waiting: the bubble;
+#  tests/test_pipeline.py holds this picture and README.md's to that output):
 #      rank 0: F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 .  B3 .  B4 .  B5
-#      rank 1:    F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5
-#      rank 2:       F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 .  B5
-#      rank 3:          F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5
+#      rank 1: .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5
+#      rank 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 .  B5
+#      rank 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5
 #  warmup = min(pp − rank − 1, M) forwards, then one-forward-one-backward, then the cooldown backwards. A rank
 #  never holds more than warmup + 1 micro-batches' activations (vs M for all-forward-then-all-backward).
 # ============================================================================================================
@@ -892,6 +894,36 @@ def schedule_interleaved(pp: int, rank: int, M: int, vp: int) -> list[tuple[str,
     for k in range(total - warmup):
         actions += [F_(k + warmup), B_(k)]
     return actions + [B_(k) for k in range(total - warmup, total)]
+
+
+def timetable(pp: int, M: int, vp: int = 1, orders: list | None = None) -> str:
+    """The pipeline's timetable as text, simulated from the schedules themselves: one row per rank, one column per
+    time unit, each cell the action the rank runs then (F3: forward of micro-batch 3, B3 its backward; with vp > 1
+    the chunk follows a dot, F3.1), "." where it waits. `orders`: one action list per rank (default: schedule_1f1b,
+    or schedule_interleaved when vp > 1). Every action takes one unit and starts once its rank is free and what it
+    needs is done: a forward, the previous stage's forward of its micro-batch (stage = chunk·pp + rank; the first
+    stage needs nothing); a backward, its own forward and the next stage's backward (the last stage: its forward
+    only). Orders that can never finish are a ValueError (a deadlock)."""
+    orders = orders or [schedule_1f1b(pp, r, M) if vp == 1 else schedule_interleaved(pp, r, M, vp) for r in range(pp)]
+    done, pos, rows, t, last = {}, [0] * pp, [[] for _ in range(pp)], 0, pp * vp - 1
+    while any(pos[r] < len(orders[r]) for r in range(pp)):
+        ran = False
+        for r in range(pp):
+            if pos[r] == len(orders[r]):
+                continue
+            kind, mb, v = orders[r][pos[r]]
+            st = v * pp + r
+            needs = [("F", mb, st), ("B", mb, st + 1)][:1 + (st < last)] if kind == "B" else [("F", mb, st - 1)][:st]
+            if all(done.get(n, t) < t for n in needs):  # finished by now: started at an earlier time unit
+                done[kind, mb, st], pos[r], ran = t, pos[r] + 1, True
+                rows[r].append(f"{kind}{mb}" + (f".{v}" if vp > 1 else ""))
+            else:
+                rows[r].append(".")
+        if not ran:
+            raise ValueError(f"the schedules deadlock at time {t}: each rank waits at its action {pos}")
+        t += 1
+    width = max(len(c) for row in rows for c in row)
+    return "\n".join(f"rank {r}: " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(rows))
 
 
 def run_schedule(actions, chunks: list[nn.Module], micro_batches, forward_step, num_tokens, grid: Grid,

@@ -1,6 +1,7 @@
 """retrieval.py — Retro's retrieval database: chunks, a frozen embedder, a FAISS index, neighbour queries.
 
-Why its own file (the data module the design card allows): the retrieval database is a data pipeline, not a model.
+Why its own file: the retrieval database is a data pipeline, not a model, and Retro's alone (DESIGN.md §1: it sits
+just below retro.py in the import layers).
 It cuts the training documents into m-token chunks, embeds them with a frozen embedder (a bag of tokens, or a BERT
 run trained here), indexes the embeddings with FAISS, queries each stream chunk's k nearest chunks of other
 documents, and caches the database and the neighbours beside the token cache. retro.py's model only ever sees the

@@ -1,4 +1,4 @@
-"""What only a CUDA GPU can show (skipped without one; CI has none — run on a lent GPU machine, see README):
+"""What only a CUDA GPU can show (skipped without one; CI has none — run on a lent GPU machine: bench/gpu_default_runs.sh):
 
   - the GPT model on CUDA equals the same model on CPU in float64 (loss and every gradient, 1e-10: float64 kernels
     differ only in summation order);

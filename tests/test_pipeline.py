@@ -6,6 +6,8 @@ micro-batch losses in the same order.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
@@ -261,6 +263,65 @@ def test_deadlock_simulation_can_fail():
     orders = [P.schedule_1f1b(2, 0, 2), [("B", 0, 0), ("F", 0, 0), ("F", 1, 0), ("B", 1, 0)]]
     with pytest.raises(AssertionError, match=r"deadlock at step 2: positions \[2, 0\]"):
         simulate(orders, 2, 1)
+
+
+# ---- the timetable (parallel.timetable): the picture in parallel.py section 8 and in README.md
+def timetable_cells(text):
+    """{rank: [(time, (kind, mb, chunk)), ...]} from timetable()'s text ("." cells are waits)."""
+    cells = {}
+    for line in text.splitlines():
+        rank, _, row = line.partition(":")
+        acts = [(t, c) for t, c in enumerate(row.split()) if c != "."]
+        cells[int(rank.split()[1])] = [(t, (c[0], *map(int, (c[1:] + ".0").split(".")[:2]))) for t, c in acts]
+    return cells
+
+
+def dependency_violations(text, pp, vp):
+    """Every action of a drawn timetable that does not come strictly after what it needs: a forward after the
+    previous stage's forward of its micro-batch, a backward after its own forward and the next stage's backward
+    (stage = chunk·pp + rank). Written here from the rule, independently of parallel.timetable's simulation."""
+    when = {(k, mb, v * pp + r): t for r, acts in timetable_cells(text).items() for t, (k, mb, v) in acts}
+    bad = []
+    for (k, mb, stage), t in when.items():
+        needs = [("F", mb, stage - 1)] if k == "F" and stage > 0 else []
+        if k == "B":
+            needs = [("F", mb, stage)] + ([("B", mb, stage + 1)] if stage < pp * vp - 1 else [])
+        bad += [f"{k}{mb} of stage {stage} at {t} before {n[0]}{n[1]} of stage {n[2]}" for n in needs
+                if when.get(n, t) >= t]
+    return bad
+
+
+@pytest.mark.parametrize("pp,vp,M", [(2, 1, 1), (2, 1, 5), (4, 1, 6), (4, 1, 8), (2, 2, 4), (4, 2, 8), (4, 3, 12)])
+def test_timetable_runs_the_schedules_and_respects_every_dependency(pp, vp, M):
+    """Each rank's row holds its schedule's actions in the schedule's order, and no action starts before what it
+    needs has finished (each takes one time unit)."""
+    text = P.timetable(pp, M, vp)
+    for r, acts in timetable_cells(text).items():
+        assert [a for _, a in acts] == ours(pp, vp, M, r), f"rank {r}"
+    assert dependency_violations(text, pp, vp) == []
+
+
+def test_timetable_negative_controls():
+    """Two cells of the drawn 1F1B table swapped (the last stage's backward before its forward) are caught; orders
+    with two actions swapped (a rank's backward before its forward) cannot run: the simulation reports a deadlock."""
+    text = P.timetable(4, 6)
+    swapped = text.replace("rank 3: .  .  .  F0 B0", "rank 3: .  .  .  B0 F0")
+    assert swapped != text
+    assert dependency_violations(swapped, 4, 1) == ["B0 of stage 3 at 3 before F0 of stage 3"]
+    orders = [P.schedule_1f1b(2, 0, 2), [("B", 0, 0), ("F", 0, 0), ("F", 1, 0), ("B", 1, 0)]]
+    with pytest.raises(ValueError, match=r"deadlock at time 2: each rank waits at its action \[2, 0\]"):
+        P.timetable(2, 2, orders=orders)
+
+
+def test_the_drawn_1f1b_pictures_are_the_code_s_timetable():
+    """README.md's picture and parallel.py section 8's comment are parallel.timetable(4, 6)'s output, line by line."""
+    want = P.timetable(4, 6).splitlines()
+    root = Path(__file__).resolve().parent.parent
+    readme = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("rank ")]
+    assert readme == want
+    comment = [line.removeprefix("#      ") for line in (root / "parallel.py").read_text().splitlines()
+               if line.startswith("#      rank ")]
+    assert comment == want
 
 
 def trace_case(rank, n, vp, M):

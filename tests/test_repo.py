@@ -1,11 +1,14 @@
 """The repository's shape as DESIGN.md §1 states it: imports flow one way, the infrastructure never names a model,
-args are read-only after check_args, the repo cites only itself, and parallel.py's contents table tells the truth.
+args are read-only after check_args, the repo cites only itself, parallel.py's contents table tells the truth, and
+so does README.md's models x features table.
 
 Imports: every top-level module may import only modules below it in LAYERS (module-level and function-level imports
 alike), so there is no cycle and a reader can take the files bottom-up. Citations: code, tests and docs cite the
 repo's own DESIGN.md, papers and Megatron's files — no file outside the repo, no tracker issue number.
 parallel.py: its docstring's table gives each fenced section's lines and the files it mirrors, and each section stays
-under SECTION_LIMIT lines. After an edit to parallel.py, refresh the table's line numbers with one command:
+under SECTION_LIMIT lines. README.md's table: each cell names a test file that exists and mentions the model, or says
+"untested", or "—" exactly where the model file refuses the feature (Config.UNSUPPORTED) or lacks its hook.
+After an edit to parallel.py, refresh the table's line numbers with one command:
     .venv/bin/python tests/test_repo.py --fix-parallel-contents
 """
 from __future__ import annotations
@@ -372,6 +375,103 @@ def test_parallel_sections_stay_short():
     size = next(s.last - s.first + 1 for s in parallel_sections(text) if s.num == "3")
     grown = text.replace(FENCE + "\n# 4. ", "#\n" * SECTION_LIMIT + FENCE + "\n# 4. ")
     assert long_sections(grown) == [f"section 3 (Initialization) is {size + SECTION_LIMIT} lines, over {SECTION_LIMIT}"]
+
+
+# ---- README.md's models x features table ---------------------------------------------------------------------------
+# Each cell names the test file that proves the feature for that model (`name` for tests/test_name.py), or says
+# "untested" (not refused, no test), or "—" (not supported). A feature maps to the Config.UNSUPPORTED key that
+# refuses it, or to the hook a model file has or not (None: nothing refuses it, so no model may show "—").
+FEATURES = {"TP": None, "SP": None, "PP": "pipeline_parallel", "VPP": "pipeline_parallel", "DP": None, "ZeRO-1": None,
+            "CP": "context_parallel", "EP/MoE": None, "FP8": None, "post-training tasks": "post_training",
+            "generation (sample)": "sample", "HF in (from_hf)": "from_hf", "HF out (export)": "export"}
+HOOKS = {"sample": "sample", "export": "to_hf"}  # the ModelFile hook behind a feature (from_hf: the module's function)
+
+
+def feature_table(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """(the model columns, {feature: its cells}) of the table whose header starts '| feature | gpt |'."""
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| feature | gpt |"))
+    split = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
+    rows = {}
+    for line in lines[head + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = split(line)
+        rows[cells[0]] = cells[1:]
+    return split(lines[head])[1:], rows
+
+
+def why_unsupported(model: str, feature_key: str | None) -> str | None:
+    """The reason the model does not support a feature: its Config.UNSUPPORTED entry, or the hook it lacks."""
+    import importlib
+
+    import contract
+    if feature_key is None:
+        return None
+    mf = contract.model_file(model)
+    if (why := mf.unsupported(feature_key)) is not None:
+        return why
+    if feature_key == "from_hf":
+        return None if hasattr(importlib.import_module(model), "from_hf") else "no from_hf"
+    if feature_key in HOOKS and getattr(mf, HOOKS[feature_key]) is None:
+        return f"no {HOOKS[feature_key]} hook"
+    return None
+
+
+def feature_table_problems(models: list[str], rows: dict[str, list[str]]) -> list[str]:
+    """Everything in the table that the model files and the tests contradict; [] when it is true."""
+    problems = [f"features {sorted(set(rows) ^ set(FEATURES))}: in the table or in FEATURES, not both"] \
+        if set(rows) != set(FEATURES) else []
+    for feature, cells in rows.items():
+        if len(cells) != len(models):
+            problems.append(f"{feature}: {len(cells)} cells for {len(models)} models")
+        for model, cell in zip(models, cells):
+            where, why = f"{feature} x {model}", why_unsupported(model, FEATURES.get(feature))
+            if cell == "—":
+                if why is None:
+                    problems.append(f"{where}: '—', but {model}.py does not declare it unsupported")
+                continue
+            if why is not None:
+                problems.append(f"{where}: {cell!r}, but {model}.py does not support it ({why})")
+            if cell == "untested":
+                continue
+            names = re.fullmatch(r"(`\w+`)( `\w+`)*", cell) and re.findall(r"`(\w+)`", cell)
+            if not names:
+                problems.append(f"{where}: {cell!r} is neither test names, 'untested' nor '—'")
+            for name in names or []:
+                path = ROOT / "tests" / f"test_{name}.py"
+                if not path.is_file():
+                    problems.append(f"{where}: tests/test_{name}.py does not exist")
+                elif model != "gpt" and not re.search(rf"\b{model}\b", path.read_text(), re.I):
+                    problems.append(f"{where}: tests/test_{name}.py never mentions {model}")
+    return problems
+
+
+def test_readme_feature_table_is_true():
+    """README.md's models x features table: every named test file exists and (but for gpt) mentions its model; every
+    '—' is a feature the model file refuses (Config.UNSUPPORTED) or has no hook for; no other cell is one of those."""
+    import contract
+    models, rows = feature_table((ROOT / "README.md").read_text())
+    assert models == ["gpt", "bert", "t5", "retro", "mamba", "llava"] and set(models) == set(contract.model_files())
+    assert feature_table_problems(models, rows) == []
+
+
+@pytest.mark.parametrize("feature, model, cell, problem", [
+    ("TP", "gpt", "—", "TP x gpt: '—', but gpt.py does not declare it unsupported"),
+    ("PP", "t5", "`t5`", "PP x t5: '`t5`', but t5.py does not support it (T5's encoder and decoder"),
+    ("HF out (export)", "bert", "untested", "HF out (export) x bert: 'untested', but bert.py does not support it "
+                                           "(no to_hf hook)"),
+    ("FP8", "retro", "`fp8`", "FP8 x retro: tests/test_fp8.py never mentions retro"),
+    ("DP", "llava", "`nosuch`", "DP x llava: tests/test_nosuch.py does not exist"),
+    ("SP", "mamba", "yes", "SP x mamba: 'yes' is neither test names, 'untested' nor '—'"),
+])
+def test_a_wrong_feature_table_cell_is_caught(feature, model, cell, problem):
+    """Negative controls: a '—' where the model supports the feature, a test where it refuses it, 'untested' where
+    it has no hook, a test file that never mentions the model, one that does not exist, a cell of neither kind."""
+    models, rows = feature_table((ROOT / "README.md").read_text())
+    rows[feature] = [cell if m == model else c for m, c in zip(models, rows[feature])]
+    problems = feature_table_problems(models, rows)
+    assert len(problems) == 1 and problems[0].startswith(problem), problems
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Papers: DeepSeek-AI 2024, "DeepSeek-V2" (MLA: low-rank KV compression, decoupled
         DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (MTP, §2.2).
 
 Run:    .venv/bin/python -m pytest -q tests/test_mla_mtp.py
-        make train NPROC=2 TP=2 ARGS="--multi-latent-attention --mtp-num-layers 1"
+        make train NPROC=2 TP=2 RUN=runs/mla ARGS="--multi-latent-attention --mtp-num-layers 1"
 
 Dimension glossary
   b batch    s sequence (s/tp under sequence parallelism)    h hidden    n attention heads (local: n/tp)

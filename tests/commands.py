@@ -61,8 +61,8 @@ def from_markdown(path: Path) -> list[Command]:
                 out += _lines(lines[i + 1:j], name, i + 2)
             i = j + 1
             continue
-        for span in re.findall(r"`([^`\n]+)`", lines[i]):
-            if (c := _command(span)) is not None:
+        for span in re.findall(r"`([^`\n]+)`", lines[i]):  # a span of two words or more: `python` names a program
+            if " " in span.strip() and (c := _command(span)) is not None:
                 out.append(Command(c, f"{name}:{i + 1}"))
         i += 1
     return out

@@ -417,6 +417,27 @@ def train(args) -> Run:
     tokens_per_batch = seqs * a.seq_length  # (a pair is 2; a reference model's forward passes are not counted)
     flops_per_batch = run.mf.flops(run.config, seqs, a.seq_length)  # Megatron's model FLOPs
     t0, signals = time.time(), ExitSignals(a.exit_signal_handler)
+    try:
+        n, signaled = loop(run, t0, signals, tokens_per_batch, flops_per_batch)
+    finally:
+        signals.restore()  # (also when the loop raises: a rank that must die on torchrun's SIGTERM then does)
+    log.close()
+    if run.rank == 0:
+        secs = time.time() - t0
+        done = max(0, n - run.first)
+        print(f"done: {done} iterations in {secs:.0f} s ({done * tokens_per_batch / secs:.0f} "
+              f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {log.dir}", flush=True)
+    if signaled and run.rank == 0:
+        print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
+              + ("" if a.load == a.save else f" with --load {a.save}") if a.save else
+              "no --save was given, so nothing is saved"), flush=True)
+    return run
+
+
+def loop(run: Run, t0: float, signals: ExitSignals, tokens_per_batch: int, flops_per_batch: float):
+    """The iterations: a step, its log line, the stop conditions, evaluation, saving. Returns (the iterations done,
+    the name of the signal that stopped it or None)."""
+    a, log = run.args, run.log
     window, n, signaled = dict(steps=[], t=t0, moe_load=None), run.first, None  # the steps since the last log line
     for it in range(run.first, a.train_iters):
         step = train_step(run, it)
@@ -445,18 +466,7 @@ def train(args) -> Run:
         if stop:
             break
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
-    signals.restore()
-    log.close()
-    if run.rank == 0:
-        secs = time.time() - t0
-        done = max(0, n - run.first)
-        print(f"done: {done} iterations in {secs:.0f} s ({done * tokens_per_batch / secs:.0f} "
-              f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {log.dir}", flush=True)
-    if signaled and run.rank == 0:
-        print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
-              + ("" if a.load == a.save else f" with --load {a.save}") if a.save else
-              "no --save was given, so nothing is saved"), flush=True)
-    return run
+    return n, signaled
 
 
 def log_record(run: Run, n: int, window: dict, tokens_per_batch: int, flops_per_batch: float) -> dict:

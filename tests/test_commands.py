@@ -16,13 +16,13 @@ What "at a tiny size" changes, and nothing else:
 What runs where: in a scratch copy of the repository (its tracked files, this checkout's .venv linked, one data cache
 for the session), so no command touches your runs/; the commands run in document order, so a run one command makes
 is there for the next (a command that starts a run in a directory it does not resume starts from an empty one).
-`python` and `torchrun` are .venv's. To stay within make test's budget, train.py, tools.py and data.py commands run
-in this process (train.main, ...), torchrun's on warm ranks (harness.launch: torchrun's environment), and a make
-target runs the recipe `make -n` prints (so the Makefile's expansion is what runs); `make sample` and `make lint` run
-make itself. Not run, with the reason: `make test` and .ci/run (this suite itself), `make setup` (builds a virtualenv:
-`make -n` only), pytest commands (collected, not run: the suite runs them), a multi-node torchrun (its train.py
-flags are checked for its world size), bench/gpu_default_runs.sh (a GPU machine's script: `bash -n`), tensorboard (a
-server: --version).
+`python` and `torchrun` are .venv's. To stay within make test's budget, train.py, tools.py and data.py commands (and
+`python -c` code) run in this process (train.main, ...), torchrun's on warm ranks (harness.launch: torchrun's
+environment), and a make target runs the recipe `make -n` prints (so the Makefile's expansion is what runs); `make
+sample` and `make lint` run make itself. Not run, with the reason: `make test` and .ci/run (this suite itself), `make
+setup` (builds a virtualenv: `make -n` only), pytest commands (the files and -k keywords they name are checked: the
+suite runs them), a multi-node torchrun (its train.py flags are checked for its world size), bench/gpu_default_runs.sh
+(a GPU machine's script: `bash -n`), tensorboard (a server: --version).
 """
 from __future__ import annotations
 
@@ -168,9 +168,9 @@ def run_python(words: list[str], work: Path):
         raise Skipped("pytest: collected, not run (the suite runs it)")  # (collected in test_pytest_commands)
     if words[0] == "-m" and words[1] in ("torch.distributed.run", "torchrun"):
         return run_torchrun(words[2:], work)
-    if words[0] == "-c":
-        r = subprocess.run([PY, *words], cwd=work, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
+    if words[0] == "-c":  # its code, run here (the modules it imports are imported already)
+        with inside(work):
+            exec(compile(words[1], "<python -c>", "exec"), {"__name__": "__main__"})
         return
     script, argv = words[0], words[1:]
     if script == "train.py":

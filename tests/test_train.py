@@ -223,7 +223,7 @@ def test_kill_during_save_keeps_previous_checkpoint(corpus, cache, tmp_path, mon
             raise KeyboardInterrupt("killed")
 
     monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
-    with pytest.raises(KeyboardInterrupt, match="killed"):
+    with pytest.raises(SystemExit, match="^130$"):  # (main turns the KeyboardInterrupt into exit code 130)
         train.main(tiny(corpus, cache, run, "--save-interval", "2"))
     monkeypatch.setattr(checkpoint.dcp, "save", real_save)
     assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
@@ -347,8 +347,10 @@ def test_keep_freed_memory_reuses_large_blocks():
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n")
     count = lambda m: int(subprocess.run([sys.executable, "-c", code, m], cwd=ROOT, capture_output=True, text=True,
                                          check=True).stdout)
-    # the best of 3: under a loaded test session the kernel occasionally faults the reused pages in again (seen here
+    # up to 3 tries: under a loaded test session the kernel occasionally faults the reused pages in again (seen here
     # once in a few full runs, never alone); without keep_freed_memory every run faults them all in
-    faults = {"off": count("off"), "on": min(count("on") for _ in range(3))}
+    faults = {"off": count("off"), "on": count("on")}
+    for _ in range(2):
+        faults["on"] = faults["on"] if faults["on"] < 1_000 else count("on")
     assert faults["off"] > 10_000, faults  # 16,384 pages of 4 KiB
     assert faults["on"] < 1_000, faults

@@ -91,6 +91,11 @@ class Model(nn.Module):
         super().__init__()
         tp, pp, ep = (grid.tp_size, grid.pp_size, grid.ep_size) if grid is not None else (1, 1, 1)
         config.check_layout(tp, pp, ep)
+        whole = pre_process and post_process and not layer_offset and num_layers in (None, config.num_layers)
+        if not whole and "pipeline_parallel" in config.UNSUPPORTED:  # a model without pipeline stages
+            raise ValueError(f"{type(self).__module__}.Model has no pipeline stages: pre_process={pre_process}, "
+                             f"post_process={post_process}, layer_offset={layer_offset}, num_layers={num_layers} must "
+                             f"be the whole model ({config.UNSUPPORTED['pipeline_parallel']})")
         if grid is not None and grid.cp_size > 1:  # CP lives in transformer.Attention inside gpt's Decoder
             config.check_context_parallel(grid.cp_size, tp)  # (a model with its own stack: Config.UNSUPPORTED)
         if config.sequence_parallel and tp == 1:  # SP is a TP feature: a no-op without TP

@@ -172,10 +172,7 @@ class Model(gpt.Model):
 
     def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
                  num_layers=None):
-        if not (pre_process and post_process) or layer_offset or num_layers not in (None, config.num_layers):
-            raise ValueError(f"LLaVA has no pipeline stages: pre_process={pre_process}, post_process={post_process}, "
-                             f"layer_offset={layer_offset}, num_layers={num_layers} must be the whole model")
-        super().__init__(config, grid)
+        super().__init__(config, grid, pre_process, post_process, layer_offset, num_layers)  # (the whole model only)
         c = self.config
         frozen = ([self.embedding, self.decoder] + ([self.output_layer] if hasattr(self, "output_layer") else [])
                   if c.freeze_language_model else []) + ([self.vision_model] if c.freeze_vision_model else [])

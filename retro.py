@@ -204,13 +204,6 @@ class Model(gpt.Model):
     The GPT model with its layers at Megatron's CCA positions swapped for Retro decoder layers. Initialization is by
     global parameter name, so the GPT weights are the ones gpt.Model(same config) has."""
 
-    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
-                 num_layers=None):
-        if not (pre_process and post_process) or layer_offset or num_layers not in (None, config.num_layers):
-            raise ValueError(f"Retro has no pipeline stages: pre_process={pre_process}, post_process={post_process}, "
-                             f"layer_offset={layer_offset}, num_layers={num_layers} must be the whole model")
-        super().__init__(config, grid)
-
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         decoder = super().build_decoder(c, grid, layer_offset, num_layers)
         for j, number in enumerate(c.retro_layer_numbers):

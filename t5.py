@@ -185,13 +185,6 @@ class Model(gpt.Model):
     `encoder_hidden_states` (from `encode`) skips the encoder: generation encodes once.
     gpt.Model's skeleton with two stacks (and their relative-position tables) for one, and the lm_head."""
 
-    def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
-                 num_layers=None):
-        if not (pre_process and post_process) or layer_offset or num_layers not in (None, config.num_layers):
-            raise ValueError(f"T5 has no pipeline stages: pre_process={pre_process}, post_process={post_process}, "
-                             f"layer_offset={layer_offset}, num_layers={num_layers} must be the whole model")
-        super().__init__(config, grid)  # one embedding for both stacks (and the tied lm_head)
-
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         if c.position_embedding_type == "relative":
             self.encoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=True)

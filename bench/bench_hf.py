@@ -78,6 +78,7 @@ def build_hf(which: str, seq: int):
 
 
 def steps(model, opt, loss_fn, n):
+    loss = None  # (n = 0: --warmup 0)
     for _ in range(n):
         opt.zero_grad(set_to_none=True)
         loss = loss_fn()

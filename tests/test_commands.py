@@ -12,7 +12,7 @@ What "at a tiny size" changes, and nothing else:
   - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
     starts processes of its own (ranks, or one per row), tens of seconds even at that size, so `make test` parses
     its documented arguments with the script's own parser, and COMMANDS=all runs it too
-    (`COMMANDS=all .venv/bin/python -m pytest -q tests/test_commands.py`, ~6 min on 2 cores).
+    (`COMMANDS=all .venv/bin/python -m pytest -q tests/test_commands.py`, ~8 min on 2 cores).
 What runs where: in a scratch copy of the repository (its tracked files, this checkout's .venv linked, one data cache
 for the session), so no command touches your runs/; the commands run in document order, so a run one command makes
 is there for the next (a command that starts a run in a directory it does not resume starts from an empty one).

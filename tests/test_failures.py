@@ -171,6 +171,12 @@ def test_fp16_stuck_at_the_minimum_scale_stops(corpus, cache, tmp_path, capsys):
     (["--skip-nonfinite-steps", "--no-check-for-nan-in-loss-and-grad"], "--skip-nonfinite-steps acts on what"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--train-iters", "x"], "argument --train-iters: invalid int value: 'x'"),
+    (["--train-iter", "1"], "unrecognized arguments: --train-iter 1"),  # no abbreviations, as Megatron's parser
+    (["--lr", "-1e-3"], "--lr=-0.001 must be >= 0"),  # a negative number is read as one, then range-checked
+    (["--lr", "-inf"], "--lr=-inf must be >= 0"),
+    (["--mamba-num-groups", "2"], "unrecognized arguments: --mamba-num-groups 2"),  # another model's flag
+    (["--global-batch-size", "6", "--micro-batch-size", "4"],
+     "--global-batch-size=6 is not divisible by --micro-batch-size x data-parallel size = 4 x 1 = 4"),
 ])
 def test_bad_flag_range_gives_one_line_before_any_work(corpus, cache, tmp_path, capsys, monkeypatch, extra, expect):
     monkeypatch.setattr(train.data, "build_data", lambda *a, **k: pytest.fail("the data was built before the check"))

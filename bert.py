@@ -281,7 +281,7 @@ def word_starts(tok) -> np.ndarray:
 
 def mlm_batch(dataset: BertDataset, iteration: int, global_batch_size: int) -> torch.Tensor:
     """The global batch of `iteration`: int64 [global_batch_size, 6, s], a function of (seed, iteration) only."""
-    return data.global_batch(dataset, iteration, global_batch_size)
+    return data.global_batch(dataset, start=iteration * global_batch_size, size=global_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------- train.py's hooks

@@ -5,6 +5,7 @@ Shared by every model (gpt, bert, t5, retro, mamba) and by train.py. It mirrors,
   megatron/core/datasets/gpt_dataset.py      token stream -> samples   (GPTDataset, global_batch; packed
                                              documents: get_ltor_masks_and_position_ids, Packing)
   tools/preprocess_data.py                   jsonl -> .bin/.idx        (`python data.py preprocess`)
+  megatron/core/num_microbatches_calculator.py  the batch-size ramp-up   (batch_size)
 
     python data.py preprocess --output-prefix data/stdlib                # the default corpus, a fresh 8192 BPE
     python data.py preprocess --input corpus.jsonl --json-keys text --output-prefix data/my_text_document \
@@ -12,7 +13,8 @@ Shared by every model (gpt, bert, t5, retro, mamba) and by train.py. It mirrors,
 
 The default corpus is the Python standard library's own source (no download, ever). A byte-level BPE
 (HF `tokenizers`) trains on it in ~2 s. Every document is followed by the end-of-document token, like
-preprocess_data.py --append-eod. A batch depends only on (seed, iteration), never on the parallel layout.
+preprocess_data.py --append-eod. A batch depends only on (seed, samples consumed before it), never on the parallel
+layout.
 """
 import argparse
 import dataclasses
@@ -353,13 +355,27 @@ class GPTDataset:
         return self.tokens[k:k + self.seq_length + 1].copy()
 
 
-def global_batch(dataset, iteration, global_batch_size):
-    """Samples iteration*gbs ... iteration*gbs + gbs - 1 as a LongTensor [gbs, seq_length + 1]. Depends only on
-    (seed, iteration): train.py slices it into micro-batches and DP shards, and resume needs only the iteration."""
-    if iteration < 0 or global_batch_size < 1:
-        raise DataError(f"bad iteration {iteration} / global_batch_size {global_batch_size}")
-    start = iteration * global_batch_size
-    return torch.from_numpy(np.stack([dataset[start + j] for j in range(global_batch_size)]))
+def global_batch(dataset, *, start: int, size: int):
+    """Samples start ... start + size - 1 as a LongTensor [size, seq_length + 1] (a step's global batch: start = the
+    samples consumed before it, Megatron's consumed_train_samples; iteration x gbs without a ramp-up). Depends only on
+    (seed, start): train.py slices it into micro-batches and DP shards, and resume needs only the consumed count."""
+    if start < 0 or size < 1:
+        raise DataError(f"bad global batch: start {start} / size {size}")
+    return torch.from_numpy(np.stack([dataset[start + j] for j in range(size)]))
+
+
+def batch_size(consumed: int, global_batch_size: int, rampup=None) -> int:
+    """The global batch size of the step that starts after `consumed` samples: --global-batch-size, or during
+    --rampup-batch-size START INCREMENT SAMPLES, Megatron's ramp (megatron/core/num_microbatches_calculator.py,
+    RampupBatchsizeNumMicroBatchesCalculator): START + k x INCREMENT, k the whole number of SAMPLES / n
+    samples consumed (n = (global_batch_size - START) / INCREMENT increments), until more than SAMPLES are."""
+    if rampup is None:
+        return global_batch_size
+    start, increment, samples = rampup
+    if consumed > samples:
+        return global_batch_size
+    per_increment = samples / ((global_batch_size - start) // increment)  # a float, as Megatron's
+    return start + int(consumed / per_increment) * increment
 
 
 @dataclass(frozen=True)

@@ -274,13 +274,17 @@ def test_gpt_order_seed_and_epochs(tmp_path):
 
 
 def test_global_batch():
+    """Samples [start, start + size): a function of (seed, start) only; a ramp-up's smaller batch is a prefix."""
     docs = _docs()
     ds = GPTDataset(docs, range(6), 4, seed=11)
-    g = data.global_batch(ds, 3, 8)
+    g = data.global_batch(ds, start=3 * 8, size=8)
     assert g.dtype == torch.int64 and g.shape == (8, 5)
     np.testing.assert_array_equal(g[2].numpy(), ds[3 * 8 + 2])
-    assert torch.equal(g, data.global_batch(GPTDataset(docs, range(6), 4, seed=11), 3, 8))
-    assert not torch.equal(g, data.global_batch(ds, 4, 8))
+    assert torch.equal(g, data.global_batch(GPTDataset(docs, range(6), 4, seed=11), start=24, size=8))
+    assert not torch.equal(g, data.global_batch(ds, start=4 * 8, size=8))
+    assert torch.equal(data.global_batch(ds, start=26, size=3), g[2:5])
+    with pytest.raises(TypeError):  # the start is a sample offset, never a positional iteration number
+        data.global_batch(ds, 3, 8)
 
 
 # ----------------------------------------------------------------------------- cache and CLI

@@ -237,8 +237,9 @@ def test_caption_rows_draw_the_same_scene_and_mask_only_the_caption(tok):
     ds = llava.dataset(None, None, args, tok, seed=11)
     c, n, sp = ds.c, 5, data.special_ids(tok)
     assert c.image_token_index == tok.token_to_id(llava.IMAGE_TOKEN) and c.num_image_tokens == n
-    batch = data.global_batch(ds, 2, 4)  # samples 8..11
-    assert torch.equal(batch, data.global_batch(ds, 2, 4)) and not torch.equal(batch, data.global_batch(ds, 3, 4))
+    batch = data.global_batch(ds, start=8, size=4)  # samples 8..11
+    assert torch.equal(batch, data.global_batch(ds, start=8, size=4))
+    assert not torch.equal(batch, data.global_batch(ds, start=12, size=4))
     ids, pixels, labels, mask = llava.unpack(batch, c)
     for row, i in enumerate(range(8, 12)):
         img, cap = llava.scene(11, i, 16, 16)

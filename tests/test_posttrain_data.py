@@ -157,7 +157,7 @@ def test_task_dataset_shuffles_per_epoch_like_gpt_dataset():
     for epoch in range(2):  # each epoch a permutation seeded by seed + epoch, as data.GPTDataset
         perm = np.random.default_rng(11 + epoch).permutation(7)
         assert all(np.array_equal(ds[7 * epoch + j], samples[perm[j]]) for j in range(7))
-    batch = data.global_batch(ds, 3, 4)  # epochs 1 and 2
+    batch = data.global_batch(ds, start=3 * 4, size=4)  # epochs 1 and 2
     assert batch.shape == (4, 3, 5) and batch.dtype == torch.int64
 
 
@@ -246,7 +246,7 @@ def test_build_from_example_records(monkeypatch, tmp_path, tok, task):
     records = PT.example_records(task, tok, S, seed=5, files=FILES)
     n = len(records)
     assert len(train) + len(valid) == n and train.num_rows == PT.ROWS[task] and 0 < len(valid) < 0.15 * n  # ~5 % by prompt
-    assert data.global_batch(train, 0, 8).shape == (8, PT.ROWS[task], S + 1)
+    assert data.global_batch(train, start=0, size=8).shape == (8, PT.ROWS[task], S + 1)
     fresh = PT._samples(records, task, tok, S, eod=data.special_ids(tok)["eod"])  # [N, R, s+1], no cache
     assert len(list(tmp_path.glob("examples-*.npy"))) == 1
     monkeypatch.setattr(PT, "example_records", lambda *a, **k: pytest.fail("the cache was not used"))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+import data
 import lora
 from config import ConfigError  # noqa: F401 (re-exported: the error every flag check raises)
 from contract import default_model, model_file, model_files
@@ -105,12 +106,27 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     # training
     a("--micro-batch-size", type=int, default=16)
     a("--global-batch-size", type=int, default=None, help="default: --micro-batch-size x data-parallel size")
-    a("--train-iters", type=int, default=500)
+    a("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+      help="grow the global batch from START by INCREMENT over SAMPLES samples to --global-batch-size "
+           "(sample-based training only)")
+    # the training length and the learning-rate schedule (train.learning_rate): iteration-based (--train-iters,
+    # the default run's) or sample-based (--train-samples), never mixed (check_schedule_args)
+    a("--train-iters", type=int, default=500, help="the default run's length, unless --train-samples is given")
+    a("--train-samples", type=int, default=None, help="sample-based training: this many samples")
     a("--lr", type=float, default=3e-3)
     a("--min-lr", type=float, default=3e-4)
-    a("--lr-warmup-iters", type=int, default=30)
-    a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
+    a("--lr-warmup-iters", type=int, default=30,
+      help="the default run's warmup, unless --train-samples or --lr-warmup-fraction is given (Megatron's default: 0)")
+    a("--lr-warmup-samples", type=int, default=0)
+    a("--lr-warmup-fraction", type=float, default=None, help="warmup over this fraction of the decay steps")
+    a("--lr-warmup-init", type=float, default=0.0, help="the warmup's first learning rate")
+    a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     a("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    a("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
+    a("--lr-wsd-decay-style", default=None, choices=["exponential", "linear", "cosine", "minus_sqrt"],
+      help="WSD's annealing phase (default exponential)")
+    a("--lr-wsd-decay-iters", type=int, default=None, help="WSD: the annealing phase's iterations")
+    a("--lr-wsd-decay-samples", type=int, default=None, help="WSD: the annealing phase's samples")
     a("--weight-decay", type=float, default=0.1)
     a("--adam-beta1", type=float, default=0.9)
     a("--adam-beta2", type=float, default=0.95)
@@ -237,7 +253,21 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     p.set_defaults(**{k: v for k, v in (saved or {}).items() if k in dests})
     a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")
     argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)
-    return p.parse_known_args(argv)[0] if known_only else p.parse_args(argv)
+    unset = argparse.Namespace(**dict.fromkeys(ITERATION_DEFAULTS, UNSET))  # argparse leaves them if not given
+    got = vars(p.parse_known_args(argv, unset)[0] if known_only else p.parse_args(argv, unset))
+    sample_based = got["train_samples"] is not None
+    other = {"train_iters": None if sample_based else p.get_default("train_iters"),
+             "lr_warmup_iters": 0 if sample_based or got["lr_warmup_fraction"] is not None else
+             p.get_default("lr_warmup_iters")}
+    return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()})
+
+
+# The default run is iteration-based: --train-iters and --lr-warmup-iters take its values (500 or the model file's,
+# and 30) only where a command asks for nothing else. A sample-based command (--train-samples) or a warmup fraction
+# (--lr-warmup-fraction) leaves them at Megatron's defaults (None, 0), so Megatron's rules (check_schedule_args)
+# refuse only what a command itself mixes.
+ITERATION_DEFAULTS = ("train_iters", "lr_warmup_iters")
+UNSET = "(not given)"
 
 
 # The range of every numeric flag: (test, what it must be). A flag left at None (its default: derived or off) is not
@@ -250,10 +280,14 @@ RANGES = {
     **dict.fromkeys(["num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "vocab_size",
                      "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters", "loss_scale_window",
+                     "train_samples", "lr_decay_samples",
                      "fp8_amax_history_len", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "ddp_bucket_size", "expert_model_parallel_size", "num_experts", "moe_router_topk",
                      "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "exit_interval", "log_interval"],
                     _AT_LEAST_1),
+    **dict.fromkeys(["lr_warmup_samples", "lr_warmup_init", "lr_wsd_decay_iters", "lr_wsd_decay_samples"],
+                    _AT_LEAST_0),
+    "lr_warmup_fraction": _FRACTION,
     **dict.fromkeys(["lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "init_method_std", "fp8_margin",
                      "moe_aux_loss_coeff", "moe_z_loss_coeff", "seed", "ckpt_step", "save_interval", "eval_interval",
                      "eval_iters"], _AT_LEAST_0),
@@ -268,6 +302,82 @@ RANGES.update({  # long context
     **dict.fromkeys(["yarn_mscale", "yarn_mscale_all_dim"], _AT_LEAST_0),
     **dict.fromkeys(["seq_len_interpolation_factor", "rope_scaling_factor", "yarn_rotary_scaling_factor"],
                     (lambda v: v >= 1, ">= 1"))})
+
+
+def check_schedule_args(args, interleaved: bool) -> tuple:
+    """The training length, the learning-rate schedule and the batch-size ramp-up: Megatron's rules (validate_args,
+    training.py's update_train_iters, the ramp's calculator in megatron/core/num_microbatches_calculator.py). Returns
+    what they derive: (--train-iters: a sample-based run's is Megatron's count, --lr-decay-iters, --lr-decay-samples:
+    by default the training length, --lr-wsd-decay-style: by default exponential)."""
+    iters, samples, ramp = args.train_iters, args.train_samples, args.rampup_batch_size
+    if iters is not None and samples is not None:
+        raise ConfigError(f"--train-iters={iters} and --train-samples={samples} are exclusive: train by iterations "
+                          "or by samples")
+    wsd = args.lr_wsd_decay_iters if iters is not None else args.lr_wsd_decay_samples
+    if iters is not None:  # iteration-based: no sample-based flag
+        mixed = {"--lr-decay-samples": args.lr_decay_samples is not None, "--lr-warmup-samples": args.lr_warmup_samples,
+                 "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None, "--rampup-batch-size": ramp}
+        bad = next((f for f, on in mixed.items() if on), None)
+        if bad:
+            raise ConfigError(f"{bad} is for sample-based training (--train-samples), not with --train-iters={iters}"
+                              + (" (Megatron refuses a ramp-up with iteration-based training too)" if ramp else ""))
+        decay_iters, decay_samples = (iters if args.lr_decay_iters is None else args.lr_decay_iters), None
+    else:  # sample-based: no iteration-based flag
+        mixed = {"--lr-decay-iters": args.lr_decay_iters is not None, "--lr-warmup-iters": args.lr_warmup_iters,
+                 "--lr-wsd-decay-iters": args.lr_wsd_decay_iters is not None}
+        bad = next((f for f, on in mixed.items() if on), None)
+        if bad:
+            raise ConfigError(f"{bad} is for iteration-based training (--train-iters), not with --train-samples="
+                              f"{samples}: use {bad.replace('iters', 'samples')}")
+        decay_iters, decay_samples = None, (samples if args.lr_decay_samples is None else args.lr_decay_samples)
+    warmup = args.lr_warmup_iters or args.lr_warmup_samples
+    if args.lr_warmup_fraction is not None and warmup:
+        raise ConfigError(f"--lr-warmup-fraction={args.lr_warmup_fraction} and --lr-warmup-"
+                          f"{'iters' if iters is not None else 'samples'}={warmup} are exclusive: give one warmup")
+    if args.lr_warmup_init > args.lr:
+        raise ConfigError(f"--lr-warmup-init={args.lr_warmup_init} is larger than --lr={args.lr}")
+    unit = "iters" if iters is not None else "samples"
+    if args.lr_decay_style == "WSD" and wsd is None:
+        raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its annealing phase")
+    if args.lr_decay_style != "WSD" and (wsd is not None or args.lr_wsd_decay_style is not None):
+        flag = f"--lr-wsd-decay-{unit}" if wsd is not None else "--lr-wsd-decay-style"
+        raise ConfigError(f"{flag} acts only with --lr-decay-style WSD (it is {args.lr_decay_style})")
+    if ramp is not None:
+        check_rampup(args, interleaved)
+    if samples is not None:  # Megatron's iteration count: the ramp's steps, then whole global batches
+        n = consumed = 0
+        while ramp is not None and consumed <= ramp[2] and consumed <= samples:
+            consumed, n = consumed + data.batch_size(consumed, args.global_batch_size, ramp), n + 1
+        iters = n + max(0, samples - consumed) // args.global_batch_size
+        if iters == 0:
+            raise ConfigError(f"--train-samples={samples} is less than one global batch ({args.global_batch_size})")
+    return iters, decay_iters, decay_samples, args.lr_wsd_decay_style or "exponential"
+
+
+def check_rampup(args, interleaved: bool):
+    """--rampup-batch-size START INCREMENT SAMPLES (data.batch_size): Megatron's checks, and every global batch the
+    ramp reaches (up to --train-samples) a whole number of micro-batches per data-parallel rank (a multiple of pp
+    under the interleaved schedule), as Megatron checks them step by step, here before the run."""
+    (start, increment, samples), gbs = args.rampup_batch_size, args.global_batch_size
+    ramp = f"--rampup-batch-size {start} {increment} {samples}"
+    if min(start, increment, samples) < 1:
+        raise ConfigError(f"{ramp}: START, INCREMENT and SAMPLES must be >= 1")
+    if start >= gbs or (gbs - start) % increment:
+        raise ConfigError(f"{ramp}: START must be below --global-batch-size={gbs} and INCREMENT must divide the "
+                          f"difference {gbs - start}")
+    rows, pp = args.micro_batch_size * args.data_parallel_size, args.pipeline_model_parallel_size
+    consumed = 0
+    while consumed <= min(samples, args.train_samples):
+        b = data.batch_size(consumed, gbs, args.rampup_batch_size)
+        if b % rows:
+            raise ConfigError(f"{ramp}: the global batch of {b} samples (after {consumed} samples) is not divisible by "
+                              f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
+                              f"{args.data_parallel_size} = {rows}")
+        if interleaved and b // rows % pp:
+            raise ConfigError(f"{ramp}: interleaved pipelining needs every step's number of micro-batches to be a "
+                              f"multiple of pp={pp}; the global batch of {b} samples (after {consumed} samples) has "
+                              f"{b // rows}")
+        consumed += b
 
 
 def check_long_context_args(args):
@@ -350,7 +460,7 @@ def config_argv(p: argparse.ArgumentParser, path: str, known: bool = False) -> l
                 raise ConfigError(f"--config {path}: {key}: expected true or false, found {v!r}")
             out += [flag] if v else ([f"--no-{flag[2:]}"] if f"--no-{flag[2:]}" in actions else [])
         elif v is not None:
-            many = act.nargs in ("+", "*")
+            many = act.nargs in ("+", "*") or isinstance(act.nargs, int)  # a list: --rampup-batch-size's 3
             vals = [str(x) for x in v] if many and isinstance(v, list) else [json.dumps(v) if isinstance(v, list) else str(v)]
             out += [flag, *vals]
     return out
@@ -409,10 +519,12 @@ def check_args(args, world: int) -> Args:
     if args.global_batch_size % step_rows:
         raise ConfigError(f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size x "
                           f"data-parallel size = {args.micro_batch_size} x {args.data_parallel_size} = {step_rows}")
-    args.num_micro_batches = args.global_batch_size // step_rows
+    args.num_micro_batches = args.global_batch_size // step_rows  # after the ramp-up, if any
     if vp > 1 and args.num_micro_batches % pp:
         raise ConfigError(f"interleaved pipelining needs the number of micro-batches {args.num_micro_batches} "
                           f"(global batch / (micro batch x dp)) to be a multiple of pp={pp}")
+    args.train_iters, args.lr_decay_iters, args.lr_decay_samples, args.lr_wsd_decay_style = check_schedule_args(
+        args, vp > 1)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.seq_length > args.max_position_embeddings:
         raise ConfigError(f"--seq-length={args.seq_length} > --max-position-embeddings={args.max_position_embeddings}")

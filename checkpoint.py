@@ -198,11 +198,13 @@ def read_rng(path: Path) -> dict:
     return rng
 
 
-def save_checkpoint(save_dir, it, chunks, optimizer, scaler, mesh, settings: dict, lora_base: dict | None = None):
+def save_checkpoint(save_dir, it, chunks, optimizer, scaler, mesh, settings: dict, lora_base: dict | None = None,
+                    progress: dict | None = None):
     """Iteration `it` of this rank's chunks, and the optimizer's state (None: weights only, as tools.py merge writes),
     into save_dir/iter_{it:07d}/, atomically (a .tmp directory renamed, then the pointer file). `settings`: the run's
     flags and what it found (meta.json's "args"); `lora_base` ({"path", "sha256"}): the frozen base a LoRA run trains
-    on, whose checkpoints then hold only what the run added (added_to_base)."""
+    on, whose checkpoints then hold only what the run added (added_to_base); `progress`: meta.json entries of where
+    the run is beyond its iteration (train.py's: consumed_train_samples, opt_param_scheduler's num_steps)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = Path(save_dir) / f"iter_{it:07d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -217,7 +219,7 @@ def save_checkpoint(save_dir, it, chunks, optimizer, scaler, mesh, settings: dic
     _barrier()
     if rank == 0:  # every rank's files are complete: meta.json, then the manifest of them all
         meta = {"iteration": it, "checkpoint_format": FORMAT, "loss_scale": scaler.scale, "clean_steps": scaler.clean,
-                "stuck_steps": scaler.stuck, "args": settings}
+                "stuck_steps": scaler.stuck, **(progress or {}), "args": settings}
         if lora_base:
             meta["lora_base"] = lora_base  # {"path": base checkpoint directory, "sha256": its manifest's digest}
         if optimizer is None:

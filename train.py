@@ -16,7 +16,8 @@ tasks in posttrain.py; tools.py samples, merges, exports and scores a saved run.
     python train.py --load runs/gpt --save runs/gpt --train-iters 2000   # resume (any TP layout)
 
 Everything is validated (flags, layout, data, tokenizer) before any process group is made, and bad input ends with
-one line `train.py: error: ...`. Data order depends only on (seed, iteration): each DP rank slices the same global batch.
+one line `train.py: error: ...`. Data order depends only on (seed, samples consumed): each DP rank slices the same
+global batch.
 """
 from __future__ import annotations
 
@@ -48,17 +49,51 @@ from metrics import Logger, module_losses, throughput
 # ============================================================================================================
 # 1. Optimizer pieces: learning-rate schedule, dynamic loss scaling (the optimizers: parallel.py section 9)
 # ============================================================================================================
-def learning_rate(it: int, args) -> float:
-    """LR for iteration `it` (0-based): linear warmup, then constant / linear / cosine decay to --min-lr
-    (megatron/core/optimizer_param_scheduler.py)."""
-    warm, decay = args.lr_warmup_iters, args.lr_decay_iters or args.train_iters
-    if it < warm:
-        return args.lr * (it + 1) / warm
-    if it >= decay:
-        return args.min_lr
-    ratio = (it - warm) / max(1, decay - warm)
-    coeff = {"constant": 1.0, "linear": 1.0 - ratio, "cosine": 0.5 * (1.0 + math.cos(math.pi * ratio))}
-    return args.min_lr + coeff[args.lr_decay_style] * (args.lr - args.min_lr)
+def schedule_steps(args) -> tuple[float, int, int | None]:
+    """(warmup, decay, WSD annealing) steps of the learning-rate schedule, counted in samples as Megatron counts them
+    (megatron/training/training.py, get_optimizer_param_scheduler): an iteration-based run's --lr-warmup-iters,
+    --lr-decay-iters, --lr-wsd-decay-iters times --global-batch-size; a sample-based run's --lr-warmup-samples,
+    --lr-decay-samples, --lr-wsd-decay-samples; --lr-warmup-fraction: that fraction of the decay steps."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        decay, warmup = args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs
+        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
+    else:
+        decay, wsd, warmup = args.lr_decay_samples, args.lr_wsd_decay_samples, args.lr_warmup_samples
+    return (warmup if args.lr_warmup_fraction is None else args.lr_warmup_fraction * decay), decay, wsd
+
+
+def learning_rate(num_steps: int, args) -> float:
+    """The learning rate after `num_steps` samples of applied steps (megatron/core/optimizer_param_scheduler.py,
+    OptimizerParamScheduler.get_lr; the loop adds each applied step's global batch, so a step uses the rate of the
+    samples before it, and the first step --lr-warmup-init): a linear warmup from --lr-warmup-init to --lr, then
+    --lr-decay-style down to --min-lr, reached at the decay steps and kept after them. constant stays at --lr;
+    inverse-square-root decays as sqrt(warmup / n); WSD holds --lr, then anneals over its last WSD steps
+    (--lr-wsd-decay-style). Warmup steps >= decay steps (Megatron asserts they are fewer) warm up, then give --min-lr."""
+    warmup, decay, wsd = schedule_steps(args)
+    top, low, n = args.lr, args.min_lr, num_steps
+    if warmup > 0 and n <= warmup:
+        return args.lr_warmup_init + (top - args.lr_warmup_init) * float(n) / float(warmup)
+    style = args.lr_decay_style
+    if style == "constant":
+        return top
+    if n > decay:
+        return low
+    if style == "inverse-square-root":
+        return max(low, top * max(warmup, 1) ** 0.5 / max(n, 1) ** 0.5)
+    ratio = float(n - warmup) / float(decay - warmup)  # in [0, 1]
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    elif n <= decay - wsd:  # WSD: stable
+        coeff = 1.0
+    else:  # WSD: annealing, r in (0, 1]
+        r = float(n - (decay - wsd)) / float(wsd)
+        coeff = {"linear": lambda: 1.0 - r, "cosine": lambda: 0.5 * (math.cos(math.pi * r) + 1.0),
+                 "exponential": lambda: 2.0 * math.pow(0.5, r) - 1.0,
+                 "minus_sqrt": lambda: 1.0 - math.sqrt(r)}[args.lr_wsd_decay_style]()
+    return low + coeff * (top - low)
 
 
 class LossScaler:
@@ -108,6 +143,20 @@ def make_optimizer(chunks, grid, args):
 # 2. Setup: everything a run is made of, in one Run
 # ============================================================================================================
 @dataclasses.dataclass
+class Progress:
+    """Where a run is, as Megatron counts it and meta.json records it: iterations done, samples consumed (args.
+    consumed_train_samples: the next global batch starts there) and the learning-rate schedule's steps (its
+    OptimizerParamScheduler's num_steps: the samples of the applied steps; a skipped step does not advance it)."""
+    iteration: int = 0
+    consumed_samples: int = 0
+    lr_steps: int = 0
+
+    def batch_size(self, args) -> int:
+        """The global batch size of the next step: --global-batch-size, or the --rampup-batch-size ramp's."""
+        return data.batch_size(self.consumed_samples, args.global_batch_size, args.rampup_batch_size)
+
+
+@dataclasses.dataclass
 class Run:
     """A training run, built complete by setup(); the loop reads it (and steps its optimizer)."""
     args: Args  # the flags, read-only
@@ -129,6 +178,7 @@ class Run:
     p2p_shape: tuple  # [s/cp(/tp), b, h]: what pipeline stages send each other
     autocast: Callable  # bf16/fp16 autocast, or a no-op
     first: int  # the first iteration: 0, or the resumed checkpoint's
+    progress: Progress  # where the run is: iteration, samples consumed, the schedule's steps (train_step advances it)
     log: Logger
 
     @property
@@ -194,7 +244,8 @@ def setup(args) -> Run:
     if fp8 is not None and args.num_experts and rank == 0:
         print("note: --fp8 covers the attention and MLP linears; the routed MoE experts keep the parameters' dtype")
     optimizer, scaler = make_optimizer(chunks, grid, args), LossScaler(args)
-    first = load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank)
+    progress = load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank)
+    first = progress.iteration
     s_local = args.seq_length // cp  # [s/cp(/tp), b, h] between pipeline stages
     p2p_shape = (s_local // tp if config.sequence_parallel and tp > 1 else s_local, args.micro_batch_size,
                  config.hidden_size)
@@ -212,12 +263,12 @@ def setup(args) -> Run:
         corpus.tokenizer.save(str(Path(args.save) / "tokenizer.json"))
     log = Logger(run_dir, rank, first, args.train_iters, resume=start.continues)  # keeps lines <= first
     return Run(args, mf, start, corpus, config, grid, chunks, model, mesh, device, rank, optimizer, scaler, fp8, task,
-               reference_base, p2p_shape, autocast, first, log)
+               reference_base, p2p_shape, autocast, first, progress, log)
 
 
-def load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank) -> int:
+def load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank) -> Progress:
     """Load what the run starts from (checkpoint.plan_start): the base's weights (--finetune, --pretrained-checkpoint,
-    a LoRA run's frozen base), then the checkpoint it resumes. Returns the first iteration."""
+    a LoRA run's frozen base), then the checkpoint it resumes. Returns where the run starts (its Progress)."""
     if start.base is not None:  # model weights only: iteration 0, fresh optimizer and RNG (or a LoRA run's base)
         checkpoint.load_weights(start.base, chunks, mesh)
         if rank == 0:
@@ -229,7 +280,7 @@ def load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank) -> int:
         if args.task != "pretrain" and start.base is None and rank == 0:
             print(f"note: --task {args.task} starts from random weights (the seed's initialization); pass "
                   "--pretrained-checkpoint DIR to start from a trained model", flush=True)
-        return 0
+        return Progress()
     layout = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"]}
     fp8_args = {k: getattr(args, k) for k in ["fp8", "fp8_format", "fp8_recipe", "fp8_amax_history_len"]}
     first, rng_restored = checkpoint.load_checkpoint(start.resume, chunks, optimizer, scaler, mesh, layout,
@@ -237,7 +288,9 @@ def load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank) -> int:
     if rank == 0:
         print(f"resumed from {start.resume.path} at iteration {first}"
               + ("" if rng_restored else " (different layout: RNG streams not restored)"))
-    return first
+    meta = start.resume.meta  # a checkpoint saved before these were recorded: a constant batch, no skipped step
+    consumed = meta.get("consumed_train_samples", first * meta["args"]["global_batch_size"])
+    return Progress(first, consumed, meta.get("opt_param_scheduler", {}).get("num_steps", consumed))
 
 
 # ============================================================================================================
@@ -302,15 +355,19 @@ class Step:
     grad_norm: float
     skipped: bool  # fp16 overflow, or --skip-nonfinite-steps
     moe_load: torch.Tensor | None  # MoE: tokens per expert [MoE layers, E] routed in this step, over DP
+    samples: int  # its global batch size
 
 
 def train_step(run: Run, it: int) -> Step:
     """Iteration `it` (0-based): one global batch through forward/backward (the pipeline schedule, if any), the
-    gradients synchronized, clipped and applied — or, if the loss or the gradients are not finite, not applied."""
-    a, grid = run.args, run.grid
-    batch = data.global_batch(run.corpus.train, it, a.global_batch_size)  # [gbs, s+1] (a task's: [gbs, R, s+1])
-    micro_batches, recipe, num_tokens, shape = prepare(run, batch)  # num_tokens: the whole global batch's
-    run.optimizer.lr = learning_rate(it, a)
+    gradients synchronized, clipped and applied — or, if the loss or the gradients are not finite, not applied.
+    The batch is the samples from run.progress.consumed_samples on (its size: the ramp-up's, if any), at the learning
+    rate of the schedule's steps so far; then the progress moves on (the schedule only if the step was applied)."""
+    a, grid, progress = run.args, run.grid, run.progress
+    gbs = progress.batch_size(a)
+    batch = data.global_batch(run.corpus.train, start=progress.consumed_samples, size=gbs)  # [gbs, s+1] (a task's:
+    micro_batches, recipe, num_tokens, shape = prepare(run, batch)  # [gbs, R, s+1]); num_tokens: the global batch's
+    run.optimizer.lr = learning_rate(progress.lr_steps, a)
     run.optimizer.zero_grad(len(micro_batches))
     trace = [] if a.pipeline_trace and it == run.first else None
     # fp16: backward runs on loss x scale, as sum / (num_tokens / scale), so MoE aux losses are scaled too
@@ -344,7 +401,9 @@ def train_step(run: Run, it: int) -> Step:
         run.optimizer.step()
     if run.fp8 is not None:  # delayed scaling: this step's amaxes (reduced over TP x DP) -> next step's scales
         run.fp8.discard() if skipped else run.fp8.update()
-    return Step(float(loss), grad_norm, skipped, load)
+    progress.iteration, progress.consumed_samples = it + 1, progress.consumed_samples + gbs
+    progress.lr_steps += 0 if skipped else gbs  # Megatron's opt_param_scheduler.step(increment=gbs), if applied
+    return Step(float(loss), grad_norm, skipped, load, gbs)
 
 
 @torch.no_grad()
@@ -358,7 +417,7 @@ def evaluate(run: Run) -> dict:
     extra = run.mf.eval_counts if grid.pp_size == 1 else None
     total, counts = torch.zeros(1, dtype=torch.float64, device=device), {}
     for k in range(a.eval_iters):
-        batch = data.global_batch(run.corpus.valid, k, a.global_batch_size)
+        batch = data.global_batch(run.corpus.valid, start=k * a.global_batch_size, size=a.global_batch_size)
         micro, recipe, num_tokens, shape = prepare(run, batch, "valid")
         loss = P.forward_backward(chunks, micro, lambda m, mb: stage_step(m, mb, recipe, run.autocast), num_tokens,
                                   grid, shape, run.config.params_dtype, forward_only=True)
@@ -410,22 +469,26 @@ def agree_to_stop(t0: float, minutes: float | None, signals: ExitSignals) -> tup
     return bool(flags[0] > 0), signal.Signals(int(flags[1])).name if flags[1] > 0 else None
 
 
+def batch_work(run: Run, samples: int) -> tuple[int, float]:
+    """(tokens, Megatron's model FLOPs) of a global batch of `samples` samples: the sequences the model trains on (a
+    pair is 2; a reference model's forward passes are not counted) times --seq-length."""
+    seqs = samples * posttrain.SEQUENCES.get(run.args.task, 1)
+    return seqs * run.args.seq_length, run.mf.flops(run.config, seqs, run.args.seq_length)
+
+
 def train(args) -> Run:
     run = setup(args)
     a, log = run.args, run.log
-    seqs = a.global_batch_size * posttrain.SEQUENCES.get(a.task, 1)  # sequences the model trains on per batch
-    tokens_per_batch = seqs * a.seq_length  # (a pair is 2; a reference model's forward passes are not counted)
-    flops_per_batch = run.mf.flops(run.config, seqs, a.seq_length)  # Megatron's model FLOPs
-    t0, signals = time.time(), ExitSignals(a.exit_signal_handler)
+    t0, signals, consumed = time.time(), ExitSignals(a.exit_signal_handler), run.progress.consumed_samples
     try:
-        n, signaled = loop(run, t0, signals, tokens_per_batch, flops_per_batch)
+        n, signaled = loop(run, t0, signals)
     finally:
         signals.restore()  # (also when the loop raises: a rank that must die on torchrun's SIGTERM then does)
     log.close()
     if run.rank == 0:
         secs = time.time() - t0
-        done = max(0, n - run.first)
-        print(f"done: {done} iterations in {secs:.0f} s ({done * tokens_per_batch / secs:.0f} "
+        done, tokens = max(0, n - run.first), batch_work(run, run.progress.consumed_samples - consumed)[0]
+        print(f"done: {done} iterations in {secs:.0f} s ({tokens / secs:.0f} "
               f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {log.dir}", flush=True)
     if signaled and run.rank == 0:
         print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
@@ -434,7 +497,7 @@ def train(args) -> Run:
     return run
 
 
-def loop(run: Run, t0: float, signals: ExitSignals, tokens_per_batch: int, flops_per_batch: float):
+def loop(run: Run, t0: float, signals: ExitSignals):
     """The iterations: a step, its log line, the stop conditions, evaluation, saving. Returns (the iterations done,
     the name of the signal that stopped it or None)."""
     a, log = run.args, run.log
@@ -448,7 +511,7 @@ def loop(run: Run, t0: float, signals: ExitSignals, tokens_per_batch: int, flops
         if run.rank == 0:
             log.bar.update(1)
         if n % a.log_interval == 0 or n == a.train_iters:
-            log.log(log_record(run, n, window, tokens_per_batch, flops_per_batch))
+            log.log(log_record(run, n, window))
             window = dict(steps=[], t=time.time(), moe_load=None)
         stop = a.exit_interval is not None and n % a.exit_interval == 0
         late, signaled = agree_to_stop(t0, a.exit_duration_in_mins, signals)
@@ -462,22 +525,30 @@ def loop(run: Run, t0: float, signals: ExitSignals, tokens_per_batch: int, flops
             log.log(dict(iteration=n, **evaluate(run)))
         if a.save and ((a.save_interval and n % a.save_interval == 0) or n == a.train_iters or stop):
             checkpoint.save_checkpoint(a.save, n, run.chunks, run.optimizer, run.scaler, run.mesh, run.settings,
-                                       run.start.lora_base)
+                                       run.start.lora_base, progress=dict(
+                                           consumed_train_samples=run.progress.consumed_samples,
+                                           opt_param_scheduler=dict(num_steps=run.progress.lr_steps)))
         if stop:
             break
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
     return n, signaled
 
 
-def log_record(run: Run, n: int, window: dict, tokens_per_batch: int, flops_per_batch: float) -> dict:
-    """The metrics.jsonl line of the iterations since the last one (a collective: every rank calls it)."""
+def log_record(run: Run, n: int, window: dict) -> dict:
+    """The metrics.jsonl line of the iterations since the last one (a collective: every rank calls it). `lr` is the
+    rate Megatron logs: the schedule's after the last step (the next step's); tokens/s and FLOPs count each step's
+    own global batch; `consumed_samples` and (with a ramp-up) `global_batch_size`, the last step's, as Megatron's."""
     a, steps = run.args, window["steps"]
     dt = time.time() - window["t"]
     finite = [s.loss for s in steps if math.isfinite(s.loss)]  # a skipped NaN step's loss is not averaged
-    rec = dict(iteration=n, loss=sum(finite) / len(finite) if finite else float("nan"), lr=learning_rate(n - 1, a),
-               grad_norm=steps[-1].grad_norm, tokens_per_s=len(steps) * tokens_per_batch / dt,
-               skipped=sum(s.skipped for s in steps))
-    rec.update(throughput(len(steps) * flops_per_batch, dt, a.world_size, run.device, a.bf16 or a.fp16))
+    work = [batch_work(run, s.samples) for s in steps]  # [(tokens, FLOPs)]
+    rec = dict(iteration=n, loss=sum(finite) / len(finite) if finite else float("nan"),
+               lr=learning_rate(run.progress.lr_steps, a), grad_norm=steps[-1].grad_norm,
+               tokens_per_s=sum(t for t, _ in work) / dt, skipped=sum(s.skipped for s in steps),
+               consumed_samples=run.progress.consumed_samples)
+    if a.rampup_batch_size is not None:
+        rec["global_batch_size"] = steps[-1].samples
+    rec.update(throughput(sum(f for _, f in work), dt, a.world_size, run.device, a.bf16 or a.fp16))
     if a.fp16:
         rec["loss_scale"] = run.scaler.scale
     if window["moe_load"] is not None:

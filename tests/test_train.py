@@ -255,6 +255,7 @@ def test_fp16_overflow_skips_step_and_bf16_runs(corpus, cache, tmp_path):
     got, _ = metrics(tmp_path / "fp16")
     assert [got[i]["skipped"] for i in (1, 2, 3)] == [1, 1, 1]
     assert [got[i]["loss_scale"] for i in (1, 2, 3)] == [2.0**39, 2.0**38, 2.0**37]
+    assert [got[i]["lr"] for i in (1, 2, 3)] == [0.0] * 3  # a skipped step does not advance the schedule (Megatron's)
     train.main(tiny(corpus, cache, tmp_path / "bf16", "--bf16", iters=3))
     got, _ = metrics(tmp_path / "bf16")
     assert sorted(got) == [1, 2, 3]
@@ -262,11 +263,15 @@ def test_fp16_overflow_skips_step_and_bf16_runs(corpus, cache, tmp_path):
 
 
 def test_learning_rate_schedule():
-    a = arguments.parse_args(["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "10", "--train-iters", "110"])
-    lr = [train.learning_rate(i, a) for i in range(120)]
-    assert lr[0] == pytest.approx(0.1) and lr[9] == pytest.approx(1.0)
+    """Megatron's schedule, written out (tests/test_schedules.py compares it with Megatron-core's scheduler): steps
+    count samples (16 an iteration here); iteration i trains at the rate of the 16·i samples before it, so the first
+    at --lr-warmup-init (0), the 11th at the peak; cosine to --min-lr at iteration 110, then --min-lr."""
+    a = arguments.check_args(arguments.parse_args(["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "10",
+                                                   "--train-iters", "110"]), 1)
+    lr = [train.learning_rate(16 * i, a) for i in range(120)]
+    assert lr[0] == 0.0 and lr[1] == 0.1 and lr[9] == 0.9 and lr[10] == 1.0
     assert lr[60] == pytest.approx(0.1 + 0.9 * 0.5) and lr[110] == lr[119] == 0.1
-    assert all(x >= y for x, y in zip(lr[9:], lr[10:]))
+    assert all(x >= y for x, y in zip(lr[10:], lr[11:]))
 
 
 # ---------------------------------------------------------------------------------------------- bad input

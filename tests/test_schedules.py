@@ -1,0 +1,243 @@
+"""The learning-rate schedule, sample-based training and the batch-size ramp-up against Megatron-core's own code.
+
+  - train.learning_rate equals megatron-core 0.15.3's OptimizerParamScheduler (on CPU, over a dummy torch optimizer)
+    set up from our checked flags as megatron/training/training.py's get_optimizer_param_scheduler does, and driven
+    as its training loop drives it (the LR a step uses is read before the step; then step(increment = the step's
+    global batch)), at every iteration of a run and past its end: iteration-based cosine with --lr-warmup-iters,
+    --lr-warmup-fraction, sample-based (--train-samples, --lr-decay-samples, --lr-warmup-samples) with and without
+    --rampup-batch-size, linear, constant, inverse-square-root, WSD (each --lr-wsd-decay-style), --lr-warmup-init,
+    and the default run. Tolerance: none (==): the same float operations in the same order give the same bits, so
+    equality also shows that no step is shifted (a shift moves the rate by ~1e-4 relative or more).
+  - data.batch_size (the ramp) gives megatron-core's RampupBatchsizeNumMicroBatchesCalculator's (global batch,
+    micro-batches) at every step of a hand-checked case, written out below, and --train-samples gives Megatron's
+    iteration count (training.py's update_train_iters, driven by the same calculator).
+  - End to end: a tiny train.main run with --rampup-batch-size under torchrun DP=2 (warm ranks) logs the single
+    process's losses (float32: 1e-5 relative, reduction order only) and the LR Megatron's scheduler logs; stop + resume
+    in the middle of the ramp equals the uninterrupted run bit for bit.
+  - Negative controls: a schedule one step late (the rate of the samples after the step) and a ramp fed iterations
+    instead of consumed samples are each caught by the same comparisons.
+"""
+
+import pytest
+import test_train
+import torch
+from test_train import assert_close, metrics, torchrun
+
+import arguments
+import data
+import train
+
+corpus = test_train.corpus  # test_train's fixture: the synthetic corpus
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    """megatron-core's scheduler and ramp calculator (pure Python; its import takes a few seconds)."""
+    sched = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    calc = pytest.importorskip("megatron.core.num_microbatches_calculator")
+    return sched.OptimizerParamScheduler, calc.RampupBatchsizeNumMicroBatchesCalculator
+
+
+def checked(argv, world=1):
+    return arguments.check_args(arguments.parse_args(argv), world)
+
+
+def megatron_batches(mcore, args, n):
+    """Megatron's global batch size of iterations 0..n-1: its calculator updated with the consumed samples before each
+    (training.py's loop: update_num_microbatches(consumed_train_samples, consistency_check=True))."""
+    if args.rampup_batch_size is None:
+        return [args.global_batch_size] * n
+    c = mcore[1](args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False, 1,
+                 *args.rampup_batch_size)
+    out, consumed = [], 0
+    for _ in range(n):
+        c.update(consumed, consistency_check=True)
+        out.append(c.get_current_global_batch_size())
+        consumed += out[-1]
+    return out
+
+
+def megatron_lrs(mcore, args, n):
+    """The LR Megatron's iterations 0..n-1 use: OptimizerParamScheduler with the arguments training.py's
+    get_optimizer_param_scheduler gives it, stepped by get_num_microbatches() x mbs x dp after each iteration."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:  # iteration-based: steps are iterations x --global-batch-size
+        decay = args.lr_decay_iters * gbs
+        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
+        warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_iters * gbs
+    else:
+        decay, wsd = args.lr_decay_samples, args.lr_wsd_decay_samples
+        warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_samples
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    s = mcore[0](opt, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
+                 lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+                 end_wd=args.weight_decay, wd_incr_steps=decay, wd_incr_style="constant", wsd_decay_steps=wsd,
+                 lr_wsd_decay_style=args.lr_wsd_decay_style)
+    out = []
+    for b in megatron_batches(mcore, args, n):
+        out.append(opt.param_groups[0]["lr"])
+        s.step(increment=b)
+    return out, opt.param_groups[0]["lr"]
+
+
+def our_lrs(args, n, late=False):
+    """Ours, as train_step drives it: learning_rate(progress.lr_steps), then lr_steps += the step's batch.
+    late=True is the negative control: each step takes the rate of the samples after it."""
+    out, progress = [], train.Progress()
+    for _ in range(n):
+        b = progress.batch_size(args)
+        out.append(train.learning_rate(progress.lr_steps + (b if late else 0), args))
+        progress.consumed_samples += b
+        progress.lr_steps += b
+    return out
+
+
+def first_difference(ours, theirs):
+    return next((f"iteration {i}: ours {a!r}, Megatron's {b!r}" for i, (a, b) in enumerate(zip(ours, theirs))
+                 if a != b), None)
+
+
+SMALL = ["--micro-batch-size", "2", "--global-batch-size", "8"]
+CASES = {
+    "default run": [],
+    "cosine, --lr-warmup-iters": [*SMALL, "--train-iters", "100", "--lr-warmup-iters", "10", "--min-lr", "1e-4"],
+    "--lr-warmup-fraction": [*SMALL, "--train-iters", "100", "--lr-decay-iters", "80", "--lr-warmup-fraction", "0.07"],
+    "linear": [*SMALL, "--train-iters", "60", "--lr-decay-style", "linear", "--lr-warmup-iters", "7"],
+    "constant": [*SMALL, "--train-iters", "40", "--lr-decay-style", "constant", "--lr-warmup-iters", "5"],
+    "inverse-square-root": [*SMALL, "--train-iters", "60", "--lr-decay-style", "inverse-square-root",
+                            "--lr-warmup-iters", "6", "--lr-decay-iters", "50"],
+    "inverse-square-root, no warmup": [*SMALL, "--train-iters", "30", "--lr-decay-style", "inverse-square-root",
+                                       "--lr-warmup-iters", "0"],
+    "--lr-warmup-init": [*SMALL, "--train-iters", "50", "--lr-warmup-iters", "9", "--lr-warmup-init", "1e-4"],
+    "sample-based": [*SMALL, "--train-samples", "900", "--lr-decay-samples", "700", "--lr-warmup-samples", "60"],
+    "sample-based, --lr-warmup-fraction": [*SMALL, "--train-samples", "500", "--lr-warmup-fraction", "0.1"],
+    "sample-based, ramp-up": [*SMALL, "--train-samples", "900", "--lr-decay-samples", "800", "--lr-warmup-samples",
+                              "100", "--rampup-batch-size", "2", "2", "300", "--lr-decay-style", "linear"],
+    **{f"WSD {style}": [*SMALL, "--train-iters", "80", "--lr-decay-style", "WSD", "--lr-wsd-decay-style", style,
+                        "--lr-wsd-decay-iters", "25", "--lr-warmup-iters", "5"]
+       for style in ("exponential", "linear", "cosine", "minus_sqrt")},
+    "WSD, sample-based": [*SMALL, "--train-samples", "640", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "200",
+                          "--lr-warmup-samples", "40", "--rampup-batch-size", "4", "2", "100"],
+}
+
+
+@pytest.mark.parametrize("argv", CASES.values(), ids=CASES.keys())
+def test_learning_rate_equals_megatron_scheduler(mcore, argv):
+    args = checked(argv)
+    n = args.train_iters + 5  # past the end: --min-lr (or --lr, constant)
+    theirs, _ = megatron_lrs(mcore, args, n)
+    assert first_difference(our_lrs(args, n), theirs) is None
+    # negative control: one step late (today's formula before this schedule: iteration i at the rate of i + 1)
+    assert first_difference(our_lrs(args, n, late=True), theirs) is not None
+
+
+# ---------------------------------------------------------------------------------------------- the ramp-up
+RAMP = ["--micro-batch-size", "2", "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "40",
+        "--train-samples", "100"]
+# By hand: (16 - 4) / 4 = 3 increments, one per 40 / 3 = 13.33 samples; the batch of a step after c samples is
+# 4 + 4 x floor(c / 13.33) while c <= 40, then 16. Consumed before each step: 0 4 8 12 16 24 32 44 60 76.
+HAND = [(4, 1), (4, 1), (4, 1), (4, 1), (8, 2), (8, 2), (12, 3), (16, 4), (16, 4), (16, 4)]  # (batch, micro-batches)
+
+
+def our_ramp(args, n, counter="samples"):
+    """(global batch, micro-batches per DP rank) of steps 0..n-1; counter="iterations" is the negative control."""
+    out, consumed = [], 0
+    for it in range(n):
+        b = data.batch_size(consumed if counter == "samples" else it, args.global_batch_size, args.rampup_batch_size)
+        out.append((b, b // (args.micro_batch_size * args.data_parallel_size)))
+        consumed += b
+    return out
+
+
+def test_rampup_equals_megatron_calculator(mcore):
+    args = checked(RAMP, world=2)  # DP = 2: micro-batches = batch / (2 x 2)
+    assert args.data_parallel_size == 2
+    c = mcore[1](16, 2, 2, False, 1, 4, 4, 40)
+    theirs, consumed = [], 0
+    for _ in range(len(HAND)):
+        c.update(consumed, consistency_check=True)
+        theirs.append((c.get_current_global_batch_size(), c.get()))
+        consumed += theirs[-1][0]
+    assert theirs == HAND
+    assert our_ramp(args, len(HAND)) == HAND
+    assert our_ramp(args, len(HAND), counter="iterations") != HAND  # negative control: iterations are not samples
+    # --train-samples 100: Megatron's update_train_iters walks the ramp while consumed <= 40 (7 steps, 44 samples),
+    # then (100 - 44) // 16 = 3 whole batches
+    assert args.train_iters == 7 + 3
+    # the same sample-based schedule's LR: Megatron's (a late schedule caught as above)
+    theirs, _ = megatron_lrs(mcore, args, args.train_iters)
+    assert first_difference(our_lrs(args, args.train_iters), theirs) is None
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--rampup-batch-size", "4", "4", "40"], "--rampup-batch-size is for sample-based training (--train-samples), "
+                                              "not with --train-iters=650"),
+    ([*RAMP[:5], "6", "2", "40", *RAMP[8:]], "--rampup-batch-size 6 2 40: the global batch of 6 samples (after 0 "
+                                             "samples) is not divisible by --micro-batch-size x data-parallel size = "
+                                             "2 x 2 = 4"),
+    ([*RAMP[:5], "4", "5", "40", *RAMP[8:]], "INCREMENT must divide the difference 12"),
+    ([*RAMP[:5], "16", "4", "40", *RAMP[8:]], "START must be below --global-batch-size=16"),
+    ([*RAMP[:5], "4", "4", "0", *RAMP[8:]], "START, INCREMENT and SAMPLES must be >= 1"),
+    (["--train-samples", "100", "--train-iters", "5"], "are exclusive"),
+    (["--train-samples", "100", "--lr-warmup-iters", "5"], "--lr-warmup-iters is for iteration-based training"),
+    (["--train-samples", "100", "--lr-decay-iters", "5"], "use --lr-decay-samples"),
+    (["--lr-decay-samples", "100"], "--lr-decay-samples is for sample-based training"),
+    (["--lr-warmup-samples", "100"], "--lr-warmup-samples is for sample-based training"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "give one warmup"),
+    (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    (["--lr-wsd-decay-iters", "5"], "--lr-wsd-decay-iters acts only with --lr-decay-style WSD"),
+    (["--lr-warmup-init", "1"], "--lr-warmup-init=1.0 is larger than --lr"),
+    (["--train-samples", "10"], "--train-samples=10 is less than one global batch (32)"),
+])
+def test_schedule_flags_refused_in_one_line(argv, error):
+    with pytest.raises(arguments.ConfigError) as e:
+        checked(argv, world=2)
+    assert error in str(e.value) and "\n" not in str(e.value)
+
+
+def test_interleaved_schedule_checks_every_step_of_the_ramp():
+    """The interleaved schedule needs each step's micro-batch count to be a multiple of pp (2 here, DP = 1): a ramp
+    of batches 4, 8, 12, 16 (2, 4, 6, 8 micro-batches of 2) runs; one that starts at 2 (1 micro-batch) is refused."""
+    pp = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--micro-batch-size", "2", "--global-batch-size", "16", "--train-samples", "100"]
+    assert checked([*pp, "--rampup-batch-size", "4", "4", "40"], world=2).train_iters == 10
+    with pytest.raises(arguments.ConfigError, match=r"multiple of pp=2; the global batch of 2 samples \(after 0 "
+                                                    r"samples\) has 1"):
+        checked([*pp, "--rampup-batch-size", "2", "2", "40"], world=2)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def ramp_run(corpus, cache, save, *extra):
+    """6 steps of batches 4, 4, 8, 12, 12, 12 (ramp 4 -> 12 by 4 over 16 samples; 52 samples), DP-ready (2 x 2)."""
+    return ["--data-path", str(corpus), "--data-cache-dir", str(cache), "--vocab-size", "384", "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "12", "--rampup-batch-size", "4", "4", "16", "--train-samples", "52", "--lr", "3e-3",
+            "--lr-warmup-samples", "8", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2",
+            "--save", str(save), *extra]
+
+
+def test_rampup_run_dp2_equals_single_process_and_resumes_exactly(mcore, corpus, tmp_path):
+    cache, one, two, stopped = tmp_path / "cache", tmp_path / "one", tmp_path / "dp2", tmp_path / "stopped"
+    train.main(ramp_run(corpus, cache, one))
+    torchrun(2, ramp_run(corpus, cache, two))
+    (ref, ref_val), (got, got_val) = metrics(one), metrics(two)
+    assert sorted(ref) == sorted(got) == list(range(1, 7)) and sorted(ref_val) == sorted(got_val) == [3, 6]
+    assert [ref[i]["global_batch_size"] for i in ref] == [4, 4, 8, 12, 12, 12]
+    assert [ref[i]["consumed_samples"] for i in ref] == [4, 8, 16, 28, 40, 52]
+    for i in ref:
+        assert_close(got[i]["loss"], ref[i]["loss"], 1e-5, f"DP=2 loss at iteration {i}")
+        assert_close(got[i]["grad_norm"], ref[i]["grad_norm"], 1e-5, f"DP=2 grad norm at iteration {i}")
+    for i in ref_val:
+        assert_close(got_val[i], ref_val[i], 1e-5, f"DP=2 validation loss at iteration {i}")
+    # the logged LR is Megatron's after each step (its training_log reads the scheduler once it has stepped)
+    args = checked(ramp_run(corpus, cache, one))
+    after = [megatron_lrs(mcore, args, k)[1] for k in range(1, 7)]
+    assert [ref[i]["lr"] for i in ref] == after
+    # stop after iteration 2 (the ramp at 8 of its 16 samples) and resume: bit-equal to the run that never stopped
+    train.main(ramp_run(corpus, cache, stopped, "--exit-interval", "2"))
+    train.main(ramp_run(corpus, cache, stopped, "--load", str(stopped)))
+    res, res_val = metrics(stopped)
+    assert sorted(res) == list(range(1, 7))
+    for key in ("loss", "grad_norm", "lr", "global_batch_size", "consumed_samples"):
+        assert [res[i][key] for i in res] == [ref[i][key] for i in ref], key
+    assert sorted(res_val) == [2, 3, 6] and all(res_val[i] == ref_val[i] for i in (3, 6))  # (2: the stop's)

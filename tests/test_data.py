@@ -219,8 +219,8 @@ def test_default_corpus_files():
 
 @pytest.mark.parametrize("n", [2, 3, 20, 101])
 def test_split_documents(n):
-    train, valid = data.split_documents(n)
-    assert len(valid) >= 1 and len(train) >= 1
+    train, valid, test = data.split_documents(n)
+    assert len(valid) >= 1 and len(train) >= 1 and len(test) == 0
     assert sorted(np.concatenate([train, valid]).tolist()) == list(range(n))
     assert np.array_equal(data.split_documents(n)[1], valid)
 
@@ -228,7 +228,7 @@ def test_split_documents(n):
 def test_split_documents_seed_and_edges():
     a, b = data.split_documents(200, 0.1, seed=1)[1], data.split_documents(200, 0.1, seed=2)[1]
     assert len(a) == 20 and not np.array_equal(a, b)
-    assert [x.tolist() for x in data.split_documents(1)] == [[0], []]
+    assert [x.tolist() for x in data.split_documents(1)] == [[0], [], []]
     with pytest.raises(DataError, match="valid_fraction"):
         data.split_documents(10, 1.5)
 

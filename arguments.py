@@ -101,7 +101,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--tokenizer-type", default=None, choices=data.TOKENIZER_TYPES,
       help="Megatron's tokenizer from local files (--vocab-file, --merge-file, --tokenizer-model, or --vocab-size for "
            "NullTokenizer); default: --tokenizer-file, else a byte-level BPE trained on the corpus")
-    a("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json, or BERT's WordPiece vocab.txt")
+    a("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json, or BertWordPiece*'s vocab.txt")
     a("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     a("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a local folder with tokenizer.json")
     a("--tiktoken-pattern", default=None, choices=["v1", "v2"], help="TikTokenizer's regex (that type is refused)")
@@ -328,23 +328,24 @@ def parse_split(split: str) -> list[float]:
     return [x / sum(w) for x in w]
 
 
-def check_data_args(args):
+def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
     """The data and tokenizer flags (data.py reads them): --split's parts, the sources, the tokenizer type and the
-    files it needs. Sets valid_fraction and test_fraction, and data_path to one source (a str, as the post-training
-    tasks read it) or a blend's entries (a list); fills in --tokenizer-type from --vocab-file if not given."""
-    _, args.valid_fraction, args.test_fraction = parse_split(args.split)
+    files it needs. Returns (valid_fraction, test_fraction, data_path, tokenizer_type): data_path is one source (a str,
+    as the post-training tasks read it) or a blend's entries (a list); tokenizer_type is filled in from --vocab-file
+    if not given. check_args sets them on its copy."""
+    _, valid_fraction, test_fraction = parse_split(args.split)
+    data_path = args.data_path
     if args.mock_data and args.data_path:
         raise ConfigError("--mock-data and --data-path are two data sources: pass one (as Megatron asserts)")
-    if isinstance(args.data_path, list):
+    if isinstance(data_path, list):
         try:
-            blend = data.parse_blend(args.data_path)
+            blend = data.parse_blend(data_path)
         except data.DataError as e:
             raise ConfigError(str(e)) from None
-        args.data_path = blend.paths[0] if blend and len(blend.paths) == 1 and blend.weights is None else \
-            args.data_path or None
-    if isinstance(args.data_path, list) and args.task != "pretrain":
-        raise ConfigError(f"--task {args.task} reads one JSON-lines file: --data-path has {len(args.data_path)} entries")
-    if args.test_fraction > 0 and args.task != "pretrain":
+        data_path = blend.paths[0] if blend and len(blend.paths) == 1 and blend.weights is None else data_path or None
+    if isinstance(data_path, list) and args.task != "pretrain":
+        raise ConfigError(f"--task {args.task} reads one JSON-lines file: --data-path has {len(data_path)} entries")
+    if test_fraction > 0 and args.task != "pretrain":
         raise ConfigError(f"--split={args.split}: --task {args.task} splits its records into train and valid only")
     if args.mock_data and args.task != "pretrain":
         raise ConfigError(f"--mock-data makes pretraining documents: --task {args.task} needs records")
@@ -354,7 +355,7 @@ def check_data_args(args):
     kind = args.tokenizer_type
     if kind is None and args.vocab_file is not None:  # Megatron's pretraining scripts default the type
         try:
-            kind = args.tokenizer_type = data.vocab_file_type(args.vocab_file)
+            kind = data.vocab_file_type(args.vocab_file)
         except data.DataError as e:
             raise ConfigError(str(e)) from None
         data.note(f"--vocab-file {args.vocab_file} without --tokenizer-type: {kind} (as Megatron's pretraining "
@@ -376,6 +377,7 @@ def check_data_args(args):
     if args.tiktoken_pattern is not None:
         data.note(f"--tiktoken-pattern {args.tiktoken_pattern} is read by TikTokenizer only (as in Megatron), not by "
                   f"--tokenizer-type {kind}")
+    return valid_fraction, test_fraction, data_path, kind
 
 
 def check_task_args(args, mf):
@@ -514,7 +516,7 @@ def check_args(args, world: int) -> Args:
         if args.recompute_granularity == "selective":
             raise ConfigError(f"--recompute-granularity selective with --context-parallel-size={cp}: the split "
                               "attention is not recomputed (use full)")
-    check_data_args(args)
+    args.valid_fraction, args.test_fraction, args.data_path, args.tokenizer_type = check_data_args(args)
     if args.finetune and not (args.load or args.pretrained_checkpoint):
         raise ConfigError("--finetune loads a checkpoint's weights: pass --load DIR or --pretrained-checkpoint DIR")
     if args.lora_rank is not None and not (args.load or args.pretrained_checkpoint):

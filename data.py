@@ -289,12 +289,12 @@ def byte_level_bpe(vocab_file, merge_file) -> Tokenizer:
     """GPT2BPETokenizer: GPT-2's byte-level BPE from its vocab.json and merges.txt, as Megatron's gpt2_tokenization.py
     encodes (GPT-2's pre-tokenizing regex, each byte as a printable character, merges by rank); eod = <|endoftext|>,
     which the vocabulary must hold."""
-    _need_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
-    _need_file(merge_file, "--merge-file", "GPT-2 merges.txt")
+    _need_file(vocab_file, "--vocab-file", "byte-level BPE vocab.json")
+    _need_file(merge_file, "--merge-file", "byte-level BPE merges.txt")
     try:
         tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
     except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
-        raise DataError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not GPT-2 BPE files "
+        raise DataError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not byte-level BPE files "
                         f"({str(e).splitlines()[0]})") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -321,7 +321,7 @@ def wordpiece_tokenizer(vocab_file, lower_case: bool, extra_ids: int = 0) -> Tok
     tok.decoder = decoders.WordPiece()
     missing = [t for t in ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]") if tok.token_to_id(t) is None]
     if missing:
-        raise DataError(f"--vocab-file {vocab_file} lacks {', '.join(missing)} (BERT's special tokens)")
+        raise DataError(f"--vocab-file {vocab_file} lacks {', '.join(missing)} (the WordPiece special tokens)")
     added = ["[BOS]", "[EOS]"] + [f"<extra_id_{i}>" for i in range(extra_ids)]
     tok.add_special_tokens([t for t in added if tok.token_to_id(t) is None])
     kind = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
@@ -398,7 +398,7 @@ def megatron_tokenizer(args) -> Tokenizer:
     add_missing_specials(tok)
     if tok.get_vocab_size() > n:
         note(f"--tokenizer-type {kind} has no token for {tok.get_vocab_size() - n} of the data layer's roles (pad, cls, "
-             f"sep, mask, T5's sentinels): added as ids {n}..{tok.get_vocab_size() - 1}")
+             f"sep, mask, the span sentinels): added as ids {n}..{tok.get_vocab_size() - 1}")
     return tok
 
 

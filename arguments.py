@@ -110,6 +110,10 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
                                                    "NullTokenizer: its ids before eod (Megatron's)")
     a("--data-cache-path", "--data-cache-dir", dest="data_cache_dir", default="data_cache",
       help="the tokenizers and token caches built from the data (Megatron's --data-cache-path)")
+    a("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+      help="Megatron's: read the .bin files (a PREFIX's, the token caches) into memory instead of memory-mapping them")
+    a("--num-workers", type=int, default=None, help="Megatron's DataLoader worker processes (its default 2); here the "
+                                                    "samples are read in the training process (a note says so)")
     a("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader", action="store_false",
       help="Megatron's: no attention mask in the samples (here the model always makes the causal mask itself)")
     # packed documents (data.Packing; megatron/core/datasets/gpt_dataset.py): the documents a sample holds, apart
@@ -374,6 +378,11 @@ def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
     if unread:  # Megatron does not read them either
         data.note(f"{', '.join(unread)}: not read " + (f"by --tokenizer-type {kind}" if kind else
                                                         "without --tokenizer-type (the tokenizer is ours)"))
+    if args.num_workers is not None and args.num_workers < 0:
+        raise ConfigError(f"--num-workers={args.num_workers} must be >= 0")
+    if args.num_workers is not None:
+        data.note(f"--num-workers {args.num_workers}: no DataLoader worker processes here; each rank reads its samples "
+                  "in its training process (the batches are the same)")
     if args.tiktoken_pattern is not None:
         data.note(f"--tiktoken-pattern {args.tiktoken_pattern} is read by TikTokenizer only (as in Megatron), not by "
                   f"--tokenizer-type {kind}")

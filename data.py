@@ -437,9 +437,10 @@ def _fails(tok, text, wrap) -> bool:
     return False
 
 
-def build_token_cache(data_path, json_keys, tok, cache_prefix, documents=None):
+def build_token_cache(data_path, json_keys, tok, cache_prefix, documents=None, mmap: bool = True):
     """Tokenize once: cache_prefix.bin/.idx plus cache_prefix.key (sha256 of the documents and tokenizer).
-    A changed corpus or tokenizer changes the key and rebuilds. Pass `documents` if already loaded."""
+    A changed corpus or tokenizer changes the key and rebuilds. Pass `documents` if already loaded; mmap: as
+    IndexedDataset's."""
     documents = load_documents(data_path, json_keys) if documents is None else documents
     h = hashlib.sha256(tokenizer_text(tok).encode())
     for d in documents:
@@ -447,13 +448,13 @@ def build_token_cache(data_path, json_keys, tok, cache_prefix, documents=None):
         h.update(struct.pack("<Q", len(b)) + b)
     key, key_path = h.hexdigest(), f"{cache_prefix}.key"
     if os.path.exists(key_path) and Path(key_path).read_text().strip() == key:
-        return IndexedDataset(cache_prefix)
+        return IndexedDataset(cache_prefix, mmap)
     if os.path.exists(key_path):
         os.remove(key_path)  # invalidate first: a run killed mid-rebuild must not trust stale files
     write_indexed_dataset(cache_prefix, tokenize_documents(tok, documents), tok.get_vocab_size())
     Path(f"{key_path}.tmp").write_text(key + "\n")
     os.replace(f"{key_path}.tmp", key_path)
-    return IndexedDataset(cache_prefix)
+    return IndexedDataset(cache_prefix, mmap)
 
 
 # ----------------------------------------------------------------------------- Megatron indexed dataset
@@ -493,9 +494,10 @@ def write_indexed_dataset(prefix, docs_token_ids, vocab_size):
 
 
 class IndexedDataset:
-    """Read-only view of prefix.bin/.idx (np.memmap). ds[i] is sequence i's tokens."""
+    """Read-only view of prefix.bin/.idx: the .bin memory-mapped (np.memmap), or with mmap=False (Megatron's
+    --no-mmap-bin-files) read into memory once. ds[i] is sequence i's tokens, the same either way."""
 
-    def __init__(self, prefix):
+    def __init__(self, prefix, mmap: bool = True):
         idx, bin_ = prefix + ".idx", prefix + ".bin"
         for p in (idx, bin_):
             if not os.path.isfile(p):
@@ -529,7 +531,8 @@ class IndexedDataset:
         nbytes, bin_size = int(lengths.sum()) * self.dtype.itemsize, os.path.getsize(bin_)
         if bin_size != nbytes:
             raise DataError(f"{bin_}: {bin_size} bytes, but {idx} describes {nbytes}")
-        self._bin = np.memmap(bin_, self.dtype, mode="r") if nbytes else np.empty(0, self.dtype)
+        self._bin = np.empty(0, self.dtype) if not nbytes else np.memmap(bin_, self.dtype, mode="r") if mmap else \
+            np.fromfile(bin_, self.dtype)
 
     def __len__(self):
         return len(self.sequence_lengths)
@@ -782,12 +785,13 @@ def build_data(args, dataset=None, tokenizer_file=None, vocab_size=None, samples
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # torchrun's ranks on one node: the first builds, the others read
         prefixes = [p for p in paths if p is not None and _is_prefix(p)]
-        indexed = {p: IndexedDataset(p) for p in prefixes}  # (a malformed one is named before its tokenizer)
+        mmap = getattr(args, "mmap_bin_files", True)  # --no-mmap-bin-files: read the .bin files into memory
+        indexed = {p: IndexedDataset(p, mmap) for p in prefixes}  # (a malformed one is named before its tokenizer)
         texts = {p: load_documents(p, tuple(args.json_keys)) for p in paths if p not in prefixes}
         tok = _corpus_tokenizer(args, texts, prefixes, tokenizer_file, vocab_size, cache, samples)
         tok_key = hashlib.sha256(tokenizer_text(tok).encode()).hexdigest()[:8]
         sources = [indexed[p] if p in prefixes else build_token_cache(
-            None, None, tok, str(cache / f"{_documents_key(texts[p])}-{tok_key}-tokens"), documents=texts[p])
+            None, None, tok, str(cache / f"{_documents_key(texts[p])}-{tok_key}-tokens"), documents=texts[p], mmap=mmap)
             for p in paths]
     n_tok = tok.get_vocab_size()
     for p, source in zip(paths, sources):

@@ -305,6 +305,28 @@ def test_build_token_cache_reuses_and_rebuilds(tmp_path, tok, monkeypatch):
     assert len(data.build_token_cache(str(tmp_path / "corpus"), ("text",), tok, prefix)) == 4
 
 
+def test_no_mmap_bin_files_reads_the_same_tokens_into_memory(tmp_path, tok, monkeypatch):
+    """--no-mmap-bin-files (IndexedDataset mmap=False): the .bin read into memory, each sequence equal to the mapped
+    one's; the flag reaches the datasets build_data makes."""
+    prefix = str(tmp_path / "docs")
+    data.write_indexed_dataset(prefix, tokenize_documents(tok, SOURCE[:4]), tok.get_vocab_size())
+    mapped, read = IndexedDataset(prefix), IndexedDataset(prefix, mmap=False)
+    assert isinstance(mapped._bin, np.memmap) and not isinstance(read._bin, np.memmap)  # (the control: mapped is)
+    assert all(np.array_equal(mapped[i], read[i]) for i in range(4)) and len(read) == 4
+    import arguments
+    opened = []  # (prefix, mmap) of each IndexedDataset build_data opens
+    monkeypatch.setattr(data, "IndexedDataset", lambda p, mmap=True: opened.append((p, mmap)) or IndexedDataset(p, mmap))
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "text.txt").write_text(SOURCE[5])
+    for flags, is_mapped in [([], True), (["--no-mmap-bin-files"], False)]:
+        opened.clear()
+        args = arguments.check_args(arguments.parse_args([
+            "--data-path", prefix, str(tmp_path / "text.txt"), "--tokenizer-file", str(tmp_path / "tok.json"),
+            "--data-cache-path", str(tmp_path / "cache"), "--seq-length", "8", "--vocab-size", "512", *flags]), 1)
+        data.build_data(args, tokenizer_file=args.tokenizer_file)
+        assert [m for _, m in opened] == [is_mapped, is_mapped] and opened[0][0] == prefix  # the PREFIX, the cache
+
+
 def test_preprocess_cli(tmp_path, capsys, tok):
     texts = ["first doc\nline", "sëcond 文档", "third <sep> doc"]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))

@@ -277,6 +277,14 @@ def test_vocab_file_alone_takes_megatron_scripts_default(gpt2_files, vocab_txt, 
     assert args.tiktoken_pattern == "v2"
 
 
+def test_num_workers_is_accepted_with_a_note(capsys):
+    assert check(["--num-workers", "1"]).num_workers == 1
+    assert "--num-workers 1: no DataLoader worker processes here" in capsys.readouterr().out
+    assert check([]).num_workers is None and "num-workers" not in capsys.readouterr().out  # not given: no note
+    with pytest.raises(ConfigError, match="--num-workers=-1 must be >= 0"):
+        check(["--num-workers", "-1"])
+
+
 def test_data_cache_path_is_megatrons_name_for_data_cache_dir():
     assert check(["--data-cache-path", "x"]).data_cache_dir == "x" == check(["--data-cache-dir", "x"]).data_cache_dir
     assert check([]).data_cache_dir == "data_cache"
@@ -340,9 +348,9 @@ def test_llama3_scripts_mock_data_path_trains(tmp_path, capsys):
     run = tmp_path / "run"
     train.main(_tiny(tmp_path, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
                      "--tiktoken-pattern", "v2", "--split", "'99,1,0'", "--no-create-attention-mask-in-dataloader",
-                     "--save", str(run)))
+                     "--no-mmap-bin-files", "--num-workers", "1", "--save", str(run)))
     out = capsys.readouterr().out
-    assert "--mock-data: the first 1000 of Megatron's 100,000 mock documents" in out
+    assert "--mock-data: the first 1000 of Megatron's 100,000 mock documents" in out and "--num-workers 1" in out
     assert [r["iteration"] for r in _records(run) if "loss" in r] == [1, 2]
     assert json.loads((run / "iter_0000002" / "meta.json").read_text())["args"]["vocab_size"] == 4096 + 1 + 104
 

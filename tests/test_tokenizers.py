@@ -261,6 +261,10 @@ def check(argv):
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "d", "--tokenizer-file", "t.json"],
      "are two tokenizers"),
     (["--vocab-file", "/nonexistent/vocab.txt"], "--vocab-file '/nonexistent/vocab.txt' does not exist"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "deepseek-ai/DeepSeek-V2-Lite"],
+     "--tokenizer-model 'deepseek-ai/DeepSeek-V2-Lite' is not a local folder \\(nothing is downloaded"),
+    (["--tokenizer-type", "BertWordPieceCase", "--vocab-file", "/nonexistent/v.txt"],
+     "--vocab-file '/nonexistent/v.txt' is not a local file"),
 ])
 def test_tokenizer_flags_refused_in_one_line(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -365,3 +369,24 @@ def test_bert_wordpiece_recipe_trains(vocab_txt, tmp_path):
     assert [r["iteration"] for r in _records(run) if "test_loss" in r] == [2]
     roles = json.loads((run / "tokenizer.roles.json").read_text())
     assert (roles["tokenizer_type"], roles["cls"], roles["eod"]) == ("BertWordPieceLowerCase", "[CLS]", "[EOS]")
+
+
+def test_llama3_scripts_real_data_flags_train(tmp_path, capsys):
+    """train_llama3_8b_h100_fp8.sh's real-data branch: a PREFIX (tokens + eod per document, as Megatron's
+    preprocess_data.py writes it with the same tokenizer), --tokenizer-type HuggingFaceTokenizer on a local folder,
+    and --vocab-size, which Megatron does not read for this type (a note says so; the vocabulary is the folder's)."""
+    import train
+    folder = hf_folder(tmp_path / "hf")
+    tok = data.megatron_tokenizer(megatron_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder)))
+    prefix = str(tmp_path / "llama_text_document")
+    data.write_indexed_dataset(prefix, data.tokenize_documents(tok, CORPUS * 3), tok.get_vocab_size())
+    run = tmp_path / "run"
+    train.main(_tiny(tmp_path, "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                     str(folder), "--split", "'99,1,0'", "--no-create-attention-mask-in-dataloader",
+                     "--no-mmap-bin-files", "--num-workers", "1", "--vocab-size", "128256", "--save", str(run)))
+    out = capsys.readouterr().out
+    assert "--vocab-size 128256 is not read with --tokenizer-type HuggingFaceTokenizer" in out
+    assert [r["iteration"] for r in _records(run) if "loss" in r] == [1, 2]
+    assert json.loads((run / "iter_0000002" / "meta.json").read_text())["args"]["vocab_size"] == tok.get_vocab_size()
+    roles = json.loads((run / "tokenizer.roles.json").read_text())
+    assert (roles["tokenizer_type"], roles["eod"], roles["add_special_tokens"]) == ("HuggingFaceTokenizer", "</s>", True)

@@ -390,3 +390,17 @@ def test_llama3_scripts_real_data_flags_train(tmp_path, capsys):
     assert json.loads((run / "iter_0000002" / "meta.json").read_text())["args"]["vocab_size"] == tok.get_vocab_size()
     roles = json.loads((run / "tokenizer.roles.json").read_text())
     assert (roles["tokenizer_type"], roles["eod"], roles["add_special_tokens"]) == ("HuggingFaceTokenizer", "</s>", True)
+
+
+def test_t5_scripts_data_flags_train(vocab_txt, tmp_path):
+    """train_t5_220m_distributed.sh's data flags: --tokenizer-type BertWordPieceCase, --vocab-file, --split
+    99982,9,9 (one valid and one test document of a small corpus); the span sentinels follow [BOS], [EOS] as
+    Megatron's --vocab-extra-ids 100 puts them."""
+    import train
+    run = tmp_path / "run"
+    train.main(_tiny(tmp_path, "--model", "t5", "--data-path", str(_corpus(tmp_path)), "--tokenizer-type",
+                     "BertWordPieceCase", "--vocab-file", vocab_txt, "--split", "99982,9,9", "--save", str(run)))
+    assert [r["iteration"] for r in _records(run) if "test_loss" in r] == [2]
+    saved = data.get_tokenizer(None, None, tokenizer_file=str(run / "tokenizer.json"))
+    V = sum(1 for _ in open(vocab_txt, encoding="utf-8"))
+    assert data.special_ids(saved)["sentinels"] == list(range(V + 2, V + 102))

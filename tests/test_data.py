@@ -511,3 +511,24 @@ def test_blend_with_a_test_split_trains_end_to_end(tmp_path):
     train.main(argv[:argv.index("--split") + 1] + ["90,10"] + argv[argv.index("--split") + 2:-1] + [
         str(tmp_path / "run2")])  # negative control: no test part, no test_loss
     assert not any("test_loss" in line for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines())
+
+
+def test_build_data_refuses_in_one_line(tmp_path, tok):
+    """A PREFIX without its tokenizer, two PREFIXes of different tokenizers, mock documents past the vocabulary."""
+    docs = tokenize_documents(tok, SOURCE[:4])
+    for name in ("p", "q"):
+        data.write_indexed_dataset(str(tmp_path / name), docs, tok.get_vocab_size())
+    with pytest.raises(DataError, match=r"p.bin/.idx needs the tokenizer it was made with: pass --tokenizer-file"):
+        data.build_data(_args(tmp_path, [str(tmp_path / "p")]))
+    tok.save(str(tmp_path / "p.tokenizer.json"))
+    other = get_tokenizer(SOURCE[1:], None, vocab_size=390)
+    other.save(str(tmp_path / "q.tokenizer.json"))
+    with pytest.raises(DataError, match=r"--data-path: .*p, .*q were made with different tokenizers"):
+        data.build_data(_args(tmp_path, [str(tmp_path / "p"), str(tmp_path / "q")]))
+    tok.save(str(tmp_path / "q.tokenizer.json"))  # the control: the same tokenizer blends
+    assert isinstance(data.build_data(_args(tmp_path, [str(tmp_path / "p"), str(tmp_path / "q")])).train,
+                      data.BlendedDataset)
+    with pytest.raises(DataError, match="--mock-data: Megatron's mock documents count up to 4094"):
+        data.build_data(_args(tmp_path, None, mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100))
+    assert len(data.build_data(_args(tmp_path, None, mock_data=True, tokenizer_type="NullTokenizer",
+                                     vocab_size=4095)).train) > 0

@@ -404,3 +404,28 @@ def test_t5_scripts_data_flags_train(vocab_txt, tmp_path):
     saved = data.get_tokenizer(None, None, tokenizer_file=str(run / "tokenizer.json"))
     V = sum(1 for _ in open(vocab_txt, encoding="utf-8"))
     assert data.special_ids(saved)["sentinels"] == list(range(V + 2, V + 102))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mock-data", "--data-path", "a"], "--mock-data and --data-path are two data sources"),
+    (["--data-path", "0.3", "a", "b", "c"], "not a mix"),
+    (["--data-path", "0.3", "a", "-1", "b"], "weight -1.0 of b must be > 0"),
+    (["--task", "sft", "--data-path", "a.jsonl", "b.jsonl"], "--task sft reads one JSON-lines file: --data-path has 2"),
+    (["--task", "sft", "--split", "90,5,5"], "--task sft splits its records into train and valid only"),
+    (["--task", "dpo", "--mock-data"], "--mock-data makes pretraining documents: --task dpo needs records"),
+    (["--no-create-attention-mask-in-dataloader", "--reset-attention-mask"], "no block-causal mask to pass on"),
+])
+def test_data_flags_refused_in_one_line(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        check(argv)
+
+
+def test_data_flags_accepted(capsys):
+    """The cases next to the refusals above (their negative controls): one source stays a str, a blend a list."""
+    assert check(["--data-path", "a"]).data_path == "a" and check(["--mock-data"]).data_path is None
+    assert check(["--data-path", "0.3", "a", "0.7", "b"]).data_path == ["0.3", "a", "0.7", "b"]
+    assert check(["--task", "sft", "--split", "90,10,0"]).test_fraction == 0
+    assert check(["--no-create-attention-mask-in-dataloader"]).create_attention_mask_in_dataloader is False
+    capsys.readouterr()
+    check(["--merge-file", "m.txt"])
+    assert "--merge-file: not read without --tokenizer-type (the tokenizer is ours)" in capsys.readouterr().out

@@ -532,3 +532,25 @@ def test_build_data_refuses_in_one_line(tmp_path, tok):
         data.build_data(_args(tmp_path, None, mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100))
     assert len(data.build_data(_args(tmp_path, None, mock_data=True, tokenizer_type="NullTokenizer",
                                      vocab_size=4095)).train) > 0
+
+
+@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]], ids=["dp2", "pp2"])
+def test_blend_with_a_test_split_is_layout_free(tmp_path, layout):
+    """Two ranks (data parallel, or a 2-stage pipeline: test_loss through the forward-only schedule) equal one process
+    on a blend with a test part: each loss, val_loss and test_loss to 1e-5 relative (float32 sums in another order)."""
+    import harness
+    import train
+    a, b = _text_dir(tmp_path / "a", "alpha", 12), _text_dir(tmp_path / "b", "beta", 12)
+    argv = ["--data-path", "0.3", str(a), "0.7", str(b), "--split", "80,10,10", "--data-cache-path",
+            str(tmp_path / "cache"), "--vocab-size", "384", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1"]
+    train.main(argv + ["--save", str(tmp_path / "one")])
+    harness.launch(2, argv + layout + ["--save", str(tmp_path / "two")])
+    one, two = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("one", "two"))
+    keys = [(r["iteration"], k) for r in one for k in ("loss", "val_loss", "test_loss") if k in r]
+    assert (2, "test_loss") in keys and len(one) == len(two)
+    for r1, r2 in zip(one, two):
+        for k in ("loss", "val_loss", "test_loss"):
+            assert (k in r1) == (k in r2) and (k not in r1 or abs(r1[k] - r2[k]) <= 1e-5 * abs(r1[k])), (k, r1, r2)

@@ -91,13 +91,31 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--init-method-std", type=float, default=0.02)
     a("--make-vocab-size-divisible-by", type=int, default=128)
     # data and tokenizer
-    a("--data-path", default=None, help="text file, directory, .jsonl, or a Megatron PREFIX (PREFIX.bin/.idx); "
-                                        "default: the Python stdlib sources")
+    a("--data-path", nargs="+", default=None,
+      help="a source (text file, directory, .jsonl, or a Megatron PREFIX of PREFIX.bin/.idx), several (each weighing "
+           "its size), or weight-source pairs '0.3 A 0.7 B' (Megatron's blend); default: the Python stdlib sources")
+    a("--mock-data", action="store_true", help="Megatron's synthetic documents 1, 2, ..., eod instead of --data-path")
     a("--json-keys", nargs="+", default=["text"])
-    a("--split", default="95,5", help="train,valid weights; documents are split, not tokens")
+    a("--split", default="95,5", help="train,valid[,test] weights of the documents (not tokens), e.g. 949,50,1; the "
+                                      "test part is held out and evaluated once training ends (test_loss)")
+    a("--tokenizer-type", default=None, choices=data.TOKENIZER_TYPES,
+      help="Megatron's tokenizer from local files (--vocab-file, --merge-file, --tokenizer-model, or --vocab-size for "
+           "NullTokenizer); default: --tokenizer-file, else a byte-level BPE trained on the corpus")
+    a("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json, or BertWordPiece*'s vocab.txt")
+    a("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
+    a("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a local folder with tokenizer.json")
+    a("--tiktoken-pattern", default=None, choices=["v1", "v2"], help="TikTokenizer's regex (that type is refused)")
     a("--tokenizer-file", default=None, help="a HF tokenizers tokenizer.json (default: train a byte-level BPE)")
-    a("--vocab-size", type=int, default=None, help="the BPE to train (default 8192), or the model's vocabulary")
-    a("--data-cache-dir", default="data_cache")
+    a("--vocab-size", type=int, default=None, help="the BPE to train (default 8192), or the model's vocabulary; "
+                                                   "NullTokenizer: its ids before eod (Megatron's)")
+    a("--data-cache-path", "--data-cache-dir", dest="data_cache_dir", default="data_cache",
+      help="the tokenizers and token caches built from the data (Megatron's --data-cache-path)")
+    a("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+      help="Megatron's: read the .bin files (a PREFIX's, the token caches) into memory instead of memory-mapping them")
+    a("--num-workers", type=int, default=None, help="Megatron's DataLoader worker processes (its default 2); here the "
+                                                    "samples are read in the training process (a note says so)")
+    a("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader", action="store_false",
+      help="Megatron's: no attention mask in the samples (here the model always makes the causal mask itself)")
     # packed documents (data.Packing; megatron/core/datasets/gpt_dataset.py): the documents a sample holds, apart
     a("--reset-position-ids", action="store_true", help="positions restart at 0 after each end-of-document token")
     a("--reset-attention-mask", action="store_true",
@@ -411,6 +429,80 @@ RANGES.update(**dict.fromkeys(["dpo_beta", "kto_beta", "kto_desirable_weight", "
               dpo_label_smoothing=(lambda v: 0 <= v <= 0.5, "in [0, 0.5] (cDPO: the fraction of flipped labels)"))
 
 
+def parse_split(split: str) -> list[float]:
+    """--split 'train,valid[,test]' -> the three normalized fractions (Megatron's parse_and_normalize_split: missing
+    parts are 0; quotes and spaces, as a shell script may leave them, are ignored)."""
+    try:
+        w = [float(x) for x in re.sub(r"[\s'\"]", "", split).split(",")]
+        assert 1 <= len(w) <= 3 and all(math.isfinite(x) and x >= 0 for x in w) and w[0] > 0
+    except (ValueError, AssertionError):
+        raise ConfigError(f"--split={split!r}: expected train,valid[,test] weights like 949,50,1 (train > 0)") from None
+    w += [0.0] * (3 - len(w))
+    return [x / sum(w) for x in w]
+
+
+def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
+    """The data and tokenizer flags (data.py reads them): --split's parts, the sources, the tokenizer type and the
+    files it needs. Returns (valid_fraction, test_fraction, data_path, tokenizer_type): data_path is one source (a str,
+    as the post-training tasks read it) or a blend's entries (a list); tokenizer_type is filled in from --vocab-file
+    if not given. check_args sets them on its copy."""
+    _, valid_fraction, test_fraction = parse_split(args.split)
+    data_path = args.data_path
+    if args.mock_data and args.data_path:
+        raise ConfigError("--mock-data and --data-path are two data sources: pass one (as Megatron asserts)")
+    if isinstance(data_path, list):
+        try:
+            blend = data.parse_blend(data_path)
+        except data.DataError as e:
+            raise ConfigError(str(e)) from None
+        data_path = blend.paths[0] if blend and len(blend.paths) == 1 and blend.weights is None else data_path or None
+    if isinstance(data_path, list) and args.task != "pretrain":
+        raise ConfigError(f"--task {args.task} reads one JSON-lines file: --data-path has {len(data_path)} entries")
+    if test_fraction > 0 and args.task != "pretrain":
+        raise ConfigError(f"--split={args.split}: --task {args.task} splits its records into train and valid only")
+    if args.mock_data and args.task != "pretrain":
+        raise ConfigError(f"--mock-data makes pretraining documents: --task {args.task} needs records")
+    if not args.create_attention_mask_in_dataloader and args.reset_attention_mask:
+        raise ConfigError("--no-create-attention-mask-in-dataloader with --reset-attention-mask: Megatron then has no "
+                          "block-causal mask to pass on; drop one of them")
+    kind = args.tokenizer_type
+    if kind is None and args.vocab_file is not None:  # Megatron's pretraining scripts default the type
+        try:
+            kind = data.vocab_file_type(args.vocab_file)
+        except data.DataError as e:
+            raise ConfigError(str(e)) from None
+        data.note(f"--vocab-file {args.vocab_file} without --tokenizer-type: {kind} (as Megatron's pretraining "
+                  "scripts default it for this kind of vocabulary)")
+    if kind in data.REFUSED_TOKENIZERS:
+        raise ConfigError(f"--tokenizer-type {kind}: {data.REFUSED_TOKENIZERS[kind]}")
+    if kind is not None and args.tokenizer_file is not None:
+        raise ConfigError(f"--tokenizer-type {kind} and --tokenizer-file {args.tokenizer_file} are two tokenizers: "
+                          "pass one")
+    needs = data.TOKENIZER_FILES.get(kind, ())
+    missing = [f"--{f.replace('_', '-')}" for f in needs if getattr(args, f) is None]
+    if missing:
+        raise ConfigError(f"--tokenizer-type {kind} needs {' and '.join(missing)}")
+    for f in (f for f in needs if f != "vocab_size"):  # local files only: a hub name is not fetched
+        path = Path(getattr(args, f))
+        if not (path.is_dir() if f == "tokenizer_model" else path.is_file()):
+            raise ConfigError(f"--tokenizer-type {kind}: --{f.replace('_', '-')} {str(path)!r} is not a local "
+                              f"{'folder' if f == 'tokenizer_model' else 'file'} (nothing is downloaded at run time)")
+    unread = [f"--{f.replace('_', '-')}" for f in ("vocab_file", "merge_file", "tokenizer_model")
+              if getattr(args, f) is not None and f not in needs]
+    if unread:  # Megatron does not read them either
+        data.note(f"{', '.join(unread)}: not read " + (f"by --tokenizer-type {kind}" if kind else
+                                                        "without --tokenizer-type (the tokenizer is ours)"))
+    if args.num_workers is not None and args.num_workers < 0:
+        raise ConfigError(f"--num-workers={args.num_workers} must be >= 0")
+    if args.num_workers is not None:
+        data.note(f"--num-workers {args.num_workers}: no DataLoader worker processes here; each rank reads its samples "
+                  "in its training process (the batches are the same)")
+    if args.tiktoken_pattern is not None:
+        data.note(f"--tiktoken-pattern {args.tiktoken_pattern} is read by TikTokenizer only (as in Megatron), not by "
+                  f"--tokenizer-type {kind}")
+    return valid_fraction, test_fraction, data_path, kind
+
+
 def check_task_args(args, mf):
     """A post-training task (posttrain.py) runs on the decoders' next-token path: what it does not cover."""
     task, cp = args.task, args.context_parallel_size
@@ -549,12 +641,7 @@ def check_args(args, world: int) -> Args:
         if args.recompute_granularity == "selective":
             raise ConfigError(f"--recompute-granularity selective with --context-parallel-size={cp}: the split "
                               "attention is not recomputed (use full)")
-    try:
-        w = [float(x) for x in args.split.split(",")]
-        args.valid_fraction = w[1] / sum(w)
-        assert len(w) in (2, 3) and min(w) >= 0 and args.valid_fraction < 1
-    except (ValueError, IndexError, AssertionError, ZeroDivisionError):
-        raise ConfigError(f"--split={args.split!r}: expected 'train,valid' weights like 95,5") from None
+    args.valid_fraction, args.test_fraction, args.data_path, args.tokenizer_type = check_data_args(args)
     if args.finetune and not (args.load or args.pretrained_checkpoint):
         raise ConfigError("--finetune loads a checkpoint's weights: pass --load DIR or --pretrained-checkpoint DIR")
     if args.lora_rank is not None and not (args.load or args.pretrained_checkpoint):

@@ -549,7 +549,7 @@ def save_merged(load_dir, save_dir):
         raise ConfigError(f"--save {out} holds a run already: merge into an empty directory")
     lora.merge(run.model)
     out.mkdir(parents=True, exist_ok=True)
-    run.tok.save(str(out / "tokenizer.json"))
+    data.save_tokenizer(run.tok, out / "tokenizer.json")
     settings = {**run.ckpt.meta["args"], "save": str(out), "load": None, "lora_rank": None}
     save_checkpoint(out, run.ckpt.meta["iteration"], [run.model], None, Scale(), None, settings)
     return out

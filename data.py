@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import struct
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 
 class DataError(ValueError):
@@ -133,15 +134,68 @@ def load_documents(data_path=None, json_keys=("text",)):
 # ----------------------------------------------------------------------------- tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<pad>", "<cls>", "<sep>", "<mask>"] + [f"<extra_id_{i}>" for i in range(100)]
+ROLES = ("eod", "pad", "cls", "sep", "mask")  # the roles of SPECIAL_TOKENS[:5]; SPECIAL_TOKENS[5:] are T5's sentinels
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What a tokenizer.json does not say and the data layer needs: the text of the token that plays each role of
+    SPECIAL_TOKENS, and whether a document is encoded with the tokenizer's own post-processor. Our tokenizers spell
+    the roles as SPECIAL_TOKENS does (these defaults); a Megatron --tokenizer-type maps its own tokens (BERT's [CLS] is
+    cls, a Hugging Face folder's eos_token is eod). Kept on the tokenizer (`tok.roles`, read by roles_of) and saved
+    beside its tokenizer.json (save_tokenizer), so a resumed run, tools.py and an export find the same roles."""
+    tokenizer_type: str | None = None  # the --tokenizer-type that made the tokenizer (None: ours)
+    eod: str = SPECIAL_TOKENS[0]
+    pad: str = SPECIAL_TOKENS[1]
+    cls: str = SPECIAL_TOKENS[2]
+    sep: str = SPECIAL_TOKENS[3]
+    mask: str = SPECIAL_TOKENS[4]
+    add_special_tokens: bool = False  # documents: encoded with the post-processor (Megatron's HuggingFaceTokenizer)
+
+
+def roles_of(tok) -> Roles:
+    """The tokenizer's Roles: those a --tokenizer-type gave it, else SPECIAL_TOKENS' spellings."""
+    return getattr(tok, "roles", None) or Roles()
+
+
+def roles_file(path) -> Path:
+    """Where save_tokenizer writes a tokenizer's Roles: beside it, tokenizer.json -> tokenizer.roles.json."""
+    return Path(path).with_suffix(".roles.json")
+
+
+def save_tokenizer(tok, path):
+    """tok.save(path), and its Roles beside it (roles_file) unless they are SPECIAL_TOKENS' own (a stale one goes)."""
+    tok.save(str(path))
+    side, roles = roles_file(path), roles_of(tok)
+    if roles == Roles():
+        side.unlink(missing_ok=True)
+    else:
+        side.write_text(json.dumps(dataclasses.asdict(roles), indent=1) + "\n")
 
 
 def _load_tokenizer(path):
+    """A tokenizer.json, with the Roles saved beside it (save_tokenizer) if there are any."""
     if not os.path.isfile(path):
         raise DataError(f"tokenizer file {str(path)!r} does not exist")
     try:
-        return Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on bad JSON)
         raise DataError(f"tokenizer file {str(path)!r} is unreadable: {str(e).splitlines()[0]}") from None
+    if roles_file(path).exists():
+        try:
+            tok.roles = Roles(**json.loads(roles_file(path).read_text()))
+        except (ValueError, TypeError) as e:
+            raise DataError(f"{roles_file(path)}: not a tokenizer's roles ({e})") from None
+    return tok
+
+
+def add_missing_specials(tok):
+    """Add, at the end of the vocabulary, the SPECIAL_TOKENS whose role no token of `tok` plays (as Megatron's BERT
+    tokenizer adds [BOS], [EOS] and T5's sentinels): every model's recipe finds its roles (special_ids)."""
+    roles = roles_of(tok)
+    wanted = [getattr(roles, r) for r in ROLES] + SPECIAL_TOKENS[len(ROLES):]
+    tok.add_special_tokens([t for t in wanted if tok.token_to_id(t) is None])
+    return tok
 
 
 def get_tokenizer(documents, cache_path, vocab_size=8192, tokenizer_file=None):
@@ -149,9 +203,7 @@ def get_tokenizer(documents, cache_path, vocab_size=8192, tokenizer_file=None):
     tokenizer adds T5 sentinels); else load cache_path if it exists with this vocab_size; else train a
     byte-level BPE on the documents (special tokens at ids 0..104) and save it to cache_path atomically."""
     if tokenizer_file is not None:
-        tok = _load_tokenizer(tokenizer_file)
-        tok.add_special_tokens([t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None])
-        return tok
+        return add_missing_specials(_load_tokenizer(tokenizer_file))
     if cache_path is not None and os.path.exists(cache_path):
         tok = _load_tokenizer(cache_path)
         if tok.get_vocab_size() == vocab_size:
@@ -173,46 +225,238 @@ def get_tokenizer(documents, cache_path, vocab_size=8192, tokenizer_file=None):
 
 
 def special_ids(tok):
-    """{'eod', 'pad', 'cls', 'sep', 'mask': id, 'sentinels': [100 ids]}."""
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    missing = [t for t, i in ids.items() if i is None]
+    """{'eod', 'pad', 'cls', 'sep', 'mask': id, 'sentinels': [100 ids]}: the ids of the tokens that play these roles
+    (roles_of: SPECIAL_TOKENS' spellings, or a --tokenizer-type's own tokens)."""
+    roles = roles_of(tok)
+    names = [getattr(roles, r) for r in ROLES] + SPECIAL_TOKENS[len(ROLES):]
+    ids = [tok.token_to_id(t) for t in names]
+    missing = [t for t, i in zip(names, ids) if i is None]
     if missing:
         raise DataError(f"tokenizer lacks special tokens {missing[:3]}{'...' if len(missing) > 3 else ''}")
-    out = {n: ids[t] for n, t in zip(["eod", "pad", "cls", "sep", "mask"], SPECIAL_TOKENS)}
-    return {**out, "sentinels": [ids[t] for t in SPECIAL_TOKENS[5:]]}
+    return {**dict(zip(ROLES, ids)), "sentinels": ids[len(ROLES):]}
+
+
+def tokenizer_text(tok) -> str:
+    """All that makes the tokenizer encode as it does, as text (cache keys): its JSON, and its Roles if not ours."""
+    roles = roles_of(tok)
+    return tok.to_str() + ("" if roles == Roles() else json.dumps(dataclasses.asdict(roles)))
+
+
+# ----------------------------------------------------------------------------- Megatron's tokenizer types
+# --tokenizer-type (megatron/training/tokenizer/tokenizer.py build_tokenizer) from local files, each made a
+# `tokenizers.Tokenizer` with its Roles, so everything downstream (the token cache, the models' recipes, a run's saved
+# tokenizer.json, export) works as with ours. Nothing is downloaded. The types this file cannot read offline are
+# refused (REFUSED_TOKENIZERS: the line check_args prints).
+
+TOKENIZER_TYPES = ["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                   "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                   "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"]  # Megatron's
+_SENTENCEPIECE = ("a SentencePiece .model needs the sentencepiece library, which requirements.txt does not carry; "
+                  "save it as a Hugging Face folder with a tokenizer.json (transformers' LlamaTokenizerFast"
+                  ".save_pretrained) and pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR")
+REFUSED_TOKENIZERS = {
+    "SentencePieceTokenizer": _SENTENCEPIECE, "GPTSentencePieceTokenizer": _SENTENCEPIECE,
+    "Llama2Tokenizer": _SENTENCEPIECE,
+    "TikTokenizer": "needs the tiktoken library, which requirements.txt does not carry",
+    "MultimodalTokenizer": "the multimodal prompt formats (transformers' chat templates for images) are not "
+                           "implemented; the image model here uses its own captions and tokenizer",
+    "NullMultimodalTokenizer": "the multimodal prompt formats are not implemented",
+    "SFTTokenizer": "--task sft has its own chat template (posttrain.CHAT_TEMPLATE) on the run's tokenizer",
+}
+TOKENIZER_FILES = {  # what each type reads (check_args: the flags it needs)
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"), "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",), "HuggingFaceTokenizer": ("tokenizer_model",),
+    "NullTokenizer": ("vocab_size",)}
+
+
+def vocab_file_type(vocab_file) -> str:
+    """The --tokenizer-type a --vocab-file means when none is given (Megatron's pretraining scripts default it:
+    GPT2BPETokenizer for the decoders, BertWordPieceLowerCase for the encoders): a JSON object is GPT-2's vocab.json,
+    anything else a WordPiece vocab.txt (one token a line)."""
+    if not os.path.isfile(vocab_file):
+        raise DataError(f"--vocab-file {vocab_file!r} does not exist")
+    try:
+        return "GPT2BPETokenizer" if isinstance(json.loads(Path(vocab_file).read_text(encoding="utf-8")), dict) \
+            else "BertWordPieceLowerCase"
+    except (ValueError, UnicodeDecodeError):
+        return "BertWordPieceLowerCase"
+
+
+def _need_file(path, flag, what):
+    if path is None or not os.path.isfile(path):
+        raise DataError(f"{flag} {path!r}: no such file (the {what})")
+
+
+def byte_level_bpe(vocab_file, merge_file) -> Tokenizer:
+    """GPT2BPETokenizer: GPT-2's byte-level BPE from its vocab.json and merges.txt, as Megatron's gpt2_tokenization.py
+    encodes (GPT-2's pre-tokenizing regex, each byte as a printable character, merges by rank); eod = <|endoftext|>,
+    which the vocabulary must hold."""
+    _need_file(vocab_file, "--vocab-file", "byte-level BPE vocab.json")
+    _need_file(merge_file, "--merge-file", "byte-level BPE merges.txt")
+    try:
+        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
+        raise DataError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not byte-level BPE files "
+                        f"({str(e).splitlines()[0]})") from None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if tok.token_to_id(SPECIAL_TOKENS[0]) is None:
+        raise DataError(f"--vocab-file {vocab_file} has no {SPECIAL_TOKENS[0]} (GPT2BPETokenizer's eod)")
+    tok.roles = Roles("GPT2BPETokenizer")
+    return tok
+
+
+def wordpiece_tokenizer(vocab_file, lower_case: bool, extra_ids: int = 0) -> Tokenizer:
+    """BertWordPieceLowerCase / BertWordPieceCase: BERT's WordPiece on a vocab.txt, as Megatron's bert_tokenization.py
+    (clean the text, split CJK characters, lower-case and strip accents if lower_case, split at whitespace and
+    punctuation, greedy longest-match word pieces, [UNK] for a word it cannot cut or of more than 200 characters).
+    Megatron's tokenizer adds [BOS], [EOS] and `extra_ids` sentinels <extra_id_i> after the vocabulary, in this order;
+    eod is its [EOS], and [PAD], [CLS], [SEP], [MASK] play pad, cls, sep, mask."""
+    _need_file(vocab_file, "--vocab-file", "WordPiece vocab.txt")
+    try:
+        tok = Tokenizer(models.WordPiece.from_file(vocab_file, unk_token="[UNK]", max_input_chars_per_word=200))
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"--vocab-file {vocab_file}: not a WordPiece vocab.txt ({str(e).splitlines()[0]})") from None
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                lowercase=lower_case)  # strip_accents None: as lowercase
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    missing = [t for t in ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]") if tok.token_to_id(t) is None]
+    if missing:
+        raise DataError(f"--vocab-file {vocab_file} lacks {', '.join(missing)} (the WordPiece special tokens)")
+    added = ["[BOS]", "[EOS]"] + [f"<extra_id_{i}>" for i in range(extra_ids)]
+    tok.add_special_tokens([t for t in added if tok.token_to_id(t) is None])
+    kind = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
+    tok.roles = Roles(kind, eod="[EOS]", pad="[PAD]", cls="[CLS]", sep="[SEP]", mask="[MASK]")
+    return tok
+
+
+def _token_text(value):
+    """A special token as tokenizer_config.json writes it: its text, or {"content": text, ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def folder_tokenizer(folder) -> Tokenizer:
+    """HuggingFaceTokenizer: a local Hugging Face tokenizer folder (Megatron: transformers.AutoTokenizer.from_pretrained
+    of --tokenizer-model): its tokenizer.json, and from tokenizer_config.json (special_tokens_map.json overriding, as
+    transformers reads them) the eos_token, which is eod (Megatron's), and pad, cls, sep, mask where it names them.
+    A document is encoded as Megatron's HuggingFaceTokenizer.tokenize does, with the folder's post-processor (a
+    Llama 3 folder puts <|begin_of_text|> first), then eod."""
+    path = Path(folder or "")
+    if not path.is_dir():
+        raise DataError(f"--tokenizer-model {folder!r} is not a local folder (nothing is downloaded at run time: "
+                        "fetch a hub tokenizer first, e.g. with huggingface_hub.snapshot_download)")
+    if not (path / "tokenizer.json").is_file():
+        raise DataError(f"--tokenizer-model {folder}: no tokenizer.json there (a fast tokenizer's file: "
+                        "transformers' AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) writes one)")
+    tok = _load_tokenizer(path / "tokenizer.json")
+    named = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (path / name).is_file():
+            try:
+                named.update({k: _token_text(v) for k, v in json.loads((path / name).read_text()).items()
+                              if k.endswith("_token") and _token_text(v)})
+            except (ValueError, AttributeError) as e:
+                raise DataError(f"{path / name}: unreadable ({e})") from None
+    if not named.get("eos_token"):
+        raise DataError(f"--tokenizer-model {folder}: tokenizer_config.json names no eos_token (Megatron's "
+                        "HuggingFaceTokenizer takes eod from it)")
+    roles = {r: named[f"{k}_token"] for r, k in [("eod", "eos"), ("pad", "pad"), ("cls", "cls"), ("sep", "sep"),
+                                                   ("mask", "mask")] if named.get(f"{k}_token")}
+    absent = [t for t in roles.values() if tok.token_to_id(t) is None]
+    if absent:
+        raise DataError(f"--tokenizer-model {folder}: its special token {absent[0]!r} is not in its tokenizer.json")
+    tok.roles = Roles("HuggingFaceTokenizer", **roles, add_special_tokens=True)
+    return tok
+
+
+def null_tokenizer(vocab_size: int) -> Tokenizer:
+    """NullTokenizer: a document is its token ids written as integers between spaces (Megatron's
+    [int(x) for x in text.split(' ')], here split at any whitespace); ids 0 .. vocab_size - 1, and eod = vocab_size,
+    written <|endoftext|>. Text that is not such an integer is an error (DataError, from tokenize_documents)."""
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(vocab_size)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([SPECIAL_TOKENS[0]])  # id vocab_size
+    tok.roles = Roles("NullTokenizer")
+    return tok
+
+
+def megatron_tokenizer(args) -> Tokenizer:
+    """--tokenizer-type's tokenizer from its local files (the flags TOKENIZER_FILES names), then the SPECIAL_TOKENS
+    whose role it has no token for, added after its vocabulary (add_missing_specials)."""
+    kind = args.tokenizer_type
+    if kind == "GPT2BPETokenizer":
+        tok = byte_level_bpe(args.vocab_file, args.merge_file)
+    elif kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        tok = wordpiece_tokenizer(args.vocab_file, kind == "BertWordPieceLowerCase",
+                                  getattr(args, "vocab_extra_ids", 0) or 0)
+    elif kind == "HuggingFaceTokenizer":
+        tok = folder_tokenizer(args.tokenizer_model)
+    elif kind == "NullTokenizer":
+        tok = null_tokenizer(args.vocab_size)
+    else:
+        raise DataError(f"--tokenizer-type {kind}: {REFUSED_TOKENIZERS.get(kind, 'unknown')}")
+    n = tok.get_vocab_size()
+    add_missing_specials(tok)
+    if tok.get_vocab_size() > n:
+        note(f"--tokenizer-type {kind} has no token for {tok.get_vocab_size() - n} of the data layer's roles (pad, cls, "
+             f"sep, mask, the span sentinels): added as ids {n}..{tok.get_vocab_size() - 1}")
+    return tok
+
+
+def note(message: str):
+    """One line on rank 0: what runs instead of what a flag asked for, or a flag Megatron itself does not read here."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"note: {message}", flush=True)
 
 
 def tokenize_documents(tok, documents, chunk=256):
     """One int32 array per document: its tokens then eod. Special-token strings inside the text are encoded
-    as plain text, so only our appended eod is ever an eod."""
+    as plain text, so only our appended eod is ever an eod. A tokenizer whose Roles say so (a Hugging Face folder's)
+    adds what its post-processor adds (Megatron's HuggingFaceTokenizer: a bos token first)."""
     eod, arrays = special_ids(tok)["eod"], []
+    wrap = roles_of(tok).add_special_tokens
     saved, tok.encode_special_tokens = tok.encode_special_tokens, True
     try:
         for i in range(0, len(documents), chunk):
-            for enc in tok.encode_batch(documents[i:i + chunk], add_special_tokens=False):
-                arrays.append(np.array(enc.ids + [eod], dtype=np.int32))
+            try:
+                encoded = tok.encode_batch(documents[i:i + chunk], add_special_tokens=wrap)
+            except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception: NullTokenizer's non-integers)
+                bad = next(j for j in range(i, min(i + chunk, len(documents))) if _fails(tok, documents[j], wrap))
+                raise DataError(f"document {bad} ({documents[bad][:40]!r}...): the {roles_of(tok).tokenizer_type or ''} "
+                                f"tokenizer cannot encode it ({str(e).splitlines()[0]})") from None
+            arrays += [np.array(enc.ids + [eod], dtype=np.int32) for enc in encoded]
     finally:
         tok.encode_special_tokens = saved
     return arrays
 
 
-def build_token_cache(data_path, json_keys, tok, cache_prefix, documents=None):
+def _fails(tok, text, wrap) -> bool:
+    try:
+        tok.encode(text, add_special_tokens=wrap)
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def build_token_cache(data_path, json_keys, tok, cache_prefix, documents=None, mmap: bool = True):
     """Tokenize once: cache_prefix.bin/.idx plus cache_prefix.key (sha256 of the documents and tokenizer).
-    A changed corpus or tokenizer changes the key and rebuilds. Pass `documents` if already loaded."""
+    A changed corpus or tokenizer changes the key and rebuilds. Pass `documents` if already loaded; mmap: as
+    IndexedDataset's."""
     documents = load_documents(data_path, json_keys) if documents is None else documents
-    h = hashlib.sha256(tok.to_str().encode())
+    h = hashlib.sha256(tokenizer_text(tok).encode())
     for d in documents:
         b = d.encode("utf-8", errors="surrogatepass")
         h.update(struct.pack("<Q", len(b)) + b)
     key, key_path = h.hexdigest(), f"{cache_prefix}.key"
     if os.path.exists(key_path) and Path(key_path).read_text().strip() == key:
-        return IndexedDataset(cache_prefix)
+        return IndexedDataset(cache_prefix, mmap)
     if os.path.exists(key_path):
         os.remove(key_path)  # invalidate first: a run killed mid-rebuild must not trust stale files
     write_indexed_dataset(cache_prefix, tokenize_documents(tok, documents), tok.get_vocab_size())
     Path(f"{key_path}.tmp").write_text(key + "\n")
     os.replace(f"{key_path}.tmp", key_path)
-    return IndexedDataset(cache_prefix)
+    return IndexedDataset(cache_prefix, mmap)
 
 
 # ----------------------------------------------------------------------------- Megatron indexed dataset
@@ -252,9 +496,10 @@ def write_indexed_dataset(prefix, docs_token_ids, vocab_size):
 
 
 class IndexedDataset:
-    """Read-only view of prefix.bin/.idx (np.memmap). ds[i] is sequence i's tokens."""
+    """Read-only view of prefix.bin/.idx: the .bin memory-mapped (np.memmap), or with mmap=False (Megatron's
+    --no-mmap-bin-files) read into memory once. ds[i] is sequence i's tokens, the same either way."""
 
-    def __init__(self, prefix):
+    def __init__(self, prefix, mmap: bool = True):
         idx, bin_ = prefix + ".idx", prefix + ".bin"
         for p in (idx, bin_):
             if not os.path.isfile(p):
@@ -288,7 +533,8 @@ class IndexedDataset:
         nbytes, bin_size = int(lengths.sum()) * self.dtype.itemsize, os.path.getsize(bin_)
         if bin_size != nbytes:
             raise DataError(f"{bin_}: {bin_size} bytes, but {idx} describes {nbytes}")
-        self._bin = np.memmap(bin_, self.dtype, mode="r") if nbytes else np.empty(0, self.dtype)
+        self._bin = np.empty(0, self.dtype) if not nbytes else np.memmap(bin_, self.dtype, mode="r") if mmap else \
+            np.fromfile(bin_, self.dtype)
 
     def __len__(self):
         return len(self.sequence_lengths)
@@ -302,16 +548,19 @@ class IndexedDataset:
 
 # ----------------------------------------------------------------------------- GPT samples and batches
 
-def split_documents(n_docs, valid_fraction=0.05, seed=1234):
-    """Split document ids by a seeded permutation -> (train_ids, valid_ids), each sorted.
-    At least one valid document when n_docs >= 2 and valid_fraction > 0, and at least one train document."""
+def split_documents(n_docs, valid_fraction=0.05, seed=1234, test_fraction=0.0):
+    """Split document ids by a seeded permutation -> (train_ids, valid_ids, test_ids), each sorted: --split's
+    train,valid,test (Megatron's meaning: documents, not tokens, in these proportions; here drawn at random, Megatron
+    takes consecutive ranges). At least one valid document when n_docs >= 2 and valid_fraction > 0, then at least one
+    test document when one is left over and test_fraction > 0, and always at least one train document."""
     if n_docs < 1:
         raise DataError(f"need at least one document to split, got {n_docs}")
-    if not 0 <= valid_fraction < 1:
-        raise DataError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
+    if not (0 <= valid_fraction < 1 and 0 <= test_fraction < 1 and valid_fraction + test_fraction < 1):
+        raise DataError(f"valid_fraction {valid_fraction} + test_fraction {test_fraction} must be in [0, 1)")
     n_valid = min(n_docs - 1, max(round(n_docs * valid_fraction), int(valid_fraction > 0)))
+    n_test = min(n_docs - 1 - n_valid, max(round(n_docs * test_fraction), int(test_fraction > 0)))
     perm = np.random.default_rng(seed).permutation(n_docs)
-    return np.sort(perm[n_valid:]), np.sort(perm[:n_valid])
+    return np.sort(perm[n_valid + n_test:]), np.sort(perm[:n_valid]), np.sort(perm[n_valid:n_valid + n_test])
 
 
 class GPTDataset:
@@ -378,67 +627,237 @@ def batch_size(consumed: int, global_batch_size: int, rampup=None) -> int:
     return start + int(consumed / per_increment) * increment
 
 
+# ----------------------------------------------------------------------------- blends, mock data, build_data
+
+def normalize(weights) -> list[float]:
+    """Megatron's utils.normalize: w / sum(w) in float64."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+@dataclass(frozen=True)
+class Blend:
+    """--data-path as Megatron reads it (megatron/core/datasets/utils.py get_blend_from_list): its sources, and their
+    weights (None: each weighs its size in samples)."""
+    paths: tuple
+    weights: tuple | None = None
+
+
+def parse_blend(entries) -> Blend | None:
+    """--data-path's entries -> Blend: one source `A`; several `A B C` (weighted by their sizes); or weight-source
+    pairs `0.3 A 0.7 B` — an even count whose every other entry, from the first, is a number (Megatron's rule). A str
+    is one source. A source is anything load_documents reads, or a Megatron PREFIX (.bin/.idx)."""
+    if entries is None:
+        return None
+    entries = [entries] if isinstance(entries, str) else [str(e).strip() for e in entries]
+    if not entries:
+        return None
+    if len(entries) % 2 == 0:
+        numbers = [_number(e) for e in entries[::2]]
+        if all(w is not None for w in numbers):
+            bad = [(w, p) for w, p in zip(numbers, entries[1::2]) if not (math.isfinite(w) and w > 0)]
+            if bad:
+                raise DataError(f"--data-path: weight {bad[0][0]} of {bad[0][1]} must be > 0 (leave a source out "
+                                "instead)")
+            return Blend(tuple(entries[1::2]), tuple(numbers))
+        if any(w is not None for w in numbers):
+            raise DataError(f"--data-path {' '.join(entries)}: either weight-source pairs (0.3 A 0.7 B) or sources "
+                            "only (A B), not a mix")
+    return Blend(tuple(entries))
+
+
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+class BlendedDataset:
+    """Megatron's BlendedDataset (megatron/core/datasets/blended_dataset.py): its sample i is sample
+    dataset_sample_index[i] of dataset dataset_index[i], chosen by Megatron's greedy rule (helpers.cpp
+    build_blending_indices): at sample i take the dataset whose count lags its share the most,
+        d = argmax_d (w_d · max(i, 1) - n_d)    (the first on a tie),  n_d += 1,
+    with the weights normalized (w / sum). The rule looks only at the samples before i, so the index grows on demand
+    and sample i depends on the weights and i alone, never on the run's length or layout. A member dataset serves
+    any index (its own epochs), as Megatron sizes its members to the blend. len(): the members' samples in all."""
+
+    def __init__(self, datasets, weights):
+        if len(datasets) != len(weights) or not datasets:
+            raise DataError(f"a blend needs one weight per dataset: {len(datasets)} datasets, {len(weights)} weights")
+        self.datasets, self.weights = list(datasets), normalize(weights)
+        self.dataset_index, self.dataset_sample_index = [], []
+        self._counts = [0] * len(datasets)
+
+    def __len__(self):
+        return sum(len(d) for d in self.datasets)
+
+    def _grow(self, size: int):
+        """Extend the blending index to `size` samples (Megatron's loop, continued from where it stopped)."""
+        w, n = self.weights, self._counts
+        for i in range(len(self.dataset_index), size):
+            x = max(float(i), 1.0)
+            d = max(range(len(w)), key=lambda k: (w[k] * x - n[k], -k))  # the first of equal errors
+            self.dataset_index.append(d)
+            self.dataset_sample_index.append(n[d])
+            n[d] += 1
+
+    def __getitem__(self, i):
+        if i < 0:
+            raise IndexError(f"sample index {i} is negative")
+        if i >= len(self.dataset_index):
+            self._grow(max(int(i) + 1, 2 * len(self.dataset_index), 1024))
+        return self.datasets[self.dataset_index[i]][self.dataset_sample_index[i]]
+
+
+MOCK_DOCUMENTS = 1000  # of Megatron's 100,000 (our GPTDataset holds its documents' token stream in memory)
+
+
+class MockDocuments:
+    """--mock-data's documents: Megatron's (gpt_dataset.py MockGPTLowLevelDataset) — document d is the tokens 1, 2,
+    ..., L_d - 1 then eod, with the lengths L = numpy.random.default_rng(0).integers(1, 4096, 100000) — of which the
+    first MOCK_DOCUMENTS."""
+
+    def __init__(self, eod: int, n: int = MOCK_DOCUMENTS):
+        self.eod = eod
+        self.lengths = np.random.default_rng(0).integers(low=1, high=4096, size=100000, dtype=np.int32)[:n]
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, d):
+        return np.concatenate([np.arange(self.lengths[d] - 1) + 1, [self.eod]]).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class Corpus:
     """What build_data finds and makes, passed on (args stay as parsed): the tokenizer, the model's vocabulary size
-    (--vocab-size, else the tokenizer's), its end-of-document id (Megatron's tokenizer.eod), and the train and valid
-    datasets (None for a post-training task, which makes its own samples: posttrain.py)."""
+    (--vocab-size, else the tokenizer's), its end-of-document id (Megatron's tokenizer.eod), and the train, valid and
+    test datasets (None for a post-training task, which makes its own samples: posttrain.py; test: None without a test
+    part in --split)."""
     tokenizer: Tokenizer
     vocab_size: int
     eod: int
     train: object = None
     valid: object = None
+    test: object = None
+
+
+def _is_prefix(path) -> bool:
+    """A Megatron PREFIX: no file or directory of that name, but PREFIX.idx."""
+    return not os.path.exists(path) and os.path.exists(path + ".idx")
+
+
+def _documents_key(docs) -> str:
+    h = hashlib.sha256(str(len(docs)).encode())
+    for d in docs:
+        h.update(d.encode("utf-8", errors="surrogatepass"))
+    return h.hexdigest()[:16]
+
+
+def _corpus_tokenizer(args, texts, prefixes, tokenizer_file, vocab_size, cache, samples):
+    """The run's tokenizer: --tokenizer-type's (checked against the run it resumes), else `tokenizer_file`
+    (--tokenizer-file, or the tokenizer.json of the run it starts from), else the one a Megatron PREFIX was made with
+    (PREFIX.tokenizer.json, data.py preprocess's), else a BPE of `vocab_size` (8192) trained on the text sources
+    (the default corpus when there is none)."""
+    if args.tokenizer_type:
+        tok = megatron_tokenizer(args)
+        if tokenizer_file and tokenizer_file != args.tokenizer_file:  # the run it resumes or starts from
+            saved = get_tokenizer(None, None, tokenizer_file=tokenizer_file)
+            if saved.get_vocab() != tok.get_vocab() or roles_of(saved) != roles_of(tok):
+                raise DataError(f"--tokenizer-type {args.tokenizer_type}: not the tokenizer of the run it starts from "
+                                f"({tokenizer_file})")
+        return tok
+    if tokenizer_file:
+        return get_tokenizer(None, None, tokenizer_file=tokenizer_file)
+    if samples and prefixes:
+        files = [p + ".tokenizer.json" for p in prefixes]  # data.py preprocess writes it there
+        if not all(os.path.exists(f) for f in files):
+            first = next(p for p, f in zip(prefixes, files) if not os.path.exists(f))
+            raise DataError(f"{first}.bin/.idx needs the tokenizer it was made with: pass --tokenizer-file or "
+                            "--tokenizer-type")
+        toks = [get_tokenizer(None, None, tokenizer_file=f) for f in files]
+        if any(tokenizer_text(t) != tokenizer_text(toks[0]) for t in toks):
+            raise DataError(f"--data-path: {', '.join(prefixes)} were made with different tokenizers")
+        return toks[0]
+    docs = [d for p in texts for d in texts[p]] if samples and texts else load_documents(None)
+    v = vocab_size or 8192
+    return get_tokenizer(docs, str(cache / f"{_documents_key(docs)}-bpe{v}.json"), v)
 
 
 def build_data(args, dataset=None, tokenizer_file=None, vocab_size=None, samples: bool = True) -> Corpus:
-    """train.py's data from the flags (--data-path, --json-keys, --split, --seq-length, --seed, --data-cache-dir):
-    the tokenizer of `tokenizer_file` (else a BPE of `vocab_size`, default 8192, trained on the corpus), and the
-    samples `dataset(source, doc_ids, args, tok, seed)` makes (the model file's hook; default GPT windows). Runs on
-    every rank; a file lock lets one rank build the caches. samples=False (post-training tasks): the tokenizer only,
-    `tokenizer_file`'s (a base run's) or else the BPE of the default corpus."""
+    """train.py's data from the flags (--data-path, --mock-data, --json-keys, --split, --seq-length, --seed,
+    --data-cache-path, the tokenizer's): the tokenizer (_corpus_tokenizer), and each split's samples
+    `dataset(source, doc_ids, args, tok, seed)` make (the model file's hook; default GPT windows). A blend of sources
+    (parse_blend) splits each source's documents by --split and blends each split with Megatron's rule
+    (BlendedDataset). Runs on every rank; a file lock lets one rank build the caches. samples=False (post-training
+    tasks): the tokenizer only — --tokenizer-type's, `tokenizer_file`'s (a base run's), or the default corpus's BPE."""
     dataset = dataset or (lambda source, ids, args, tok, seed: GPTDataset(source, ids, args.seq_length, seed))
+    mock = getattr(args, "mock_data", False)
+    blend = parse_blend(args.data_path) if samples and not mock else None
+    paths = list(blend.paths) if blend else [None] if samples and not mock else []
     cache = Path(args.data_cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # torchrun's ranks on one node: the first builds, the others read
-        prefix = args.data_path if samples else None
-        if prefix and not os.path.exists(prefix) and os.path.exists(prefix + ".idx"):  # Megatron .bin/.idx
-            source = IndexedDataset(prefix)
-            tok_file = tokenizer_file or prefix + ".tokenizer.json"  # data.py preprocess writes it there
-            if not os.path.exists(tok_file):
-                raise DataError(f"{prefix}.bin/.idx needs the tokenizer it was made with: pass --tokenizer-file")
-            tok = get_tokenizer(None, None, tokenizer_file=tok_file)
-            top = int(source._bin.max()) if len(source._bin) else 0
-            if top >= tok.get_vocab_size():
-                raise DataError(f"{prefix}.bin holds token id {top}, outside the tokenizer's "
-                                f"vocabulary of {tok.get_vocab_size()} ({tok_file})")
-        elif not samples and tokenizer_file:
-            tok = get_tokenizer(None, None, tokenizer_file=tokenizer_file)
-        else:
-            docs = load_documents(prefix, tuple(args.json_keys))
-            h = hashlib.sha256(str(len(docs)).encode())
-            for d in docs:
-                h.update(d.encode("utf-8", errors="surrogatepass"))
-            key = h.hexdigest()[:16]
-            v = vocab_size or 8192
-            tok = get_tokenizer(docs, str(cache / f"{key}-bpe{v}.json"), v, tokenizer_file)
-            tok_key = hashlib.sha256(tok.to_str().encode()).hexdigest()[:8]
-            if samples:
-                source = build_token_cache(None, None, tok, str(cache / f"{key}-{tok_key}-tokens"), documents=docs)
+        prefixes = [p for p in paths if p is not None and _is_prefix(p)]
+        mmap = getattr(args, "mmap_bin_files", True)  # --no-mmap-bin-files: read the .bin files into memory
+        indexed = {p: IndexedDataset(p, mmap) for p in prefixes}  # (a malformed one is named before its tokenizer)
+        texts = {p: load_documents(p, tuple(args.json_keys)) for p in paths if p not in prefixes}
+        tok = _corpus_tokenizer(args, texts, prefixes, tokenizer_file, vocab_size, cache, samples)
+        tok_key = hashlib.sha256(tokenizer_text(tok).encode()).hexdigest()[:8]
+        sources = [indexed[p] if p in prefixes else build_token_cache(
+            None, None, tok, str(cache / f"{_documents_key(texts[p])}-{tok_key}-tokens"), documents=texts[p], mmap=mmap)
+            for p in paths]
     n_tok = tok.get_vocab_size()
+    for p, source in zip(paths, sources):
+        top = int(source._bin.max()) if p in prefixes and len(source._bin) else 0
+        if top >= n_tok:
+            raise DataError(f"{p}.bin holds token id {top}, outside the tokenizer's vocabulary of {n_tok} "
+                            f"({tokenizer_file or args.tokenizer_type or p + '.tokenizer.json'})")
+    if args.tokenizer_type:  # Megatron's: the model's vocabulary is the tokenizer's
+        if args.tokenizer_type != "NullTokenizer" and args.vocab_size is not None:
+            note(f"--vocab-size {args.vocab_size} is not read with --tokenizer-type {args.tokenizer_type} (Megatron "
+                 f"reads it for NullTokenizer only): the vocabulary is the tokenizer's {n_tok}")
+        vocab_size = n_tok
     if vocab_size is not None and vocab_size < n_tok:
         raise DataError(f"the tokenizer has {n_tok} tokens, more than the model's --vocab-size={vocab_size}"
                         f" (tokenizer: {tokenizer_file or 'trained BPE'})")
     corpus = Corpus(tok, vocab_size or n_tok, special_ids(tok)["eod"])
     if not samples:
         return corpus
-    train_ids, valid_ids = split_documents(len(source), args.valid_fraction, seed=args.seed)
-    train = dataset(source, train_ids, args, tok, args.seed)
-    valid = dataset(source, valid_ids, args, tok, args.seed + 1) if len(valid_ids) else None
-    if (valid is None or len(valid) == 0) and args.eval_iters > 0 and int(os.environ.get("RANK", 0)) == 0:
+    if mock:
+        sources = [MockDocuments(corpus.eod)]
+        if n_tok < 4096:
+            raise DataError(f"--mock-data: Megatron's mock documents count up to 4094, so the vocabulary must hold 4095 "
+                            f"ids and eod; the tokenizer has {n_tok}")
+        note(f"--mock-data: the first {MOCK_DOCUMENTS} of Megatron's 100,000 mock documents (tokens 1, 2, ..., then "
+             "eod; numpy seed 0)")
+    splits = [split_documents(len(s), args.valid_fraction, args.seed, getattr(args, "test_fraction", 0.0))
+              for s in sources]
+    made = []
+    for k, (name, seed) in enumerate([("train", args.seed), ("valid", args.seed + 1), ("test", args.seed + 2)]):
+        members = []
+        for j, (source, ids) in enumerate(zip(sources, (s[k] for s in splits))):
+            if len(ids):
+                try:
+                    members.append((j, dataset(source, ids, args, tok, seed)))
+                except DataError as e:
+                    where = f" of {paths[j]}" if len(paths) > 1 else ""
+                    raise DataError(f"the {name} split{where} (--split {args.split}: {len(ids)} documents): {e}") \
+                        from None
+        members = [(j, ds) for j, ds in members if len(ds)]
+        if len(members) > 1:  # Megatron: the given weights (normalized), else each member's size
+            weights = [normalize(blend.weights)[j] for j, _ in members] if blend.weights else \
+                [len(ds) for _, ds in members]
+            made.append(BlendedDataset([ds for _, ds in members], weights))
+        else:
+            made.append(members[0][1] if members else None)
+    train, valid, test = made
+    if valid is None and args.eval_iters > 0 and int(os.environ.get("RANK", 0)) == 0:
         print(f"WARNING: the validation set is empty (--split={args.split} leaves no validation document: a corpus of "
               "one document?): evaluation is off", flush=True)
-    return dataclasses.replace(corpus, train=train, valid=valid if valid is not None and len(valid) else None)
+    return dataclasses.replace(corpus, train=train, valid=valid, test=test)
 
 
 # ----------------------------------------------------------------------------- packed documents

@@ -149,6 +149,8 @@ class Logger:
                 self.tb.add_scalar(k, v, rec["iteration"])
         if "val_loss" in rec:
             self.bar.write(f"iteration {rec['iteration']}: validation loss {rec['val_loss']:.4f}")
+        elif "test_loss" in rec:  # once, when training has ended (a --split with a test part)
+            self.bar.write(f"iteration {rec['iteration']}: test loss {rec['test_loss']:.4f}")
         else:
             more = {k: f"{rec[k]:.3g}" for k in ("tflops", "mfu") if k in rec}
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",

@@ -272,7 +272,8 @@ class RetroDataset:
         if n % m:
             raise data.DataError(f"--seq-length={n} is not a multiple of --retro-chunk-length={m}")
         self.gpt = data.GPTDataset(source, doc_ids, n, seed)
-        train_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed)[0]
+        train_ids = data.split_documents(len(source), args.valid_fraction, seed=args.seed,
+                                         test_fraction=getattr(args, "test_fraction", 0.0))[0]  # the database
         bert_dir = args.retro_bert_load  # a trained BERT (Megatron's embedder) or the bag of tokens
         self.embedder = (retrieval.ChunkEmbedder.load(bert_dir, tok, flag="--retro-bert-load") if bert_dir
                          else retrieval.BagOfTokensEmbedder(tok.get_vocab_size()))

@@ -256,11 +256,12 @@ def setup(args) -> Run:
     if rank == 0:
         print_args(args, f"rank 0 holds {sum(p.numel() for p in model.parameters()):,} parameters; {grid}; "
                    f"{len(corpus.train)} train samples of {args.seq_length} tokens, "
-                   f"{len(corpus.valid) if corpus.valid else 0} valid; device {device}")
+                   f"{len(corpus.valid) if corpus.valid else 0} valid"
+                   + (f", {len(corpus.test)} test" if corpus.test else "") + f"; device {device}")
     run_dir = args.save or time.strftime(f"runs/{args.model}-%Y%m%d-%H%M%S")  # no --save: a fresh directory
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
-        corpus.tokenizer.save(str(Path(args.save) / "tokenizer.json"))
+        data.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
     log = Logger(run_dir, rank, first, args.train_iters, resume=start.continues)  # keeps lines <= first
     return Run(args, mf, start, corpus, config, grid, chunks, model, mesh, device, rank, optimizer, scaler, fp8, task,
                reference_base, p2p_shape, autocast, first, progress, log)
@@ -407,17 +408,19 @@ def train_step(run: Run, it: int) -> Step:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> dict:
+def evaluate(run: Run, split: str = "valid") -> dict:
     """{'val_loss': mean loss per unit over --eval-iters fixed global batches of the validation set (the same ones
     each time), plus the model file's eval_counts(model, mb) -> {name: (hits, total)} as ratios (BERT: MLM accuracy;
-    without pipelining), plus a task's validation metrics}. A pipeline evaluates with the forward-only schedule."""
+    without pipelining), plus a task's validation metrics}. A pipeline evaluates with the forward-only schedule.
+    split="test": the same on the test set, each name prefixed test_ (test_loss; Megatron's end-of-training test)."""
     a, chunks, grid, device = run.args, run.chunks, run.grid, run.device
+    dataset, prefix = (run.corpus.valid, "") if split == "valid" else (run.corpus.test, "test_")
     for c in chunks:
         c.eval()
     extra = run.mf.eval_counts if grid.pp_size == 1 else None
     total, counts = torch.zeros(1, dtype=torch.float64, device=device), {}
     for k in range(a.eval_iters):
-        batch = data.global_batch(run.corpus.valid, start=k * a.global_batch_size, size=a.global_batch_size)
+        batch = data.global_batch(dataset, start=k * a.global_batch_size, size=a.global_batch_size)
         micro, recipe, num_tokens, shape = prepare(run, batch, "valid")
         loss = P.forward_backward(chunks, micro, lambda m, mb: stage_step(m, mb, recipe, run.autocast), num_tokens,
                                   grid, shape, run.config.params_dtype, forward_only=True)
@@ -430,9 +433,9 @@ def evaluate(run: Run) -> dict:
         total = P.all_reduce(total, g)
     for c in chunks:
         c.train()
-    return dict(val_loss=float(total[0]) / a.eval_iters,
-                **{name: float(total[1 + 2 * i] / total[2 + 2 * i]) for i, name in enumerate(counts)},
-                **(run.task.metrics("valid", "val_") if run.task is not None else {}))  # (a collective)
+    return {"test_loss" if prefix else "val_loss": float(total[0]) / a.eval_iters,
+            **{prefix + name: float(total[1 + 2 * i] / total[2 + 2 * i]) for i, name in enumerate(counts)},
+            **(run.task.metrics("valid", "val_") if run.task is not None else {})}  # (a collective)
 
 
 # ============================================================================================================
@@ -484,6 +487,8 @@ def train(args) -> Run:
         n, signaled = loop(run, t0, signals)
     finally:
         signals.restore()  # (also when the loop raises: a rank that must die on torchrun's SIGTERM then does)
+    if run.corpus.test is not None and a.eval_iters > 0 and n == a.train_iters and not signaled:
+        log.log(dict(iteration=n, **evaluate(run, "test")))  # Megatron's test evaluation once training has ended
     log.close()
     if run.rank == 0:
         secs = time.time() - t0

@@ -229,7 +229,7 @@ def test_train_hooks_samples_carry_other_document_neighbours(tmp_path):
     docs = corpus(n_docs=12, length=41)
     args = SimpleNamespace(retro_chunk_length=M, retro_num_neighbors=K, seq_length=8, valid_fraction=0.2, seed=1,
                            data_cache_dir=str(tmp_path), retro_bert_load=None)
-    train_ids, valid_ids = data.split_documents(len(docs), args.valid_fraction, seed=args.seed)
+    train_ids, valid_ids, _ = data.split_documents(len(docs), args.valid_fraction, seed=args.seed)
     ds = retro.dataset(docs, train_ids, args, _Tok(), 1)
     valid = retro.dataset(docs, valid_ids, args, _Tok(), 2)  # neighbours from the training database (cached)
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1

@@ -483,10 +483,10 @@ def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
     if missing:
         raise ConfigError(f"--tokenizer-type {kind} needs {' and '.join(missing)}")
     for f in (f for f in needs if f != "vocab_size"):  # local files only: a hub name is not fetched
-        path = Path(getattr(args, f))
-        if not (path.is_dir() if f == "tokenizer_model" else path.is_file()):
+        path, folder = Path(getattr(args, f)), kind == "HuggingFaceTokenizer"  # a folder; a .model or vocab a file
+        if not (path.is_dir() if folder else path.is_file()):
             raise ConfigError(f"--tokenizer-type {kind}: --{f.replace('_', '-')} {str(path)!r} is not a local "
-                              f"{'folder' if f == 'tokenizer_model' else 'file'} (nothing is downloaded at run time)")
+                              f"{'folder' if folder else 'file'} (nothing is downloaded at run time)")
     unread = [f"--{f.replace('_', '-')}" for f in ("vocab_file", "merge_file", "tokenizer_model")
               if getattr(args, f) is not None and f not in needs]
     if unread:  # Megatron does not read them either

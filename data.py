@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 
 class DataError(ValueError):
@@ -251,12 +251,10 @@ def tokenizer_text(tok) -> str:
 TOKENIZER_TYPES = ["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
                    "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
                    "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"]  # Megatron's
-_SENTENCEPIECE = ("a SentencePiece .model needs the sentencepiece library, which requirements.txt does not carry; "
-                  "save it as a Hugging Face folder with a tokenizer.json (transformers' LlamaTokenizerFast"
-                  ".save_pretrained) and pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR")
 REFUSED_TOKENIZERS = {
-    "SentencePieceTokenizer": _SENTENCEPIECE, "GPTSentencePieceTokenizer": _SENTENCEPIECE,
-    "Llama2Tokenizer": _SENTENCEPIECE,
+    "SentencePieceTokenizer": "Megatron's generic SentencePiece type adds BERT/T5 special tokens (<CLS>, <SEP>, <MASK>, "
+                              "sentinels) after the model's pieces, which is not implemented; GPTSentencePieceTokenizer "
+                              "or Llama2Tokenizer read the same .model",
     "TikTokenizer": "needs the tiktoken library, which requirements.txt does not carry",
     "MultimodalTokenizer": "the multimodal prompt formats (transformers' chat templates for images) are not "
                            "implemented; the image model here uses its own captions and tokenizer",
@@ -266,7 +264,8 @@ REFUSED_TOKENIZERS = {
 TOKENIZER_FILES = {  # what each type reads (check_args: the flags it needs)
     "GPT2BPETokenizer": ("vocab_file", "merge_file"), "BertWordPieceLowerCase": ("vocab_file",),
     "BertWordPieceCase": ("vocab_file",), "HuggingFaceTokenizer": ("tokenizer_model",),
-    "NullTokenizer": ("vocab_size",)}
+    "NullTokenizer": ("vocab_size",), "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",)}
 
 
 def vocab_file_type(vocab_file) -> str:
@@ -381,6 +380,66 @@ def null_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
+# ------------------------------------------------------------------------------- SentencePiece (.model) tokenizers
+SPM_NORMAL, SPM_UNKNOWN, SPM_USER_DEFINED = 1, 2, 4  # sentencepiece_model.proto's piece types (CONTROL 3, BYTE 6, ...)
+
+
+def sentencepiece_tokenizer(model_file, kind) -> Tokenizer:
+    """Llama2Tokenizer / GPTSentencePieceTokenizer: a SentencePiece .model (its protobuf, read with the schema the
+    sentencepiece package ships) rebuilt as a `tokenizers.Tokenizer` that gives SentencePiece's own ids: a BPE model's
+    merges ranked by the merged piece's score (SentencePiece merges the best-scored pair first), a unigram model's
+    pieces and scores (one difference: text spelling a control or byte piece, "</s>" or "<0x41>", is that piece
+    here, several in SentencePiece; a BPE model never merges into them); the normalizer's character map, its
+    whitespace rules, the dummy prefix "▁" and its split into words ("▁"-runs kept whole when the model allows
+    whitespace-only pieces). tests/test_tokenizers.py checks the ids against sentencepiece's encoder. Llama2Tokenizer
+    puts the bos token before each document (Megatron's tokenize(bos=True)); both take eod from the eos piece."""
+    from sentencepiece import sentencepiece_model_pb2
+    _need_file(model_file, "--tokenizer-model", f"{kind}'s SentencePiece .model")
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(Path(model_file).read_bytes())
+    except Exception as e:  # noqa: BLE001 (protobuf's DecodeError)
+        raise DataError(f"--tokenizer-model {model_file} is not a SentencePiece model ({e})") from None
+    spec, norm = proto.trainer_spec, proto.normalizer_spec
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    odd = [p for p, _, t in pieces if t == SPM_USER_DEFINED]
+    if odd or spec.treat_whitespace_as_suffix or not pieces:
+        raise DataError(f"--tokenizer-model {model_file}: " + (f"{len(odd)} user-defined pieces ({odd[0]!r}...)"
+                        if odd else "whitespace as a suffix" if pieces else "no pieces") + " are not read here")
+    unk = next((i for i, (_, _, t) in enumerate(pieces) if t == SPM_UNKNOWN), 0)
+    if spec.model_type == spec.BPE:
+        vocab = {p: i for i, (p, _, _) in enumerate(pieces)}
+        ranked = sorted((-score, vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for p, score, t in pieces
+                        if t == SPM_NORMAL for k in range(1, len(p)) if p[:k] in vocab and p[k:] in vocab)
+        model = models.BPE(vocab, [(a, b) for *_, a, b in ranked], unk_token=pieces[unk][0], fuse_unk=True,
+                           byte_fallback=spec.byte_fallback)
+    elif spec.model_type == spec.UNIGRAM:
+        model = models.Unigram([(p, s) for p, s, _ in pieces], unk_id=unk, byte_fallback=spec.byte_fallback)
+    else:
+        raise DataError(f"--tokenizer-model {model_file}: a {spec.ModelType.Name(spec.model_type)} SentencePiece "
+                        "model is not read here (BPE and unigram are)")
+    tok = Tokenizer(model)
+    steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
+    if norm.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    steps += [normalizers.Prepend("▁")] if norm.add_dummy_prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    if spec.split_by_whitespace:  # a word: "▁"s then the rest (or each "▁" begins one)
+        word = "▁*[^▁]+|▁+" if spec.allow_whitespace_only_pieces else "▁[^▁]*|[^▁]+"
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(word), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", int(norm.add_dummy_prefix), 0)])
+    bos, eos = (pieces[i][0] if 0 <= i < len(pieces) else None for i in (spec.bos_id, spec.eos_id))
+    if eos is None:
+        raise DataError(f"--tokenizer-model {model_file} has no eos piece ({kind}'s eod)")
+    llama = kind == "Llama2Tokenizer" and bos is not None
+    if llama:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, spec.bos_id)])
+    pad = pieces[spec.pad_id][0] if 0 <= spec.pad_id < len(pieces) else Roles.pad
+    tok.roles = Roles(kind, eod=eos, pad=pad, add_special_tokens=llama)
+    return tok
+
+
 def megatron_tokenizer(args) -> Tokenizer:
     """--tokenizer-type's tokenizer from its local files (the flags TOKENIZER_FILES names), then the SPECIAL_TOKENS
     whose role it has no token for, added after its vocabulary (add_missing_specials)."""
@@ -394,6 +453,8 @@ def megatron_tokenizer(args) -> Tokenizer:
         tok = folder_tokenizer(args.tokenizer_model)
     elif kind == "NullTokenizer":
         tok = null_tokenizer(args.vocab_size)
+    elif kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        tok = sentencepiece_tokenizer(args.tokenizer_model, kind)
     else:
         raise DataError(f"--tokenizer-type {kind}: {REFUSED_TOKENIZERS.get(kind, 'unknown')}")
     n = tok.get_vocab_size()

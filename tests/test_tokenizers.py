@@ -11,6 +11,7 @@ Oracles (exact: token ids are integers, compared with ==):
   NullTokenizer          megatron-core's own NullTokenizer
 """
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -230,6 +231,59 @@ def test_null_tokenizer_matches_megatron():
         data.tokenize_documents(tok, ["50"])  # id 50 is eod, not a document's token
 
 
+# ----------------------------------------------------------------------- Llama2Tokenizer, GPTSentencePieceTokenizer
+SPM_TEXTS = TEXTS + ["    four spaces then code()", "a   b\t\tc", "1234567 89", "<s> </s> <unk> <0x41>", "", " ",
+                     "ＡＢＣ full width\u00a0nbsp", "x" * 40] + CORPUS
+
+
+@pytest.fixture(scope="module")
+def spm_models(tmp_path_factory):
+    """SentencePiece models trained here: Llama's settings (BPE, byte fallback, identity normalization, digits split,
+    whitespace-only pieces) and a unigram model with the default NFKC normalization and whitespace cleanup."""
+    spm = pytest.importorskip("sentencepiece")
+    d = tmp_path_factory.mktemp("spm")
+    code = [Path(data.__file__).read_text(encoding="utf-8"), Path(arguments.__file__).read_text(encoding="utf-8")]
+    (d / "corpus.txt").write_text("\n".join(CORPUS * 20 + code), encoding="utf-8")  # code: runs of spaces
+    common = dict(input=str(d / "corpus.txt"), vocab_size=800, byte_fallback=True, minloglevel=2)
+    spm.SentencePieceTrainer.train(model_prefix=str(d / "llama"), model_type="bpe", normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+                                   **common)
+    spm.SentencePieceTrainer.train(model_prefix=str(d / "unigram"), model_type="unigram", **common)
+    return {k: str(d / f"{k}.model") for k in ("llama", "unigram")}
+
+
+@pytest.mark.parametrize("kind", ["Llama2Tokenizer", "GPTSentencePieceTokenizer"])
+@pytest.mark.parametrize("model", ["llama", "unigram"])
+def test_sentencepiece_matches_sentencepiece(spm_models, kind, model):
+    """Token ids (==) and decoded text equal sentencepiece's own encoder's (Megatron's types call it); Llama2Tokenizer
+    puts bos first (Megatron's tokenize(bos=True)); eod is the eos piece. A unigram model is checked on text that
+    spells no control or byte piece ("</s>": one token here, several in SentencePiece; data.sentencepiece_tokenizer)."""
+    spm = pytest.importorskip("sentencepiece")
+    ref = spm.SentencePieceProcessor(model_file=spm_models[model])
+    tok = data.megatron_tokenizer(megatron_args(tokenizer_type=kind, tokenizer_model=spm_models[model]))
+    bos = [ref.bos_id()] if kind == "Llama2Tokenizer" else []
+    for text in SPM_TEXTS if model == "llama" else [t for t in SPM_TEXTS if "<" not in t]:
+        assert data.tokenize_documents(tok, [text])[0].tolist()[:-1] == bos + ref.encode(text), text  # [-1]: eod
+        assert tok.decode(ref.encode(text)) == ref.decode(ref.encode(text)), text
+    assert data.special_ids(tok)["eod"] == ref.eos_id() == tok.token_to_id("</s>")
+    assert data.tokenize_documents(tok, ["x"])[0].tolist()[-1] == ref.eos_id()
+
+
+def test_sentencepiece_negative_controls(spm_models, tmp_path):
+    """The word split matters (a split before every "▁", as Hugging Face's Metaspace does, breaks a run of spaces that
+    Llama's model keeps whole), and a damaged file is refused in one line."""
+    spm = pytest.importorskip("sentencepiece")
+    ref = spm.SentencePieceProcessor(model_file=spm_models["llama"])
+    tok = data.sentencepiece_tokenizer(spm_models["llama"], "GPTSentencePieceTokenizer")
+    assert all(tok.encode(t).ids == ref.encode(t) for t in SPM_TEXTS)
+    from tokenizers import pre_tokenizers
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never", split=True)
+    assert "    four spaces then code()" in [t for t in SPM_TEXTS if tok.encode(t).ids != ref.encode(t)]
+    (tmp_path / "bad.model").write_bytes(b"\x00not a model")
+    with pytest.raises(DataError, match="bad.model is not a SentencePiece model"):
+        data.sentencepiece_tokenizer(str(tmp_path / "bad.model"), "Llama2Tokenizer")
+
+
 # ---------------------------------------------------------------------------------------------- roles, saved runs
 def test_roles_are_saved_beside_tokenizer_json(vocab_txt, tmp_path):
     tok = data.megatron_tokenizer(megatron_args(tokenizer_type="BertWordPieceCase", vocab_file=vocab_txt))
@@ -252,8 +306,10 @@ def check(argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "t.model"], "needs the sentencepiece library"),
-    (["--tokenizer-type", "GPTSentencePieceTokenizer"], "needs the sentencepiece library"),
+    (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "/nonexistent/t.model"],
+     "--tokenizer-model '/nonexistent/t.model' is not a local file"),
+    (["--tokenizer-type", "GPTSentencePieceTokenizer"], "GPTSentencePieceTokenizer needs --tokenizer-model"),
+    (["--tokenizer-type", "SentencePieceTokenizer"], "adds BERT/T5 special tokens"),
     (["--tokenizer-type", "TikTokenizer"], "needs the tiktoken library"),
     (["--tokenizer-type", "SFTTokenizer"], "its own chat template"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"], "GPT2BPETokenizer needs --merge-file"),

@@ -285,3 +285,47 @@ def test_t5_encoder_and_decoder_flags():
         t5.target_length(checked(["--model", "t5", "--decoder-seq-length", "4"]))
     with pytest.raises(arguments.ConfigError, match="--vocab-extra-ids=1:"):
         t5.target_length(checked(["--model", "t5", "--vocab-extra-ids", "1"]))
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint flags
+def test_resume_flags_no_load_optim_no_load_rng_use_checkpoint_args(corpus, cache, tmp_path, capsys, monkeypatch):
+    """A run saved with --kv-channels 8 (not h/n = 16), resumed without the flag: --use-checkpoint-args (on by
+    default) takes it from the checkpoint; --no-use-checkpoint-args takes the command line's and is refused as another
+    model. --no-load-optim: no optimizer state is loaded and the learning-rate schedule starts again (iteration 3
+    gets iteration 1's lr, the warmup's first), the iteration goes on; --no-load-rng: no RNG state file is read.
+    Negative control: a plain resume loads both and continues the schedule."""
+    import checkpoint
+    import parallel as P
+    import train
+    run = tmp_path / "run"
+    train.main(tiny(corpus, cache, run, "--kv-channels", "8", iters=2))
+    first, _ = test_train.metrics(run)
+    with pytest.raises(SystemExit):
+        train.main(tiny(corpus, cache, run, "--load", str(run), "--no-use-checkpoint-args", iters=3))
+    assert "kv_channels" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(checkpoint, "read_rng", lambda *a, real=checkpoint.read_rng: calls.append("rng") or real(*a))
+    for cls in (P.Optimizer, P.DistributedOptimizer):
+        real = cls.load_full_state
+        monkeypatch.setattr(cls, "load_full_state", lambda self, real=real: calls.append("optim") or real(self))
+    fresh = tmp_path / "fresh"
+    train.main(tiny(corpus, cache, fresh, "--load", str(run), "--no-load-optim", "--no-load-rng", iters=3))
+    assert "--no-load-optim: a fresh optimizer" in capsys.readouterr().out and "optim" not in calls
+    got, _ = test_train.metrics(fresh)
+    assert got[3]["lr"] == first[1]["lr"] != first[2]["lr"]
+    verified, calls[:] = calls.count("rng"), []  # (find_checkpoint reads the RNG files to verify them)
+    plain = tmp_path / "plain"
+    train.main(tiny(corpus, cache, plain, "--load", str(run), iters=3))
+    assert calls.count("optim") == 1 and calls.count("rng") == verified + 1  # + the one load_checkpoint restores
+    got, _ = test_train.metrics(plain)
+    assert got[3]["lr"] != first[1]["lr"]
+
+
+@pytest.mark.parametrize("text, expect", [("2", 2), ("[1,0,1]", [1, 0, 1]), ("([0]+[1]*3)*2", [0, 1, 1, 1] * 2)])
+def test_moe_layer_freq_reads_megatrons_expression(text, expect):
+    assert arguments.layer_freq(text) == expect
+
+
+def test_moe_layer_freq_never_runs_its_text():
+    with pytest.raises(argparse.ArgumentTypeError, match="not an integer or a list expression"):
+        arguments.layer_freq("__import__('os').getcwd()")

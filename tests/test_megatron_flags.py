@@ -329,3 +329,54 @@ def test_moe_layer_freq_reads_megatrons_expression(text, expect):
 def test_moe_layer_freq_never_runs_its_text():
     with pytest.raises(argparse.ArgumentTypeError, match="not an integer or a list expression"):
         arguments.layer_freq("__import__('os').getcwd()")
+
+
+# ---------------------------------------------------------------------------------------------- MoE flags
+def router_grad(x, balance: str, b: int):
+    """d(the router's load-balancing loss)/d(router weight) on tokens x [(s b), h]: the main loss is 0·probs."""
+    import parallel as P
+    c = gpt.Config(hidden_size=x.shape[-1], num_attention_heads=1, params_dtype=torch.float64, add_bias_linear=False,
+                   num_experts=6, moe_router_topk=2, moe_aux_loss_coeff=0.1, moe_router_load_balancing_type=balance)
+    r = P.Router(c)
+    with torch.no_grad():
+        r.weight.copy_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    probs, _ = r(x, b)
+    (probs.sum() * 0).backward()
+    return r.weight.grad
+
+
+def test_seq_aux_loss_is_the_mean_of_each_sequences_aux_loss():
+    """Oracle (Megatron's _apply_seq_aux_loss: the switch loss of each sequence, summed, / b): the gradient of
+    seq_aux_loss on b = 3 sequences equals the mean of the aux_loss gradients of each sequence alone (float64, 1e-12).
+    Negative control: aux_loss over the whole micro-batch differs."""
+    s, b, h = 10, 3, 8
+    x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got = router_grad(x.reshape(s * b, h), "seq_aux_loss", b)
+    want = sum(router_grad(x[:, j], "aux_loss", 1) for j in range(b)) / b
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+    whole = router_grad(x.reshape(s * b, h), "aux_loss", b)
+    assert (whole - want).abs().max() > 1e-3 * want.abs().max()
+    assert torch.equal(router_grad(x.reshape(s * b, h), "none", b), torch.zeros(6, h, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_token_drop_policy_keeps_the_most_probable_or_the_first_tokens(policy):
+    """Oracle, a loop per expert (Megatron's drop_and_pad: "probs" keeps its C most probable routed tokens,
+    "position" its first C routed ones). T = 12 tokens, E = 3, top-2, capacity factor 0.5: C = ceil(12·2/3·0.5) = 4."""
+    import types
+
+    import parallel as P
+    T, E, C = 12, 3, 4
+    c = types.SimpleNamespace(moe_router_topk=2, moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy,
+                              moe_pad_expert_input_to_capacity=False)
+    g = torch.Generator().manual_seed(1)
+    rmap = torch.zeros(T, E, dtype=torch.bool).scatter(1, torch.rand(T, E, generator=g).topk(2, -1).indices, True)
+    probs = torch.rand(T, E, generator=g, dtype=torch.float64) * rmap
+    _, kept, _ = P.MoELayer._drop(types.SimpleNamespace(c=c, sp=None, E=E), probs, rmap)
+    want = torch.zeros(T, E, dtype=torch.bool)
+    for e in range(E):
+        routed = [t for t in range(T) if rmap[t, e]]
+        order = sorted(routed, key=lambda t: -probs[t, e]) if policy == "probs" else routed
+        want[order[:C], e] = True
+    assert torch.equal(kept, want)
+    assert int(rmap.sum()) > int(want.sum())  # some tokens were dropped: the choice mattered

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import test_data_parallel as tdp
 import test_megatron_parity as mp
 import test_train
 import torch
@@ -26,6 +27,7 @@ import arguments
 import contract
 import gpt
 import transformer
+from equivalence import clipped_steps, make_batch, reference_steps, rel_err
 
 corpus, cache = test_train.corpus, test_train.cache  # the synthetic corpus and its token cache (module fixtures)
 
@@ -380,3 +382,72 @@ def test_token_drop_policy_keeps_the_most_probable_or_the_first_tokens(policy):
         want[order[:C], e] = True
     assert torch.equal(kept, want)
     assert int(rmap.sum()) > int(want.sum())  # some tokens were dropped: the choice mattered
+
+
+# ---------------------------------------------------------------------------------------------- --decoupled-lr
+DLR = 5e-3  # the word embedding's and output layer's learning rate (the others: test_data_parallel.OPT's 1e-3)
+
+
+def decoupled_case(rank, n, distopt, steps=3):
+    """test_data_parallel's dp_case at dp = n with --decoupled-lr: the plain optimizer (distopt None) or DDP's buckets
+    (the decoupled parameters in buckets of their own) with or without the distributed optimizer."""
+    import parallel as P
+    grid = P.Grid(dp=n)
+    c = gpt.Config(**tdp.LLAMA)
+    chunks = [gpt.Model(c, grid)]
+    if distopt is None:
+        opt = P.Optimizer(chunks, grid, **tdp.OPT, decoupled_lr=DLR)
+    else:
+        own = lambda p: getattr(p, "is_embedding_or_output_parameter", False)  # noqa: E731 (train.make_optimizer's)
+        ddp = P.DDP(chunks, grid, bucket_size=3000, overlap=True, distributed_optimizer=distopt, own_bucket=own)
+        opt = P.DistributedOptimizer(ddp, **tdp.OPT, decoupled_lr=DLR)
+    batch = make_batch(c.vocab_size, 8, 8, 11)
+    micro = list(batch.chunk(n)[rank].chunk(2))
+    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), (8, 4, c.hidden_size), c.params_dtype,
+                        tdp.CLIP, steps, lambda _: {})
+    return dict(out, params={k: P.gather_full(p.data, p, grid) for k, p in chunks[0].named_parameters()})
+
+
+def decoupled_reference(dlr: float, steps=3):
+    """The single process: torch.optim.AdamW with the embedding and output weights in groups at `dlr`."""
+    model = gpt.Model(gpt.Config(**tdp.LLAMA))
+    own = {"embedding.word_embeddings.weight", "output_layer.weight"}
+    named = list(model.named_parameters())
+    groups = [{"params": [p for k, p in named if (k in own) == mine and (p.dim() > 1) == wd],
+               "weight_decay": tdp.OPT["weight_decay"] if wd else 0.0, "lr": dlr if mine else tdp.OPT["lr"]}
+              for mine in (False, True) for wd in (False, True)]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **tdp.OPT)
+    batch = make_batch(model.config.vocab_size, 8, 8, 11)
+    return reference_steps(model, opt, list(batch.chunk(4)), batch[:, 1:].numel(), tdp.CLIP, steps)
+
+
+@pytest.mark.parametrize("distopt", [None, False, True], ids=["plain", "ddp", "distopt"])
+def test_decoupled_lr_trains_embedding_and_output_at_their_own_rate(pool, distopt):
+    """Oracle: torch's AdamW with those parameters in groups at --decoupled-lr (float64, 1e-10: reduction order).
+    Negative control: the reference without it (everything at --lr) differs by far in those parameters."""
+    got = pool.run(decoupled_case, 2, distopt=distopt)[0]
+    ref = decoupled_reference(DLR)
+    for k, v in ref["params"].items():
+        assert rel_err(got["params"][k], v) < 1e-10, k
+    plain = decoupled_reference(1e-3)
+    assert rel_err(got["params"]["output_layer.weight"], plain["params"]["output_layer.weight"]) > 1e-4
+
+
+def test_decoupled_lr_follows_the_schedule_from_its_own_peak_and_minimum():
+    """Written out (linear decay, 2 warmup iterations of 10): --decoupled-lr 1e-2 to --decoupled-min-lr 1e-4 beside
+    --lr 1e-3 to --min-lr 1e-5; a run whose schedule starts at iteration 3 (--no-load-optim) is shifted by 3."""
+    import types
+
+    import train
+    args = checked(["--lr", "1e-3", "--min-lr", "1e-5", "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-4",
+                    "--lr-warmup-iters", "2", "--train-iters", "10", "--lr-decay-style", "linear"])
+    run = types.SimpleNamespace(args=args, schedule_start=0, optimizer=types.SimpleNamespace(lr=None, decoupled_lr=None))
+    want = {0: (5e-4, 5e-3), 2: (1e-3, 1e-2), 6: (1e-5 + 0.5 * (1e-3 - 1e-5), 1e-4 + 0.5 * (1e-2 - 1e-4)),
+            10: (1e-5, 1e-4)}
+    for it, (lr, dlr) in want.items():
+        train.set_learning_rates(run, it)
+        assert run.optimizer.lr == pytest.approx(lr, rel=1e-12) and run.optimizer.decoupled_lr == pytest.approx(dlr,
+                                                                                                               rel=1e-12)
+    run.schedule_start = 3
+    train.set_learning_rates(run, 3)
+    assert run.optimizer.decoupled_lr == pytest.approx(5e-3, rel=1e-12)

@@ -451,3 +451,21 @@ def test_decoupled_lr_follows_the_schedule_from_its_own_peak_and_minimum():
     run.schedule_start = 3
     train.set_learning_rates(run, 3)
     assert run.optimizer.decoupled_lr == pytest.approx(5e-3, rel=1e-12)
+
+
+def test_manual_gc_and_profile(corpus, cache, tmp_path, monkeypatch):
+    """--manual-gc: automatic collection is off during the loop (and on again after); --profile: torch.profiler's
+    trace of iterations [0, 1) lands in --tensorboard-dir. Negative control: a plain run leaves gc on, writes no trace."""
+    import gc
+
+    import train
+    seen, real = [], train.train_step
+    monkeypatch.setattr(train, "train_step", lambda run, it: seen.append(gc.isenabled()) or real(run, it))
+    tb = tmp_path / "tb"
+    train.main(tiny(corpus, cache, tmp_path / "run", "--manual-gc", "--manual-gc-interval", "1", "--profile",
+                    "--profile-step-start", "0", "--profile-step-end", "1", "--tensorboard-dir", str(tb), iters=2))
+    assert seen == [False, False] and gc.isenabled()
+    assert any(p.name.endswith(".pt.trace.json") for p in tb.rglob("*")), list(tb.rglob("*"))
+    seen.clear()
+    train.main(tiny(corpus, cache, tmp_path / "plain", "--tensorboard-dir", str(tmp_path / "tb2"), iters=1))
+    assert seen == [True] and not any(p.name.endswith(".pt.trace.json") for p in (tmp_path / "tb2").rglob("*"))

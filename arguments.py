@@ -322,13 +322,17 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
 
 
 def check_one_spelling(p: argparse.ArgumentParser, argv: list[str]):
-    """A flag with two spellings (Megatron's and an older one of ours: --rotary-scaling-factor and
-    --yarn-rotary-scaling-factor) is one setting: giving both is refused, not settled by their order."""
+    """A value flag with two spellings (Megatron's and an older one of ours: --rotary-scaling-factor and
+    --yarn-rotary-scaling-factor; or a model's name for a shared flag: T5's --encoder-num-layers for --num-layers) is
+    one setting: giving both is refused, not settled by their order."""
+    spellings = {}  # dest -> every option string that sets it
     for act in p._actions:
-        if len(act.option_strings) > 1 and not isinstance(act, (argparse.BooleanOptionalAction, argparse._HelpAction)):
-            typed = [o for o in act.option_strings if any(t == o or t.startswith(o + "=") for t in argv)]
-            if len(typed) > 1:
-                raise ConfigError(f"{' and '.join(typed)} are two spellings of one flag: give one")
+        if act.nargs != 0 and not isinstance(act, (argparse.BooleanOptionalAction, argparse._HelpAction)):
+            spellings.setdefault(act.dest, []).extend(act.option_strings)
+    for options in spellings.values():
+        typed = [o for o in options if any(t == o or t.startswith(o + "=") for t in argv)]
+        if len(typed) > 1:
+            raise ConfigError(f"{' and '.join(typed)} are two spellings of one flag: give one")
 
 
 BALANCING = ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]  # Megatron's load-balancing types

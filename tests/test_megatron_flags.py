@@ -283,6 +283,9 @@ def test_t5_encoder_and_decoder_flags():
     assert (c.encoder_num_layers, c.decoder_num_layers, c.decoder_seq_length) == (3, 2, 48)
     model = t5.Model(c)
     assert len(model.encoder.layers) == 3 and len(model.decoder.layers) == 2
+    for argv in (["--encoder-num-layers", "3", "--num-layers", "2"], ["--seq-length", "32", "--encoder-seq-length=64"]):
+        with pytest.raises(arguments.ConfigError, match="two spellings of one flag: give one"):  # as Megatron
+            checked(["--model", "t5", *argv])
     with pytest.raises(arguments.ConfigError, match="--decoder-seq-length=4 is shorter than"):
         t5.target_length(checked(["--model", "t5", "--decoder-seq-length", "4"]))
     with pytest.raises(arguments.ConfigError, match="--vocab-extra-ids=1:"):

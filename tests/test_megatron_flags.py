@@ -472,3 +472,24 @@ def test_manual_gc_and_profile(corpus, cache, tmp_path, monkeypatch):
     seen.clear()
     train.main(tiny(corpus, cache, tmp_path / "plain", "--tensorboard-dir", str(tmp_path / "tb2"), iters=1))
     assert seen == [True] and not any(p.name.endswith(".pt.trace.json") for p in (tmp_path / "tb2").rglob("*"))
+
+
+def test_t5_script_model_flags_train(corpus, cache, tmp_path, capsys):
+    """examples/t5/train_t5_220m_distributed.sh's model flags, sizes scaled down (encoder 2 layers, decoder 1, kv
+    channels 8 != h/n = 16): a run trains with them and prints --transformer-impl's note once."""
+    import train
+    base = tiny(corpus, cache, tmp_path / "run", iters=2)
+    for flag in ("--num-layers", "--seq-length"):  # the script's T5 spellings instead
+        i = base.index(flag)
+        del base[i:i + 2]
+    run = train.train(train.parse(base + ["--model", "t5", "--encoder-num-layers", "2",
+                          "--decoder-num-layers", "1", "--kv-channels", "8", "--ffn-hidden-size", "128",
+                          "--encoder-seq-length", "32", "--decoder-seq-length", "16", "--max-position-embeddings", "32",
+                          "--vocab-extra-ids", "100", "--init-method-std", "0.015", "--transformer-impl",
+                          "transformer_engine", "--attention-backend", "auto"]))
+    out = capsys.readouterr().out
+    assert out.count("note: --transformer-impl transformer_engine:") == 1 and "note: --attention-backend" not in out
+    got, _ = test_train.metrics(tmp_path / "run")
+    assert sorted(got) == [1, 2] and all(r["loss"] == r["loss"] for r in got.values())
+    assert (run.config.encoder_num_layers, run.config.decoder_num_layers) == (2, 1)
+    assert (run.config.kv_channels, run.config.decoder_seq_length) == (8, 16)

@@ -482,11 +482,11 @@ def test_t5_script_model_flags_train(corpus, cache, tmp_path, capsys):
     for flag in ("--num-layers", "--seq-length"):  # the script's T5 spellings instead
         i = base.index(flag)
         del base[i:i + 2]
-    run = train.train(train.parse(base + ["--model", "t5", "--encoder-num-layers", "2",
-                          "--decoder-num-layers", "1", "--kv-channels", "8", "--ffn-hidden-size", "128",
-                          "--encoder-seq-length", "32", "--decoder-seq-length", "16", "--max-position-embeddings", "32",
-                          "--vocab-extra-ids", "100", "--init-method-std", "0.015", "--transformer-impl",
-                          "transformer_engine", "--attention-backend", "auto"]))
+    script = ["--model", "t5", "--encoder-num-layers", "2", "--decoder-num-layers", "1", "--kv-channels", "8",
+              "--ffn-hidden-size", "128", "--encoder-seq-length", "32", "--decoder-seq-length", "16",
+              "--max-position-embeddings", "32", "--vocab-extra-ids", "100", "--init-method-std", "0.015",
+              "--transformer-impl", "transformer_engine", "--attention-backend", "auto"]
+    run = train.train(train.parse(base + script))
     out = capsys.readouterr().out
     assert out.count("note: --transformer-impl transformer_engine:") == 1 and "note: --attention-backend" not in out
     got, _ = test_train.metrics(tmp_path / "run")

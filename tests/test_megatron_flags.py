@@ -493,3 +493,33 @@ def test_t5_script_model_flags_train(corpus, cache, tmp_path, capsys):
     assert sorted(got) == [1, 2] and all(r["loss"] == r["loss"] for r in got.values())
     assert (run.config.encoder_num_layers, run.config.decoder_num_layers) == (2, 1)
     assert (run.config.kv_channels, run.config.decoder_seq_length) == (8, 16)
+
+
+def test_mamba_script_model_flags_train(corpus, cache, tmp_path, capsys):
+    """examples/mamba/train.sh's model and runtime flags, sizes scaled down (13 layers: the ratios 0.08 and 0.5
+    allocate 1 attention and 6 MLP layers, Megatron's _allocate_auto), on 1 process: the run trains, each given
+    FALLBACKS flag says its line once, and the pattern that ran is Megatron's allocation."""
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import _allocate_auto
+
+    import train
+    base = tiny(corpus, cache, tmp_path / "run", iters=1)
+    i = base.index("--num-layers")
+    del base[i:i + 2]
+    script = ["--model", "mamba", "--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce",
+              "--untie-embeddings-and-output-weights", "--init-method-std", "0.02", "--position-embedding-type", "none",
+              "--num-layers", "13", "--group-query-attention", "--num-query-groups", "2",
+              "--hybrid-attention-ratio", "0.08", "--hybrid-mlp-ratio", "0.5", "--max-position-embeddings", "32",
+              "--distributed-backend", "nccl", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+              "--disable-bias-linear", "--normalization", "RMSNorm", "--use-mcore-models",
+              "--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec",
+              "--no-create-attention-mask-in-dataloader", "--tensorboard-dir", str(tmp_path / "tb"),
+              "--mamba-num-groups", "1", "--mamba-head-dim", "16"]  # (sizes: hidden 64 has 8 heads of 16)
+    run = train.train(train.parse(base + script))
+    out = capsys.readouterr().out
+    for flag in ("--overlap-param-gather", "--distributed-backend", "--use-mcore-models", "--spec",
+                 "--no-create-attention-mask-in-dataloader"):
+        assert sum(ln.startswith(f"note: {flag}") for ln in out.splitlines()) == 1, (flag, out)
+    assert run.args.hybrid_layer_pattern == "".join(_allocate_auto(13, 0.08, 0.5))
+    assert run.args.hybrid_layer_pattern.count("*") == 1 and run.args.num_query_groups == 2
+    got, _ = test_train.metrics(tmp_path / "run")
+    assert sorted(got) == [1] and got[1]["loss"] == got[1]["loss"]

@@ -317,6 +317,7 @@ ARCH_FLAGS += ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head
                "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers"]  # layers (deepseek.py)
 ARCH_FLAGS += ["moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",  # MoE routing
                "moe_router_enable_expert_bias"]
+ARCH_FLAGS += ["kv_channels", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "qk_layernorm"]  # Megatron's
 
 # ---------------------------------------------------------------------------------------------- where a run starts
 # A LoRA run's checkpoints hold what it added (added_to_base: its adapters) and, in meta.json, "lora_base": the path
@@ -388,9 +389,9 @@ def plan_start(args) -> Start:
     if base is not None and args.save and base.path.parent.resolve() == Path(args.save).resolve():
         raise ConfigError(f"--save {args.save} is the run whose weights this run starts from: its checkpoints would "
                           "overwrite that run's; --save elsewhere")
-    if ckpt is not None and ckpt.meta.get("weights_only"):
+    if ckpt is not None and ckpt.meta.get("weights_only") and not args.no_load_optim:
         raise ConfigError(f"--load {ckpt.path} holds model weights only (no optimizer state: tools.py merge wrote it): "
-                          "start from it with --finetune")
+                          "start from it with --finetune, or resume its iteration with --no-load-optim")
     if ckpt is not None and "lora_base" in ckpt.meta:
         base = recorded_base(ckpt.meta["lora_base"], ckpt.path.parent)
     elif ckpt is not None and args.lora_rank is not None:
@@ -468,10 +469,14 @@ def load_weights(ckpt: Checkpoint, chunks, mesh):
         dcp.load({"model": {k: v for k, v in state.items() if k in held}}, checkpoint_id=str(ckpt.path))
 
 
-def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, fp8_args=None):
+def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, fp8_args=None, load_optim=True,
+                    load_rng=True):
     """Resume from `ckpt`: weights (a LoRA run's: what it added), optimizer state, loss scale, RNG streams (same layout
     only, as in Megatron). `fp8_args` (this run's --fp8* flags, or None): the FP8 scaling state is loaded when the
-    checkpoint was saved with the same ones; otherwise scaling starts afresh. Returns (iteration, RNG restored)."""
+    checkpoint was saved with the same ones; otherwise scaling starts afresh. load_optim=False (Megatron's
+    --no-load-optim): the optimizer's moments and the loss scale stay fresh; load_rng=False (--no-load-rng): the RNG
+    streams stay the seed's. The iteration is the checkpoint's either way. Returns (iteration, RNG restored)."""
+    optimizer = optimizer if load_optim else None
     path, meta = ckpt
     keys = ["fp8", "fp8_format", "fp8_recipe", "fp8_amax_history_len"]
     fp8 = fp8_args is not None and all(meta["args"].get(k) == fp8_args[k] for k in keys)
@@ -484,7 +489,7 @@ def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, f
     if optimizer is not None:  # the distributed optimizer keeps this rank's slices of the loaded moments
         optimizer.load_full_state()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    same_layout = all(meta["args"].get(k) == v for k, v in layout.items())
+    same_layout = load_rng and all(meta["args"].get(k) == v for k, v in layout.items())
     if same_layout:  # RNG streams are per rank: they carry over only to the same layout (as in Megatron)
         rng = read_rng(path / f"rng_rank{rank}.pt")  # verified and parsed (by find_checkpoint) before
         torch.set_rng_state(rng["torch"])

@@ -55,6 +55,8 @@ class Config:
     rotary_base: float = 10000.0
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
     layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False  # every norm scales by 1 + gamma, gamma starts at 0 (Norm)
+    qk_layernorm: bool = False  # a norm over each head's d dims on q and on k, before RoPE (transformer.Attention)
     activation: str = "gelu"  # "gelu" (erf) | "gelu_tanh" (GPT-2's) | "silu" | "relu"
     gated_linear_unit: bool = False  # True + silu = SwiGLU
     add_bias_linear: bool = True
@@ -82,6 +84,8 @@ class Config:
     moe_expert_capacity_factor: float | None = None  # None = dropless
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
+    moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" (micro-batch) | "seq_aux_loss" (sequence) | "none"
+    moe_token_drop_policy: str = "probs"  # capacity keeps each expert's most probable tokens, or ("position") its first
     moe_shared_expert_intermediate_size: int | None = None  # None = no shared expert
     # Position scaling (rope.py; Megatron's --rotary-percent, --rotary-seq-len-interpolation-factor, --use-rope-scaling,
     # --rope-scaling-factor, and the --yarn-* flags of position_embedding_type "yarn")
@@ -134,7 +138,9 @@ class Config:
                    ("activation", tuple(ACTIVATIONS)), ("cp_comm_type", P.CP_COMM_TYPES)]
         if self.num_experts is not None:
             choices += [("moe_router_score_function", ("softmax", "sigmoid")),
-                        ("moe_token_dispatcher_type", ("allgather", "alltoall"))]
+                        ("moe_token_dispatcher_type", ("allgather", "alltoall")),
+                        ("moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "none")),
+                        ("moe_token_drop_policy", ("probs", "position"))]
         for field, allowed in choices:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")

@@ -81,6 +81,12 @@ class ModelFile:
     # config_fields(args, tok) -> Config fields the model file derives from its flags and the tokenizer (tok None:
     # not known yet), beside those arguments.model_config copies by name
     config_fields: Callable = lambda args, tok: {}
+    # derived_flags(args) -> {flag: value} the model file derives from its other flags (Megatron's validate_args for
+    # its own flags): arguments.check_args writes them into the checked flags, so a checkpoint records what ran
+    derived_flags: Callable = lambda args: {}
+    # MEGATRON_SPECS: Megatron's --spec values (module, function) whose layers the model file builds: --spec with one
+    # of them is accepted with a note, any other --spec is refused (arguments.FALLBACKS / REFUSED)
+    MEGATRON_SPECS: tuple = ()
     # data: dataset(source, doc_ids, args, tok, seed) -> its samples (ds[i]: a numpy row; data.global_batch stacks)
     dataset: Callable = token_windows
     # the loss: batch_recipe(batch, args, corpus) -> (loss_func(model, mb) -> SUM of its losses, the global count)

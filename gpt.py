@@ -117,6 +117,8 @@ class Model(nn.Module):
                 p.shared_embedding = True
         elif c.share_embeddings_and_output_weights and pre_process != post_process:  # one copy of two
             (self.embedding.word_embeddings if pre_process else self.output_layer).weight.shared_embedding = True
+        for p in self.embedding_and_output_weights():  # as Megatron's LanguageModule: --decoupled-lr's parameters
+            p.is_embedding_or_output_parameter = True
         self.init_params()
 
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
@@ -133,6 +135,13 @@ class Model(nn.Module):
             c.hidden_size, c.padded_vocab_size, grid, bias=False, std=c.init_method_std, dtype=c.params_dtype,
             sequence_parallel=c.sequence_parallel,
             skip_weight=c.share_embeddings_and_output_weights and hasattr(self, "embedding"))
+
+    def embedding_and_output_weights(self) -> list:
+        """This stage's word-embedding and output-layer weights (a tied output layer has none of its own): what
+        Megatron marks is_embedding_or_output_parameter, the parameters --decoupled-lr trains (parallel.decoupled)."""
+        layers = [self.embedding.word_embeddings] if hasattr(self, "embedding") else []
+        layers += [self.output_layer] if hasattr(self, "output_layer") else []
+        return [m.weight for m in layers if m.weight is not None]
 
     def init_params(self):
         """Fill every parameter from (seed, its global name), so any layout holds the same model (parallel.py)."""

@@ -36,28 +36,98 @@ import convert
 import gpt
 import parallel as P
 import transformer
+from config import ConfigError
 
 SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}  # and "|": a pipeline-stage boundary
 
 
+class DefaultPattern(str):
+    """The default run's --hybrid-layer-pattern (TRAIN_DEFAULTS), told apart from a typed one: it gives way when
+    --num-layers or a --hybrid-*-ratio asks for another stack (layer_pattern). It is Megatron's allocation of 7
+    layers at attention ratio 1/7 and MLP ratio 3/7."""
+
+
 # `make train MODEL=mamba` (train.py reads these as its flag defaults): a small hybrid, 3 Mamba + 1 attention +
 # 3 MLP layers, sized for a few minutes on 2 CPU cores.
-TRAIN_DEFAULTS = dict(hybrid_layer_pattern="M-M*-M-", num_layers=7, hidden_size=256, num_attention_heads=8,
-                      mamba_num_groups=8, mamba_head_dim=32, mamba_state_dim=32, mamba_chunk_size=64,
+TRAIN_DEFAULTS = dict(hybrid_layer_pattern=DefaultPattern("M-M*-M-"), num_layers=7, hidden_size=256,
+                      num_attention_heads=8, mamba_num_groups=8, mamba_head_dim=32, mamba_state_dim=32, mamba_chunk_size=64,
                       position_embedding_type="none", normalization="RMSNorm")
 
 
 def add_arguments(p):
     """Megatron's Mamba flags: the hybrid stack and the mixer's dimensions (None = the Config's default)."""
-    p.add_argument("--hybrid-layer-pattern", default=None, help='e.g. "M-M*-M" (M mamba, * attention, - MLP, E MoE, '
-                                                                "| a pipeline-stage cut); --num-layers must match it")
+    p.add_argument("--hybrid-layer-pattern", "--hybrid-override-pattern", dest="hybrid_layer_pattern", default=None,
+                   help='e.g. "M-M*-M" (M mamba, * attention, - MLP, E MoE, | a pipeline-stage cut); --num-layers '
+                        "must match it (--hybrid-override-pattern: Megatron 0.15.3's name)")
+    p.add_argument("--hybrid-attention-ratio", type=float, default=0.0, help="without a pattern: the share of "
+                   "attention layers of --num-layers, placed as Megatron places them (mamba_hybrid_layer_allocation)")
+    p.add_argument("--hybrid-mlp-ratio", type=float, default=0.0, help="the same for MLP layers")
     for name, what in (("state-dim", "N, the SSM state size"), ("head-dim", "P"), ("num-groups", "G, heads sharing B "
                        "and C (divides the heads)"), ("num-heads", "H (default 2·hidden / head-dim)"),
                        ("chunk-size", "Q, the SSD scan's chunk")):
         p.add_argument(f"--mamba-{name}", type=int, default=None, help=what)
 
 
+# Megatron's mamba/train.sh passes its default stack spec, whose layers (Mamba, attention, MLP) this file builds
+MEGATRON_SPECS = (("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"),)
 ARCH_FLAGS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+
+
+def allocate(n: int, attention_ratio: float, mlp_ratio: float) -> str:
+    """Megatron's hybrid allocation (megatron/core/ssm/mamba_hybrid_layer_allocation.py, _allocate_auto) of n layers:
+    round(n·attention_ratio) attention layers spread evenly between n − that many Mamba layers (a Mamba section of
+    equal length before, between and after them), then round(n·mlp_ratio) of the Mamba layers turned into MLP layers,
+    spread evenly and right-justified. Each placement walks the layers with a budget x, one layer costing 1: a layer
+    is placed where the budget has fallen below 1/2, which then grows by the section length again.
+    tests/test_megatron_flags.py checks it against Megatron's function."""
+    layers = ["M"] * n
+    attention = round(n * attention_ratio)
+    section = (n - attention) / (attention + 1)  # Mamba layers per section
+    x = section
+    for i in range(n):
+        if x < 0.5:
+            layers[i], x = "*", x + section
+        else:
+            x -= 1
+    mlp = round(n * mlp_ratio)
+    if mlp > 0:
+        per = (n - attention - mlp) / mlp  # Mamba layers per MLP layer
+        x = per
+        for i in range(n):
+            if layers[i] == "M":
+                if x < 0.5:
+                    layers[i], x = "-", x + per
+                else:
+                    x -= 1
+    return "".join(layers)
+
+
+def layer_pattern(args) -> str | None:
+    """The run's pattern: --hybrid-layer-pattern, or with --hybrid-attention-ratio / --hybrid-mlp-ratio Megatron's
+    allocation of --num-layers layers (allocate); both given, the pattern must hold as many layers of each kind as the
+    allocation (Megatron's rule). The default run's pattern (DefaultPattern) gives way to the ratios, and to a
+    --num-layers of another length (Megatron: no ratios, all Mamba)."""
+    pattern, ratios = args.hybrid_layer_pattern, (args.hybrid_attention_ratio, args.hybrid_mlp_ratio)
+    if not (0 <= ratios[0] <= 1 and 0 <= ratios[1] <= 1 and sum(ratios) <= 1):
+        raise ConfigError(f"--hybrid-attention-ratio={ratios[0]} and --hybrid-mlp-ratio={ratios[1]} must be in [0, 1] "
+                          "and sum to at most 1")
+    default = isinstance(pattern, DefaultPattern)
+    if not any(ratios) and not (default and args.num_layers != len(pattern)):
+        return pattern
+    auto = allocate(args.num_layers, *ratios)
+    if pattern is None or default:
+        return auto
+    count = lambda p: {k: p.count(k) for k in SYMBOLS}
+    if count(pattern) != count(auto):
+        raise ConfigError(f"--hybrid-layer-pattern {pattern!r} has {count(pattern)} layers of each kind; the ratios "
+                          f"allocate {auto!r} ({count(auto)}): Megatron requires the same counts")
+    return pattern
+
+
+def derived_flags(args) -> dict:
+    """The pattern that runs, as a plain string (what a checkpoint records: a resumed run reads it as given)."""
+    pattern = layer_pattern(args)
+    return dict(hybrid_layer_pattern=None if pattern is None else str(pattern))
 
 
 @dataclass

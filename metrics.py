@@ -124,19 +124,22 @@ def module_losses(model) -> dict:
 
 
 class Logger:
-    def __init__(self, run_dir, rank, start, total, resume):
-        self.on = rank == 0
+    """Rank 0's metrics.jsonl, TensorBoard events (`tensorboard_dir`, default RUN/tensorboard: Megatron's
+    --tensorboard-dir), progress bar and loss.png."""
+
+    def __init__(self, run_dir, rank, start, total, resume, tensorboard_dir=None):
+        self.on, self.dir = rank == 0, Path(run_dir)
+        self.tensorboard_dir = Path(tensorboard_dir or self.dir / "tensorboard")  # (every rank: profiler traces)
         if not self.on:
             return
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
-        self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         old = self.path.read_text().splitlines() if resume and self.path.exists() else []
         keep = [line for line in old if json.loads(line)["iteration"] <= start]  # drop lines past the checkpoint
         self.path.write_text("".join(line + "\n" for line in keep))
-        self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start + 1)
+        self.tb = SummaryWriter(str(self.tensorboard_dir), purge_step=start + 1)
         self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=1.0)
 
     def log(self, rec):

@@ -19,17 +19,17 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1305-1441  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1305-1449  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1442-1638  Mixture of Experts: experts, dispatchers, the layer
+  10b  1450-1653  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1639-1867  FP8                                             megatron/core/fp8_utils.py
+  11   1654-1882  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1868-2129  Context parallelism                             megatron/core/utils.py
+  12   1883-2144  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
@@ -1056,12 +1056,15 @@ class Optimizer:
     loop has one path: .lr, zero_grad(M), finish_grad_sync(), clip_grad_norm(max_norm), step(); full_state() ->
     {param: (exp_avg, exp_avg_sq, step)} for checkpoints, load_full_state() after a checkpoint was loaded into it."""
 
-    def __init__(self, chunks, grid: Grid | None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, chunks, grid: Grid | None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 decoupled_lr=None):
         self.chunks, self.grid, self.lr = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks], grid, lr
+        self.decoupled_lr = decoupled_lr
         self.params = [p for p in nn.ModuleList(self.chunks).parameters() if p.requires_grad]  # each once; frozen: none
-        self.adam = torch.optim.AdamW([{"params": [p for p in self.params if decays(p)], "weight_decay": weight_decay},
-                                       {"params": [p for p in self.params if not decays(p)], "weight_decay": 0.0}],
-                                      lr=lr, betas=betas, eps=eps)
+        own = lambda p: decoupled_lr is not None and getattr(p, "is_embedding_or_output_parameter", False)  # its lr
+        gs = [{"params": [p for p in self.params if decays(p) == wd and own(p) == dec], "decoupled": dec,
+               "weight_decay": weight_decay if wd else 0.0} for dec in (False, True) for wd in (True, False)]
+        self.adam = torch.optim.AdamW([g for g in gs if g["params"] or not g["decoupled"]], lr=lr, betas=betas, eps=eps)
         for p in self.params:  # state up front, so a checkpoint can be loaded into it
             self.adam.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                   "exp_avg_sq": torch.zeros_like(p)}
@@ -1082,7 +1085,7 @@ class Optimizer:
 
     def step(self):
         for g in self.adam.param_groups:
-            g["lr"] = self.lr
+            g["lr"] = self.decoupled_lr if g["decoupled"] else self.lr
         self.adam.step()
         after_step(self.chunks)  # the modules' post-step hooks (MoE: the expert bias)
 
@@ -1098,6 +1101,7 @@ class _Bucket:  # params in buffer[start:end] (padded to a multiple of group.siz
     def __init__(self, params, start, end, group: Group):
         self.params, self.start, self.end, self.group = params, start, end, group
         self.expert = group.name == "expert_dp"
+        self.decoupled = all(getattr(p, "is_embedding_or_output_parameter", False) for p in params)  # --decoupled-lr
         self.ready, self.handle, self.launched = 0, None, False
 
 
@@ -1105,7 +1109,7 @@ class DDP:
     """Bucketed, overlapped gradient reduction for a list of model chunks: over DP x CP, experts over expert_dp."""
 
     def __init__(self, chunks, grid: Grid, bucket_size: int = 4_000_000, overlap: bool = True,
-                 distributed_optimizer: bool = False):
+                 distributed_optimizer: bool = False, own_bucket=lambda p: False):  # own_bucket: --decoupled-lr's
         self.chunks = chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
         self.grid, self.dp, self.overlap, self.distopt = grid, grid.dp_cp, overlap, distributed_optimizer
         seen, params = set(), []
@@ -1116,10 +1120,12 @@ class DDP:
                     params.append(p)
         expert = lambda p: getattr(p, "expert_parallel", False)
         tied = lambda p: getattr(p, "shared_embedding", False)  # synced over stages before DP: a bucket of its own
+        own = lambda p: own_bucket(p) and not (tied(p) or expert(p))  # --decoupled-lr's: a bucket steps at one lr
         self.buckets, off = [], 0
-        for group, ps, limit in ((grid.dp_cp, [p for p in params if not tied(p) and not expert(p)], bucket_size),
+        for group, ps, limit in ((grid.dp_cp, [p for p in params if not (tied(p) or expert(p) or own(p))], bucket_size),
                                  (grid.expert_dp, [p for p in params if expert(p)], bucket_size),
-                                 (grid.dp_cp, [p for p in params if tied(p)], math.inf)):
+                                 (grid.dp_cp, [p for p in params if tied(p)], math.inf),
+                                 (grid.dp_cp, [p for p in params if own(p)], math.inf)):
             cur, n = [], 0
             for i, p in enumerate(ps):
                 cur, n = cur + [p], n + p.numel()
@@ -1211,35 +1217,29 @@ class DistributedOptimizer:
     over each bucket's group (DP x CP; experts: expert_dp): each rank keeps fp32 master weights and Adam moments for its
     slice only, steps it, and all-gathers the parameters. fp32 parameters: the master weights are the parameter buffer."""
 
-    def __init__(self, ddp: DDP, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, ddp: DDP, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled_lr=None):
         self.ddp, self.lr, self.betas, self.eps, self.wd, self.step_count = ddp, lr, betas, eps, weight_decay, 0
-        wd_mask = torch.zeros_like(ddp.grad_buffer)
-        for b in ddp.buckets:
+        self.decoupled_lr = decoupled_lr  # --decoupled-lr: the lr of the buckets DDP made for own_bucket's params
+        wd_mask, count = torch.zeros_like(ddp.grad_buffer), torch.zeros_like(ddp.grad_buffer)  # count: 1 where an
+        for b in ddp.buckets:  # element counts toward the global grad norm
             o = b.start
             for p in b.params:
-                wd_mask[o:o + p.numel()] = float(decays(p))
+                wd_mask[o:o + p.numel()], count[o:o + p.numel()] = float(decays(p)), float(counted_in_norm(p, ddp.grid))
                 o += p.numel()
         self.slices = [ddp.owned(b) for b in ddp.buckets]
         fp32 = ddp.param_buffer.dtype == ddp.grad_buffer.dtype
         self.master = [ddp.param_buffer[s] if fp32 else ddp.param_buffer[s].float() for s in self.slices]
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
-        self.wd_mask = [wd_mask[s] for s in self.slices]
-        count = torch.zeros_like(ddp.grad_buffer)  # 1 where an element counts toward the global grad norm
-        for b in ddp.buckets:
-            o = b.start
-            for p in b.params:
-                count[o:o + p.numel()] = float(counted_in_norm(p, ddp.grid))
-                o += p.numel()
-        self.norm_mask = [count[s] for s in self.slices]
+        self.wd_mask, self.norm_mask = [wd_mask[s] for s in self.slices], [count[s] for s in self.slices]
 
     @torch.no_grad()
     def step(self):
         self.step_count += 1
-        (b1, b2), t, lr = self.betas, self.step_count, self.lr
+        (b1, b2), t, dlr = self.betas, self.step_count, self.decoupled_lr
         for s, m, ea, eas, mask, b in zip(self.slices, self.master, self.exp_avg, self.exp_avg_sq, self.wd_mask,
                                           self.ddp.buckets):
-            g = self.ddp.grad_buffer[s]
+            g, lr = self.ddp.grad_buffer[s], dlr if b.decoupled and dlr is not None else self.lr  # (--decoupled-lr)
             m.mul_(1 - lr * self.wd * mask)  # decoupled weight decay
             ea.lerp_(g, 1 - b1)
             eas.mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -1357,6 +1357,8 @@ class Router(nn.Module):
     Aux losses, defined per micro-batch over the T tokens the router sees in it (under SP the TP ranks' statistics
     are summed, as Megatron does, so T = s·b whatever tp is):
         switch   coeff · E · Σᵢ fᵢ·Pᵢ,   fᵢ = tokens routed to i / (T·k),  Pᵢ = mean over tokens of score i
+                 (moe_router_load_balancing_type "aux_loss"; "seq_aux_loss", DeepSeek-V2's: the same loss of each
+                 sequence over its S = T/b tokens, averaged over the b sequences; "none": no switch loss)
         z-loss   coeff · mean over tokens of logsumexp(logits)²
     (Megatron's fᵢ, normalised by T·k: perfectly balanced routing gives coeff; with fᵢ = tokens/T it is coeff·k.)
     The loss rule: each micro-batch's aux losses enter backward weighted by T / num_tokens, where num_tokens is the
@@ -1397,7 +1399,7 @@ class Router(nn.Module):
             self.expert_bias += self.c.moe_router_bias_update_rate * torch.sign(load.mean() - load)
         self.step_tokens = self.weight.new_zeros(self.E)
 
-    def forward(self, x):  # x [T, h] -> probs [T, E], routing_map [T, E] bool
+    def forward(self, x, b: int = 1):  # x [T, h] (rows (s b): b sequences) -> probs [T, E], routing_map [T, E] bool
         c, E, k = self.c, self.E, self.k
         n = self.tp.size if self.tp is not None else 1
         logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias)  # [T, E]
@@ -1433,8 +1435,14 @@ class Router(nn.Module):
         counts, aux_counts = stats[:E], stats[E:2 * E]  # tokens per expert over the micro-batch (all TP ranks)
         self.stats = dict(tokens_per_expert=counts, z_loss=stats[-1] / T,  # both losses without their coefficients,
                           load_balancing_loss=E / (k * T * T) * (stats[2 * E:3 * E] * aux_counts).sum())  # as Megatron
-        if c.moe_aux_loss_coeff and grad:
+        balance = c.moe_router_load_balancing_type
+        if c.moe_aux_loss_coeff and grad and balance == "aux_loss":
             aux = (scores.sum(0) * aux_counts).sum() * (E * c.moe_aux_loss_coeff / (k * T * T))  # this rank's part
+            probs = AuxLossScaler.apply(probs, aux, weight)
+        elif c.moe_aux_loss_coeff and grad and balance == "seq_aux_loss":  # per sequence (Megatron's reshape of the
+            S = T // b  # tokens to [s, b·E]: each (sequence, expert) pair one column), then the mean over b
+            seq_counts = all_reduce(aux_map.view(-1, b, E).sum(0).to(logits.dtype), self.tp)  # [b, E] whole over TP
+            aux = (scores.view(-1, b, E).sum(0) * seq_counts).sum() * (E * c.moe_aux_loss_coeff / (k * S * S)) / b
             probs = AuxLossScaler.apply(probs, aux, weight)
         return probs, routing_map
 
@@ -1546,7 +1554,7 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden, dense: bool = False):  # [s(/tp), b, h]
         x = rearrange(hidden, "s b h -> (s b) h")  # [T, h]
-        probs, rmap = self.router(x)  # [T, E]
+        probs, rmap = self.router(x, hidden.shape[1])  # [T, E]
         counts = self.router.stats["tokens_per_expert"]
         if self.c.moe_expert_capacity_factor is not None:
             probs, rmap, counts = self._drop(probs, rmap)
@@ -1567,13 +1575,20 @@ class MoELayer(nn.Module):
         return y + self.shared_experts(hidden) if self.shared_experts is not None else y
 
     def _drop(self, probs, rmap):
-        """Capacity (GShard): expert e keeps the C = ceil(T·k/E·factor) most probable of the micro-batch's T tokens
-        (under SP the mask is computed on the TP-gathered probs, so dropping does not depend on tp)."""
+        """Capacity (GShard): expert e keeps C = ceil(T·k/E·factor) of the micro-batch's T tokens: its C most probable
+        (moe_token_drop_policy "probs"), or its first C routed ones in (s b) order ("position": the tokens at the end
+        are dropped; padding adds the first tokens not routed to it). Under SP the mask is computed on the
+        TP-gathered probs, so dropping does not depend on tp."""
         c = self.c
         full_p, full_m = _gather(probs.detach(), self.sp, 0), _gather(rmap.to(torch.uint8), self.sp, 0).bool()
         T = full_p.shape[0]
         C = min(T, math.ceil(T * c.moe_router_topk / self.E * c.moe_expert_capacity_factor))
-        keep = torch.zeros_like(full_m).scatter(0, full_p.topk(C, dim=0).indices, True)  # [T, E]
+        if c.moe_token_drop_policy == "position":  # rank: routed tokens first, each group by position
+            rank = (~full_m).long() * T + torch.arange(T, device=full_m.device)[:, None]  # [T, E]
+            chosen = rank.topk(C, dim=0, largest=False).indices
+        else:
+            chosen = full_p.topk(C, dim=0).indices
+        keep = torch.zeros_like(full_m).scatter(0, chosen, True)  # [T, E]
         keep = keep if c.moe_pad_expert_input_to_capacity else keep & full_m  # padding: C tokens per expert
         mine = _split(keep, self.sp, 0)
         return probs * mine, mine, keep.sum(0)

@@ -22,6 +22,7 @@ Dimension glossary (on top of gpt.py's b, h, n, d, V)
 """
 from __future__ import annotations
 
+import argparse
 import math
 import zlib
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import gpt
 import metrics
 import parallel as P
 import transformer
+from config import ConfigError
 
 
 @dataclass
@@ -58,12 +60,12 @@ class Config(gpt.Config):
     encoder_num_layers: int | None = None
     decoder_num_layers: int | None = None
     encoder_seq_length: int = 128  # what the data recipe makes (a raw row of this many tokens, corrupted)
-    decoder_seq_length: int = 32
+    decoder_seq_length: int | None = None  # the targets padded to it; None: decoder_length(the encoder's length)
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     scale_decoder_outputs: bool = False  # Hugging Face/Mesh TF: decoder output x h^-0.5 before the tied lm_head
     lm_head_bias: bool | None = None  # None = Megatron's rule: a bias exactly when the lm_head is tied
-    vocab_extra_ids: int = 100  # sentinels <extra_id_i> in the tokenizer
+    vocab_extra_ids: int = 100  # sentinels <extra_id_i> the span corruption may use (the tokenizer has 100)
 
     def __post_init__(self):
         self.encoder_num_layers = self.encoder_num_layers or self.num_layers
@@ -74,11 +76,22 @@ class Config(gpt.Config):
         for name in ("encoder_num_layers", "decoder_num_layers", "relative_attention_num_buckets"):
             if getattr(self, name) < 1 or (name.endswith("buckets") and getattr(self, name) < 4):
                 raise ValueError(f"{name}={getattr(self, name)} is too small")
+        sd = self.decoder_seq_length
+        if sd is not None and self.position_embedding_type == "learned_absolute" and sd > self.max_position_embeddings:
+            raise ValueError(f"decoder_seq_length={sd} > max_position_embeddings={self.max_position_embeddings}")
         f = self.moe_layer_freq  # each stack numbers its layers from 0 (Megatron: two TransformerBlocks)
         if self.num_experts and isinstance(f, (list, tuple)) and len(f) < max(self.encoder_num_layers,
                                                                               self.decoder_num_layers):
             raise ValueError(f"moe_layer_freq has {len(f)} entries for encoder_num_layers={self.encoder_num_layers}, "
                              f"decoder_num_layers={self.decoder_num_layers}")
+
+
+    def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
+        super().check_layout(tp, pp, ep)
+        sd = self.decoder_seq_length
+        if self.sequence_parallel and sd and sd % tp:
+            raise ValueError(f"sequence parallelism splits the decoder's positions: decoder_seq_length={sd} is not "
+                             f"divisible by tensor-model-parallel size {tp}")
 
 
 # ---------------------------------------------------------------------------------------------- relative positions
@@ -194,6 +207,10 @@ class Model(gpt.Model):
 
     def build_output_layer(self, c: Config, grid):
         self.lm_head = LMHead(c, grid)
+
+    def embedding_and_output_weights(self) -> list:  # the output layer is lm_head's (Megatron's T5 too)
+        w = self.lm_head.output_layer.weight if hasattr(self, "lm_head") else None
+        return super().embedding_and_output_weights() + ([w] if w is not None else [])
 
     def logits(self, x):  # decoder output [sd(/tp), b, h] -> [sd, b, V/tp]
         c = self.config
@@ -323,6 +340,45 @@ def t5_loss(model: Model, batch: dict):
 TRAIN_DEFAULTS = dict(position_embedding_type="relative")  # train.py's other defaults: a T5 v1.1-like (RMS, SwiGLU)
 
 
+def add_arguments(p):
+    """Megatron's T5 flags (pretrain_t5.py's). Megatron's --encoder-num-layers and --encoder-seq-length are its
+    --num-layers and --seq-length for T5 (it refuses both spellings at once, as here); Megatron 0.15.3 builds the
+    decoder with --num-layers' depth whatever --decoder-num-layers says, here the decoder has that many layers."""
+    p.add_argument("--encoder-num-layers", dest="num_layers", type=int, default=argparse.SUPPRESS,
+                   help="the encoder's depth: --num-layers (also the decoder's, unless --decoder-num-layers)")
+    p.add_argument("--decoder-num-layers", type=int, default=None, help="the decoder's depth (default: --num-layers)")
+    p.add_argument("--encoder-seq-length", dest="seq_length", type=int, default=argparse.SUPPRESS,
+                   help="the encoder's input length: --seq-length (rows of it + 1 raw tokens are span-corrupted)")
+    p.add_argument("--decoder-seq-length", type=int, default=None, help="the targets padded to this length (default: "
+                   "their length, which --seq-length fixes, rounded up to a multiple of 8)")
+    p.add_argument("--vocab-extra-ids", type=int, default=100, help="the sentinels <extra_id_i> the span corruption "
+                   "may use (at most the tokenizer's 100; Megatron's default 0 would leave T5 none)")
+
+
+ARCH_FLAGS = ("decoder_num_layers",)  # the decoder's depth shapes the weights (--num-layers is everyone's)
+
+
+def target_length(args) -> int:
+    """The decoder length of a run: --decoder-seq-length, or decoder_length(--seq-length). One that cannot hold the
+    targets span corruption makes of rows of --seq-length + 1 tokens is refused, as are too few sentinels for its
+    spans (ConfigError, before anything is built)."""
+    _, spans, _, need = corrupted_lengths(args.seq_length + 1)
+    sd = getattr(args, "decoder_seq_length", None) or decoder_length(args.seq_length)
+    if sd < need:
+        raise ConfigError(f"--decoder-seq-length={sd} is shorter than the {need} target tokens span corruption makes "
+                          f"of rows of --seq-length + 1 = {args.seq_length + 1} tokens")
+    extra, have = getattr(args, "vocab_extra_ids", 100), len(data.SPECIAL_TOKENS) - 5
+    if not spans <= extra <= have:
+        raise ConfigError(f"--vocab-extra-ids={extra}: rows of {args.seq_length + 1} tokens are corrupted into {spans} "
+                          f"spans, each needing a sentinel, and the tokenizer has {have}")
+    return sd
+
+
+def config_fields(args, tok) -> dict:
+    """The decoder length the data recipe pads to (target_length), for the FLOPs and the layout checks."""
+    return dict(decoder_seq_length=target_length(args))
+
+
 class SpanCorruptionDataset:
     """data.GPTDataset rows of seq_length + 1 tokens, span-corrupted. Sample i is one flat row (train.py stacks
     them): [se, text_enc (se), text_dec (sd), labels (sd), loss_mask (sd)]; the first column says where to cut."""
@@ -330,8 +386,9 @@ class SpanCorruptionDataset:
     def __init__(self, source, doc_ids, args, tok, seed):
         self.rows = data.GPTDataset(source, doc_ids, args.seq_length, seed)
         sp = data.special_ids(tok)
-        self.kw = dict(sentinels=sp["sentinels"], bos=sp["cls"], eos=sp["eod"], pad=sp["pad"], seed=seed)
-        self.se, self.sd, self.pad = args.seq_length, decoder_length(args.seq_length), sp["pad"]  # sd: SP splits it
+        self.kw = dict(sentinels=sp["sentinels"][:getattr(args, "vocab_extra_ids", 100)], bos=sp["cls"], eos=sp["eod"],
+                       pad=sp["pad"], seed=seed)
+        self.se, self.sd, self.pad = args.seq_length, target_length(args), sp["pad"]
 
     def __len__(self):
         return len(self.rows)
@@ -368,12 +425,12 @@ def decoder_length(seq: int) -> int:
 def flops(c: Config, B: int, se: int, sd: int | None = None) -> float:
     """Model FLOPs of one iteration on B samples — our count, not Megatron's (Megatron gives T5 the GPT formula: no
     decoder, no cross-attention). Encoder: Le layers of bidirectional self-attention (full se x se) + MLP on B·se
-    tokens. Decoder: Ld layers on B·sd tokens (sd: default what the data recipe makes of se, decoder_length) of
+    tokens. Decoder: Ld layers on B·sd tokens (sd: default the Config's decoder_seq_length, else decoder_length(se)) of
     causal self-attention (half the sd x sd square, Megatron's causal rule), cross-attention — linear_q h -> nd and
     linear_proj nd -> h per decoder token, QKᵀ and PV over all se keys, and linear_kv h -> 2gd on each of the B·se
     encoder outputs — and MLP; the logit layer on B·sd tokens. MoE layers where moe_layer_freq says, each stack
     numbering its layers from 0. Relative-position biases are lookups. metrics.py's conventions (x 2 x 3)."""
-    sd = decoder_length(se) if sd is None else sd
+    sd = sd or c.decoder_seq_length or decoder_length(se)
     h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels
     enc = sum(metrics.self_attention_flops(c, se, causal=False, mla=False) + metrics.mlp_flops(c, c.is_moe_layer(i))
               for i in range(c.encoder_num_layers))

@@ -24,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import math
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,7 +43,7 @@ import data
 import lora
 import parallel as P
 import posttrain
-from arguments import Args, ConfigError, check_args, model_config, parse_args, print_args
+from arguments import Args, ConfigError, check_args, model_config, notes, parse_args, print_args, transformer_impl
 from contract import ModelFile, model_file
 from metrics import Logger, module_losses, throughput
 
@@ -96,6 +98,18 @@ def learning_rate(num_steps: int, args) -> float:
     return low + coeff * (top - low)
 
 
+def set_learning_rates(run):
+    """The optimizer's learning rates for the next step: learning_rate at the schedule's steps so far
+    (run.progress.lr_steps; a --no-load-optim run's start again from 0, as Megatron's scheduler state is the
+    optimizer's), and with --decoupled-lr the same schedule from --decoupled-lr to --decoupled-min-lr (default
+    --min-lr) for the word embedding and output layer (Megatron's _update_min_and_max_lr_in_param_groups)."""
+    a, step = run.args, run.progress.lr_steps
+    run.optimizer.lr = learning_rate(step, a)
+    if a.decoupled_lr is not None:
+        low = a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr
+        run.optimizer.decoupled_lr = learning_rate(step, Args(**{**vars(a), "lr": a.decoupled_lr, "min_lr": low}))
+
+
 class LossScaler:
     """fp16 dynamic loss scaling (megatron/core/optimizer/grad_scaler.py, hysteresis 1): backward runs on
     loss x scale; a step whose grads hold inf/nan on any rank is skipped and halves the scale; `window` clean steps
@@ -132,10 +146,14 @@ def make_optimizer(chunks, grid, args):
     """AdamW, no weight decay on biases and norm weights: parallel.Optimizer (whole parameters, the plain DP sum), or
     with --use-distributed-optimizer / --overlap-grad-reduce parallel.DistributedOptimizer over parallel.DDP's
     bucketed gradients (the same AdamW, its state sharded over DP). One interface: the loop never asks which."""
-    adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay)
-    if args.use_ddp:
-        return P.DistributedOptimizer(P.DDP(chunks, grid, bucket_size=args.ddp_bucket_size, overlap=args.overlap_grad_reduce,
-                                            distributed_optimizer=args.use_distributed_optimizer), **adam)
+    adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
+                decoupled_lr=args.decoupled_lr)
+    if args.use_ddp:  # (--decoupled-lr: those parameters in buckets of their own, each bucket stepping at one lr)
+        own = (lambda p: getattr(p, "is_embedding_or_output_parameter", False)) if args.decoupled_lr is not None \
+            else (lambda p: False)
+        ddp = P.DDP(chunks, grid, bucket_size=args.ddp_bucket_size, overlap=args.overlap_grad_reduce,
+                    distributed_optimizer=args.use_distributed_optimizer, own_bucket=own)
+        return P.DistributedOptimizer(ddp, **adam)
     return P.Optimizer(chunks, grid, **adam)
 
 
@@ -205,6 +223,8 @@ def setup(args) -> Run:
     starts from. Nothing above the marked line makes a process group: bad input fails on every rank alike, at once."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = check_args(args, world)
+    for line in notes(args) if int(os.environ.get("RANK", "0")) == 0 else []:  # Megatron flags: what runs instead
+        print(line, flush=True)
     mf = model_file(args.model)
     start = checkpoint.plan_start(args)  # verified checkpoints; refuses a missing --load, an overwrite
     corpus = data.build_data(args, mf.dataset, start.tokenizer_file, start.vocab_size, samples=args.task == "pretrain")
@@ -222,7 +242,8 @@ def setup(args) -> Run:
     if world > 1:
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        backend = (args.distributed_backend or "nccl") if cuda else "gloo"  # (nccl asked without CUDA: said once)
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
         from torch.distributed.device_mesh import DeviceMesh
         mesh = DeviceMesh(device.type, torch.arange(world).view(pp, dp * cp, tp), mesh_dim_names=("pp", "dp_cp", "tp"))
         mesh = mesh["dp_cp", "tp"]  # this stage's ranks: shards over tp, replicated over dp x cp (the Grid's order)
@@ -239,8 +260,9 @@ def setup(args) -> Run:
         lora.apply_lora(c, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
     ref_chunks, reference_base = posttrain.setup_task(args, start, chunks, build, mesh)  # value head, reference
     model = torch.nn.ModuleList(chunks)
-    fp8 = P.fp8_enable(model, P.FP8Recipe(args.fp8_format, args.fp8_recipe, args.fp8_margin, args.fp8_amax_history_len,
-                                          args.fp8_amax_compute_algo), grid, args.transformer_impl) if args.fp8 else None
+    recipe = P.FP8Recipe(args.fp8_format, args.fp8_recipe, args.fp8_margin, args.fp8_amax_history_len,
+                         args.fp8_amax_compute_algo)
+    fp8 = P.fp8_enable(model, recipe, grid, transformer_impl(args)) if args.fp8 else None
     if fp8 is not None and args.num_experts and rank == 0:
         print("note: --fp8 covers the attention and MLP linears; the routed MoE experts keep the parameters' dtype")
     optimizer, scaler = make_optimizer(chunks, grid, args), LossScaler(args)
@@ -262,7 +284,8 @@ def setup(args) -> Run:
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         data.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
-    log = Logger(run_dir, rank, first, args.train_iters, resume=start.continues)  # keeps lines <= first
+    log = Logger(run_dir, rank, first, args.train_iters, resume=start.continues,  # keeps lines <= first
+                 tensorboard_dir=args.tensorboard_dir)
     return Run(args, mf, start, corpus, config, grid, chunks, model, mesh, device, rank, optimizer, scaler, fp8, task,
                reference_base, p2p_shape, autocast, first, progress, log)
 
@@ -285,13 +308,17 @@ def load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank) -> Progr
     layout = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"]}
     fp8_args = {k: getattr(args, k) for k in ["fp8", "fp8_format", "fp8_recipe", "fp8_amax_history_len"]}
     first, rng_restored = checkpoint.load_checkpoint(start.resume, chunks, optimizer, scaler, mesh, layout,
-                                                     fp8_args if fp8 is not None else None)
+                                                     fp8_args if fp8 is not None else None,
+                                                     load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
     if rank == 0:
         print(f"resumed from {start.resume.path} at iteration {first}"
-              + ("" if rng_restored else " (different layout: RNG streams not restored)"))
+              + (" (--no-load-optim: a fresh optimizer, loss scale and learning-rate schedule)" if args.no_load_optim
+                 else "") + ("" if rng_restored else " (--no-load-rng: RNG streams from the seed)" if args.no_load_rng
+                             else " (different layout: RNG streams not restored)"))
     meta = start.resume.meta  # a checkpoint saved before these were recorded: a constant batch, no skipped step
     consumed = meta.get("consumed_train_samples", first * meta["args"]["global_batch_size"])
-    return Progress(first, consumed, meta.get("opt_param_scheduler", {}).get("num_steps", consumed))
+    steps = 0 if args.no_load_optim else meta.get("opt_param_scheduler", {}).get("num_steps", consumed)
+    return Progress(first, consumed, steps)  # --no-load-optim: Megatron's scheduler starts again (its state is not read)
 
 
 # ============================================================================================================
@@ -368,13 +395,15 @@ def train_step(run: Run, it: int) -> Step:
     gbs = progress.batch_size(a)
     batch = data.global_batch(run.corpus.train, start=progress.consumed_samples, size=gbs)  # [gbs, s+1] (a task's:
     micro_batches, recipe, num_tokens, shape = prepare(run, batch)  # [gbs, R, s+1]); num_tokens: the global batch's
-    run.optimizer.lr = learning_rate(progress.lr_steps, a)
+    set_learning_rates(run)
     run.optimizer.zero_grad(len(micro_batches))
     trace = [] if a.pipeline_trace and it == run.first else None
     # fp16: backward runs on loss x scale, as sum / (num_tokens / scale), so MoE aux losses are scaled too
     loss = P.forward_backward(run.chunks, micro_batches, lambda m, mb: stage_step(m, mb, recipe, run.autocast),
                               num_tokens / run.scaler.scale, grid, shape, run.config.params_dtype,
                               trace=trace) / run.scaler.scale
+    if a.empty_unused_memory_level >= 1 and run.device.type == "cuda":  # Megatron's levels: 1 here, 2 also after
+        torch.cuda.empty_cache()  # the optimizer step
     if trace is not None:
         print(f"pipeline trace, rank {run.rank} (stage {grid.pp.rank}): "
               + " ".join(f"{k}{mb}" + (f".{v}" if len(run.chunks) > 1 else "") for k, mb, v in trace), flush=True)
@@ -400,6 +429,8 @@ def train_step(run: Run, it: int) -> Step:
         skipped = True
     if not skipped:
         run.optimizer.step()
+    if a.empty_unused_memory_level >= 2 and run.device.type == "cuda":
+        torch.cuda.empty_cache()
     if run.fp8 is not None:  # delayed scaling: this step's amaxes (reduced over TP x DP) -> next step's scales
         run.fp8.discard() if skipped else run.fp8.update()
     progress.iteration, progress.consumed_samples = it + 1, progress.consumed_samples + gbs
@@ -483,10 +514,15 @@ def train(args) -> Run:
     run = setup(args)
     a, log = run.args, run.log
     t0, signals, consumed = time.time(), ExitSignals(a.exit_signal_handler), run.progress.consumed_samples
+    if a.manual_gc:  # Megatron's --manual-gc: no automatic collection; loop() collects at set points
+        gc.disable()
+        gc.collect()
     try:
         n, signaled = loop(run, t0, signals)
     finally:
         signals.restore()  # (also when the loop raises: a rank that must die on torchrun's SIGTERM then does)
+        if a.manual_gc:
+            gc.enable()
     if run.corpus.test is not None and a.eval_iters > 0 and n == a.train_iters and not signaled:
         log.log(dict(iteration=n, **evaluate(run, "test")))  # Megatron's test evaluation once training has ended
     log.close()
@@ -494,7 +530,8 @@ def train(args) -> Run:
         secs = time.time() - t0
         done, tokens = max(0, n - run.first), batch_work(run, run.progress.consumed_samples - consumed)[0]
         print(f"done: {done} iterations in {secs:.0f} s ({tokens / secs:.0f} "
-              f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {log.dir}", flush=True)
+              f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {log.dir}"
+              + (f" (TensorBoard: {a.tensorboard_dir})" if a.tensorboard_dir else ""), flush=True)
     if signaled and run.rank == 0:
         print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
               + ("" if a.load == a.save else f" with --load {a.save}") if a.save else
@@ -507,8 +544,12 @@ def loop(run: Run, t0: float, signals: ExitSignals):
     the name of the signal that stopped it or None)."""
     a, log = run.args, run.log
     window, n, signaled = dict(steps=[], t=t0, moe_load=None), run.first, None  # the steps since the last log line
+    profiler = Profiler(a, run.rank, log.tensorboard_dir)
     for it in range(run.first, a.train_iters):
+        profiler.step(it)
         step = train_step(run, it)
+        if a.manual_gc and a.manual_gc_interval and (it + 1) % a.manual_gc_interval == 0:
+            gc.collect()
         n, t_end = it + 1, time.time()  # n: iterations done (Megatron counts from 1)
         window["steps"].append(step)
         if step.moe_load is not None:
@@ -527,7 +568,11 @@ def loop(run: Run, t0: float, signals: ExitSignals):
         stop = stop or signaled is not None
         if run.corpus.valid is not None and a.eval_iters > 0 and not signaled and (
                 (a.eval_interval and n % a.eval_interval == 0) or n == a.train_iters or stop):
+            if a.manual_gc and a.manual_gc_eval:
+                gc.collect()
             log.log(dict(iteration=n, **evaluate(run)))
+            if a.manual_gc and a.manual_gc_eval:
+                gc.collect(generation=0)  # what evaluation made (Megatron's)
         if a.save and ((a.save_interval and n % a.save_interval == 0) or n == a.train_iters or stop):
             checkpoint.save_checkpoint(a.save, n, run.chunks, run.optimizer, run.scaler, run.mesh, run.settings,
                                        run.start.lora_base, progress=dict(
@@ -536,7 +581,31 @@ def loop(run: Run, t0: float, signals: ExitSignals):
         if stop:
             break
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
+    profiler.stop()
     return n, signaled
+
+
+class Profiler:
+    """Megatron's --profile (with its --use-pytorch-profiler): torch.profiler records iterations [--profile-step-start,
+    --profile-step-end) (0-based, as Megatron counts the iterations done) on the ranks in --profile-ranks and writes
+    each rank's trace into `trace_dir`, the TensorBoard directory, as Megatron's tensorboard_trace_handler does."""
+
+    def __init__(self, args, rank: int, trace_dir: Path):
+        self.on, self.prof = args.profile and rank in args.profile_ranks, None
+        self.start, self.end, self.dir = args.profile_step_start, args.profile_step_end, trace_dir
+
+    def step(self, it: int):  # before iteration it
+        if self.on and it == self.start:
+            self.prof = torch.profiler.profile(on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.dir)),
+                                               record_shapes=True)
+            self.prof.start()
+        elif it == self.end:
+            self.stop()
+
+    def stop(self):
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
 
 
 def log_record(run: Run, n: int, window: dict) -> dict:
@@ -554,6 +623,8 @@ def log_record(run: Run, n: int, window: dict) -> dict:
     if a.rampup_batch_size is not None:
         rec["global_batch_size"] = steps[-1].samples
     rec.update(throughput(sum(f for _, f in work), dt, a.world_size, run.device, a.bf16 or a.fp16))
+    if a.decoupled_lr is not None:
+        rec["decoupled_lr"] = run.optimizer.decoupled_lr
     if a.fp16:
         rec["loss_scale"] = run.scaler.scale
     if window["moe_load"] is not None:
@@ -566,7 +637,8 @@ def log_record(run: Run, n: int, window: dict) -> dict:
 def parse(argv):
     """The flags, with the model's shape taken from the checkpoint the run resumes or starts from unless given
     (checkpoint.saved_flags; Megatron's --use-checkpoint-args), said in one line."""
-    saved = checkpoint.saved_flags(parse_args(argv, known_only=True))
+    first = parse_args(argv, known_only=True)
+    saved = checkpoint.saved_flags(first) if first.use_checkpoint_args is not False else {}  # (off: the command line)
     args = parse_args(argv, saved)
     plain = vars(parse_args(argv, known_only=True)) if saved else {}
     taken = {k: v for k, v in saved.items() if k in plain and plain[k] != v == getattr(args, k)}

@@ -32,14 +32,41 @@ from config import ACTIVATIONS
 from rope import apply_rope
 
 
-def Norm(c, size: int | None = None) -> nn.Module:
-    """LayerNorm or RMSNorm over `size` (default h; MLA's latents: their rank); under sequence parallelism its
-    weights see s/tp tokens, so their grads are partial."""
-    cls = nn.LayerNorm if c.normalization == "LayerNorm" else nn.RMSNorm
-    m = cls(size or c.hidden_size, eps=c.layernorm_epsilon, dtype=c.params_dtype)
+def Norm(c, size: int | None = None, partial_over_tp: bool | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm over `size` (default h; MLA's latents: their rank; q/k norms: the head dim d); under
+    sequence parallelism its weights see s/tp tokens, so their grads are partial (`partial_over_tp`: summed over TP
+    by parallel.finalize_grads; default: under SP). Zero-centered (layernorm_zero_centered_gamma): ZeroCenteredNorm."""
+    size = size or c.hidden_size
+    if c.layernorm_zero_centered_gamma:
+        m = ZeroCenteredNorm(c.normalization, size, c.layernorm_epsilon, c.params_dtype)
+    else:
+        cls = nn.LayerNorm if c.normalization == "LayerNorm" else nn.RMSNorm
+        m = cls(size, eps=c.layernorm_epsilon, dtype=c.params_dtype)
+    gamma = ("zeros",) if c.layernorm_zero_centered_gamma else ("ones",)
+    partial = c.sequence_parallel if partial_over_tp is None else partial_over_tp
     for name, p in m.named_parameters():
-        P.mark(p, ("ones",) if name == "weight" else ("zeros",), sequence_parallel=c.sequence_parallel)
+        P.mark(p, gamma if name == "weight" else ("zeros",), sequence_parallel=partial)
     return m
+
+
+class ZeroCenteredNorm(nn.Module):
+    """Megatron's layernorm_zero_centered_gamma (--apply-layernorm-1p; Transformer Engine's zero_centered_gamma):
+    the norm scales by 1 + weight, and the weight starts at 0, so what the optimizer and weight decay see is centered
+    on zero. The same function as torch's norm with weight 1 + gamma (tests/test_megatron_flags.py checks it):
+        LayerNorm  (x − mean) / sqrt(var + eps) · (1 + weight) + bias
+        RMSNorm    x / sqrt(mean(x²) + eps) · (1 + weight)
+    Parameter names are torch's (weight, bias), so checkpoints and converters read it as a plain norm's."""
+
+    def __init__(self, normalization: str, size: int, eps: float, dtype=None):
+        super().__init__()
+        self.shape, self.eps, self.layer_norm = (size,), eps, normalization == "LayerNorm"
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype)) if self.layer_norm else None
+
+    def forward(self, x):
+        if self.layer_norm:
+            return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
+        return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------- attention and MLP
@@ -87,6 +114,10 @@ class Attention(nn.Module):
             self.linear_qkv = P.ColumnParallelLinear(h, (n + 2 * g) * d, **kw)
         self.linear_proj = P.RowParallelLinear(n * d, h, grid, bias=c.add_bias_linear, std=c.output_std,
                                                sequence_parallel=c.sequence_parallel, dtype=c.params_dtype)
+        if c.qk_layernorm and not cross:  # Megatron's q_layernorm / k_layernorm (self-attention only): over each
+            # head's d dims, weights shared by the heads; a TP rank holds n/tp heads, so its gradient is partial
+            # whatever SP is: summed over TP (Megatron's finalize_model_grads does the same for them)
+            self.q_layernorm, self.k_layernorm = Norm(c, d, partial_over_tp=True), Norm(c, d, partial_over_tp=True)
         cp = grid is not None and grid.cp_size > 1  # context parallelism: K/V of the other cp ranks (parallel.py §12)
         self.cp_attention = P.context_parallel_attention(grid, c.cp_comm_type) if cp and not cross else None
 
@@ -102,6 +133,8 @@ class Attention(nn.Module):
         else:
             q = rearrange(self.linear_q(x), "s b (n d) -> s b n d", d=self.d)
             k, v = rearrange(self.linear_kv(kv_input), "s b (g two d) -> two s b g d", two=2, d=self.d).unbind(0)
+        if hasattr(self, "q_layernorm"):  # --qk-layernorm: each head's q and k normalised, before RoPE (Megatron's)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))

@@ -148,9 +148,10 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--train-iters", type=int, default=500, help="the default run's length, unless --train-samples is given")
     a("--train-samples", type=int, default=None, help="sample-based training: this many samples")
     a("--lr", type=float, default=3e-3)
-    a("--min-lr", type=float, default=3e-4)
+    a("--min-lr", type=float, default=3e-4, help="default: the default run's 3e-4, or Megatron's 0.0 when --lr is given")
     a("--lr-warmup-iters", type=int, default=30,
-      help="the default run's warmup, unless --train-samples or --lr-warmup-fraction is given (Megatron's default: 0)")
+      help="the default run's warmup, unless --lr, --train-samples or --lr-warmup-fraction is given (then Megatron's "
+           "default: 0)")
     a("--lr-warmup-samples", type=int, default=0)
     a("--lr-warmup-fraction", type=float, default=None, help="warmup over this fraction of the decay steps")
     a("--lr-warmup-init", type=float, default=0.0, help="the warmup's first learning rate")
@@ -177,8 +178,10 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--skip-nonfinite-steps", action="store_true",
       help="with the check: skip such a step (counted as `skipped` in metrics.jsonl) instead of stopping")
     # FP8 (parallel.py section 11): real FP8 GEMMs in every Column/RowParallel linear, fp32 master weights
-    a("--fp8", action="store_true", help="FP8 linears (inputs, weights, output grads cast to float8)")
-    a("--fp8-format", default="hybrid", choices=["e4m3", "hybrid"], help="hybrid: e4m3 forward, e5m2 grads")
+    a("--fp8", action="store_true", help="FP8 linears (inputs, weights, output grads cast to float8): --fp8-format "
+      "hybrid")
+    a("--fp8-format", default=None, choices=["e4m3", "hybrid"], help="FP8 linears in this format (Megatron's switch: "
+      "giving it turns FP8 on); hybrid: e4m3 forward, e5m2 grads")
     a("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
     a("--fp8-margin", type=int, default=0, help="scale = (fp8_max / amax) / 2^margin")
     a("--fp8-amax-history-len", type=int, default=1024)
@@ -277,8 +280,6 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
       "--overlap-grad-reduce: the parameters are all-gathered at the end of the step)")
     a("--grad-reduce-in-bf16", action="store_true", help="(accepted: gradients are reduced in fp32 here)")
     a("--calculate-per-token-loss", action="store_true", help="(accepted: always the loss rule here, DESIGN.md §2)")
-    a("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader", action="store_false",
-      help="(accepted: samples never carry a mask here)")
     a("--distributed-backend", default=None, choices=["nccl", "gloo"],
       help="default: nccl on CUDA, gloo on CPU (nccl on CPU: gloo runs)")
     a("--distributed-timeout-minutes", type=int, default=10, help="the process group's timeout")
@@ -352,20 +353,22 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")
     argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)
     check_one_spelling(p, argv)
-    unset = argparse.Namespace(**dict.fromkeys(ITERATION_DEFAULTS, UNSET))  # argparse leaves them if not given
+    unset = argparse.Namespace(**dict.fromkeys(SCHEDULE_DEFAULTS, UNSET))  # argparse leaves them if not given
     got = vars(p.parse_known_args(argv, unset)[0] if known_only else p.parse_args(argv, unset))
     sample_based = got["train_samples"] is not None
     other = {"train_iters": None if sample_based else p.get_default("train_iters"),
-             "lr_warmup_iters": 0 if sample_based or got["lr_warmup_fraction"] is not None else
-             p.get_default("lr_warmup_iters")}
+             "lr_warmup_iters": 0 if sample_based or got["lr_warmup_fraction"] is not None or got["lr"] is not UNSET
+             else p.get_default("lr_warmup_iters"),
+             "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0}
     return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()})
 
 
 # The default run is iteration-based: --train-iters and --lr-warmup-iters take its values (500 or the model file's,
 # and 30) only where a command asks for nothing else. A sample-based command (--train-samples) or a warmup fraction
 # (--lr-warmup-fraction) leaves them at Megatron's defaults (None, 0), so Megatron's rules (check_schedule_args)
-# refuse only what a command itself mixes.
-ITERATION_DEFAULTS = ("train_iters", "lr_warmup_iters")
+# refuse only what a command itself mixes. Likewise --min-lr and the warmup: the default run's 3e-4 and 30 beside its
+# --lr, Megatron's 0.0 and 0 beside a command's own --lr.
+SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr")
 UNSET = "(not given)"
 
 
@@ -597,8 +600,8 @@ def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
             kind = data.vocab_file_type(args.vocab_file)
         except data.DataError as e:
             raise ConfigError(str(e)) from None
-        data.note(f"--vocab-file {args.vocab_file} without --tokenizer-type: {kind} (as Megatron's pretraining "
-                  "scripts default it for this kind of vocabulary)")
+        data.note(f"the tokenizer type is {kind}: --vocab-file {args.vocab_file} without --tokenizer-type (Megatron's "
+                  "pretraining scripts default it so for this kind of vocabulary)")
     if kind in data.REFUSED_TOKENIZERS:
         raise ConfigError(f"--tokenizer-type {kind}: {data.REFUSED_TOKENIZERS[kind]}")
     if kind is not None and args.tokenizer_file is not None:
@@ -849,6 +852,8 @@ def check_args(args, world: int) -> Args:
                           "drop --no-check-for-nan-in-loss-and-grad")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive")
+    args.fp8 = args.fp8 or args.fp8_format is not None  # Megatron turns FP8 on by --fp8-format; ours: --fp8 = hybrid
+    args.fp8_format = args.fp8_format or ("hybrid" if args.fp8 else None)
     if args.fp8 and args.fp16:
         raise ConfigError("--fp8 with --fp16 is not supported (use --bf16 or fp32 master weights)")
     if args.min_lr > args.lr:

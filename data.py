@@ -252,9 +252,9 @@ TOKENIZER_TYPES = ["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokeni
                    "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
                    "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"]  # Megatron's
 REFUSED_TOKENIZERS = {
-    "SentencePieceTokenizer": "Megatron's generic SentencePiece type adds BERT/T5 special tokens (<CLS>, <SEP>, <MASK>, "
-                              "sentinels) after the model's pieces, which is not implemented; GPTSentencePieceTokenizer "
-                              "or Llama2Tokenizer read the same .model",
+    "SentencePieceTokenizer": "Megatron's generic SentencePiece type adds the encoders' special tokens (<CLS>, <SEP>, "
+                              "<MASK>, sentinels) after the model's pieces, which is not implemented; "
+                              "GPTSentencePieceTokenizer or Llama2Tokenizer read the same .model",
     "TikTokenizer": "needs the tiktoken library, which requirements.txt does not carry",
     "MultimodalTokenizer": "the multimodal prompt formats (transformers' chat templates for images) are not "
                            "implemented; the image model here uses its own captions and tokenizer",

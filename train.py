@@ -260,7 +260,7 @@ def setup(args) -> Run:
         lora.apply_lora(c, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
     ref_chunks, reference_base = posttrain.setup_task(args, start, chunks, build, mesh)  # value head, reference
     model = torch.nn.ModuleList(chunks)
-    recipe = P.FP8Recipe(args.fp8_format, args.fp8_recipe, args.fp8_margin, args.fp8_amax_history_len,
+    recipe = P.FP8Recipe(args.fp8_format or "hybrid", args.fp8_recipe, args.fp8_margin, args.fp8_amax_history_len,
                          args.fp8_amax_compute_algo)
     fp8 = P.fp8_enable(model, recipe, grid, transformer_impl(args)) if args.fp8 else None
     if fp8 is not None and args.num_experts and rank == 0:

@@ -92,7 +92,8 @@ def _train_worker(rank, world, inq, outq):
             code = traceback.format_exc()
         finally:
             os.chdir(home)
-        outq.put((rank, code, out.getvalue()[-3000:]))
+        text = out.getvalue()
+        outq.put((rank, code, text if len(text) <= 20000 else text[:10000] + "\n...\n" + text[-10000:]))
 
 
 class CaseFailed(AssertionError):
@@ -181,7 +182,8 @@ _LAUNCHERS: dict[int, Pool] = {}  # world size -> warm train.py ranks, for the w
 
 def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None):
     """train.main(argv) on n warm ranks, as `torchrun --nproc_per_node n train.py argv` run in `cwd` (default: where
-    the ranks started, the repository root); raises CaseFailed (with the ranks' output) unless every rank returns 0."""
+    the ranks started, the repository root); raises CaseFailed (with the ranks' output) unless every rank returns 0.
+    Returns each rank's output {rank: text} (the first and last 10,000 characters of a longer one)."""
     if n not in _LAUNCHERS:
         _LAUNCHERS[n] = Pool(n, timeout, target=_train_worker)
     pool = _LAUNCHERS[n]
@@ -206,3 +208,4 @@ def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None):
         pool.restart()
         rank = min(bad)
         raise CaseFailed(f"train.py on {n} warm ranks failed on rank {rank}: {bad[rank]}\n{outs.get(rank, '')}")
+    return outs

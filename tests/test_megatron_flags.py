@@ -437,23 +437,23 @@ def test_decoupled_lr_trains_embedding_and_output_at_their_own_rate(pool, distop
 
 
 def test_decoupled_lr_follows_the_schedule_from_its_own_peak_and_minimum():
-    """Written out (linear decay, 2 warmup iterations of 10): --decoupled-lr 1e-2 to --decoupled-min-lr 1e-4 beside
-    --lr 1e-3 to --min-lr 1e-5; a run whose schedule starts at iteration 3 (--no-load-optim) is shifted by 3."""
+    """Written out (linear decay, 2 warmup iterations of 10, Megatron's schedule counted in samples of applied steps:
+    the rate after `it` steps of --global-batch-size): --decoupled-lr 1e-2 to --decoupled-min-lr 1e-4 beside --lr 1e-3
+    to --min-lr 1e-5; a schedule that starts again (--no-load-optim: progress.lr_steps 0) warms up from 0 again."""
     import types
 
     import train
     args = checked(["--lr", "1e-3", "--min-lr", "1e-5", "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-4",
                     "--lr-warmup-iters", "2", "--train-iters", "10", "--lr-decay-style", "linear"])
-    run = types.SimpleNamespace(args=args, schedule_start=0, optimizer=types.SimpleNamespace(lr=None, decoupled_lr=None))
-    want = {0: (5e-4, 5e-3), 2: (1e-3, 1e-2), 6: (1e-5 + 0.5 * (1e-3 - 1e-5), 1e-4 + 0.5 * (1e-2 - 1e-4)),
+    run = types.SimpleNamespace(args=args, progress=types.SimpleNamespace(lr_steps=0),
+                                optimizer=types.SimpleNamespace(lr=None, decoupled_lr=None))
+    want = {0: (0.0, 0.0), 1: (5e-4, 5e-3), 2: (1e-3, 1e-2), 6: (1e-5 + 0.5 * (1e-3 - 1e-5), 1e-4 + 0.5 * (1e-2 - 1e-4)),
             10: (1e-5, 1e-4)}
     for it, (lr, dlr) in want.items():
-        train.set_learning_rates(run, it)
-        assert run.optimizer.lr == pytest.approx(lr, rel=1e-12) and run.optimizer.decoupled_lr == pytest.approx(dlr,
-                                                                                                               rel=1e-12)
-    run.schedule_start = 3
-    train.set_learning_rates(run, 3)
-    assert run.optimizer.decoupled_lr == pytest.approx(5e-3, rel=1e-12)
+        run.progress.lr_steps = it * args.global_batch_size
+        train.set_learning_rates(run)
+        assert run.optimizer.lr == pytest.approx(lr, rel=1e-12, abs=0) and \
+            run.optimizer.decoupled_lr == pytest.approx(dlr, rel=1e-12, abs=0)
 
 
 def test_manual_gc_and_profile(corpus, cache, tmp_path, monkeypatch):

@@ -64,8 +64,9 @@ MAX_NEW = 12  # the prompt (28 tokens) and the answer stay within 48 positions, 
 def tiny(tok_file, save, *extra, iters=1):
     return ["--tokenizer-file", str(tok_file), "--vocab-size", "384", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "48", "--micro-batch-size", "8", "--global-batch-size", "8",
-            "--train-iters", str(iters), "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "100",
-            "--eval-iters", "0", "--data-cache-dir", str(save.parent / "cache"), "--save", str(save), *extra]
+            "--train-iters", str(iters), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2",
+            "--log-interval", "100", "--eval-iters", "0", "--data-cache-dir", str(save.parent / "cache"), "--save",
+            str(save), *extra]
 
 
 def write_jsonl(path, records):

@@ -28,6 +28,7 @@ import yaml
 
 import data
 import lora
+import scheduler
 from config import ConfigError  # noqa: F401 (re-exported: the error every flag check raises)
 from contract import default_model, model_file, model_files
 
@@ -143,12 +144,13 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
       help="grow the global batch from START by INCREMENT over SAMPLES samples to --global-batch-size "
            "(sample-based training only)")
-    # the training length and the learning-rate schedule (train.learning_rate): iteration-based (--train-iters,
-    # the default run's) or sample-based (--train-samples), never mixed (check_schedule_args)
+    # the training length and the learning-rate schedule (scheduler.py): iteration-based (--train-iters,
+    # the default run's) or sample-based (--train-samples), never mixed (scheduler.check_schedule_args)
     a("--train-iters", type=int, default=500, help="the default run's length, unless --train-samples is given")
     a("--train-samples", type=int, default=None, help="sample-based training: this many samples")
     a("--lr", type=float, default=3e-3)
-    a("--min-lr", type=float, default=3e-4, help="default: the default run's 3e-4, or Megatron's 0.0 when --lr is given")
+    a("--min-lr", type=float, default=3e-4,
+      help="default: the default run's 3e-4, or Megatron's 0.0 when --lr is given")
     a("--lr-warmup-iters", type=int, default=30,
       help="the default run's warmup, unless --lr, --train-samples or --lr-warmup-fraction is given (then Megatron's "
            "default: 0)")
@@ -365,9 +367,9 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
 
 # The default run is iteration-based: --train-iters and --lr-warmup-iters take its values (500 or the model file's,
 # and 30) only where a command asks for nothing else. A sample-based command (--train-samples) or a warmup fraction
-# (--lr-warmup-fraction) leaves them at Megatron's defaults (None, 0), so Megatron's rules (check_schedule_args)
-# refuse only what a command itself mixes. Likewise --min-lr and the warmup: the default run's 3e-4 and 30 beside its
-# --lr, Megatron's 0.0 and 0 beside a command's own --lr.
+# (--lr-warmup-fraction) leaves them at Megatron's defaults (None, 0), so Megatron's rules
+# (scheduler.check_schedule_args) refuse only what a command itself mixes. Likewise --min-lr and the warmup: the
+# default run's 3e-4 and 30 beside its --lr, Megatron's 0.0 and 0 beside a command's own --lr.
 SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr")
 UNSET = "(not given)"
 
@@ -443,82 +445,6 @@ RANGES.update({  # long context
     **dict.fromkeys(["yarn_mscale", "yarn_mscale_all_dim"], _AT_LEAST_0),
     **dict.fromkeys(["seq_len_interpolation_factor", "rope_scaling_factor", "yarn_rotary_scaling_factor"],
                     (lambda v: v >= 1, ">= 1"))})
-
-
-def check_schedule_args(args, interleaved: bool) -> tuple:
-    """The training length, the learning-rate schedule and the batch-size ramp-up: Megatron's rules (validate_args,
-    training.py's update_train_iters, the ramp's calculator in megatron/core/num_microbatches_calculator.py). Returns
-    what they derive: (--train-iters: a sample-based run's is Megatron's count, --lr-decay-iters, --lr-decay-samples:
-    by default the training length, --lr-wsd-decay-style: by default exponential)."""
-    iters, samples, ramp = args.train_iters, args.train_samples, args.rampup_batch_size
-    if iters is not None and samples is not None:
-        raise ConfigError(f"--train-iters={iters} and --train-samples={samples} are exclusive: train by iterations "
-                          "or by samples")
-    wsd = args.lr_wsd_decay_iters if iters is not None else args.lr_wsd_decay_samples
-    if iters is not None:  # iteration-based: no sample-based flag
-        mixed = {"--lr-decay-samples": args.lr_decay_samples is not None, "--lr-warmup-samples": args.lr_warmup_samples,
-                 "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None, "--rampup-batch-size": ramp}
-        bad = next((f for f, on in mixed.items() if on), None)
-        if bad:
-            raise ConfigError(f"{bad} is for sample-based training (--train-samples), not with --train-iters={iters}"
-                              + (" (Megatron refuses a ramp-up with iteration-based training too)" if ramp else ""))
-        decay_iters, decay_samples = (iters if args.lr_decay_iters is None else args.lr_decay_iters), None
-    else:  # sample-based: no iteration-based flag
-        mixed = {"--lr-decay-iters": args.lr_decay_iters is not None, "--lr-warmup-iters": args.lr_warmup_iters,
-                 "--lr-wsd-decay-iters": args.lr_wsd_decay_iters is not None}
-        bad = next((f for f, on in mixed.items() if on), None)
-        if bad:
-            raise ConfigError(f"{bad} is for iteration-based training (--train-iters), not with --train-samples="
-                              f"{samples}: use {bad.replace('iters', 'samples')}")
-        decay_iters, decay_samples = None, (samples if args.lr_decay_samples is None else args.lr_decay_samples)
-    warmup = args.lr_warmup_iters or args.lr_warmup_samples
-    if args.lr_warmup_fraction is not None and warmup:
-        raise ConfigError(f"--lr-warmup-fraction={args.lr_warmup_fraction} and --lr-warmup-"
-                          f"{'iters' if iters is not None else 'samples'}={warmup} are exclusive: give one warmup")
-    if args.lr_warmup_init > args.lr:
-        raise ConfigError(f"--lr-warmup-init={args.lr_warmup_init} is larger than --lr={args.lr}")
-    unit = "iters" if iters is not None else "samples"
-    if args.lr_decay_style == "WSD" and wsd is None:
-        raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its annealing phase")
-    if args.lr_decay_style != "WSD" and (wsd is not None or args.lr_wsd_decay_style is not None):
-        flag = f"--lr-wsd-decay-{unit}" if wsd is not None else "--lr-wsd-decay-style"
-        raise ConfigError(f"{flag} acts only with --lr-decay-style WSD (it is {args.lr_decay_style})")
-    if ramp is not None:
-        check_rampup(args, interleaved)
-    if samples is not None:  # Megatron's iteration count: the ramp's steps, then whole global batches
-        n = consumed = 0
-        while ramp is not None and consumed <= ramp[2] and consumed <= samples:
-            consumed, n = consumed + data.batch_size(consumed, args.global_batch_size, ramp), n + 1
-        iters = n + max(0, samples - consumed) // args.global_batch_size
-        if iters == 0:
-            raise ConfigError(f"--train-samples={samples} is less than one global batch ({args.global_batch_size})")
-    return iters, decay_iters, decay_samples, args.lr_wsd_decay_style or "exponential"
-
-
-def check_rampup(args, interleaved: bool):
-    """--rampup-batch-size START INCREMENT SAMPLES (data.batch_size): Megatron's checks, and every global batch the
-    ramp reaches (up to --train-samples) a whole number of micro-batches per data-parallel rank (a multiple of pp
-    under the interleaved schedule), as Megatron checks them step by step, here before the run."""
-    (start, increment, samples), gbs = args.rampup_batch_size, args.global_batch_size
-    ramp = f"--rampup-batch-size {start} {increment} {samples}"
-    if min(start, increment, samples) < 1:
-        raise ConfigError(f"{ramp}: START, INCREMENT and SAMPLES must be >= 1")
-    if start >= gbs or (gbs - start) % increment:
-        raise ConfigError(f"{ramp}: START must be below --global-batch-size={gbs} and INCREMENT must divide the "
-                          f"difference {gbs - start}")
-    rows, pp = args.micro_batch_size * args.data_parallel_size, args.pipeline_model_parallel_size
-    consumed = 0
-    while consumed <= min(samples, args.train_samples):
-        b = data.batch_size(consumed, gbs, args.rampup_batch_size)
-        if b % rows:
-            raise ConfigError(f"{ramp}: the global batch of {b} samples (after {consumed} samples) is not divisible by "
-                              f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
-                              f"{args.data_parallel_size} = {rows}")
-        if interleaved and b // rows % pp:
-            raise ConfigError(f"{ramp}: interleaved pipelining needs every step's number of micro-batches to be a "
-                              f"multiple of pp={pp}; the global batch of {b} samples (after {consumed} samples) has "
-                              f"{b // rows}")
-        consumed += b
 
 
 RANGES.update({**dict.fromkeys(["kv_channels", "distributed_timeout_minutes"], _AT_LEAST_1),  # Megatron's flags
@@ -888,8 +814,8 @@ def check_args(args, world: int) -> Args:
     if vp > 1 and args.num_micro_batches % pp:
         raise ConfigError(f"interleaved pipelining needs the number of micro-batches {args.num_micro_batches} "
                           f"(global batch / (micro batch x dp)) to be a multiple of pp={pp}")
-    args.train_iters, args.lr_decay_iters, args.lr_decay_samples, args.lr_wsd_decay_style = check_schedule_args(
-        args, vp > 1)
+    args.train_iters, args.lr_decay_iters, args.lr_decay_samples, args.lr_wsd_decay_style = \
+        scheduler.check_schedule_args(args, vp > 1)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.seq_length > args.max_position_embeddings:
         raise ConfigError(f"--seq-length={args.seq_length} > --max-position-embeddings={args.max_position_embeddings}")

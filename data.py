@@ -674,20 +674,6 @@ def global_batch(dataset, *, start: int, size: int):
     return torch.from_numpy(np.stack([dataset[start + j] for j in range(size)]))
 
 
-def batch_size(consumed: int, global_batch_size: int, rampup=None) -> int:
-    """The global batch size of the step that starts after `consumed` samples: --global-batch-size, or during
-    --rampup-batch-size START INCREMENT SAMPLES, Megatron's ramp (megatron/core/num_microbatches_calculator.py,
-    RampupBatchsizeNumMicroBatchesCalculator): START + k x INCREMENT, k the whole number of SAMPLES / n
-    samples consumed (n = (global_batch_size - START) / INCREMENT increments), until more than SAMPLES are."""
-    if rampup is None:
-        return global_batch_size
-    start, increment, samples = rampup
-    if consumed > samples:
-        return global_batch_size
-    per_increment = samples / ((global_batch_size - start) // increment)  # a float, as Megatron's
-    return start + int(consumed / per_increment) * increment
-
-
 # ----------------------------------------------------------------------------- blends, mock data, build_data
 
 def normalize(weights) -> list[float]:

@@ -177,3 +177,26 @@ class Logger:
         ax.legend()
         fig.savefig(self.dir / "loss.png", dpi=100, bbox_inches="tight")
         plt.close(fig)
+
+
+class Profiler:
+    """Megatron's --profile (with its --use-pytorch-profiler): torch.profiler records iterations [--profile-step-start,
+    --profile-step-end) (0-based, as Megatron counts the iterations done) on the ranks in --profile-ranks and writes
+    each rank's trace into `trace_dir`, the TensorBoard directory, as Megatron's tensorboard_trace_handler does."""
+
+    def __init__(self, args, rank: int, trace_dir: Path):
+        self.on, self.prof = args.profile and rank in args.profile_ranks, None
+        self.start, self.end, self.dir = args.profile_step_start, args.profile_step_end, trace_dir
+
+    def step(self, it: int):  # before iteration it
+        if self.on and it == self.start:
+            self.prof = torch.profiler.profile(on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.dir)),
+                                               record_shapes=True)
+            self.prof.start()
+        elif it == self.end:
+            self.stop()
+
+    def stop(self):
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None

@@ -45,59 +45,14 @@ import parallel as P
 import posttrain
 from arguments import Args, ConfigError, check_args, model_config, notes, parse_args, print_args, transformer_impl
 from contract import ModelFile, model_file
-from metrics import Logger, module_losses, throughput
+from metrics import Logger, Profiler, module_losses, throughput
+from scheduler import batch_size, learning_rate
 
 
 # ============================================================================================================
-# 1. Optimizer pieces: learning-rate schedule, dynamic loss scaling (the optimizers: parallel.py section 9)
+# 1. Optimizer pieces: the learning rates (scheduler.py's schedule), dynamic loss scaling (the optimizers: parallel.py
+#    section 9)
 # ============================================================================================================
-def schedule_steps(args) -> tuple[float, int, int | None]:
-    """(warmup, decay, WSD annealing) steps of the learning-rate schedule, counted in samples as Megatron counts them
-    (megatron/training/training.py, get_optimizer_param_scheduler): an iteration-based run's --lr-warmup-iters,
-    --lr-decay-iters, --lr-wsd-decay-iters times --global-batch-size; a sample-based run's --lr-warmup-samples,
-    --lr-decay-samples, --lr-wsd-decay-samples; --lr-warmup-fraction: that fraction of the decay steps."""
-    gbs = args.global_batch_size
-    if args.train_samples is None:
-        decay, warmup = args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs
-        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
-    else:
-        decay, wsd, warmup = args.lr_decay_samples, args.lr_wsd_decay_samples, args.lr_warmup_samples
-    return (warmup if args.lr_warmup_fraction is None else args.lr_warmup_fraction * decay), decay, wsd
-
-
-def learning_rate(num_steps: int, args) -> float:
-    """The learning rate after `num_steps` samples of applied steps (megatron/core/optimizer_param_scheduler.py,
-    OptimizerParamScheduler.get_lr; the loop adds each applied step's global batch, so a step uses the rate of the
-    samples before it, and the first step --lr-warmup-init): a linear warmup from --lr-warmup-init to --lr, then
-    --lr-decay-style down to --min-lr, reached at the decay steps and kept after them. constant stays at --lr;
-    inverse-square-root decays as sqrt(warmup / n); WSD holds --lr, then anneals over its last WSD steps
-    (--lr-wsd-decay-style). Warmup steps >= decay steps (Megatron asserts they are fewer) warm up, then give --min-lr."""
-    warmup, decay, wsd = schedule_steps(args)
-    top, low, n = args.lr, args.min_lr, num_steps
-    if warmup > 0 and n <= warmup:
-        return args.lr_warmup_init + (top - args.lr_warmup_init) * float(n) / float(warmup)
-    style = args.lr_decay_style
-    if style == "constant":
-        return top
-    if n > decay:
-        return low
-    if style == "inverse-square-root":
-        return max(low, top * max(warmup, 1) ** 0.5 / max(n, 1) ** 0.5)
-    ratio = float(n - warmup) / float(decay - warmup)  # in [0, 1]
-    if style == "linear":
-        coeff = 1.0 - ratio
-    elif style == "cosine":
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    elif n <= decay - wsd:  # WSD: stable
-        coeff = 1.0
-    else:  # WSD: annealing, r in (0, 1]
-        r = float(n - (decay - wsd)) / float(wsd)
-        coeff = {"linear": lambda: 1.0 - r, "cosine": lambda: 0.5 * (math.cos(math.pi * r) + 1.0),
-                 "exponential": lambda: 2.0 * math.pow(0.5, r) - 1.0,
-                 "minus_sqrt": lambda: 1.0 - math.sqrt(r)}[args.lr_wsd_decay_style]()
-    return low + coeff * (top - low)
-
-
 def set_learning_rates(run):
     """The optimizer's learning rates for the next step: learning_rate at the schedule's steps so far
     (run.progress.lr_steps; a --no-load-optim run's start again from 0, as Megatron's scheduler state is the
@@ -107,7 +62,7 @@ def set_learning_rates(run):
     run.optimizer.lr = learning_rate(step, a)
     if a.decoupled_lr is not None:
         low = a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr
-        run.optimizer.decoupled_lr = learning_rate(step, Args(**{**vars(a), "lr": a.decoupled_lr, "min_lr": low}))
+        run.optimizer.decoupled_lr = learning_rate(step, a, a.decoupled_lr, low)
 
 
 class LossScaler:
@@ -171,7 +126,7 @@ class Progress:
 
     def batch_size(self, args) -> int:
         """The global batch size of the next step: --global-batch-size, or the --rampup-batch-size ramp's."""
-        return data.batch_size(self.consumed_samples, args.global_batch_size, args.rampup_batch_size)
+        return batch_size(self.consumed_samples, args.global_batch_size, args.rampup_batch_size)
 
 
 @dataclasses.dataclass
@@ -583,29 +538,6 @@ def loop(run: Run, t0: float, signals: ExitSignals):
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
     profiler.stop()
     return n, signaled
-
-
-class Profiler:
-    """Megatron's --profile (with its --use-pytorch-profiler): torch.profiler records iterations [--profile-step-start,
-    --profile-step-end) (0-based, as Megatron counts the iterations done) on the ranks in --profile-ranks and writes
-    each rank's trace into `trace_dir`, the TensorBoard directory, as Megatron's tensorboard_trace_handler does."""
-
-    def __init__(self, args, rank: int, trace_dir: Path):
-        self.on, self.prof = args.profile and rank in args.profile_ranks, None
-        self.start, self.end, self.dir = args.profile_step_start, args.profile_step_end, trace_dir
-
-    def step(self, it: int):  # before iteration it
-        if self.on and it == self.start:
-            self.prof = torch.profiler.profile(on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.dir)),
-                                               record_shapes=True)
-            self.prof.start()
-        elif it == self.end:
-            self.stop()
-
-    def stop(self):
-        if self.prof is not None:
-            self.prof.stop()
-            self.prof = None
 
 
 def log_record(run: Run, n: int, window: dict) -> dict:

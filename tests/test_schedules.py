@@ -1,6 +1,6 @@
 """The learning-rate schedule, sample-based training and the batch-size ramp-up against Megatron-core's own code.
 
-  - train.learning_rate equals megatron-core 0.15.3's OptimizerParamScheduler (on CPU, over a dummy torch optimizer)
+  - scheduler.learning_rate equals megatron-core 0.15.3's OptimizerParamScheduler (on CPU, over a dummy torch optimizer)
     set up from our checked flags as megatron/training/training.py's get_optimizer_param_scheduler does, and driven
     as its training loop drives it (the LR a step uses is read before the step; then step(increment = the step's
     global batch)), at every iteration of a run and past its end: iteration-based cosine with --lr-warmup-iters,
@@ -8,7 +8,7 @@
     --rampup-batch-size, linear, constant, inverse-square-root, WSD (each --lr-wsd-decay-style), --lr-warmup-init,
     and the default run. Tolerance: none (==): the same float operations in the same order give the same bits, so
     equality also shows that no step is shifted (a shift moves the rate by ~1e-4 relative or more).
-  - data.batch_size (the ramp) gives megatron-core's RampupBatchsizeNumMicroBatchesCalculator's (global batch,
+  - scheduler.batch_size (the ramp) gives megatron-core's RampupBatchsizeNumMicroBatchesCalculator's (global batch,
     micro-batches) at every step of a hand-checked case, written out below, and --train-samples gives Megatron's
     iteration count (training.py's update_train_iters, driven by the same calculator).
   - End to end: a tiny train.main run with --rampup-batch-size under torchrun DP=2 (warm ranks) logs the single
@@ -24,7 +24,7 @@ import torch
 from test_train import assert_close, metrics, torchrun
 
 import arguments
-import data
+import scheduler
 import train
 
 corpus = test_train.corpus  # test_train's fixture: the synthetic corpus
@@ -86,7 +86,7 @@ def our_lrs(args, n, late=False):
     out, progress = [], train.Progress()
     for _ in range(n):
         b = progress.batch_size(args)
-        out.append(train.learning_rate(progress.lr_steps + (b if late else 0), args))
+        out.append(scheduler.learning_rate(progress.lr_steps + (b if late else 0), args))
         progress.consumed_samples += b
         progress.lr_steps += b
     return out
@@ -143,7 +143,7 @@ def our_ramp(args, n, counter="samples"):
     """(global batch, micro-batches per DP rank) of steps 0..n-1; counter="iterations" is the negative control."""
     out, consumed = [], 0
     for it in range(n):
-        b = data.batch_size(consumed if counter == "samples" else it, args.global_batch_size, args.rampup_batch_size)
+        b = scheduler.batch_size(consumed if counter == "samples" else it, args.global_batch_size, args.rampup_batch_size)
         out.append((b, b // (args.micro_batch_size * args.data_parallel_size)))
         consumed += b
     return out

@@ -20,6 +20,7 @@ import arguments
 import checkpoint
 import data
 import harness
+import scheduler
 import tools
 import train
 
@@ -268,7 +269,7 @@ def test_learning_rate_schedule():
     at --lr-warmup-init (0), the 11th at the peak; cosine to --min-lr at iteration 110, then --min-lr."""
     a = arguments.check_args(arguments.parse_args(["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "10",
                                                    "--train-iters", "110"]), 1)
-    lr = [train.learning_rate(16 * i, a) for i in range(120)]
+    lr = [scheduler.learning_rate(16 * i, a) for i in range(120)]
     assert lr[0] == 0.0 and lr[1] == 0.1 and lr[9] == 0.9 and lr[10] == 1.0
     assert lr[60] == pytest.approx(0.1 + 0.9 * 0.5) and lr[110] == lr[119] == 0.1
     assert all(x >= y for x, y in zip(lr[10:], lr[11:]))

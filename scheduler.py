@@ -1,0 +1,155 @@
+"""scheduler.py — how long a run trains, its learning rate at each step, and its global batch during a ramp-up.
+
+Mirrors megatron/core/optimizer_param_scheduler.py (OptimizerParamScheduler.get_lr: warmup, then constant / linear /
+cosine / inverse-square-root / WSD decay, counted in samples of applied steps), megatron/core/
+num_microbatches_calculator.py (RampupBatchsizeNumMicroBatchesCalculator) and the schedule rules of Megatron's
+validate_args. Its own file because three places read it and none owns it: arguments.py checks the flags
+(check_schedule_args), train.py drives the optimizer with it, tests/test_schedules.py checks it against megatron-core.
+
+    python train.py --lr-decay-style WSD --lr-wsd-decay-iters 100 --save runs/wsd   # hold --lr, anneal at the end
+"""
+from __future__ import annotations
+
+import math
+
+from config import ConfigError
+
+
+def batch_size(consumed: int, global_batch_size: int, rampup=None) -> int:
+    """The global batch size of the step that starts after `consumed` samples: --global-batch-size, or during
+    --rampup-batch-size START INCREMENT SAMPLES, Megatron's ramp (megatron/core/num_microbatches_calculator.py,
+    RampupBatchsizeNumMicroBatchesCalculator): START + k x INCREMENT, k the whole number of SAMPLES / n
+    samples consumed (n = (global_batch_size - START) / INCREMENT increments), until more than SAMPLES are."""
+    if rampup is None:
+        return global_batch_size
+    start, increment, samples = rampup
+    if consumed > samples:
+        return global_batch_size
+    per_increment = samples / ((global_batch_size - start) // increment)  # a float, as Megatron's
+    return start + int(consumed / per_increment) * increment
+
+
+
+def schedule_steps(args) -> tuple[float, int, int | None]:
+    """(warmup, decay, WSD annealing) steps of the learning-rate schedule, counted in samples as Megatron counts them
+    (megatron/training/training.py, get_optimizer_param_scheduler): an iteration-based run's --lr-warmup-iters,
+    --lr-decay-iters, --lr-wsd-decay-iters times --global-batch-size; a sample-based run's --lr-warmup-samples,
+    --lr-decay-samples, --lr-wsd-decay-samples; --lr-warmup-fraction: that fraction of the decay steps."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        decay, warmup = args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs
+        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
+    else:
+        decay, wsd, warmup = args.lr_decay_samples, args.lr_wsd_decay_samples, args.lr_warmup_samples
+    return (warmup if args.lr_warmup_fraction is None else args.lr_warmup_fraction * decay), decay, wsd
+
+
+def learning_rate(num_steps: int, args, peak: float | None = None, minimum: float | None = None) -> float:
+    """The learning rate after `num_steps` samples of applied steps (megatron/core/optimizer_param_scheduler.py,
+    OptimizerParamScheduler.get_lr; the loop adds each applied step's global batch, so a step uses the rate of the
+    samples before it, and the first step --lr-warmup-init): a linear warmup from --lr-warmup-init to --lr, then
+    --lr-decay-style down to --min-lr, reached at the decay steps and kept after them. constant stays at --lr;
+    inverse-square-root decays as sqrt(warmup / n); WSD holds --lr, then anneals over its last WSD steps
+    (--lr-wsd-decay-style). Warmup steps >= decay steps (Megatron asserts they are fewer) warm up, then give --min-lr.
+    peak / minimum: another parameter group's --lr / --min-lr on the same schedule (--decoupled-lr)."""
+    warmup, decay, wsd = schedule_steps(args)
+    top, low, n = args.lr if peak is None else peak, args.min_lr if minimum is None else minimum, num_steps
+    if warmup > 0 and n <= warmup:
+        return args.lr_warmup_init + (top - args.lr_warmup_init) * float(n) / float(warmup)
+    style = args.lr_decay_style
+    if style == "constant":
+        return top
+    if n > decay:
+        return low
+    if style == "inverse-square-root":
+        return max(low, top * max(warmup, 1) ** 0.5 / max(n, 1) ** 0.5)
+    ratio = float(n - warmup) / float(decay - warmup)  # in [0, 1]
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    elif n <= decay - wsd:  # WSD: stable
+        coeff = 1.0
+    else:  # WSD: annealing, r in (0, 1]
+        r = float(n - (decay - wsd)) / float(wsd)
+        coeff = {"linear": lambda: 1.0 - r, "cosine": lambda: 0.5 * (math.cos(math.pi * r) + 1.0),
+                 "exponential": lambda: 2.0 * math.pow(0.5, r) - 1.0,
+                 "minus_sqrt": lambda: 1.0 - math.sqrt(r)}[args.lr_wsd_decay_style]()
+    return low + coeff * (top - low)
+
+
+
+def check_schedule_args(args, interleaved: bool) -> tuple:
+    """The training length, the learning-rate schedule and the batch-size ramp-up: Megatron's rules (validate_args,
+    training.py's update_train_iters, the ramp's calculator in megatron/core/num_microbatches_calculator.py). Returns
+    what they derive: (--train-iters: a sample-based run's is Megatron's count, --lr-decay-iters, --lr-decay-samples:
+    by default the training length, --lr-wsd-decay-style: by default exponential)."""
+    iters, samples, ramp = args.train_iters, args.train_samples, args.rampup_batch_size
+    if iters is not None and samples is not None:
+        raise ConfigError(f"--train-iters={iters} and --train-samples={samples} are exclusive: train by iterations "
+                          "or by samples")
+    wsd = args.lr_wsd_decay_iters if iters is not None else args.lr_wsd_decay_samples
+    if iters is not None:  # iteration-based: no sample-based flag
+        mixed = {"--lr-decay-samples": args.lr_decay_samples is not None, "--lr-warmup-samples": args.lr_warmup_samples,
+                 "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None, "--rampup-batch-size": ramp}
+        bad = next((f for f, on in mixed.items() if on), None)
+        if bad:
+            raise ConfigError(f"{bad} is for sample-based training (--train-samples), not with --train-iters={iters}"
+                              + (" (Megatron refuses a ramp-up with iteration-based training too)" if ramp else ""))
+        decay_iters, decay_samples = (iters if args.lr_decay_iters is None else args.lr_decay_iters), None
+    else:  # sample-based: no iteration-based flag
+        mixed = {"--lr-decay-iters": args.lr_decay_iters is not None, "--lr-warmup-iters": args.lr_warmup_iters,
+                 "--lr-wsd-decay-iters": args.lr_wsd_decay_iters is not None}
+        bad = next((f for f, on in mixed.items() if on), None)
+        if bad:
+            raise ConfigError(f"{bad} is for iteration-based training (--train-iters), not with --train-samples="
+                              f"{samples}: use {bad.replace('iters', 'samples')}")
+        decay_iters, decay_samples = None, (samples if args.lr_decay_samples is None else args.lr_decay_samples)
+    warmup = args.lr_warmup_iters or args.lr_warmup_samples
+    if args.lr_warmup_fraction is not None and warmup:
+        raise ConfigError(f"--lr-warmup-fraction={args.lr_warmup_fraction} and --lr-warmup-"
+                          f"{'iters' if iters is not None else 'samples'}={warmup} are exclusive: give one warmup")
+    if args.lr_warmup_init > args.lr:
+        raise ConfigError(f"--lr-warmup-init={args.lr_warmup_init} is larger than --lr={args.lr}")
+    unit = "iters" if iters is not None else "samples"
+    if args.lr_decay_style == "WSD" and wsd is None:
+        raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its annealing phase")
+    if args.lr_decay_style != "WSD" and (wsd is not None or args.lr_wsd_decay_style is not None):
+        flag = f"--lr-wsd-decay-{unit}" if wsd is not None else "--lr-wsd-decay-style"
+        raise ConfigError(f"{flag} acts only with --lr-decay-style WSD (it is {args.lr_decay_style})")
+    if ramp is not None:
+        check_rampup(args, interleaved)
+    if samples is not None:  # Megatron's iteration count: the ramp's steps, then whole global batches
+        n = consumed = 0
+        while ramp is not None and consumed <= ramp[2] and consumed <= samples:
+            consumed, n = consumed + batch_size(consumed, args.global_batch_size, ramp), n + 1
+        iters = n + max(0, samples - consumed) // args.global_batch_size
+        if iters == 0:
+            raise ConfigError(f"--train-samples={samples} is less than one global batch ({args.global_batch_size})")
+    return iters, decay_iters, decay_samples, args.lr_wsd_decay_style or "exponential"
+
+
+def check_rampup(args, interleaved: bool):
+    """--rampup-batch-size START INCREMENT SAMPLES (batch_size): Megatron's checks, and every global batch the
+    ramp reaches (up to --train-samples) a whole number of micro-batches per data-parallel rank (a multiple of pp
+    under the interleaved schedule), as Megatron checks them step by step, here before the run."""
+    (start, increment, samples), gbs = args.rampup_batch_size, args.global_batch_size
+    ramp = f"--rampup-batch-size {start} {increment} {samples}"
+    if min(start, increment, samples) < 1:
+        raise ConfigError(f"{ramp}: START, INCREMENT and SAMPLES must be >= 1")
+    if start >= gbs or (gbs - start) % increment:
+        raise ConfigError(f"{ramp}: START must be below --global-batch-size={gbs} and INCREMENT must divide the "
+                          f"difference {gbs - start}")
+    rows, pp = args.micro_batch_size * args.data_parallel_size, args.pipeline_model_parallel_size
+    consumed = 0
+    while consumed <= min(samples, args.train_samples):
+        b = batch_size(consumed, gbs, args.rampup_batch_size)
+        if b % rows:
+            raise ConfigError(f"{ramp}: the global batch of {b} samples (after {consumed} samples) is not divisible by "
+                              f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
+                              f"{args.data_parallel_size} = {rows}")
+        if interleaved and b // rows % pp:
+            raise ConfigError(f"{ramp}: interleaved pipelining needs every step's number of micro-batches to be a "
+                              f"multiple of pp={pp}; the global batch of {b} samples (after {consumed} samples) has "
+                              f"{b // rows}")
+        consumed += b

@@ -27,6 +27,7 @@ import torch
 import yaml
 
 import data
+import hf
 import lora
 import scheduler
 from config import ConfigError  # noqa: F401 (re-exported: the error every flag check raises)
@@ -325,7 +326,9 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--lora-target-modules", nargs="+", default=list(lora.TARGETS), choices=lora.TARGETS)
     a("--finetune", action="store_true", help="load only the model weights of --load (or --pretrained-checkpoint): "
                                               "iteration 0, a fresh optimizer and RNG (continued pretraining, SFT, LoRA)")
-    a("--pretrained-checkpoint", default=None, help="the run to start from (weights only) while --load has no checkpoint")
+    a("--pretrained-checkpoint", default=None, help="the run to start from (weights only) while --load has no checkpoint "
+      "(a Hugging Face folder: `tools.py import-hf` it first)")
+    a("--hf-architecture", type=json.loads, default=None, help=argparse.SUPPRESS)  # set by a checkpoint only (hf.py)
     # post-training tasks (posttrain.py): supervised fine-tuning, preference optimization, reward models
     a("--task", default="pretrain", choices=TASKS, help="sft: response tokens only; dpo / kto: against a frozen "
       "reference model (the starting weights); rm: a reward model (a value head, Bradley-Terry loss on pairs)")
@@ -869,6 +872,45 @@ def check_args(args, world: int) -> Args:
     return Args(**vars(args))
 
 
+# The flags that shape the weights: a checkpoint records them, a run resumed or started from it takes them (checkpoint.py)
+ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "vocab_size",
+              "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
+ARCH_FLAGS += ["rotary_percent", "seq_len_interpolation_factor", "rope_scaling", "rope_scaling_factor",  # position
+               "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",  # scaling
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"]
+ARCH_FLAGS += ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",  # DeepSeek-V3's
+               "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers"]  # layers (deepseek.py)
+ARCH_FLAGS += ["moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",  # MoE routing
+               "moe_router_enable_expert_bias"]
+ARCH_FLAGS += ["kv_channels", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "qk_layernorm"]  # Megatron's
+ARCH_FLAGS += ["hf_architecture"]  # a model imported from a Hugging Face folder: its config.json and tensors (hf.py)
+
+
+def flags_of(c, mf) -> dict:
+    """{flag: value} saying what the Config `c` of an imported model says (hf.py), where a carried flag (ARCH_FLAGS)
+    spells it and its value is not what the defaults already give: what the import records, so a run's printed flags
+    show the model's shape."""
+    defaults = vars(parse_args(["--model", mf.name]))
+    plain = model_config(mf, Args(**{**defaults, "vocab_size": c.vocab_size}))  # what the defaults make
+    return {k: v for k, v in hf.spelled(c, defaults).items() if v != defaults[k] and k in {*ARCH_FLAGS, *mf.ARCH_FLAGS}
+            and (not hasattr(plain, k) or getattr(plain, k) != v)}
+
+
+def _imported_config(mf, flagged, args):
+    """The Config of a run on an imported model: its architecture (hf.architecture of the recorded config.json), the
+    run's own fields (hf.RUN_FIELDS: dropout, sequence parallelism, ...) from the flags (`flagged`: the Config the
+    flags alone give). A flag the command line set against the architecture is refused by name."""
+    c = hf.architecture(args.hf_architecture, mf)
+    defaults = vars(parse_args(["--model", mf.name]))
+    recorded = flags_of(c, mf)  # what the import wrote: a run's flags hold these unless its command line changed them
+    for k, v in hf.spelled(c, defaults).items():
+        if getattr(args, k, v) not in (v, recorded.get(k, defaults[k])):
+            raise ConfigError(f"--{k.replace('_', '-')} {getattr(args, k)}: the model's architecture comes from its "
+                              f"Hugging Face config.json ({k}={v}); drop the flag")
+    return dataclasses.replace(c, **{k: getattr(flagged, k) for k in hf.RUN_FIELDS if hasattr(flagged, k)})
+
+
 def model_config(mf, args, vocab_size: int | None = None, tok=None):
     """The model's Config from the flags, as Megatron's core_transformer_config_from_args: every flag whose name is
     a Config field is copied, plus the few whose meaning differs, plus the fields the model file derives itself
@@ -885,6 +927,8 @@ def model_config(mf, args, vocab_size: int | None = None, tok=None):
               **({"vocab_size": vocab_size} if vocab_size is not None else {}), **mf.config_fields(args, tok))
     try:
         c = mf.Config(**{k: v for k, v in kw.items() if k in fields})
+        if getattr(args, "hf_architecture", None):  # a model imported from a Hugging Face folder (hf.py)
+            c = _imported_config(mf, c, args)
         tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
         c.check_layout(tp, pp, ep)
     except ValueError as e:
@@ -892,10 +936,17 @@ def model_config(mf, args, vocab_size: int | None = None, tok=None):
     return c
 
 
+def brief(value) -> str:
+    """A flag's value as printed: a recorded Hugging Face architecture by its model_type, not its tensor list."""
+    if isinstance(value, dict) and "config" in value and "tensors" in value:
+        return f"<{value['config'].get('model_type')} config.json, {len(value['tensors'])} tensors>"
+    return str(value)
+
+
 def print_args(args, summary: str):
     """Megatron's argument dump at start (rank 0), with one line on the model, the layout and the data."""
     print("------------------------ arguments ------------------------")
     for k, v in sorted(vars(args).items()):
-        print(f"  {k} {'.' * (44 - len(k))} {v}")
+        print(f"  {k} {'.' * (44 - len(k))} {brief(v)}")
     print(f"  ({summary})")
     print("-------------------- end of arguments ---------------------", flush=True)

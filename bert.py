@@ -361,6 +361,9 @@ def mlm_accuracy(model, batch) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
+HF_CONVERTERS = {"bert": convert.bert_from_hf}  # model_type -> converter (hf.py)
+
+
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` BertForPreTraining (BertForMaskedLM: no binary head)."""
     config, full = convert.bert_from_hf(hf, Config, dtype)

@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 import data
 import lora
 import parallel as P
+import arguments
 from arguments import Args, ConfigError, model_config, parse_args
 from contract import ModelFile, model_file
 
@@ -307,17 +308,7 @@ def check_run_dirs(args):
 
 # The flags that shape the weights, which a resumed run and a run's base must share (a model file adds its own:
 # contract.ModelFile.ARCH_FLAGS). Recomputation, dropout, the layout and the like are not architecture.
-ARCH_FLAGS = ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-              "position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "vocab_size",
-              "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "max_position_embeddings"]
-ARCH_FLAGS += ["rotary_percent", "seq_len_interpolation_factor", "rope_scaling", "rope_scaling_factor",  # position
-               "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",  # scaling
-               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"]
-ARCH_FLAGS += ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",  # DeepSeek-V3's
-               "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers"]  # layers (deepseek.py)
-ARCH_FLAGS += ["moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",  # MoE routing
-               "moe_router_enable_expert_bias"]
-ARCH_FLAGS += ["kv_channels", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "qk_layernorm"]  # Megatron's
+ARCH_FLAGS = arguments.ARCH_FLAGS  # the flags that shape the weights (arguments.py)
 
 # ---------------------------------------------------------------------------------------------- where a run starts
 # A LoRA run's checkpoints hold what it added (added_to_base: its adapters) and, in meta.json, "lora_base": the path

@@ -50,6 +50,7 @@ class Config:
     ffn_hidden_size: int | None = None  # None = 4·h
     vocab_size: int = 8192
     make_vocab_size_divisible_by: int = 128
+    mask_vocab_padding: bool = False  # the padded rows out of the loss's softmax: a Hugging Face model's loss (hf.py)
     max_position_embeddings: int = 1024
     position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope" | "yarn" | "none"
     rotary_base: float = 10000.0
@@ -127,6 +128,9 @@ class Config:
 
     def __post_init__(self):
         h, n = self.hidden_size, self.num_attention_heads
+        if self.mask_vocab_padding and self.label_smoothing:
+            raise ValueError(f"label_smoothing={self.label_smoothing} with mask_vocab_padding: smoothing spreads "
+                             "probability over the padded rows that the mask removes")
         if self.kv_channels is None and h % n:
             raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={n}")
         self.kv_channels, self.num_query_groups = self.kv_channels or h // n, self.num_query_groups or n

@@ -51,7 +51,8 @@ def gpt_from_hf(hf, Config, dtype=None) -> tuple:
     """(gpt.Config, full state dict) of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
     hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
     dtype = dtype or next(hf.parameters()).dtype
-    common = dict(vocab_size=hc.vocab_size, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)
+    common = dict(vocab_size=hc.vocab_size, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+                  mask_vocab_padding=True)  # transformers' loss has no padded rows
     if hc.model_type == "gpt2":
         c = Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
                        ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
@@ -222,6 +223,7 @@ def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
                activation="silu", gated_linear_unit=True, add_bias_linear=False,
                share_embeddings_and_output_weights=bool(hc.tie_word_embeddings), hidden_dropout=0.0,
                attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype, multi_latent_attention=True,
+               mask_vocab_padding=True,
                q_lora_rank=hc.q_lora_rank, kv_lora_rank=hc.kv_lora_rank, qk_head_dim=hc.qk_nope_head_dim,
                qk_pos_emb_head_dim=hc.qk_rope_head_dim, v_head_dim=hc.v_head_dim, **moe)
     dn, dr = c.qk_head_dim, c.qk_pos_emb_head_dim
@@ -335,7 +337,9 @@ def bert_from_hf(hf, Config, dtype=None) -> tuple:
 def t5_from_hf(hf, Config, dtype=None) -> tuple:
     """(t5.Config, full state dict) of a `transformers` T5ForConditionalGeneration (logits match)."""
     hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    tied = hf.lm_head.weight.data_ptr() == hf.shared.weight.data_ptr()
+    # tied: no lm_head of its own (a folder stores a tied one once), or a live model's lm_head is the embedding
+    tied = "lm_head.weight" not in sd or (not sd["lm_head.weight"].is_meta
+                                         and sd["lm_head.weight"].data_ptr() == sd["shared.weight"].data_ptr())
     gated = getattr(hc, "is_gated_act", hc.feed_forward_proj.startswith("gated"))
     act = {"relu": "relu", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}.get(hc.dense_act_fn)
     if act is None:
@@ -348,7 +352,7 @@ def t5_from_hf(hf, Config, dtype=None) -> tuple:
                   layernorm_epsilon=hc.layer_norm_epsilon, softmax_scale=1.0, activation=act, gated_linear_unit=gated,
                   add_bias_linear=False, share_embeddings_and_output_weights=tied, lm_head_bias=False,
                   scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)),
-                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or hf.shared.weight.dtype)
+                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype)
     n = c.num_attention_heads
     full = {"embedding.word_embeddings.weight": sd["shared.weight"],
             "encoder.final_layernorm.weight": sd["encoder.final_layer_norm.weight"],
@@ -402,7 +406,7 @@ def mamba_from_hf(hf, Config, dtype=None) -> tuple:
                      vocab_size=hc.vocab_size, mamba_state_dim=hc.state_size, mamba_head_dim=hc.head_dim,
                      mamba_num_groups=hc.n_groups, mamba_num_heads=hc.num_heads, mamba_chunk_size=hc.chunk_size,
                      mamba_conv_kernel=hc.conv_kernel, layernorm_epsilon=hc.layer_norm_epsilon,
-                     share_embeddings_and_output_weights=hc.tie_word_embeddings,
+                     share_embeddings_and_output_weights=hc.tie_word_embeddings, mask_vocab_padding=True,
                      params_dtype=dtype or next(hf.parameters()).dtype)
     full = {}
     for k, v in hf.state_dict().items():
@@ -470,7 +474,8 @@ class ExportError(ValueError):
 
 
 # Config fields that do not change what an exported model computes (training-only), or that gpt_to_hf reads itself.
-_EXPORT_IGNORED = {"hidden_dropout", "attention_dropout", "init_method_std", "sequence_parallel", "params_dtype",
+_EXPORT_IGNORED = {"mask_vocab_padding", "hidden_dropout", "attention_dropout", "init_method_std", "sequence_parallel",
+                   "params_dtype",
                    "label_smoothing", "seed", "make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                    "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity"}
 _EXPORT_READ = {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",

@@ -151,6 +151,7 @@ class Roles:
     sep: str = SPECIAL_TOKENS[3]
     mask: str = SPECIAL_TOKENS[4]
     add_special_tokens: bool = False  # documents: encoded with the post-processor (Megatron's HuggingFaceTokenizer)
+    fixed: bool = False  # an imported model's own tokenizer (hf.py): nothing is added to it, it has no sentinels
 
 
 def roles_of(tok) -> Roles:
@@ -193,6 +194,8 @@ def add_missing_specials(tok):
     """Add, at the end of the vocabulary, the SPECIAL_TOKENS whose role no token of `tok` plays (as Megatron's BERT
     tokenizer adds [BOS], [EOS] and T5's sentinels): every model's recipe finds its roles (special_ids)."""
     roles = roles_of(tok)
+    if roles.fixed:  # its vocabulary is the model's embedding: every role is one of its tokens already
+        return tok
     wanted = [getattr(roles, r) for r in ROLES] + SPECIAL_TOKENS[len(ROLES):]
     tok.add_special_tokens([t for t in wanted if tok.token_to_id(t) is None])
     return tok
@@ -228,7 +231,8 @@ def special_ids(tok):
     """{'eod', 'pad', 'cls', 'sep', 'mask': id, 'sentinels': [100 ids]}: the ids of the tokens that play these roles
     (roles_of: SPECIAL_TOKENS' spellings, or a --tokenizer-type's own tokens)."""
     roles = roles_of(tok)
-    names = [getattr(roles, r) for r in ROLES] + SPECIAL_TOKENS[len(ROLES):]
+    sentinels = [t for t in SPECIAL_TOKENS[len(ROLES):] if not roles.fixed or tok.token_to_id(t) is not None]
+    names = [getattr(roles, r) for r in ROLES] + sentinels
     ids = [tok.token_to_id(t) for t in names]
     missing = [t for t, i in zip(names, ids) if i is None]
     if missing:

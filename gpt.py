@@ -211,6 +211,11 @@ class Model(nn.Module):
         if labels is None:
             logits = P.gather_from_tp(logits, P.tp_of(self.grid))  # [s, b, V]
             return rearrange(logits, "s b v -> b s v")[..., : self.config.vocab_size]
+        if self.config.mask_vocab_padding:  # an imported model: its loss over its own vocabulary, as its framework's
+            tp = P.tp_of(self.grid)
+            first = (tp.rank if tp is not None else 0) * logits.shape[-1]  # this shard's first vocabulary row
+            padded = torch.arange(first, first + logits.shape[-1], device=logits.device) >= self.config.vocab_size
+            logits = logits.masked_fill(padded, float("-inf"))
         # the logits are not needed again: their buffer becomes the softmax (and, in backward, its gradient)
         loss = P.vocab_parallel_cross_entropy(logits, labels.t(), self.grid, self.config.label_smoothing, inplace=True)
         return loss.t()  # [b, s]
@@ -285,11 +290,16 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
 to_hf = convert.gpt_to_hf  # tools.py export: a GPT-2, Llama or Mixtral directory (anything else refused by name)
 
 
+HF_CONVERTERS = {"gpt2": convert.gpt_from_hf, "llama": convert.gpt_from_hf,  # model_type -> converter (hf.py)
+                 "deepseek_v3": convert.deepseek_from_hf}
+HF_LAYOUTS = {"mixtral": {"renames": [(r"\.block_sparse_moe\.", ".mlp.")], "experts": ("w1", "w3", "w2")},
+              **{t: {"experts": ("gate_proj", "up_proj", "down_proj")} for t in ("qwen2_moe", "qwen3_moe", "deepseek_v3")}}
+
+
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` GPT2LMHeadModel, LlamaForCausalLM or DeepseekV3ForCausalLM
     (MLA, deepseek.py) — the logits match."""
-    to_ours = convert.deepseek_from_hf if hf.config.model_type == "deepseek_v3" else convert.gpt_from_hf
-    config, full = to_ours(hf, Config, dtype)
+    config, full = HF_CONVERTERS.get(hf.config.model_type, convert.gpt_from_hf)(hf, Config, dtype)  # (it names the unknown)
     return convert.load(Model(config, grid), full)
 
 

@@ -405,6 +405,13 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
+HF_CONVERTERS = {"llava": convert.llava_from_hf}  # model_type -> converter (hf.py)
+HF_LAYOUTS = {"llava": {"renames": [(r"^language_model\.lm_head\.", "lm_head."),  # stored -> live names (hf.py)
+                                    (r"^language_model\.model\.", "model.language_model."),
+                                    (r"^vision_tower\.", "model.vision_tower."),
+                                    (r"^multi_modal_projector\.", "model.multi_modal_projector.")]}}
+
+
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` LlavaForConditionalGeneration (CLIP vision tower, Llama)."""
     config, full = convert.llava_from_hf(hf, Config, dtype)

@@ -530,6 +530,9 @@ def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperatu
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
+HF_CONVERTERS = {"mamba2": convert.mamba_from_hf}  # model_type -> converter (hf.py)
+
+
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path)."""
     config, full = convert.mamba_from_hf(hf, Config, dtype)

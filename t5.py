@@ -452,6 +452,9 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     return convert.load(Model(config, grid), full)
 
 
+HF_CONVERTERS = {"t5": convert.t5_from_hf}  # model_type -> converter (hf.py)
+
+
 def from_hf(hf, grid=None, dtype=None) -> Model:
     """A Model with the weights of a `transformers` T5ForConditionalGeneration (logits match)."""
     config, full = convert.t5_from_hf(hf, Config, dtype)

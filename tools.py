@@ -24,17 +24,20 @@ Bad input ends with one line `tools.py: error: ...`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
+from pathlib import Path
 
 import torch
 
 import checkpoint
 import convert
 import data
+import hf
 import lora
 import posttrain
-from arguments import ArgumentParser, ConfigError
+from arguments import ArgumentParser, Args, ConfigError, flags_of, model_config, parse_args
 
 
 def refuse_reward_model(run, load):
@@ -92,11 +95,47 @@ def export(a):
     setting Hugging Face's class cannot express is refused by name."""
     run = checkpoint.load_model(a.load)
     refuse_reward_model(run, a.load)
+    if run.args.hf_architecture:  # imported from a Hugging Face folder: that folder's layout again (hf.py)
+        out, left = hf.export_folder(run.args.hf_architecture, run.model.state_dict(), run.tok, a.hf_out,
+                                     getattr(torch, a.dtype) if a.dtype else None)
+        if left:
+            print(f"note: not written, the model never reads them (transformers initialises them): {', '.join(left)}")
+        return out
     if run.model_file.to_hf is None:
         raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
                                   + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
     return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
                            chat_template=posttrain.chat_template_jinja())
+
+
+def import_hf(path, save_dir, dtype=torch.float32):
+    """tools.py import-hf: the folder as a checkpoint of ours (iteration 0, weights only, as tools.py merge writes)
+    in `save_dir`, with the folder's tokenizer beside it (tokenizer). Returns the run directory."""
+    folder = hf.read_folder(path)
+    out = Path(save_dir)
+    if out.is_dir() and any(checkpoint.ITER_DIR.fullmatch(p.name) for p in out.iterdir()):
+        raise ConfigError(f"--save {out} holds a run already: import into an empty directory")
+    if not (folder.path / "tokenizer.json").is_file():
+        raise ConfigError(f"{folder.path}: no tokenizer.json (the fast tokenizer's file: AutoTokenizer."
+                          "from_pretrained(DIR).save_pretrained(DIR) writes one)")
+    mf, c, full = hf.convert(folder.config, hf.file_state(folder, "real"), dtype)
+    tok = hf.tokenizer(folder.path)
+    if tok.get_vocab_size() > c.padded_vocab_size:
+        raise ConfigError(f"{folder.path}: its tokenizer has {tok.get_vocab_size()} tokens, more than the model's "
+                          f"{c.padded_vocab_size} embedding rows")
+    settings = {**vars(parse_args(["--model", mf.name])), **flags_of(c, mf), "hf_architecture": hf.arch_of(folder),
+                "vocab_size": c.vocab_size, "load": None, "save": str(out)}
+    built = model_config(mf, Args(**settings), c.vocab_size, tok)  # the Config a run on it builds: must be this one
+    differ = [f.name for f in dataclasses.fields(c)
+              if f.name not in hf.RUN_FIELDS and getattr(built, f.name) != getattr(c, f.name)]
+    if differ:
+        raise ConfigError(f"{folder.path}: a run would build another model ({', '.join(differ)} differ)")
+    model = mf.Model(dataclasses.replace(built, params_dtype=dtype))
+    convert.load(model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()})
+    out.mkdir(parents=True, exist_ok=True)
+    data.save_tokenizer(tok, out / "tokenizer.json")
+    checkpoint.save_checkpoint(out, 0, [model], None, checkpoint.Scale(), None, settings)
+    return out
 
 
 def score(a):
@@ -137,7 +176,14 @@ def parse(argv):
     e = sub.add_parser("export", help="a Hugging Face model directory (weights, tokenizer, chat template)")
     e.add_argument("--load", required=True)
     e.add_argument("--hf-out", required=True, help="the directory to write")
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
+                   help="of the written weights (default: an imported model's dtype in its folder, else the run's)")
     e.set_defaults(run=export)
+    i = sub.add_parser("import-hf", help="a local Hugging Face folder as a checkpoint any run starts from (hf.py)")
+    i.add_argument("--hf", required=True, help="the folder: config.json, *.safetensors, tokenizer.json")
+    i.add_argument("--save", required=True, help="an empty directory for the checkpoint")
+    i.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="of the imported weights")
+    i.set_defaults(run=lambda a: import_hf(a.hf, a.save, getattr(torch, a.dtype)))
     c = sub.add_parser("score", help="a reward model's (--task rm) score of each record of a JSON-lines file")
     c.add_argument("--load", required=True, help="the reward model's run")
     c.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
@@ -150,7 +196,7 @@ def main(argv=None):
     try:
         a = parse(argv)
         return a.run(a)
-    except (ConfigError, data.DataError, convert.ExportError, lora.LoRAError) as e:
+    except (ConfigError, data.DataError, convert.ExportError, lora.LoRAError) as e:  # (hf.ExportError: a ConfigError)
         print(f"tools.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

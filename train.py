@@ -43,7 +43,7 @@ import data
 import lora
 import parallel as P
 import posttrain
-from arguments import Args, ConfigError, check_args, model_config, notes, parse_args, print_args, transformer_impl
+from arguments import Args, ConfigError, brief, check_args, model_config, notes, parse_args, print_args, transformer_impl
 from contract import ModelFile, model_file
 from metrics import Logger, Profiler, module_losses, throughput
 from scheduler import batch_size, learning_rate
@@ -575,7 +575,8 @@ def parse(argv):
     plain = vars(parse_args(argv, known_only=True)) if saved else {}
     taken = {k: v for k, v in saved.items() if k in plain and plain[k] != v == getattr(args, k)}
     if taken and int(os.environ.get("RANK", "0")) == 0:
-        print("from the checkpoint: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items()), flush=True)
+        print("from the checkpoint: " + ", ".join(f"--{k.replace('_', '-')} {brief(v)}" for k, v in taken.items()),
+              flush=True)
     return args
 
 

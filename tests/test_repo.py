@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. The infrastructure reaches the model files only through importlib (contract.model_file), at run time.
-LAYERS = ["parallel", "lora", "metrics", "data", "config", "scheduler", "contract", "arguments", "checkpoint", "rope",
+LAYERS = ["parallel", "lora", "metrics", "data", "config", "scheduler", "contract", "hf", "arguments", "checkpoint", "rope",
           "convert", "transformer", "deepseek", "gpt", "bert", "t5", "mamba", "llava", "retrieval", "retro", "posttrain",
           "tools", "train"]
 
@@ -88,7 +88,7 @@ def test_outside_citation_is_caught():
 # ---------------------------------------------------------------------------------------------- no model names
 # The infrastructure asks a model file (contract.py) and never names one: no import of a model file, no model's name
 # in a string it uses (docstrings and comments may name examples) or in an identifier (a `_`-separated word of it).
-INFRASTRUCTURE = ["parallel", "lora", "metrics", "data", "config", "scheduler", "contract", "arguments", "checkpoint",
+INFRASTRUCTURE = ["parallel", "lora", "metrics", "data", "config", "scheduler", "contract", "hf", "arguments", "checkpoint",
                   "retrieval", "posttrain", "tools", "train"]
 
 

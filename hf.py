@@ -1,0 +1,343 @@
+"""hf.py — Hugging Face model folders in and out: a local folder (config.json, *.safetensors, tokenizer files) becomes
+a checkpoint of ours that any run starts from, and a run goes back out as a folder `transformers` loads and serves.
+
+    python tools.py import-hf --hf DIR --save runs/base        # DIR: a local Hugging Face folder (nothing is downloaded)
+    python train.py --pretrained-checkpoint runs/base --task sft --save runs/sft ...   # any task, layout, LoRA
+    python tools.py export --load runs/sft --hf-out runs/sft-hf     # config.json, safetensors, the folder's tokenizer
+
+This is Megatron-Bridge's flow (AutoBridge.import_ckpt, then training from the Megatron checkpoint, then export) and
+ms-swift's (`swift export --to_mcore`, `megatron sft --load`, `--to_hf`). A file of its own because it joins four
+others and belongs to none: the folder's bytes (safetensors, read lazily), convert.py's per-family converters, the
+model file that declares them (contract.ModelFile.HF_CONVERTERS), and checkpoint.py's format.
+
+How it works
+  reading     read_folder lists every tensor of the folder (one model.safetensors, or the shards that
+              model.safetensors.index.json names) with its dtype and shape, reading no tensor data. `file_state` makes
+              the folder a state dict whose tensors are read on access (real), made empty (meta: shapes only) or
+              numbered (ids); `memory_state` renames and stacks it into the layout `transformers` holds in memory
+              (its conversion_mapping: Mixtral's and the Qwen-MoE family's per-expert tensors stacked, LLaVA's
+              prefixes), which is the layout convert.py's converters read, so one converter serves a folder and a
+              live `transformers` model (the tests' oracle) alike.
+  import      (tools.py import_hf) the converter turns the whole state into our full state dict once, in one process;
+              the checkpoint it writes is sharded DCP, so every training rank later reads only its own slices, at any
+              TP/PP/DP — no rank ever holds a full copy.
+  the model   the run records the folder's architecture — config.json and the list of its tensors, not their
+              values — as the setting `hf_architecture` (arguments.ARCH_FLAGS: every run started from it carries it),
+              and arguments.model_config builds the Config from it (`architecture`): the converter, run on meta
+              tensors. Flags that would change the architecture are refused by name.
+  export      by tracing, never by a second hand-written mapping: the converter runs on the folder's layout filled
+              with element numbers (ids: 1, 2, 3, ... over every tensor), so each element of our state dict says which
+              element of which Hugging Face tensor it came from, and export writes our values back there. Import then
+              export is the identity on every tensor by construction, for every family that imports. A converter
+              that computes (rather than moves) values would break that; `export` then refuses by name. A tensor the
+              model never reads (CLIP's post_layernorm, vision layers past the selected one, the copy of a tied
+              embedding) is left out, with a note: transformers initialises it, and it changes no logit.
+
+Dimension glossary: gpt.py's. Tests: tests/test_hf_folders.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+import data
+from config import ConfigError
+from contract import model_file, model_files
+
+INDEX = "model.safetensors.index.json"
+SERVING_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+class Folder(NamedTuple):
+    """A Hugging Face model folder, listed (read_folder): no tensor is read."""
+    path: Path
+    config: dict  # config.json
+    tensors: dict  # {name as stored: (file name, safetensors dtype, shape)}
+
+
+def is_folder(path) -> bool:
+    """A Hugging Face model folder: config.json beside model.safetensors or its shards' index."""
+    p = Path(path)
+    return (p / "config.json").is_file() and ((p / "model.safetensors").is_file() or (p / INDEX).is_file())
+
+
+def read_folder(path) -> Folder:
+    """List a local Hugging Face folder. One-line ConfigError naming the file for anything missing or unreadable
+    (a .bin-only folder included: only safetensors are read, pickles never)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"--hf {path}: not a local folder (nothing is downloaded: fetch it first, e.g. with "
+                          "huggingface_hub.snapshot_download)")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{p / 'config.json'}: unreadable ({e})") from None
+    if (p / INDEX).is_file():
+        try:
+            files = sorted(set(json.loads((p / INDEX).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{p / INDEX}: unreadable ({e})") from None
+    elif (p / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"{p}: no model.safetensors or {INDEX} (a folder of .bin pickles: re-save it with "
+                          "save_pretrained(safe_serialization=True))")
+    tensors = {}
+    for name in files:
+        try:
+            header = _header(p / name)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{p / name}: not a readable safetensors file ({e})") from None
+        tensors.update({k: (name, v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"})
+    return Folder(p, config, tensors)
+
+
+def _header(path) -> dict:
+    """A safetensors file's JSON header (8 bytes of length, then the JSON): names, dtypes, shapes, offsets."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n < 100_000_000:
+            raise ValueError(f"header length {n}")
+        return json.loads(f.read(n))
+
+
+# ---------------------------------------------------------------------------------------------- the folder as a state dict
+class Lazy(Mapping):
+    """{name: tensor} whose tensors are made on access, one at a time (make(name))."""
+
+    def __init__(self, names, make):
+        self.names, self.make = list(names), make
+
+    def __getitem__(self, name):
+        if name not in self.names:
+            raise KeyError(name)
+        return self.make(name)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
+def file_state(folder: Folder, kind: str = "real") -> Lazy:
+    """The folder's tensors by their stored names: "real" read from the file on access (safetensors maps the file;
+    only that tensor's bytes are read), "meta" empty tensors of their shape and dtype, "ids" int64 tensors numbering
+    every element of every tensor 1, 2, 3, ... in name order (0 is left for what no element of the folder fills:
+    vocabulary padding)."""
+    if kind == "real":
+        from safetensors import safe_open  # (requirements.txt)
+        return Lazy(folder.tensors, lambda k: safe_open(str(folder.path / folder.tensors[k][0]), "pt").get_tensor(k))
+    if kind == "meta":
+        return Lazy(folder.tensors, lambda k: torch.empty(folder.tensors[k][2], dtype=DTYPES[folder.tensors[k][1]],
+                                                          device="meta"))
+    offsets, n = {}, 1
+    for k in folder.tensors:
+        offsets[k], n = n, n + math.prod(folder.tensors[k][2])
+    return Lazy(folder.tensors, lambda k: torch.arange(offsets[k], offsets[k] + math.prod(folder.tensors[k][2]))
+                .view(folder.tensors[k][2]))
+
+
+def memory_state(layout: dict, stored: Mapping) -> Lazy:
+    """The stored state dict in `transformers`' in-memory layout, by the rules a model file declares for its
+    model_type (contract.ModelFile.HF_LAYOUTS, transformers' conversion_mapping): "renames" [(regex, replacement)]
+    (LLaVA's prefixes, Mixtral's block_sparse_moe), and with "experts" (gate, up, down names) each MoE layer's
+    experts stacked as transformers 5 holds them:
+    experts.{j}.{gate,up}.weight [f, h] -> experts.gate_up_proj [E, 2f, h] ([gate_j; up_j] per expert), and
+    experts.{j}.{down}.weight [h, f] -> experts.down_proj [E, h, f]. Lazy: a stacked tensor reads its experts on
+    access."""
+    def rename(k):
+        for pattern, to in layout.get("renames", ()):
+            k = re.sub(pattern, to, k)
+        return k
+    names = {rename(k): k for k in stored}
+    if "experts" not in layout:
+        return Lazy(names, lambda k: stored[names[k]])
+    gate, up, down = layout["experts"]
+    expert = re.compile(rf"(.*\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight$")
+    stacks = {}  # stacked name -> {part: {j: stored name}}
+    plain = {}
+    for k, src in names.items():
+        m = expert.match(k)
+        if m is None:
+            plain[k] = src
+            continue
+        stacked = m[1] + (".down_proj" if m[3] == down else ".gate_up_proj")
+        stacks.setdefault(stacked, {}).setdefault(m[3], {})[int(m[2])] = src
+
+    def make(k):
+        if k in plain:
+            return stored[plain[k]]
+        parts = stacks[k]
+        per = lambda part: torch.stack([stored[parts[part][j]] for j in sorted(parts[part])])  # [E, rows, cols]
+        return per(down) if k.endswith(".down_proj") else torch.cat([per(gate), per(up)], dim=1)
+    return Lazy([*plain, *stacks], make)
+
+
+ALIASES = {"image_token_id": "image_token_index"}  # transformers 5's attribute name -> the name config.json may use
+
+
+def config_view(d: dict):
+    """config.json as the attributes a converter reads (a transformers config object's way): nested *_config
+    dicts as views too, transformers' JSON spelling of non-finite floats ({"__float__": "Infinity"}) as floats, and
+    the older names of renamed attributes (ALIASES); a missing attribute raises AttributeError, so
+    getattr(hc, name, default) works."""
+    def value(k, v):
+        if isinstance(v, dict) and set(v) == {"__float__"}:
+            return float(v["__float__"])
+        if isinstance(v, (list, tuple)):
+            return type(v)(value(k, x) for x in v)
+        return config_view(v) if k.endswith("_config") and isinstance(v, dict) else v
+    out = {k: value(k, v) for k, v in d.items()}
+    out.update({new: out[old] for new, old in ALIASES.items() if old in out and new not in out})
+    return types.SimpleNamespace(**out)
+
+
+def converter_for(model_type):
+    """(model file, converter) of the repository's model file whose HF_CONVERTERS names this model_type."""
+    for name in model_files():
+        mf = model_file(name)
+        if model_type in mf.HF_CONVERTERS:
+            return mf, mf.HF_CONVERTERS[model_type]
+    known = sorted(t for name in model_files() for t in model_file(name).HF_CONVERTERS)
+    raise ConfigError(f"model_type {model_type!r} is not supported (these are: {', '.join(known)})")
+
+
+def convert(config: dict, stored: Mapping, dtype=None):
+    """(model file, our Config, our full state dict) of a Hugging Face config.json and state dict in the stored
+    layout (file_state), through the model file's converter. A setting the converter cannot represent: ConfigError
+    naming it."""
+    model_type = config.get("model_type")
+    mf, conv = converter_for(model_type)
+    state = memory_state(mf.HF_LAYOUTS.get(model_type, {}), stored)
+    first = next(iter(state.values()), None) if dtype is None else None
+    dtype = dtype or (first.dtype if first is not None and first.is_floating_point() else torch.float32)
+    source = types.SimpleNamespace(config=config_view(config), state_dict=lambda: state,
+                                   parameters=lambda: iter([torch.empty(0, dtype=dtype)]))
+    try:
+        c, full = conv(source, mf.Config, dtype)
+    except (ValueError, AttributeError, KeyError) as e:
+        raise ConfigError(f"Hugging Face {model_type} folder: {e}") from None
+    return mf, c, full
+
+
+# ---------------------------------------------------------------------------------------------- the run's architecture
+def arch_of(folder: Folder) -> dict:
+    """The setting `hf_architecture` a run records: config.json, the stored tensors' dtypes and shapes, and the small
+    files serving needs (SERVING_FILES, as text: the tokenizer's special tokens, chat template, generation config), so
+    every run started from it exports a complete folder (tokenizer.json is the run's own, saved beside it)."""
+    return {"config": folder.config, "tensors": {k: [dt, list(shape)] for k, (_, dt, shape) in folder.tensors.items()},
+            "files": {n: (folder.path / n).read_text() for n in SERVING_FILES if (folder.path / n).is_file()}}
+
+
+def _folder_of(arch: dict) -> Folder:
+    return Folder(Path("."), arch["config"], {k: ("", dt, tuple(shape)) for k, (dt, shape) in arch["tensors"].items()})
+
+
+def architecture(arch: dict, mf=None):
+    """Our Config of a recorded `hf_architecture` (the converter on meta tensors: nothing is read). `mf`: the run's
+    model file, which must be the one that converts this model_type."""
+    found, c, _ = convert(arch["config"], file_state(_folder_of(arch), "meta"), torch.float32)
+    if mf is not None and found.name != mf.name:
+        raise ConfigError(f"--model {mf.name}: the Hugging Face model_type {arch['config'].get('model_type')!r} is "
+                          f"--model {found.name}'s")
+    return c
+
+
+# ---------------------------------------------------------------------------------------------- import
+def tokenizer(path):
+    """The folder's tokenizer (data.folder_tokenizer: tokenizer.json, its special tokens and chat template), taken as
+    it is (Roles.fixed: its vocabulary is the model's embedding, nothing is added): a role it has no token for is
+    played by eos — pad, as transformers users set it for batching; cls, sep, mask, which a decoder never reads."""
+    tok = data.folder_tokenizer(path)
+    missing = {r: tok.roles.eod for r in data.ROLES if tok.token_to_id(getattr(tok.roles, r)) is None}
+    tok.roles = dataclasses.replace(tok.roles, **missing, fixed=True)
+    return tok
+
+
+def spelled(c, flags) -> dict:
+    """Every flag that spells a field of `c`, with the value that says it."""
+    out = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name in flags and f.name not in RUN_FIELDS}
+    out.update(swiglu=c.gated_linear_unit and c.activation == "silu", disable_bias_linear=not c.add_bias_linear,
+               untie_embeddings_and_output_weights=not c.share_embeddings_and_output_weights,
+               norm_epsilon=c.layernorm_epsilon, apply_layernorm_1p=c.layernorm_zero_centered_gamma)
+    return {k: v for k, v in out.items() if k in flags}
+
+
+# Config fields a run sets itself whatever model it starts from (training, not architecture)
+RUN_FIELDS = {"hidden_dropout", "attention_dropout", "init_method_std", "sequence_parallel", "params_dtype",
+              "label_smoothing", "seed", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type",
+              "moe_pad_expert_input_to_capacity", "moe_router_load_balancing_type", "moe_token_drop_policy",
+              "moe_router_bias_update_rate", "recompute_granularity", "recompute_method", "recompute_num_layers",
+              "cp_comm_type", "mtp_loss_scaling_factor"}
+
+
+# ---------------------------------------------------------------------------------------------- export
+class ExportError(ConfigError):
+    """An export that would not be exact; the message names the tensor."""
+
+
+def export_state(arch: dict, full: dict, dtype=None) -> tuple[dict, list]:
+    """Our full state dict -> ({stored name: tensor} in the folder's own layout, [names left out]), by tracing (see
+    the module docstring): each element of ours goes back to the element of the folder it came from. `dtype`: of the
+    tensors written (None: each tensor's dtype in the folder)."""
+    folder = _folder_of(arch)
+    _, _, traced = convert(arch["config"], file_state(folder, "ids"), torch.float32)
+    total = 1 + sum(math.prod(s) for _, _, s in folder.tensors.values())
+    flat = torch.zeros(total, dtype=torch.float64)
+    filled = torch.zeros(total, dtype=torch.bool)
+    for name, ids in traced.items():
+        if ids.dtype != torch.int64 or (ids.numel() and (ids.min() < 0 or ids.max() >= total)):
+            raise ExportError(f"export: {name} is computed from the folder's tensors, not moved: tracing cannot "
+                              "invert it")
+        if name not in full or full[name].shape != ids.shape:
+            raise ExportError(f"export: the model's {name} does not match the architecture's "
+                              f"{tuple(ids.shape)} (a model of another shape)")
+        moved = ids > 0
+        if filled[ids[moved]].any() or ids[moved].unique().numel() != int(moved.sum()):
+            raise ExportError(f"export: {name} repeats elements of the folder's tensors: tracing cannot invert it")
+        flat[ids[moved]] = full[name].detach()[moved].double()
+        filled[ids[moved]] = True
+    out, left, offset = {}, [], 1
+    for k, (_, dt, shape) in folder.tensors.items():
+        n = math.prod(shape)
+        got = filled[offset: offset + n]
+        if not got.any():
+            left.append(k)
+        elif not got.all():
+            raise ExportError(f"export: only {int(got.sum())} of {n} elements of {k} come from the model")
+        else:
+            out[k] = flat[offset: offset + n].view(shape).to(dtype or DTYPES[dt]).contiguous()
+        offset += n
+    return out, left
+
+
+def export_folder(arch: dict, full: dict, tok, out_dir, dtype=None):
+    """tools.py export of a run on an imported model: the folder again — config.json (its dtype the written one),
+    model.safetensors (the folder's layout, export_state), the run's tokenizer.json and the folder's serving files
+    (arch_of). Returns (out_dir, names left out)."""
+    from safetensors.torch import save_file
+
+    state, left = export_state(arch, full, dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config = {**arch["config"], "dtype": written}
+    config.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tok.save(str(out / "tokenizer.json"))
+    for name, text in arch.get("files", {}).items():
+        (out / name).write_text(text)
+    return out, left

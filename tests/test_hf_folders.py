@@ -1,0 +1,185 @@
+"""Hugging Face folders in and out (hf.py): every family's folder, as `save_pretrained` writes it (sharded safetensors
+included), converts to the model `transformers` builds from it (logits in float64), export is the identity on every
+stored tensor, and a run starts from an imported folder at TP 2 + SP, PP 2 and DP 2 with the Hugging Face model's
+loss on its first batch, trains, and exports a folder `transformers` loads with our model's logits."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import checkpoint
+import data
+import harness
+import hf
+import tools
+from test_bert import hf_bert
+from test_hf import hf_gpt2, hf_llama
+from test_llava import hf_llava
+from test_mamba import hf_mamba2
+from test_mla_mtp import hf_deepseek
+from test_t5 import hf_t5
+
+FAMILIES = {"gpt2": hf_gpt2, "llama": lambda: hf_llama(groups=2), "bert": hf_bert, "t5": hf_t5,
+            "mamba2": lambda: hf_mamba2(2, 4), "llava": hf_llava, "deepseek_v3": hf_deepseek}
+
+
+def saved(model, path, shard=False):
+    """The folder `save_pretrained` writes (in float64: the comparisons below are exact up to summation order)."""
+    model.double().save_pretrained(path, **({"max_shard_size": "50KB"} if shard else {}))
+    return hf.read_folder(path)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        if model.config.model_type == "t5":
+            return model(input_ids=ids, decoder_input_ids=ids).logits
+        if model.config.model_type == "bert":
+            return model(input_ids=ids).prediction_logits
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_folder_is_the_model_and_export_is_the_identity(family, tmp_path):
+    """The stored layout (which differs from the live one for LLaVA, Mixtral and the MoE families) converts to
+    the same Config and state as the live model does (the converters' own logit tests: tests/test_hf.py,
+    test_bert.py, ...), and tracing sends every element back to where it came from: exact, no tolerance."""
+    live = FAMILIES[family]().double().eval()
+    folder = saved(live, tmp_path / "f", shard=family == "llama")
+    assert family != "llama" or (tmp_path / "f" / hf.INDEX).is_file()  # the sharded case really is sharded
+    mf, c, full = hf.convert(folder.config, hf.file_state(folder), torch.float64)
+    c_live, full_live = mf.HF_CONVERTERS[family](live, mf.Config, torch.float64)
+    assert c == c_live
+    assert full.keys() == full_live.keys()
+    for k in full:
+        torch.testing.assert_close(full[k], full_live[k], rtol=0, atol=0, msg=k)
+    rebuilt = hf.architecture(hf.arch_of(folder), mf)  # the Config a run rebuilds from the recorded setting
+    assert dataclasses.replace(rebuilt, params_dtype=torch.float64) == c
+    stored, left = hf.export_state(hf.arch_of(folder), full)
+    want = {k: v for k, v in hf.file_state(folder).items()}
+    assert set(stored) | set(left) == set(want)
+    for k in stored:
+        torch.testing.assert_close(stored[k], want[k], rtol=0, atol=0, msg=k)
+    for k in left:  # what the model never reads: a tied copy, CLIP's unused head and layers
+        assert re.search(r"lm_head|post_layernorm|vision_tower.*layers\.\d+|cls\.|pooler", k), k
+
+
+def test_export_names_a_tensor_it_cannot_trace(tmp_path):
+    """Negative controls: a state of another shape, and a converter that computes a value (here a scale), are
+    refused by name; a wrong element order would fail the identity above."""
+    folder = saved(hf_llama(groups=2), tmp_path / "f")
+    arch = hf.arch_of(folder)
+    mf, c, full = hf.convert(folder.config, hf.file_state(folder), torch.float64)
+    bad = {**full, "decoder.final_layernorm.weight": full["decoder.final_layernorm.weight"][:-1]}
+    with pytest.raises(hf.ExportError, match="decoder.final_layernorm.weight"):
+        hf.export_state(arch, bad)
+    stored, _ = hf.export_state(arch, {**full, "decoder.layers.0.mlp.linear_fc2.weight":
+                                       full["decoder.layers.0.mlp.linear_fc2.weight"].flip(0)})
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(stored["model.layers.0.mlp.down_proj.weight"],
+                                   hf.file_state(folder)["model.layers.0.mlp.down_proj.weight"], rtol=0, atol=0)
+    scaled = dict(mf.HF_CONVERTERS)
+    try:
+        conv = mf.HF_CONVERTERS["llama"]
+        mf.HF_CONVERTERS["llama"] = lambda h, C, d: (lambda c, f: (c, {**f, "decoder.final_layernorm.weight":
+                                                                        f["decoder.final_layernorm.weight"] * 0.5}))(*conv(h, C, d))
+        with pytest.raises(hf.ExportError, match="computed"):
+            hf.export_state(arch, full)
+    finally:
+        mf.HF_CONVERTERS.clear()
+        mf.HF_CONVERTERS.update(scaled)
+
+
+def test_a_folder_that_is_not_one_fails_in_one_line(tmp_path):
+    with pytest.raises(hf.ConfigError, match="not a local folder"):
+        hf.read_folder(tmp_path / "nowhere")
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(hf.ConfigError, match="no model.safetensors"):
+        hf.read_folder(tmp_path / "f")
+    (tmp_path / "f" / "model.safetensors").write_bytes(b"\x00" * 4)
+    with pytest.raises(hf.ConfigError, match="model.safetensors: not a readable safetensors"):
+        hf.read_folder(tmp_path / "f")
+    with pytest.raises(hf.ConfigError, match="model_type 'gptj' is not supported"):
+        hf.converter_for("gptj")
+
+
+# ---------------------------------------------------------------------------------------------- a run on an imported folder
+def tiny_tokenizer_folder(path, model):
+    """A byte-level BPE trained on the default corpus's kind of text, saved with transformers as the folder's
+    tokenizer (eos </s>, no pad token: the import makes eos play pad)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"] * 20,
+                            trainers.BpeTrainer(vocab_size=model.config.vocab_size, special_tokens=["<s>", "</s>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def run_argv(base, save, *extra):
+    return ["--pretrained-checkpoint", str(base), "--save", str(save), "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--log-interval", "1",
+            "--eval-interval", "2", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0", *extra]
+
+
+def first_losses(run_dir):
+    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if "loss" in r]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_run_starts_from_a_folder_at_every_layout_and_exports_back(family, tmp_path):
+    """Import, then train 2 steps at TP 2 + SP, PP 2 and DP 2: the first step's loss is the Hugging Face model's mean
+    next-token loss on the run's first global batch (float32 training: rtol 1e-5, a few float32 roundings of a
+    summation over 128 tokens), the same at every layout; the export of the trained run loads in transformers with our
+    model's logits (float32: atol 1e-5)."""
+    torch.manual_seed(0)
+    live = (hf_llama(groups=2) if family == "llama" else hf_gpt2()).float().eval()
+    src = tmp_path / "src"
+    live.save_pretrained(src)
+    tiny_tokenizer_folder(src, live)
+    tools.import_hf(src, tmp_path / "base")
+    import train
+    args = train.check_args(train.parse(run_argv(tmp_path / "base", tmp_path / "probe")), 1)
+    start = checkpoint.plan_start(args)
+    corpus = data.build_data(args, train.model_file(args.model).dataset, start.tokenizer_file, start.vocab_size)
+    batch = torch.as_tensor(data.global_batch(corpus.train, start=0, size=4)).long()
+    with torch.no_grad():
+        logits = live(batch[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    layouts = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+               "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
+    for name, layout in layouts.items():
+        harness.launch(2, run_argv(tmp_path / "base", tmp_path / name, *layout))
+        got = first_losses(tmp_path / name)[0]
+        assert math.isclose(got, want, rel_tol=1e-5), f"{name}: first loss {got} vs Hugging Face's {want}"
+    from tools import main as tools_main
+    tools_main(["export", "--load", str(tmp_path / "tp2-sp"), "--hf-out", str(tmp_path / "out")])
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    ours = checkpoint.load_model(tmp_path / "tp2-sp").model.eval()
+    with torch.no_grad():
+        a, b = back(batch[:, :-1]).logits, ours(batch[:, :-1])[..., :live.config.vocab_size]
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert (a - logits).abs().max() > 1e-4  # it trained: the export is not the starting folder
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tok.eos_token == "</s>" and tok("def f").input_ids == corpus.tokenizer.encode("def f").ids
+
+
+def test_a_flag_against_the_folders_architecture_is_refused(tmp_path):
+    live = hf_llama(groups=2).float()
+    live.save_pretrained(tmp_path / "src")
+    tiny_tokenizer_folder(tmp_path / "src", live)
+    tools.import_hf(tmp_path / "src", tmp_path / "base")
+    import train
+    with pytest.raises(hf.ConfigError, match="--num-layers 3: the model's architecture comes from"):
+        train.setup(train.parse(run_argv(tmp_path / "base", tmp_path / "x", "--num-layers", "3")))

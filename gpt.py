@@ -285,11 +285,21 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
 to_hf = convert.gpt_to_hf  # tools.py export: a GPT-2, Llama or Mixtral directory (anything else refused by name)
 
 
+# model_type -> converter (hf, Config, dtype=None) -> (Config, full state dict): the Hugging Face decoders from_hf reads
+HF_CONVERTERS = {"gpt2": convert.gpt_from_hf, "llama": convert.gpt_from_hf, "mistral": convert.mistral_from_hf,
+                 "mixtral": convert.mixtral_from_hf, "qwen2": convert.qwen2_from_hf, "qwen3": convert.qwen3_from_hf,
+                 "qwen2_moe": convert.qwen2_moe_from_hf, "qwen3_moe": convert.qwen3_moe_from_hf,
+                 "deepseek_v3": convert.deepseek_from_hf}
+
+
 def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` GPT2LMHeadModel, LlamaForCausalLM or DeepseekV3ForCausalLM
-    (MLA, deepseek.py) — the logits match."""
-    to_ours = convert.deepseek_from_hf if hf.config.model_type == "deepseek_v3" else convert.gpt_from_hf
-    config, full = to_ours(hf, Config, dtype)
+    """A Model with the weights of a `transformers` causal LM whose config.model_type is in HF_CONVERTERS (GPT-2,
+    Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 with MLA: deepseek.py) — the logits
+    match; a setting the converter cannot represent is refused by name (ValueError)."""
+    kind = hf.config.model_type
+    if kind not in HF_CONVERTERS:
+        raise ValueError(f"gpt.from_hf: unsupported model_type {kind!r} (supported: {', '.join(HF_CONVERTERS)})")
+    config, full = HF_CONVERTERS[kind](hf, Config, dtype)
     return convert.load(Model(config, grid), full)
 
 

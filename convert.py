@@ -7,8 +7,9 @@ padded_vocab_size and num_query_groups) and returns (Config, full state dict); `
 and our config. Each model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with
 `load`. So the imports run one way, parallel, rope, data <- convert <- gpt <- bert / t5 / retro / mamba, and every
 external layout sits here side by side.
-  Hugging Face   GPT-2, Llama and DeepSeek-V3 (gpt.py), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
-                 tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
+  Hugging Face   GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (gpt.py's
+                 HF_CONVERTERS, by model_type), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
+                 tests/test_hf.py, test_mla_mtp.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
   Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`tools.py export`) —
@@ -20,7 +21,10 @@ Layouts met on the way in
   fused QKV    HF: [q; k; v] of all heads (GPT-2's c_attn, BERT's three Linears, T5's q/k/v, Llama's q/k/v_proj)
                -> Megatron's per query group [q heads of g; k_g; v_g] (per head [q_h; k_h; v_h] without GQA)
   GPT-2        Conv1D stores [in, out]; nn.Linear (and ours) [out, in]
-  SwiGLU       HF gate_proj / up_proj (T5: wi_0 / wi_1) -> linear_fc1 = [gate; up]
+  SwiGLU       HF gate_proj / up_proj (T5: wi_0 / wi_1) -> linear_fc1 = [gate; up]; MoE experts' gate_up_proj [E, 2f, h]
+               is [gate; up] per expert already
+  routing      HF's softmax over all experts then top-k = moe_router_pre_softmax; renormalised (Mixtral, norm_topk_prob)
+               = softmax over the top-k logits (_hf_moe_fields)
   BERT         post-LN = our stack with apply_residual_connection_post_layernorm, its norms shifted by one layer
   vocabulary   rows zero-padded (or cut) to our padded_vocab_size, which does not depend on TP; pad rows are never
                targets and their logits are cut before the caller sees them

@@ -9,8 +9,8 @@ weights, biases, gates too, so a dropped one shows), relative error max |ours - 
   1e-10  against HF with its two deliberate float32 roundings lifted (float64_throughout: each RMSNorm normalises
          its input cast to float32, each MoE router takes its softmax in float32; both replaced by the same formula
          in float64). RoPE's cos/sin are float32 on both sides, computed by the same ops (bitwise equal), so what
-         remains is reduction order (fused QKV, SDPA, the experts' sums): measured <= 5.3e-15. A negative control per feature (a dropped
-         QKV bias, qk-norm or shared-expert gate, the other routing) must fail this comparison.
+         remains is reduction order (fused QKV, SDPA, the experts' sums): measured <= 5.3e-15. A negative control
+         per feature (a dropped QKV bias, qk-norm or shared-expert gate, the other routing) must fail it.
   1e-5   against HF as it is: its float32 roundings alone move the logits (measured <= 7.5e-7, MoE the most).
 """
 import dataclasses

@@ -53,11 +53,12 @@ from rope import yarn_mscale
 # ---------------------------------------------------------------------------------------------- Hugging Face: GPT-2, Llama
 def gpt_from_hf(hf, Config, dtype=None) -> tuple:
     """(gpt.Config, full state dict) of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
+    hc = hf.config
     if hc.model_type == "llama":
         return _llama_layout(hf, Config, dtype)
     if hc.model_type != "gpt2":
         raise ValueError(f"gpt.from_hf: unsupported model_type {hc.model_type!r} (gpt_from_hf reads gpt2 and llama)")
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
     c = Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
                ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
                layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", vocab_size=hc.vocab_size,

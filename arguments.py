@@ -230,6 +230,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--moe-pad-expert-input-to-capacity", action="store_true")
     a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
     a("--moe-shared-expert-intermediate-size", type=int, default=None)
+    a("--moe-shared-expert-gate", action="store_true", help="the shared expert's output times a per-token sigmoid gate")
     # DeepSeek-V3 routing (gpt.Config's checks): groups, scaling, aux-loss-free balancing by an expert bias
     a("--moe-router-num-groups", type=int, default=None, help="group-limited routing: experts in this many groups")
     a("--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups each token may use")

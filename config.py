@@ -88,6 +88,8 @@ class Config:
     moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" (micro-batch) | "seq_aux_loss" (sequence) | "none"
     moe_token_drop_policy: str = "probs"  # capacity keeps each expert's most probable tokens, or ("position") its first
     moe_shared_expert_intermediate_size: int | None = None  # None = no shared expert
+    moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x·gate_weightᵀ), a [1, h] weight
+    # (Megatron's SharedExpertMLP gate, Qwen2-MoE's shared_expert_gate); as in Megatron, no effect without a shared expert
     # Position scaling (rope.py; Megatron's --rotary-percent, --rotary-seq-len-interpolation-factor, --use-rope-scaling,
     # --rope-scaling-factor, and the --yarn-* flags of position_embedding_type "yarn")
     rotary_percent: float = 1.0  # rotate the first int(kv_channels · rotary_percent) dims of each head, pass the rest

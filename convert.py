@@ -7,8 +7,9 @@ padded_vocab_size and num_query_groups) and returns (Config, full state dict); `
 and our config. Each model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with
 `load`. So the imports run one way, parallel, rope, data <- convert <- gpt <- bert / t5 / retro / mamba, and every
 external layout sits here side by side.
-  Hugging Face   GPT-2, Llama and DeepSeek-V3 (gpt.py), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
-                 tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
+  Hugging Face   GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (gpt.py's
+                 HF_CONVERTERS, by model_type), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
+                 tests/test_hf.py, test_mla_mtp.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
   Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`tools.py export`) —
@@ -20,7 +21,10 @@ Layouts met on the way in
   fused QKV    HF: [q; k; v] of all heads (GPT-2's c_attn, BERT's three Linears, T5's q/k/v, Llama's q/k/v_proj)
                -> Megatron's per query group [q heads of g; k_g; v_g] (per head [q_h; k_h; v_h] without GQA)
   GPT-2        Conv1D stores [in, out]; nn.Linear (and ours) [out, in]
-  SwiGLU       HF gate_proj / up_proj (T5: wi_0 / wi_1) -> linear_fc1 = [gate; up]
+  SwiGLU       HF gate_proj / up_proj (T5: wi_0 / wi_1) -> linear_fc1 = [gate; up]; MoE experts' gate_up_proj [E, 2f, h]
+               is [gate; up] per expert already
+  routing      HF's softmax over all experts then top-k = moe_router_pre_softmax; renormalised (Mixtral, norm_topk_prob)
+               = softmax over the top-k logits (_hf_moe_fields)
   BERT         post-LN = our stack with apply_residual_connection_post_layernorm, its norms shifted by one layer
   vocabulary   rows zero-padded (or cut) to our padded_vocab_size, which does not depend on TP; pad rows are never
                targets and their logits are cut before the caller sees them
@@ -49,60 +53,180 @@ from rope import yarn_mscale
 # ---------------------------------------------------------------------------------------------- Hugging Face: GPT-2, Llama
 def gpt_from_hf(hf, Config, dtype=None) -> tuple:
     """(gpt.Config, full state dict) of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    dtype = dtype or next(hf.parameters()).dtype
-    common = dict(vocab_size=hc.vocab_size, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
-                  mask_vocab_padding=True)  # transformers' loss has no padded rows
-    if hc.model_type == "gpt2":
-        c = Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
-                       ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
-                       layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", **common)
-        full = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
-                "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
-                "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
-                "decoder.final_layernorm.bias": sd["transformer.ln_f.bias"]}
-        names = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv", "ln_2": "pre_mlp_layernorm",
-                 "attn.c_proj": "self_attention.linear_proj", "mlp.c_fc": "mlp.linear_fc1", "mlp.c_proj": "mlp.linear_fc2"}
-        for i in range(c.num_layers):
-            for src, dst in names.items():
-                for kind in ("weight", "bias"):
-                    t = sd[f"transformer.h.{i}.{src}.{kind}"]
-                    if kind == "weight" and not src.startswith("ln"):
-                        t = t.t()  # HF's Conv1D stores [in, out]
-                    if src == "attn.c_attn":  # [q; k; v] of all heads -> Megatron's per-head [q_h; k_h; v_h]
-                        t = rearrange(t, "(three n d) ... -> (n three d) ...", three=3, n=c.num_attention_heads)
-                    full[f"decoder.layers.{i}.{dst}.{kind}"] = t
-    elif hc.model_type == "llama":
-        c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size,
-                       num_attention_heads=hc.num_attention_heads, num_query_groups=hc.num_key_value_heads,
-                       kv_channels=getattr(hc, "head_dim", None),
-                       ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
-                       normalization="RMSNorm", **_rope_fields(hc),
-                       layernorm_epsilon=hc.rms_norm_eps, activation="silu", gated_linear_unit=True,
-                       add_bias_linear=False, add_qkv_bias=bool(getattr(hc, "attention_bias", False)),
-                       share_embeddings_and_output_weights=hc.tie_word_embeddings, **common)
-        g = c.num_query_groups
-        full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-                "decoder.final_layernorm.weight": sd["model.norm.weight"]}
-        if not c.share_embeddings_and_output_weights:
-            full["output_layer.weight"] = sd["lm_head.weight"]
-        for i in range(c.num_layers):
-            h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
-            q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.weight"], "(g r) h -> g r h", g=g) for t in "qkv")
-            full.update({o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
-                         o + "self_attention.linear_qkv.weight": rearrange(torch.cat([q, k, v], 1), "g r h -> (g r) h"),
-                         o + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
-                         o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
-                         o + "mlp.linear_fc1.weight": torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]]),
-                         o + "mlp.linear_fc2.weight": sd[h + "mlp.down_proj.weight"]})
-            if c.add_qkv_bias:
-                q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.bias"], "(g r) -> g r", g=g) for t in "qkv")
-                full[o + "self_attention.linear_qkv.bias"] = torch.cat([q, k, v], 1).flatten()
-    else:
-        raise ValueError(f"gpt.from_hf: unsupported model_type {hc.model_type!r} (gpt2, llama and deepseek_v3 are)")
+    hc = hf.config
+    if hc.model_type == "llama":
+        return _llama_layout(hf, Config, dtype)
+    if hc.model_type != "gpt2":
+        raise ValueError(f"gpt.from_hf: unsupported model_type {hc.model_type!r} (gpt_from_hf reads gpt2 and llama)")
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    c = Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
+               ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
+               layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", vocab_size=hc.vocab_size,
+               hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype,
+               mask_vocab_padding=True)  # transformers' loss has no padded rows
+    full = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
+            "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
+            "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
+            "decoder.final_layernorm.bias": sd["transformer.ln_f.bias"]}
+    names = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv", "ln_2": "pre_mlp_layernorm",
+             "attn.c_proj": "self_attention.linear_proj", "mlp.c_fc": "mlp.linear_fc1", "mlp.c_proj": "mlp.linear_fc2"}
+    for i in range(c.num_layers):
+        for src, dst in names.items():
+            for kind in ("weight", "bias"):
+                t = sd[f"transformer.h.{i}.{src}.{kind}"]
+                if kind == "weight" and not src.startswith("ln"):
+                    t = t.t()  # HF's Conv1D stores [in, out]
+                if src == "attn.c_attn":  # [q; k; v] of all heads -> Megatron's per-head [q_h; k_h; v_h]
+                    t = rearrange(t, "(three n d) ... -> (n three d) ...", three=3, n=c.num_attention_heads)
+                full[f"decoder.layers.{i}.{dst}.{kind}"] = t
+    return c, _pad_vocab(c, full)
+
+
+def _pad_vocab(c, full: dict) -> dict:
     for k in [k for k in full if k.endswith("word_embeddings.weight") or k == "output_layer.weight"]:
         full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
-    return c, full
+    return full
+
+
+def _llama_layout(hf, Config, dtype=None, qkv_bias: bool = False, qk_norm: bool = False, **moe) -> tuple:
+    """(gpt.Config, full state dict) of a model in Llama's layout — pre-RMSNorm layers, RoPE (_rope_fields),
+    grouped-query attention from separate q/k/v_proj, SwiGLU gate/up/down_proj, no other biases — which Mistral,
+    Qwen2/3 and the MoE families below share. qkv_bias: q/k/v_proj have biases (Qwen2's; o_proj none) -> add_qkv_bias;
+    qk_norm: an RMSNorm over each head's d dims on q and k before RoPE (Qwen3's q_norm/k_norm) -> qk_layernorm;
+    moe: _hf_moe_fields' Config fields, whose MoE layers hold mlp.gate (the router) and mlp.experts.gate_up_proj
+    [E, 2f, h] / down_proj [E, h, f], plus mlp.shared_expert(_gate) when there is one.
+    Refused by name: hidden_act other than silu, attention_bias (Llama's and Qwen3's also bias o_proj, which our
+    layers cannot without biasing every linear) and mlp_bias."""
+    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
+    bad = [f"{k}={getattr(hc, k)!r}" for k, ok in [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)]
+           if getattr(hc, k, ok) != ok]
+    if bad:
+        raise ValueError(f"gpt.from_hf: {hc.model_type} with {', '.join(bad)} is not supported (silu, no biases are)")
+    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
+               num_query_groups=hc.num_key_value_heads, kv_channels=getattr(hc, "head_dim", None),
+               ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
+               normalization="RMSNorm", **_rope_fields(hc), layernorm_epsilon=hc.rms_norm_eps, activation="silu",
+               gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
+               share_embeddings_and_output_weights=hc.tie_word_embeddings, vocab_size=hc.vocab_size, hidden_dropout=0.0,
+               attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype, mask_vocab_padding=True, **moe)
+    g = c.num_query_groups
+    full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+            "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    if not c.share_embeddings_and_output_weights:
+        full["output_layer.weight"] = sd["lm_head.weight"]
+    for i in range(c.num_layers):
+        h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.weight"], "(g r) h -> g r h", g=g) for t in "qkv")
+        full.update({o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
+                     o + "self_attention.linear_qkv.weight": rearrange(torch.cat([q, k, v], 1), "g r h -> (g r) h"),
+                     o + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
+                     o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"]})
+        if c.add_qkv_bias:
+            q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.bias"], "(g r) -> g r", g=g) for t in "qkv")
+            full[o + "self_attention.linear_qkv.bias"] = torch.cat([q, k, v], 1).flatten()
+        if c.qk_layernorm:
+            full[o + "self_attention.q_layernorm.weight"] = sd[h + "self_attn.q_norm.weight"]
+            full[o + "self_attention.k_layernorm.weight"] = sd[h + "self_attn.k_norm.weight"]
+        m, om = h + "mlp.", o + "mlp."
+        mlps = [(m + "shared_expert.", om + "shared_experts.")] if c.moe_shared_expert_intermediate_size else []
+        for src, dst in mlps if c.is_moe_layer(i) else [(m, om)]:  # the dense MLP, or the MoE layer's shared expert
+            full[dst + "linear_fc1.weight"] = torch.cat([sd[src + "gate_proj.weight"], sd[src + "up_proj.weight"]])
+            full[dst + "linear_fc2.weight"] = sd[src + "down_proj.weight"]
+        if c.is_moe_layer(i):
+            full[om + "router.weight"] = sd[m + "gate.weight"]
+            for e in range(c.num_experts):  # HF's gate_up_proj [E, 2f, h] is [gate; up] per expert, as our fc1
+                full[om + f"experts.linear_fc1.weight{e}"] = sd[m + "experts.gate_up_proj"][e]
+                full[om + f"experts.linear_fc2.weight{e}"] = sd[m + "experts.down_proj"][e]
+            if c.moe_shared_expert_gate:
+                full[om + "shared_experts.gate_weight"] = sd[m + "shared_expert_gate.weight"]  # [1, h]
+    return c, _pad_vocab(c, full)
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face: Llama's family
+# Each converter checks what its family adds to Llama's layout and hands the rest to _llama_layout.
+def _full_attention(hc, every_layer: bool):
+    """Refuse a sliding window that changes the logits: we have no sliding-window attention. Mistral, Mixtral and
+    Qwen3-MoE slide every layer when sliding_window is set (`every_layer`); Qwen2, Qwen3 and Qwen2-MoE only the
+    layers layer_types calls "sliding_attention". A window >= max_position_embeddings hides no position: accepted."""
+    types = list(getattr(hc, "layer_types", None) or [])
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"gpt.from_hf: {hc.model_type} layer_types {unknown} are not supported (full_attention is)")
+    w = getattr(hc, "sliding_window", None)
+    slides = w is not None if every_layer else "sliding_attention" in types
+    if slides and (w or 0) < hc.max_position_embeddings:
+        where = "" if every_layer else f" on layers {[i for i, t in enumerate(types) if t == 'sliding_attention']}"
+        raise ValueError(f"gpt.from_hf: {hc.model_type} sliding_window={w}{where} < max_position_embeddings="
+                         f"{hc.max_position_embeddings}: sliding-window attention is not implemented here")
+
+
+def _hf_moe_fields(hc, num_experts: int, renormalise: bool, moe_layers: list, shared: int | None = None) -> dict:
+    """Config fields of HF MoE layers. Routing: HF takes softmax over all E experts, then the top k; without
+    renormalisation those k probabilities weigh the experts = Megatron's moe_router_pre_softmax; renormalised to sum 1
+    (Mixtral, norm_topk_prob) they are softmax over the k chosen logits = the top k of the logits, then softmax
+    (pre_softmax off). moe_layers: 0/1 per layer. router_aux_loss_coef and output_router_logits shape a training loss,
+    not the logits: not mapped (train with --moe-aux-loss-coeff)."""
+    if getattr(hc, "router_jitter_noise", 0.0):
+        raise ValueError(f"gpt.from_hf: {hc.model_type} router_jitter_noise={hc.router_jitter_noise} is not supported "
+                         "(our router has no jitter)")
+    if not any(moe_layers):
+        return {}
+    return dict(num_experts=num_experts, moe_router_topk=hc.num_experts_per_tok, moe_router_pre_softmax=not renormalise,
+                moe_ffn_hidden_size=getattr(hc, "moe_intermediate_size", hc.intermediate_size),
+                moe_layer_freq=1 if all(moe_layers) else [int(x) for x in moe_layers],
+                moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=shared is not None)
+
+
+def _qwen_moe_layers(hc) -> list:
+    """Qwen-MoE's sparse layers: layer i is MoE unless in mlp_only_layers, when num_experts > 0 and
+    (i + 1) % decoder_sparse_step == 0 (Megatron's moe_layer_freq counts from layer 0: a 0/1 list then)."""
+    return [i not in (hc.mlp_only_layers or []) and hc.num_experts > 0 and (i + 1) % hc.decoder_sparse_step == 0
+            for i in range(hc.num_hidden_layers)]
+
+
+def mistral_from_hf(hf, Config, dtype=None) -> tuple:
+    """MistralForCausalLM: Llama's layout; its sliding_window must be None (Mistral-7B-v0.2 on) or hide nothing."""
+    _full_attention(hf.config, every_layer=True)
+    return _llama_layout(hf, Config, dtype)
+
+
+def mixtral_from_hf(hf, Config, dtype=None) -> tuple:
+    """MixtralForCausalLM: Mistral with MoE in every layer, the top k of softmax renormalised (the inverse of
+    gpt_to_hf's Mixtral export)."""
+    hc = hf.config
+    _full_attention(hc, every_layer=True)
+    return _llama_layout(hf, Config, dtype, **_hf_moe_fields(hc, hc.num_local_experts, True, [1] * hc.num_hidden_layers))
+
+
+def qwen2_from_hf(hf, Config, dtype=None) -> tuple:
+    """Qwen2ForCausalLM: Llama's layout with biases on q/k/v_proj (not o_proj) -> add_qkv_bias."""
+    _full_attention(hf.config, every_layer=False)
+    return _llama_layout(hf, Config, dtype, qkv_bias=True)
+
+
+def qwen3_from_hf(hf, Config, dtype=None) -> tuple:
+    """Qwen3ForCausalLM: Llama's layout with an explicit head_dim and per-head RMSNorms on q and k before RoPE
+    (q_norm, k_norm: rms_norm_eps) -> qk_layernorm; attention_bias (q/k/v and o_proj) refused."""
+    _full_attention(hf.config, every_layer=False)
+    return _llama_layout(hf, Config, dtype, qk_norm=True)
+
+
+def qwen2_moe_from_hf(hf, Config, dtype=None) -> tuple:
+    """Qwen2MoeForCausalLM: Qwen2's attention (qkv_bias) and, on the layers _qwen_moe_layers picks, routed experts
+    (moe_intermediate_size; norm_topk_prob) plus a shared expert (shared_expert_intermediate_size) whose output is
+    scaled by sigmoid(shared_expert_gate(x)) -> moe_shared_expert_gate; other layers a dense MLP (intermediate_size)."""
+    hc = hf.config
+    _full_attention(hc, every_layer=False)
+    moe = _hf_moe_fields(hc, hc.num_experts, hc.norm_topk_prob, _qwen_moe_layers(hc), hc.shared_expert_intermediate_size)
+    return _llama_layout(hf, Config, dtype, qkv_bias=hc.qkv_bias, **moe)
+
+
+def qwen3_moe_from_hf(hf, Config, dtype=None) -> tuple:
+    """Qwen3MoeForCausalLM: Qwen3's attention (q/k norms) and Qwen2-MoE's layer choice and routing, no shared expert."""
+    hc = hf.config
+    _full_attention(hc, every_layer=True)
+    return _llama_layout(hf, Config, dtype, qk_norm=True,
+                         **_hf_moe_fields(hc, hc.num_experts, hc.norm_topk_prob, _qwen_moe_layers(hc)))
 
 
 def _rope_theta(hc) -> float:

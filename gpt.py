@@ -290,16 +290,23 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
 to_hf = convert.gpt_to_hf  # tools.py export: a GPT-2, Llama or Mixtral directory (anything else refused by name)
 
 
-HF_CONVERTERS = {"gpt2": convert.gpt_from_hf, "llama": convert.gpt_from_hf,  # model_type -> converter (hf.py)
+# model_type -> converter (hf, Config, dtype=None) -> (Config, full state dict): the Hugging Face decoders from_hf reads
+HF_CONVERTERS = {"gpt2": convert.gpt_from_hf, "llama": convert.gpt_from_hf, "mistral": convert.mistral_from_hf,
+                 "mixtral": convert.mixtral_from_hf, "qwen2": convert.qwen2_from_hf, "qwen3": convert.qwen3_from_hf,
+                 "qwen2_moe": convert.qwen2_moe_from_hf, "qwen3_moe": convert.qwen3_moe_from_hf,
                  "deepseek_v3": convert.deepseek_from_hf}
-HF_LAYOUTS = {"mixtral": {"renames": [(r"\.block_sparse_moe\.", ".mlp.")], "experts": ("w1", "w3", "w2")},
+HF_LAYOUTS = {"mixtral": {"renames": [(r"\.block_sparse_moe\.", ".mlp.")], "experts": ("w1", "w3", "w2")},  # hf.py
               **{t: {"experts": ("gate_proj", "up_proj", "down_proj")} for t in ("qwen2_moe", "qwen3_moe", "deepseek_v3")}}
 
 
 def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` GPT2LMHeadModel, LlamaForCausalLM or DeepseekV3ForCausalLM
-    (MLA, deepseek.py) — the logits match."""
-    config, full = HF_CONVERTERS.get(hf.config.model_type, convert.gpt_from_hf)(hf, Config, dtype)  # (it names the unknown)
+    """A Model with the weights of a `transformers` causal LM whose config.model_type is in HF_CONVERTERS (GPT-2,
+    Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 with MLA: deepseek.py) — the logits
+    match; a setting the converter cannot represent is refused by name (ValueError)."""
+    kind = hf.config.model_type
+    if kind not in HF_CONVERTERS:
+        raise ValueError(f"gpt.from_hf: unsupported model_type {kind!r} (supported: {', '.join(HF_CONVERTERS)})")
+    config, full = HF_CONVERTERS[kind](hf, Config, dtype)
     return convert.load(Model(config, grid), full)
 
 

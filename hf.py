@@ -185,7 +185,8 @@ def memory_state(layout: dict, stored: Mapping) -> Lazy:
     return Lazy([*plain, *stacks], make)
 
 
-ALIASES = {"image_token_id": "image_token_index"}  # transformers 5's attribute name -> the name config.json may use
+ALIASES = {"image_token_id": "image_token_index", "num_experts": "num_local_experts"}  # transformers attribute_map:
+# attribute -> the key config.json stores it under
 
 
 def config_view(d: dict):

@@ -408,11 +408,9 @@ class Layer(nn.Module):
         self.symbol, self.c, self.rng = symbol, c, rng
         norm, f = self.NAMES[symbol]
         setattr(self, norm, transformer.Norm(c))
-        shared = c.moe_shared_expert_intermediate_size
         setattr(self, f, {"M": lambda: MambaMixer(c, grid), "*": lambda: transformer.Attention(c, grid, rng=rng),
                           "-": lambda: transformer.MLP(c, grid),
-                          "E": lambda: P.MoELayer(c, grid, transformer.ACTIVATIONS[c.activation],
-                                                  transformer.MLP(c, grid, shared) if shared else None)}[symbol]())
+                          "E": lambda: transformer.moe_layer(c, grid)}[symbol]())
 
     def parts(self):
         return (getattr(self, n) for n in self.NAMES[self.symbol])

@@ -226,6 +226,30 @@ class MLP(nn.Module):
         return self.linear_fc2(y)  # [s(/tp), b, h]
 
 
+class SharedExpertMLP(MLP):
+    """An MoE layer's shared expert (Megatron's SharedExpertMLP, moe/shared_experts.py): an MLP of
+    moe_shared_expert_intermediate_size that every token goes through. With moe_shared_expert_gate its output is
+    scaled per token by sigmoid(x·gate_weightᵀ), gate_weight [1, h] (Qwen2-MoE's shared_expert_gate): replicated
+    over TP, it sees this rank's s/tp tokens under SP, so its gradient is then partial and summed over TP (as
+    Megatron marks it sequence_parallel)."""
+
+    def __init__(self, c, grid=None):
+        super().__init__(c, grid, c.moe_shared_expert_intermediate_size)
+        self.gate_weight = P.mark(nn.Parameter(torch.empty(1, c.hidden_size, dtype=c.params_dtype)),
+                                  ("normal", c.init_method_std), sequence_parallel=c.sequence_parallel) \
+            if c.moe_shared_expert_gate else None
+
+    def forward(self, x):  # [s(/tp), b, h]
+        y = super().forward(x)  # [s(/tp), b, h]
+        return y if self.gate_weight is None else y * torch.sigmoid(F.linear(x, self.gate_weight))  # gate [s, b, 1]
+
+
+def moe_layer(c, grid=None):
+    """The MoE layer that replaces the MLP (parallel.MoELayer), with its shared expert when the config has one."""
+    shared = SharedExpertMLP(c, grid) if c.moe_shared_expert_intermediate_size else None
+    return P.MoELayer(c, grid, ACTIVATIONS[c.activation], shared)
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm layer: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x))).
 
@@ -241,8 +265,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = (attention or Attention)(c, grid, rng=rng)  # the seam: deepseek.MLASelfAttention
         self.pre_mlp_layernorm = Norm(c)
         if c.is_moe_layer(layer_number) if moe is None else moe:  # MoE (parallel.py section 10) instead of the MLP
-            shared = c.moe_shared_expert_intermediate_size
-            self.mlp = P.MoELayer(c, grid, ACTIVATIONS[c.activation], MLP(c, grid, shared) if shared else None)
+            self.mlp = moe_layer(c, grid)
         else:
             self.mlp = MLP(c, grid)
 

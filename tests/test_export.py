@@ -1,7 +1,8 @@
 """convert.gpt_to_hf (tools.py export) against Hugging Face transformers: our model written as a Hugging Face directory
 (config.json + model.safetensors), loaded back with `transformers.AutoModelForCausalLM.from_pretrained` offline, gives
 our logits. GPT-2, Llama (grouped-query, multi-query, tied or not) and Mixtral shapes; settings those classes cannot
-express are refused with one line naming them.
+express are refused with one line naming them. A Hugging Face Mixtral imported (gpt.from_hf) and exported again
+comes back identical, tensor for tensor (bitwise: both ways are renames and concatenations).
 
 Tolerance: float32, 1e-5 relative (max |ours − HF| / max |HF|): the same ops in different orders (fused QKV, SDPA);
 measured ~1e-7. A layout error (a swapped head or projection) moves logits by ~1e-1: the negative control below.
@@ -92,3 +93,34 @@ def test_settings_hf_cannot_represent_are_refused(config, expect):
     assert "\n" not in str(e.value)
     assert contract.model_file("bert").to_hf is None  # tools.py export refuses a model without one (test_contract)
     convert.gpt_to_hf(FutureConfig(**dict(LLAMA)), gpt.Model(FutureConfig(**dict(LLAMA))).state_dict())  # at default: ok
+
+
+def test_mixtral_import_export_round_trip(tmp_path):
+    """A Hugging Face Mixtral -> gpt.from_hf -> gpt_to_hf -> from_pretrained: every tensor comes back identical (the
+    export's hub layout, experts.{j}.w1/w2/w3, loaded by transformers into its fused gate_up_proj), the config's shape
+    fields too; a swapped w1/w3 (gate and up) of one expert must not."""
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        rope_theta=500.0)).eval()
+    with torch.no_grad():  # norms off 1, routers spread
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    want = hf.state_dict()
+    model = gpt.from_hf(hf)
+    back = export(model, tmp_path / "same")
+    assert set(back.state_dict()) == set(want)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "rms_norm_eps", "tie_word_embeddings")
+    assert {f: getattr(back.config, f) for f in fields} == {f: getattr(hf.config, f) for f in fields}
+    assert back.config.rope_parameters["rope_theta"] == 500.0
+
+    def swap(sd):
+        e = "model.layers.1.block_sparse_moe.experts.2."
+        sd[e + "w1.weight"], sd[e + "w3.weight"] = sd[e + "w3.weight"], sd[e + "w1.weight"]
+    tampered = export(model, tmp_path / "swapped", swap)
+    assert not torch.equal(tampered.state_dict()["model.layers.1.mlp.experts.gate_up_proj"],
+                           want["model.layers.1.mlp.experts.gate_up_proj"])

@@ -20,14 +20,16 @@ import harness
 import hf
 import tools
 from test_bert import hf_bert
-from test_hf import hf_gpt2, hf_llama
+from test_hf import FAMILIES as LLAMA_FAMILIES, hf_family, hf_gpt2, hf_llama
 from test_llava import hf_llava
 from test_mamba import hf_mamba2
 from test_mla_mtp import hf_deepseek
 from test_t5 import hf_t5
 
 FAMILIES = {"gpt2": hf_gpt2, "llama": lambda: hf_llama(groups=2), "bert": hf_bert, "t5": hf_t5,
-            "mamba2": lambda: hf_mamba2(2, 4), "llava": hf_llava, "deepseek_v3": hf_deepseek}
+            "mamba2": lambda: hf_mamba2(2, 4), "llava": hf_llava, "deepseek_v3": hf_deepseek,
+            **{name.replace("-", "_"): lambda name=name: hf_family(name) for name in LLAMA_FAMILIES if "-" not in name
+               or name.endswith("-moe")}}
 
 
 def saved(model, path, shard=False):
@@ -51,10 +53,10 @@ def test_a_folder_is_the_model_and_export_is_the_identity(family, tmp_path):
     the same Config and state as the live model does (the converters' own logit tests: tests/test_hf.py,
     test_bert.py, ...), and tracing sends every element back to where it came from: exact, no tolerance."""
     live = FAMILIES[family]().double().eval()
-    folder = saved(live, tmp_path / "f", shard=family == "llama")
+    folder = saved(live, tmp_path / "f", shard=family in ("llama", "mixtral"))
     assert family != "llama" or (tmp_path / "f" / hf.INDEX).is_file()  # the sharded case really is sharded
     mf, c, full = hf.convert(folder.config, hf.file_state(folder), torch.float64)
-    c_live, full_live = mf.HF_CONVERTERS[family](live, mf.Config, torch.float64)
+    c_live, full_live = mf.HF_CONVERTERS[live.config.model_type](live, mf.Config, torch.float64)
     assert c == c_live
     assert full.keys() == full_live.keys()
     for k in full:

@@ -149,13 +149,16 @@ def test_a_run_prints_each_note_once_and_writes_tensorboard_where_told(corpus, c
 # ---------------------------------------------------------------------------------------------- honoured flags
 def test_model_flags_reach_the_config():
     args = checked(["--kv-channels", "16", "--qk-layernorm", "--apply-layernorm-1p", "--norm-epsilon", "1e-6",
-                    "--rotary-base", "500000", "--group-query-attention", "--recompute-activations"])
+                    "--rotary-base", "500000", "--group-query-attention", "--recompute-activations", "--num-experts",
+                    "4", "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"])
     c = arguments.model_config(contract.model_file("gpt"), args, vocab_size=300)
     assert (c.kv_channels, c.qk_layernorm, c.layernorm_zero_centered_gamma) == (16, True, True)
+    assert (c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate) == (32, True)
     assert (c.layernorm_epsilon, c.rotary_base, c.num_query_groups) == (1e-6, 500000.0, 1)  # Megatron's GQA default
     assert args.recompute_granularity == "selective"
     plain = arguments.model_config(contract.model_file("gpt"), checked([]), vocab_size=300)
     assert (plain.qk_layernorm, plain.layernorm_zero_centered_gamma, plain.layernorm_epsilon) == (False, False, 1e-5)
+    assert not plain.moe_shared_expert_gate
     assert checked(["--group-query-attention", "--num-query-groups", "2"]).num_query_groups == 2
 
 

@@ -30,7 +30,9 @@ chunk. In-test shims and differences, besides the shared ones:
 MoE (GPTModel + get_gpt_decoder_block_spec(use_transformer_engine=False): dense layer 0, MoE layer 1; the local
 spec's experts are SequentialMLP, `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight`, which gpt.from_megatron
 renames to ours, `mlp.experts.linear_fc{1,2}.weight{i}`): 4 experts, top-2, softmax after top-k, SwiGLU experts,
-add_bias_linear False, the all-gather dispatcher, switch load-balancing loss (coeff 1e-2) and z-loss (1e-3) on.
+add_bias_linear False, the all-gather dispatcher, switch load-balancing loss (coeff 1e-2) and z-loss (1e-3) on, and
+a shared expert with its sigmoid gate (`shared_experts.gate_weight`, moe_shared_expert_gate: 0.15.3's spec builds
+SharedExpertMLP with gate=False, later Megatron reads the config field; the case sets the spec's gate=True).
   - Aux losses: both define them per micro-batch exactly alike (f_i = tokens to i / (T·k): the 1/k is in both;
     z-loss = coeff · mean logsumexp²), and both inject them in backward through an identity autograd function. The
     weight they enter with: Megatron's MoEAuxLossAutoScaler.main_loss_backward_scale (its schedule sets it to
@@ -226,7 +228,8 @@ MOE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups
            vocab_size=250, make_vocab_size_divisible_by=8, max_position_embeddings=16, position_embedding_type="rope",
            rotary_base=500.0, normalization="RMSNorm", activation="silu", gated_linear_unit=True, add_bias_linear=False,
            share_embeddings_and_output_weights=False, num_experts=4, moe_layer_freq=[0, 1], moe_ffn_hidden_size=24,
-           moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="allgather")
+           moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="allgather",
+           moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True)
 MICRO_BATCHES = 2  # the aux losses' weight 1/M (see the module docstring)
 
 
@@ -237,9 +240,14 @@ def megatron_moe(c: gpt.Config, tp: int):
     mcfg = megatron_transformer_config(
         c, tp, num_moe_experts=c.num_experts, moe_layer_freq=c.moe_layer_freq, moe_ffn_hidden_size=c.moe_ffn_hidden_size,
         moe_router_topk=c.moe_router_topk, moe_aux_loss_coeff=c.moe_aux_loss_coeff, moe_z_loss_coeff=c.moe_z_loss_coeff,
-        moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+        moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size)
     mcfg.sequence_parallel = tp > 1  # Megatron trains MoE + TP only with SP (see the module docstring)
     spec = get_gpt_decoder_block_spec(mcfg, use_transformer_engine=False, normalization=c.normalization)
+    for layer in spec.layer_specs:  # 0.15.3 builds SharedExpertMLP with gate=False (its moe_shared_expert_gate, later)
+        shared = getattr(layer.submodules.mlp.submodules, "shared_experts", None)
+        if shared is not None:
+            shared.params = {**shared.params, "gate": c.moe_shared_expert_gate}
     return GPTModel(mcfg, spec, vocab_size=c.padded_vocab_size, max_sequence_length=c.max_position_embeddings,
                     share_embeddings_and_output_weights=c.share_embeddings_and_output_weights,
                     position_embedding_type=c.position_embedding_type, rotary_base=c.rotary_base, parallel_output=True)
@@ -310,7 +318,7 @@ def moe_case(rank, n, tp, b=2, s=12, seed=7, wrong_experts=False, aux_weight=Non
 def test_moe_gpt_matches_megatron(pool, tp):
     got, ref, load = pool.run(moe_case, WORLD, tp=tp)[0]
     errs = compare(got, ref)
-    assert "grad decoder.layers.1.mlp.router.weight" in errs
+    assert "grad decoder.layers.1.mlp.router.weight" in errs and "grad decoder.layers.1.mlp.shared_experts.gate_weight" in errs
     assert int((load > 0).sum()) >= 3, load  # the routing is not degenerate: most experts get tokens
     assert_parity(errs, f"moe tp={tp}")
 

@@ -199,10 +199,14 @@ def counting_dispatchers(chunks):
     return calls
 
 
-def moe_case(rank, n, cfg, tp, ep, etp, M, b, s, pp=1, break_aux_rule=False, ignore_dispatcher=False):
+def moe_case(rank, n, cfg, tp, ep, etp, M, b, s, pp=1, break_aux_rule=False, ignore_dispatcher=False,
+             break_gate_sp=False):
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp), ep=ep, etp=etp)
     c = gpt.Config(**cfg)
     chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid)
+    if break_gate_sp:  # negative control: shared-expert gates whose SP-partial gradients are not summed over TP
+        for m in (m for chunk in chunks for m in chunk.modules() if isinstance(m, transformer.SharedExpertMLP)):
+            m.gate_weight.sequence_parallel = False
     if ignore_dispatcher:  # negative control: MoELayers that run the all-gather dispatcher whatever the config says
         for layer in (m for chunk in chunks for m in chunk.modules() if isinstance(m, P.MoELayer)):
             layer.c = dataclasses.replace(layer.c, moe_token_dispatcher_type="allgather")
@@ -257,11 +261,14 @@ LAYOUTS = {  # name: (tp, ep, etp, M, pp, config changes); 4 ranks, dp = 4 / (tp
     "ep2-edp2-allgather-sigmoid": (1, 2, 1, 2, 1, dict(**AG, moe_router_score_function="sigmoid")),
     "ep2-edp2-alltoall-E8-padded": (1, 2, 1, 1, 1, dict(**A2A, num_experts=8, moe_expert_capacity_factor=1.5,
                                                         moe_pad_expert_input_to_capacity=True)),
-    "tp2-sp-ep2-etp2-allgather-shared": (2, 2, 2, 2, 1, dict(**AG, sequence_parallel=True,
-                                                             moe_shared_expert_intermediate_size=16)),
+    "tp2-sp-ep2-etp2-allgather-shared-gate": (2, 2, 2, 2, 1, dict(**AG, sequence_parallel=True,
+                                                                  moe_shared_expert_intermediate_size=16,
+                                                                  moe_shared_expert_gate=True)),
     "tp2-sp-ep2-etp1-alltoall-capacity": (2, 2, 1, 1, 1, dict(**A2A, sequence_parallel=True,
                                                               moe_expert_capacity_factor=1.0, **GATED)),
-    "tp2-ep2-etp2-alltoall-gated": (2, 2, 2, 2, 1, dict(**A2A, moe_router_pre_softmax=True, **GATED)),
+    "tp2-ep2-etp2-alltoall-gated-shared-gate": (2, 2, 2, 2, 1, dict(**A2A, moe_router_pre_softmax=True, **GATED,
+                                                                   moe_shared_expert_intermediate_size=16,
+                                                                   moe_shared_expert_gate=True)),
     "tp2-ep2-etp1-allgather-freq2": (2, 2, 1, 1, 1, dict(**AG, num_layers=4, moe_layer_freq=2)),
     "pp2-ep2-alltoall": (1, 2, 1, 2, 2, dict(**A2A, share_embeddings_and_output_weights=False)),
 }
@@ -319,6 +326,16 @@ def test_aux_loss_rule_is_checked(pool):
     res = merge(pool.run(moe_case, 4, cfg=cfg, tp=1, ep=2, etp=1, M=2, b=8, s=8, break_aux_rule=True))
     with pytest.raises(AssertionError, match=r"worst relative error .* > 1e-10 at grad "):
         assert_same(res, single(cfg, 8, 8, 8), rtol=1e-10)
+
+
+def test_shared_expert_gate_sp_rule_is_checked(pool):
+    """Negative control: under SP each TP rank's shared-expert gate sees s/tp tokens; its gradient left unsummed over
+    TP must fail the comparison that tp2-sp-ep2-etp2-allgather-shared-gate passes."""
+    tp, ep, etp, M, pp, changes = LAYOUTS["tp2-sp-ep2-etp2-allgather-shared-gate"]
+    cfg = {**MOE, **changes}
+    res = merge(pool.run(moe_case, 4, cfg=cfg, tp=tp, ep=ep, etp=etp, M=M, b=8, s=8, break_gate_sp=True))
+    with pytest.raises(AssertionError, match=r"worst relative error .* > 1e-10 at grad .*shared_experts\.gate_weight"):
+        assert_same(res, single(cfg, M * 4 // tp, 8, 8), rtol=1e-10)
 
 
 def test_layout_errors(pool):

@@ -266,7 +266,8 @@ REFUSED_TOKENIZERS = {
     "MultimodalTokenizer": "the multimodal prompt formats (transformers' chat templates for images) are not "
                            "implemented; the image model here uses its own captions and tokenizer",
     "NullMultimodalTokenizer": "the multimodal prompt formats are not implemented",
-    "SFTTokenizer": "--task sft has its own chat template (posttrain.CHAT_TEMPLATE) on the run's tokenizer",
+    "SFTTokenizer": "--task sft has its own chat template (posttrain.CHAT_TEMPLATE) on the run's tokenizer, or a "
+                    "HuggingFaceTokenizer folder's own chat template",
 }
 TOKENIZER_FILES = {  # what each type reads (check_args: the flags it needs)
     "GPT2BPETokenizer": ("vocab_file", "merge_file"), "BertWordPieceLowerCase": ("vocab_file",),

@@ -250,7 +250,7 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
     [b, V]; by default from a KV cache (`cached_next_logits`: O(t) work per token). use_cache=False is the oracle:
     a full recompute of the (windowed) sequence each step, O(t²), short and obviously right (tests/test_kv_cache.py
     checks the two agree token for token). mamba.generate passes its recurrent step, t5.generate its decoder over
-    one encoder output. It stops once every row has sampled `eod` (or one of a list of stop ids)."""
+    one encoder output. It stops at a step where every row samples `eod` (or one of a list of stop ids)."""
     stops = None if eod is None else torch.tensor(eod if isinstance(eod, (list, tuple)) else [eod])
     was_training = model.training
     model.eval()

@@ -43,13 +43,21 @@ turn, then the assistant's header, tokenized piece by piece like a sample), and 
 chat template, which tools.py export writes for transformers' apply_chat_template. transformers tokenizes the whole
 rendered string, not piece by piece: the same ids, except where a message starts or ends with whitespace or holds
 special-token text (tests/test_serve_export.py shows both).
+A run on a Hugging Face tokenizer folder with a chat template of its own (data.folder_tokenizer: Roles.chat_template)
+renders conversations with that template instead, exactly as transformers' apply_chat_template does
+(data.apply_chat_template), and encodes the render whole as its tokenize=True does (template_ids; encode_chat picks
+the path): the loss mask covers each assistant turn from the end of the template's render of the turns before it with
+add_generation_prompt to the end of its render through that turn (the content, then the template's end-of-turn
+text), found by these prefix renders; a template whose prefix render is not a prefix of the whole is refused, and so
+is a message holding a special token's text (encoded whole it would become that control token).
 A sample is a numpy int64 array [R, s+1] (the SAMPLE FORMAT): token rows right-padded with eod, 0/1 mask rows
 (mask[t] = 1 iff token t is a response token: input tok[:-1], labels tok[1:], loss mask mask[1:]) and the META row
 last (meta[0] = the KTO label; meta[1] = the index in the global batch, filled by the recipe). Samples are never
 truncated. KTO's kl row pairs the prompt with the NEXT record's completion in file order ((i + 1) mod N), the
 KTO paper's mismatched pairs for the reference point z0, fixed by the data so it cannot depend on the layout.
 SFT --packing puts several samples back to back (greedy, in order) in one row; every sample ends with eod, so
-data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them.
+data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them (a sample
+that does not end with its only eod, as many folders' templates write them, is refused).
 Without --data-path, example_records builds records from the stdlib's functions (ast): the prompt is an instruction,
 the signature and the docstring; the response is the true body; a rejected/undesirable answer is another function's
 body or the true body with its lines shuffled. Their samples are built once and cached in --data-cache-dir

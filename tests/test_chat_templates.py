@@ -410,3 +410,38 @@ def test_refusals(folders, tmp_path, base_bpe):
     named = make_folder(tmp_path / "named", base_bpe, "zephyr",
                         config_extra={"chat_template": [{"name": "default", "template": ZEPHYR}]})
     assert data.roles_of(data.folder_tokenizer(named)).chat_template == ZEPHYR
+
+
+# ------------------------------------------------------------------------------------ a run, sample --chat, export
+def test_sft_run_samples_and_exports_with_the_folders_template(tmp_path, base_bpe, capsys):
+    """train.py --task sft on a folder with Qwen2.5's template (2 iterations, tiny), then: the run's saved tokenizer
+    keeps the template; sample --chat prompts with transformers' ids and stops at a stop id or the limit; export
+    writes the template, the folder's named tokens and both stop ids (generation_config's eos_token_id), and the
+    exported folder's apply_chat_template gives the --chat prompt's ids."""
+    import checkpoint
+    import tools
+    import train
+    folder = make_folder(tmp_path / "qwen", base_bpe, "qwen25")
+    records = [{"prompt": f"Add {i} and {j}.", "response": f"It is {i + j}."} for i in range(4) for j in range(4)]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = tmp_path / "run"
+    train.main(["--task", "sft", "--data-path", str(path), "--tokenizer-type", "HuggingFaceTokenizer",
+                "--tokenizer-model", str(folder), "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                "2", "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "2",
+                "--lr", "1e-3", "--log-interval", "100", "--eval-iters", "0", "--data-cache-dir", str(tmp_path / "c"),
+                "--save", str(run)])
+    loaded = checkpoint.load_model(run)
+    assert data.roles_of(loaded.tok).chat_template == QWEN25
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    prompt = [{"role": "user", "content": "Add 2 and 3."}]
+    stops = data.chat_stop_ids(loaded.tok)
+    answer = tools.chat_answer(loaded, prompt[0]["content"], 5, temperature=0)
+    assert answer[-1] in stops or (len(answer) == 5 and not set(answer) & set(stops))
+    tools.main(["export", "--load", str(run), "--hf-out", str(tmp_path / "hf")])
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert exported.chat_template == QWEN25
+    assert ref_ids(exported, prompt, add_generation_prompt=True) == ref_ids(ref, prompt, add_generation_prompt=True) \
+        == PT.chat_prompt_ids(prompt, loaded.tok)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == stops == [ref.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]

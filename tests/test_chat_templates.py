@@ -13,9 +13,15 @@ generation tags), and Llama 3's with {% generation %} tags (as assistant-only-lo
   - negative controls: trim_blocks off, or the template without its bos_token variable, renders other text; encoding
     with the post-processor (add_special_tokens) gives other ids; a mask without the end-of-turn token differs;
   - a DPO and an SFT file built through posttrain.build_task_datasets on data.megatron_tokenizer(--tokenizer-type
-    HuggingFaceTokenizer) give transformers' ids; the template survives save_tokenizer and a reload; export's
-    tokenizer_config renders the same text in transformers; refusals: a template that rewrites earlier turns, special
-    token text inside a message, a template that refuses the roles, a list of templates without "default".
+    HuggingFaceTokenizer) give transformers' ids; without --data-path, example_records counts each candidate through
+    the template exactly (the longest drops out at a tighter --seq-length, nothing else); --packing takes only samples
+    that end with their only eod; the template survives save_tokenizer and a reload; export's tokenizer_config renders
+    the same text in transformers; sample --chat's stop ids (eod, and the template's end-of-turn token);
+  - a tiny SFT run (train.py, 2 iterations) on such a folder keeps the template in its checkpoint; sample --chat and
+    export use it (the exported folder's apply_chat_template gives the --chat prompt's ids; generation_config's
+    eos_token_id lists the stop ids);
+  - refusals: a template that rewrites earlier turns, special-token text inside a message, a template that refuses
+    the roles, a list of templates without "default".
 """
 from __future__ import annotations
 
@@ -325,6 +331,25 @@ def test_dpo_and_sft_samples_from_a_file_have_transformers_ids(folders, tmp_path
                 rows += [ids + [eod] * (S + 1 - len(ids)), mask + [0] * (S + 1 - len(ids))]
             want.append(rows)
         assert got == sorted(want)
+
+
+def test_example_records_fit_through_the_template(folders):
+    """Without --data-path: example_records counts each candidate through the folder's template (Qwen2.5's adds a
+    default system prompt), so every record it keeps makes a sample of at most s + 1 tokens, and some are kept."""
+    tok, ref = folders["qwen25"]
+    files = tuple(f for f in data.default_corpus_files() if f.rsplit("/", 1)[-1] in ("colorsys.py", "bisect.py"))
+    eod, S = data.special_ids(tok)["eod"], 1536  # (a 400-token BPE: about a token a character)
+    for task in ("sft", "dpo"):
+        records = PT.example_records(task, tok, S, 0, files)
+        assert records
+        for r in records:  # (make_sample refuses a sample longer than S + 1)
+            smp = PT.make_sample(r, task, tok, S, eod, r["_where"])
+            n = int(smp[1].nonzero()[0].max()) + 1
+            assert smp[0, :n].tolist() == ref_ids(ref, PT._messages(r, "chosen" if task == "dpo" else "response"))
+    lengths = {r["prompt"]: len(ref_ids(ref, PT._messages(r))) for r in PT.example_records("sft", tok, S, 0, files)}
+    tight = max(lengths.values()) - 2  # the longest no longer fits (its length > tight + 1), the others do
+    kept = {r["prompt"] for r in PT.example_records("sft", tok, tight, 0, files)}
+    assert kept == {p for p, n in lengths.items() if n <= tight + 1} and 0 < len(kept) < len(lengths)
 
 
 def test_packing_needs_samples_that_end_with_their_only_eod(folders, tmp_path, base_bpe):

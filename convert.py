@@ -718,8 +718,10 @@ def save_hf(out_dir, hf_config: dict, state: dict, tokenizer=None, chat_template
         hf_config = {**hf_config, **ids}  # not Llama's defaults (bos 1, eos 2: other tokens here)
         tokenizer.save(str(out / "tokenizer.json"))
         longest = hf_config.get("max_position_embeddings", hf_config.get("n_positions"))  # Llama's, GPT-2's name
+        stops = data.chat_stop_ids(tokenizer)  # (a tokenizer folder's template may end a turn with its own token)
+        generation = {**ids, "eos_token_id": stops} if len(stops) > 1 else ids
         for name, content in [("tokenizer_config.json", hf_tokenizer_config(tokenizer, longest, chat_template)),
-                              ("generation_config.json", ids)]:
+                              ("generation_config.json", generation)]:
             (out / name).write_text(json.dumps(content, indent=1) + "\n")
     (out / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -731,16 +733,23 @@ def hf_token_ids(tok) -> dict:
     document and every assistant turn, so generation stops where training taught the model to stop. pad: <pad>.
     bos: the eod token too, as GPT-2's is: our models train without a bos token, and in the pretraining stream the
     token before a document is the previous document's eod. Nothing adds it to an input (the tokenizer has no
-    post-processor, the chat template writes none): it only starts a generation from nothing."""
-    sp = data.special_ids(tok)
-    return dict(bos_token_id=sp["eod"], eos_token_id=sp["eod"], pad_token_id=sp["pad"])
+    post-processor, the chat template writes none): it only starts a generation from nothing. A Hugging Face
+    tokenizer folder with a chat template of its own keeps its own bos token (its template and post-processor write
+    it)."""
+    sp, bos = data.special_ids(tok), data.roles_of(tok).chat_tokens.get("bos_token")
+    return dict(bos_token_id=tok.token_to_id(bos) if bos else sp["eod"], eos_token_id=sp["eod"], pad_token_id=sp["pad"])
 
 
 def hf_tokenizer_config(tok, model_max_length: int, chat_template: str | None = None) -> dict:
     """tokenizer_config.json: the class that reads tokenizer.json, the special tokens of hf_token_ids as text, the
     longest input (max_position_embeddings), the Jinja chat template (None: none), and decoding as ours does it
-    (no clean-up of the spaces before punctuation)."""
+    (no clean-up of the spaces before punctuation). A tokenizer folder's own chat template comes with the special
+    tokens that folder names (Roles.chat_tokens: the template's variables), so the export renders it as the folder
+    did (its pad token only where the template does not read pad_token)."""
     tokens = {name.removesuffix("_id"): tok.id_to_token(i) for name, i in hf_token_ids(tok).items()}
+    if chat_tokens := data.roles_of(tok).chat_tokens:
+        pad = {} if "pad_token" in chat_tokens or "pad_token" in (chat_template or "") else {"pad_token": tokens["pad_token"]}
+        tokens = {**chat_tokens, **pad}
     return dict(tokenizer_class="PreTrainedTokenizerFast", **tokens, model_max_length=model_max_length,
                 clean_up_tokenization_spaces=False, **({"chat_template": chat_template} if chat_template else {}))
 

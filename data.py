@@ -18,7 +18,9 @@ layout.
 """
 import argparse
 import dataclasses
+import datetime
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -143,7 +145,9 @@ class Roles:
     SPECIAL_TOKENS, and whether a document is encoded with the tokenizer's own post-processor. Our tokenizers spell
     the roles as SPECIAL_TOKENS does (these defaults); a Megatron --tokenizer-type maps its own tokens (BERT's [CLS] is
     cls, a Hugging Face folder's eos_token is eod). Kept on the tokenizer (`tok.roles`, read by roles_of) and saved
-    beside its tokenizer.json (save_tokenizer), so a resumed run, tools.py and an export find the same roles."""
+    beside its tokenizer.json (save_tokenizer), so a resumed run, tools.py and an export find the same roles. A Hugging
+    Face folder's chat template rides along (chat_template, chat_tokens): post-training renders its conversations with
+    it (posttrain.encode_chat), tools.py sample --chat prompts with it and export writes it back."""
     tokenizer_type: str | None = None  # the --tokenizer-type that made the tokenizer (None: ours)
     eod: str = SPECIAL_TOKENS[0]
     pad: str = SPECIAL_TOKENS[1]
@@ -152,6 +156,9 @@ class Roles:
     mask: str = SPECIAL_TOKENS[4]
     add_special_tokens: bool = False  # documents: encoded with the post-processor (Megatron's HuggingFaceTokenizer)
     fixed: bool = False  # an imported model's own tokenizer (hf.py): nothing is added to it, it has no sentinels
+    chat_template: str | None = None  # a Hugging Face folder's own chat template (Jinja; render_chat_template)
+    chat_tokens: dict = dataclasses.field(default_factory=dict)  # with it, the folder's named special tokens
+    # ({"bos_token": "<s>", "eos_token": "</s>", ...}, as transformers' special_tokens_map): the template's variables
 
 
 def roles_of(tok) -> Roles:
@@ -263,7 +270,8 @@ REFUSED_TOKENIZERS = {
     "MultimodalTokenizer": "the multimodal prompt formats (transformers' chat templates for images) are not "
                            "implemented; the image model here uses its own captions and tokenizer",
     "NullMultimodalTokenizer": "the multimodal prompt formats are not implemented",
-    "SFTTokenizer": "--task sft has its own chat template (posttrain.CHAT_TEMPLATE) on the run's tokenizer",
+    "SFTTokenizer": "--task sft has its own chat template (posttrain.CHAT_TEMPLATE) on the run's tokenizer, or a "
+                    "HuggingFaceTokenizer folder's own chat template",
 }
 TOKENIZER_FILES = {  # what each type reads (check_args: the flags it needs)
     "GPT2BPETokenizer": ("vocab_file", "merge_file"), "BertWordPieceLowerCase": ("vocab_file",),
@@ -369,8 +377,165 @@ def folder_tokenizer(folder) -> Tokenizer:
     absent = [t for t in roles.values() if tok.token_to_id(t) is None]
     if absent:
         raise DataError(f"--tokenizer-model {folder}: its special token {absent[0]!r} is not in its tokenizer.json")
-    tok.roles = Roles("HuggingFaceTokenizer", **roles, add_special_tokens=True)
+    template = folder_chat_template(path)
+    chat_tokens = {k: named[k] for k in HF_SPECIAL_TOKENS if isinstance(named.get(k), str)} if template else {}
+    tok.roles = Roles("HuggingFaceTokenizer", **roles, add_special_tokens=True, chat_template=template,
+                      chat_tokens=chat_tokens)
     return tok
+
+
+# ----------------------------------------------------------------------------- a tokenizer folder's chat template
+# transformers' apply_chat_template (utils/chat_template_utils.py, tokenization_utils_base.py), which post-training
+# (posttrain.encode_chat), tools.py sample --chat and export follow byte for byte: the template is Jinja in a sandbox
+# with trim_blocks and lstrip_blocks (a tag's own line break and leading blanks render nothing), the loopcontrols
+# extension, a tojson filter that does not escape HTML, raise_exception and strftime_now; it sees messages,
+# tools=None, documents=None, add_generation_prompt and the folder's named special tokens (bos_token, eos_token, ...);
+# tokenize=True encodes the rendered text whole, special tokens matched, and adds none (add_special_tokens=False).
+# tests/test_chat_templates.py checks text and ids against transformers on real-world templates.
+HF_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def folder_chat_template(folder) -> str | None:
+    """A Hugging Face tokenizer folder's chat template, where transformers finds it: chat_template.jinja beside
+    tokenizer_config.json (transformers 5 writes it there), else tokenizer_config.json's "chat_template", a string or
+    a list of {"name", "template"} of which "default" is used. None if it has none."""
+    path = Path(folder)
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() \
+        else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise DataError(f"{path / 'tokenizer_config.json'}: its chat templates {sorted(map(str, named))} have "
+                            "none named 'default' (the one transformers applies)")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise DataError(f"{path / 'tokenizer_config.json'}: chat_template is a {type(template).__name__}, not a string")
+    return template
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_chat_template(source: str):
+    """The template compiled in transformers' Jinja environment (_cached_compile_jinja_template): a sandbox that
+    cannot change its inputs, trim_blocks and lstrip_blocks, loopcontrols ({% break %}), {% generation %} blocks
+    (transformers marks the assistant's text with them; their body renders unchanged), its tojson, raise_exception,
+    strftime_now, and dict and namespace without access to private attributes."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class TemplateDict:  # dict(...) and dict.fromkeys(...) only
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):  # no underscore-prefixed attributes
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot set the attribute {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, dict=TemplateDict(), namespace=TemplateNamespace,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise DataError(f"the chat template does not compile: {e}") from None
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names of a message's reasoning
+
+
+def render_chat_template(template: str, messages, add_generation_prompt: bool = False, **special_tokens) -> str:
+    """The text of `messages` ([{'role', 'content', ...}, ...]) through the Jinja chat `template`, exactly as
+    transformers' `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)` renders it with a
+    tokenizer whose named special tokens are `special_tokens` (Roles.chat_tokens). As transformers does, a message's
+    keys whose value is None are dropped and its reasoning is also given as reasoning_content and thinking. A template
+    that refuses the conversation (raise_exception, an undefined variable) raises DataError with its message."""
+    import jinja2
+    chat = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        chat.append({"thinking": reasoning, **m, "reasoning_content": reasoning} if reasoning is not None else m)
+    try:
+        return _compile_chat_template(template).render(messages=chat, tools=None, documents=None,
+                                                       add_generation_prompt=add_generation_prompt, **special_tokens)
+    except jinja2.TemplateError as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"the chat template refuses the conversation: {why}") from None
+
+
+def apply_chat_template(tok, messages, add_generation_prompt: bool = False) -> str:
+    """render_chat_template with the tokenizer's own template and special tokens (its Roles); DataError if it has
+    none."""
+    roles = roles_of(tok)
+    if roles.chat_template is None:
+        raise DataError("the tokenizer has no chat template of its own (a Hugging Face folder's)")
+    return render_chat_template(roles.chat_template, messages, add_generation_prompt, **roles.chat_tokens)
+
+
+def encode_chat_text(tok, text: str):
+    """The tokenizers Encoding of rendered chat text as transformers' apply_chat_template(tokenize=True) encodes it:
+    whole, special-token text matched as those tokens, no post-processor tokens (add_special_tokens=False)."""
+    saved, tok.encode_special_tokens = tok.encode_special_tokens, False
+    try:
+        return tok.encode(text, add_special_tokens=False)
+    finally:
+        tok.encode_special_tokens = saved
+
+
+def special_token_texts(tok) -> list[str]:
+    """The texts of the tokenizer's special added tokens (its control tokens: <|eot_id|>, </s>, ...), longest first."""
+    return sorted({t.content for t in tok.get_added_tokens_decoder().values() if t.special}, key=len, reverse=True)
+
+
+def chat_stop_ids(tok) -> list[int]:
+    """The token ids that end an assistant's answer: eod, and with a chat template of its own the special token the
+    template writes right after an assistant's content (Llama 3's <|eot_id|>, ChatML's <|im_end|>) when that is
+    another token. tools.py sample --chat stops at them; export writes them as generation_config's eos_token_id."""
+    eod = special_ids(tok)["eod"]
+    if roles_of(tok).chat_template is None:
+        return [eod]
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    head, turn = apply_chat_template(tok, probe[:1], True), apply_chat_template(tok, probe)
+    tail = turn[len(head):].split("Hello", 1)[-1]  # what the template writes after the assistant's content
+    first = next((t for t in special_token_texts(tok) if tail.startswith(t)), None)
+    return [eod] + ([tok.token_to_id(first)] if first is not None and tok.token_to_id(first) != eod else [])
 
 
 def null_tokenizer(vocab_size: int) -> Tokenizer:

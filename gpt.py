@@ -249,12 +249,14 @@ def cached_next_logits(model: Model, window: int):
 
 @torch.no_grad()
 def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, eod: int | None = None, next_logits=None, use_cache: bool = True) -> torch.Tensor:
+             top_k: int | None = None, eod: int | list[int] | None = None, next_logits=None,
+             use_cache: bool = True) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `ids` [b, s]. `next_logits(ids)` gives the last position's logits
     [b, V]; by default from a KV cache (`cached_next_logits`: O(t) work per token). use_cache=False is the oracle:
     a full recompute of the (windowed) sequence each step, O(t²), short and obviously right (tests/test_kv_cache.py
     checks the two agree token for token). mamba.generate passes its recurrent step, t5.generate its decoder over
-    one encoder output."""
+    one encoder output. It stops at a step where every row samples `eod` (or one of a list of stop ids)."""
+    stops = None if eod is None else torch.tensor(eod if isinstance(eod, (list, tuple)) else [eod])
     was_training = model.training
     model.eval()
     window = model.config.max_position_embeddings
@@ -264,17 +266,19 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
     for _ in range(max_new_tokens):
         nxt = sample_next(next_logits(ids), temperature, top_k)  # [b, 1]
         ids = torch.cat([ids, nxt], dim=1)
-        if eod is not None and bool((nxt == eod).all()):
+        if stops is not None and bool(torch.isin(nxt, stops.to(nxt.device)).all()):
             break
     model.train(was_training)
     return ids
 
 
 def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-               top_k: int | None = 50, generate=generate) -> list[int]:
+               top_k: int | None = 50, generate=generate, stop: list[int] | None = None) -> list[int]:
     """tools.py sample --chat: the token ids sampled (KV-cached) after the prompt's token ids `ids`, up to and
-    including the end-of-document token, or max_new_tokens of them. `generate`: another model file's (mamba.py's)."""
-    out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, top_k, eod=data.special_ids(tok)["eod"])
+    including the end-of-document token (or one of the `stop` ids: data.chat_stop_ids), or max_new_tokens of them.
+    `generate`: another model file's (mamba.py's)."""
+    out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, top_k,
+                   eod=stop if stop is not None else data.special_ids(tok)["eod"])
     return out[0, len(ids):].tolist()
 
 

@@ -481,7 +481,7 @@ class Model(gpt.Model):
 
 @torch.no_grad()
 def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             eod: int | None = None):
+             eod: int | list[int] | None = None):
     """Sample `max_new_tokens` after `ids` [b, s] with the recurrent step: O(1) work per token for Mamba layers."""
     was_training, cache = model.training, {}
     model.eval()
@@ -522,9 +522,9 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
 
 
 def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-               top_k: int | None = 50) -> list[int]:
+               top_k: int | None = 50, stop: list[int] | None = None) -> list[int]:
     """tools.py sample --chat: gpt.sample_ids with the recurrent step."""
-    return gpt.sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, generate=generate)
+    return gpt.sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, generate=generate, stop=stop)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (convert.py)

@@ -43,13 +43,21 @@ turn, then the assistant's header, tokenized piece by piece like a sample), and 
 chat template, which tools.py export writes for transformers' apply_chat_template. transformers tokenizes the whole
 rendered string, not piece by piece: the same ids, except where a message starts or ends with whitespace or holds
 special-token text (tests/test_serve_export.py shows both).
+A run on a Hugging Face tokenizer folder with a chat template of its own (data.folder_tokenizer: Roles.chat_template)
+renders conversations with that template instead, exactly as transformers' apply_chat_template does
+(data.apply_chat_template), and encodes the render whole as its tokenize=True does (template_ids; encode_chat picks
+the path): the loss mask covers each assistant turn from the end of the template's render of the turns before it with
+add_generation_prompt to the end of its render through that turn (the content, then the template's end-of-turn
+text), found by these prefix renders; a template whose prefix render is not a prefix of the whole is refused, and so
+is a message holding a special token's text (encoded whole it would become that control token).
 A sample is a numpy int64 array [R, s+1] (the SAMPLE FORMAT): token rows right-padded with eod, 0/1 mask rows
 (mask[t] = 1 iff token t is a response token: input tok[:-1], labels tok[1:], loss mask mask[1:]) and the META row
 last (meta[0] = the KTO label; meta[1] = the index in the global batch, filled by the recipe). Samples are never
 truncated. KTO's kl row pairs the prompt with the NEXT record's completion in file order ((i + 1) mod N), the
 KTO paper's mismatched pairs for the reference point z0, fixed by the data so it cannot depend on the layout.
 SFT --packing puts several samples back to back (greedy, in order) in one row; every sample ends with eod, so
-data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them.
+data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them (a sample
+that does not end with its only eod, as many folders' templates write them, is refused).
 Without --data-path, example_records builds records from the stdlib's functions (ast): the prompt is an instruction,
 the signature and the docstring; the response is the true body; a rejected/undesirable answer is another function's
 body or the true body with its lines shuffled. Their samples are built once and cached in --data-cache-dir
@@ -112,9 +120,62 @@ def render_chat(messages):
 
 def chat_prompt_ids(messages, tok):
     """The token ids of a conversation that ends with a user turn, then the assistant's header: what an SFT model
-    answers (tools.py sample --chat), tokenized piece by piece exactly as its training samples were (_encode)."""
+    answers (tools.py sample --chat), tokenized piece by piece exactly as its training samples were (_encode); with
+    the tokenizer's own chat template, its render with add_generation_prompt=True encoded whole, as transformers'
+    apply_chat_template(messages, add_generation_prompt=True) gives it."""
+    if data.roles_of(tok).chat_template is not None:
+        _refuse_control_text(messages, tok, "the prompt")
+        return data.encode_chat_text(tok, data.apply_chat_template(tok, messages, True)).ids
     pieces = render_chat(messages) + [(CHAT_TEMPLATE["assistant"], False)]
     return _encode(pieces, tok, data.special_ids(tok)["eod"])[0]
+
+
+def _refuse_control_text(messages, tok, where):
+    """A message whose text holds a special token's text (<|eot_id|>) is refused: rendered by the template and encoded
+    whole, as transformers does, that text would become the control token itself."""
+    specials = data.special_token_texts(tok)
+    for i, m in enumerate(messages):
+        for key, value in m.items():
+            hit = next((t for t in specials if isinstance(value, str) and t in value), None)
+            if hit is not None:
+                raise DataError(f"{where}: messages[{i}]['{key}'] holds the special token {hit!r} as text, which the "
+                                "chat template's encoding (transformers' apply_chat_template) makes that control token")
+
+
+def template_ids(messages, tok, where="a conversation"):
+    """(ids, mask) lists of a conversation through the tokenizer's own chat template (data.apply_chat_template):
+    ids = the whole render encoded as transformers' apply_chat_template(messages, tokenize=True) encodes it; mask = 1
+    on each assistant turn, from where the template's render of messages[:k] with add_generation_prompt ends (the
+    assistant's header written) to where its render of messages[:k+1] ends: the content and what the template
+    writes after it before the next turn (its end-of-turn token, so the model learns to stop). A token is in the
+    loss iff its characters (the tokenizer's offsets) overlap such a span. A template whose render of a prefix of the
+    conversation is not a prefix of the whole render (one that rewrites earlier turns) cannot be masked so: refused."""
+    _refuse_control_text(messages, tok, where)
+    full, spans = data.apply_chat_template(tok, messages), []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = data.apply_chat_template(tok, messages[:k], add_generation_prompt=True)
+        turn = data.apply_chat_template(tok, messages[:k + 1])
+        for part, what in ((head, f"messages[:{k}] with add_generation_prompt"), (turn, f"messages[:{k + 1}]")):
+            if not full.startswith(part):
+                raise DataError(f"{where}: the chat template's render of {what} is not a prefix of its render of the "
+                                "whole conversation (it rewrites earlier turns), so the assistant's tokens cannot be "
+                                "found")
+        if len(turn) <= len(head):
+            raise DataError(f"{where}: the chat template renders assistant messages[{k}] as no text after its header")
+        spans.append((len(head), len(turn)))
+    enc = data.encode_chat_text(tok, full)
+    mask = [int(any(a <= s < b if s == e else (s < b and e > a) for a, b in spans)) for s, e in enc.offsets]
+    return list(enc.ids), mask
+
+
+def encode_chat(messages, tok, eod, where="a conversation"):
+    """(ids, mask) lists of a conversation: through the tokenizer's own chat template if it has one (template_ids),
+    else CHAT_TEMPLATE's pieces, each tokenized alone (render_chat, _encode)."""
+    if data.roles_of(tok).chat_template is not None:
+        return template_ids(messages, tok, where)
+    return _encode(render_chat(messages), tok, eod)
 
 
 def chat_template_jinja(template=CHAT_TEMPLATE, eod_text=EOD_TEXT):
@@ -221,9 +282,10 @@ def _encode(pieces, tok, eod):
     return ids, mask
 
 
-def _rows(pieces, tok, seq_length, eod, where):
-    """(tokens, mask) rows [2, s+1], right-padded with eod (mask 0); a sample never gets truncated."""
-    ids, mask = _encode(pieces, tok, eod)
+def _rows(messages, tok, seq_length, eod, where):
+    """(tokens, mask) rows [2, s+1] of a conversation (encode_chat), right-padded with eod (mask 0); a sample never
+    gets truncated."""
+    ids, mask = encode_chat(messages, tok, eod, where)
     if len(ids) > seq_length + 1:
         raise DataError(f"{where}: {len(ids)} tokens, longer than --seq-length + 1 = {seq_length + 1}: samples are "
                         "never truncated (a cut response would teach the model to stop mid-answer); shorten it or "
@@ -239,17 +301,17 @@ def make_sample(record, task, tok, seq_length, eod, where):
     sets it: the next record's completion)."""
     meta = np.zeros((1, seq_length + 1), np.int64)
     if task == "sft":
-        return np.concatenate([_rows(render_chat(_messages(record)), tok, seq_length, eod, where), meta])
+        return np.concatenate([_rows(_messages(record), tok, seq_length, eod, where), meta])
     if task in ("dpo", "rm"):
-        pair = [_rows(render_chat(_messages(record, k)), tok, seq_length, eod, f"{where} ({k})")
+        pair = [_rows(_messages(record, k), tok, seq_length, eod, f"{where} ({k})")
                 for k in ("chosen", "rejected")]
         return np.concatenate(pair + [meta])
     if task == "kto":
         meta[0, 0] = int(record["label"])
         if "kl_completion" not in record:
             raise DataError(f"{where}: a kto record needs 'kl_completion' (build_task_datasets sets the next one's)")
-        main = _rows(render_chat(_messages(record, "completion")), tok, seq_length, eod, where)
-        kl = _rows(render_chat(_messages(record, "kl_completion")), tok, seq_length, eod,
+        main = _rows(_messages(record, "completion"), tok, seq_length, eod, where)
+        kl = _rows(_messages(record, "kl_completion"), tok, seq_length, eod,
                    f"{where} (its prompt with the next record's completion, KTO's kl row)")
         return np.concatenate([main, kl, meta])
     raise DataError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
@@ -262,9 +324,10 @@ def pack_sft(samples, seq_length, eod, wheres):
     packed, cur = [], np.zeros((2, 0), np.int64)
     for smp, where in zip(samples, wheres):
         n = int(np.nonzero(smp[1])[0].max()) + 1  # the last response token is the final eod: the sample's length
-        if int((smp[0, :n] == eod).sum()) != 1:
-            raise DataError(f"{where}: --packing needs one assistant turn per conversation (each turn ends with eod, "
-                            "and the packed attention mask resets at every eod)")
+        if int((smp[0, :n] == eod).sum()) != 1 or smp[0, n - 1] != eod:  # (a tokenizer's own chat template may
+            # write eod after every turn, or end the last one with other tokens: Zephyr's "</s>\n")
+            raise DataError(f"{where}: --packing needs one assistant turn per conversation, and the sample's only eod "
+                            "token at its end (the packed attention mask resets at every eod)")
         if cur.shape[1] + n > seq_length + 1:
             packed.append(cur)
             cur = np.zeros((2, 0), np.int64)
@@ -358,12 +421,21 @@ def example_records(task, tok, seq_length, seed, files=None):
         other = funcs[(i + 1 + int(rng.integers(max(1, len(funcs) - 1)))) % len(funcs)][1]
         shuffled = _shuffled(body, rng) if rng.random() < 0.5 else None
         cands.append((prompt, body, shuffled if shuffled is not None else other))
-    # a sample's length adds up over its pieces: the headers and eod (h), the prompt's piece, the answer's piece
-    h = sum(_lengths(tok, [CHAT_TEMPLATE["user"], CHAT_TEMPLATE["assistant"]])) + 1
-    p_len = _lengths(tok, (p + CHAT_TEMPLATE["end"] for p, _, _ in cands))
-    texts = sorted({t for c in cands for t in c[1:]})
-    a_len = dict(zip(texts, _lengths(tok, texts)))
-    fits = lambda i, answer: h + p_len[i] + a_len[answer] <= seq_length + 1  # noqa: E731
+    if data.roles_of(tok).chat_template is not None:  # the tokenizer's own template: render and count each pair
+        specials = data.special_token_texts(tok)
+
+        @functools.cache
+        def fits(i, answer):  # (a text holding a special token's is refused by template_ids: skipped here)
+            if any(t in cands[i][0] or t in answer for t in specials):
+                return False
+            text = data.apply_chat_template(tok, _messages({"prompt": cands[i][0], "response": answer}))
+            return len(data.encode_chat_text(tok, text).ids) <= seq_length + 1
+    else:  # a sample's length adds up over its pieces: the headers and eod (h), the prompt's piece, the answer's piece
+        h = sum(_lengths(tok, [CHAT_TEMPLATE["user"], CHAT_TEMPLATE["assistant"]])) + 1
+        p_len = _lengths(tok, (p + CHAT_TEMPLATE["end"] for p, _, _ in cands))
+        texts = sorted({t for c in cands for t in c[1:]})
+        a_len = dict(zip(texts, _lengths(tok, texts)))
+        fits = lambda i, answer: h + p_len[i] + a_len[answer] <= seq_length + 1  # noqa: E731
     records = []
     for i, (prompt, body, wrong) in enumerate(cands):
         if task == "sft" and fits(i, body):
@@ -395,7 +467,7 @@ def example_samples(args, tok, eod):
     atomically under build_data's file lock, so one rank builds it and the others read it; a damaged one is refused."""
     task, s, seed, files = args.task, args.seq_length, args.seed, data.default_corpus_files()
     key = hashlib.sha256(repr((EXAMPLES_VERSION, task, seed, s, [(f, os.path.getsize(f)) for f in files])).encode()
-                         + tok.to_str().encode()).hexdigest()[:16]
+                         + data.tokenizer_text(tok).encode()).hexdigest()[:16]  # (with its roles: a chat template)
     path = Path(args.data_cache_dir) / f"examples-{task}-s{s}-{key}.npy"  # int32 (token ids, 0/1 masks and labels)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".lock", "w") as lock:

@@ -18,7 +18,11 @@ file's sample_ids, contract.py); anything else is refused.
 export writes what serving needs: the weights and config.json, the tokenizer with its special tokens (eos = the
 end-of-document token), generation_config.json, and the same chat template as Jinja, so that
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` renders the text --chat feeds the model
-(tests/test_serve_export.py: the same token ids and the same greedy answer in transformers).
+(tests/test_serve_export.py: the same token ids and the same greedy answer in transformers). A run on a Hugging Face
+tokenizer folder with a chat template of its own (--tokenizer-type HuggingFaceTokenizer) uses that template instead:
+the --chat prompt is its render with add_generation_prompt, encoded whole as transformers' apply_chat_template
+encodes it, the answer ends at the template's end-of-turn token (data.chat_stop_ids), and export writes it back
+(tests/test_chat_templates.py).
 
 Bad input ends with one line `tools.py: error: ...`.
 """
@@ -69,7 +73,7 @@ def sample(a):
     opts = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k)) if v is not None}
     if a.chat:
         answer = chat_answer(run, a.prompt, a.max_new_tokens, **opts)
-        text = run.tok.decode(answer[:-1] if answer[-1:] == [data.special_ids(run.tok)["eod"]] else answer)
+        text = run.tok.decode(answer[:-1] if answer[-1:] and answer[-1] in data.chat_stop_ids(run.tok) else answer)
     else:
         text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, a.max_new_tokens, **opts)
     print(text)
@@ -78,10 +82,13 @@ def sample(a):
 
 def chat_answer(run, prompt: str, max_new_tokens: int, **opts) -> list[int]:
     """sample --chat: the token ids of the model's answer to `prompt` as one user turn of the training chat template
-    (posttrain.chat_prompt_ids: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized as SFT's samples were), up to and
-    including the end-of-document token that ends an assistant turn (or max_new_tokens of them)."""
+    (posttrain.chat_prompt_ids: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized as SFT's samples were; a Hugging
+    Face tokenizer folder's own template with add_generation_prompt), up to and including the token that ends an
+    assistant turn (data.chat_stop_ids: the end-of-document token, or the template's end-of-turn token), or
+    max_new_tokens of them."""
     ids = posttrain.chat_prompt_ids([{"role": "user", "content": prompt}], run.tok)
-    return run.model_file.sample_ids(run.model.eval(), run.tok, ids, max_new_tokens, **opts)
+    return run.model_file.sample_ids(run.model.eval(), run.tok, ids, max_new_tokens, **opts,
+                                     stop=data.chat_stop_ids(run.tok))
 
 
 def merge(a):
@@ -91,7 +98,8 @@ def merge(a):
 def export(a):
     """A Hugging Face model directory of the run (a LoRA run: merged), which transformers loads offline and serves:
     config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the training chat template as Jinja
-    (posttrain.chat_template_jinja), generation_config.json; eos is our end-of-document token (convert.save_hf). A
+    (posttrain.chat_template_jinja, or the run's tokenizer folder's own template), generation_config.json; eos is our
+    end-of-document token (convert.save_hf). A
     setting Hugging Face's class cannot express is refused by name."""
     run = checkpoint.load_model(a.load)
     refuse_reward_model(run, a.load)
@@ -105,7 +113,7 @@ def export(a):
         raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
                                   + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
     return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
-                           chat_template=posttrain.chat_template_jinja())
+                           chat_template=data.roles_of(run.tok).chat_template or posttrain.chat_template_jinja())
 
 
 def import_hf(path, save_dir, dtype=torch.float32):

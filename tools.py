@@ -34,7 +34,7 @@ import convert
 import data
 import lora
 import posttrain
-from arguments import ArgumentParser, ConfigError
+from arguments import ArgumentParser, ConfigError, check_args, parse_args
 
 
 def refuse_reward_model(run, load):
@@ -99,6 +99,17 @@ def export(a):
                            chat_template=posttrain.chat_template_jinja())
 
 
+def import_megatron(a, model_flags):
+    """A Megatron-core torch_dist checkpoint as a weights-only run of ours; the architecture is the flags given
+    (train.py's, parsed and checked as train.py does)."""
+    args = check_args(parse_args(model_flags), world=1)
+    return checkpoint.import_megatron(a.load, a.save, args)
+
+
+def export_megatron(a):
+    return checkpoint.export_megatron(a.load, a.save, a.padded_vocab_size)
+
+
 def score(a):
     """A reward model's (--task rm) reward of each record of an SFT file ({"prompt", "response"} or {"messages"}), one
     per line, in file order. One process, the whole model."""
@@ -138,18 +149,32 @@ def parse(argv):
     e.add_argument("--load", required=True)
     e.add_argument("--hf-out", required=True, help="the directory to write")
     e.set_defaults(run=export)
+    i = sub.add_parser("import-megatron", help="a Megatron-core torch_dist checkpoint as a run (weights only); "
+                       "the model's flags (train.py's: --model, --num-layers, ...) follow")
+    i.add_argument("--load", required=True, help="the Megatron-core checkpoint directory (metadata.json, .metadata)")
+    i.add_argument("--save", required=True, help="an empty directory for the run")
+    i.set_defaults(run=import_megatron)
+    x = sub.add_parser("export-megatron", help="a run as a Megatron-core torch_dist checkpoint")
+    x.add_argument("--load", required=True, help="the run directory")
+    x.add_argument("--save", required=True, help="an empty directory for the Megatron-core checkpoint")
+    x.add_argument("--padded-vocab-size", type=int, default=None, help="Megatron's embedding rows (default: the "
+                   "run's padded vocabulary; Megatron pads to make_vocab_size_divisible_by x TP)")
+    x.set_defaults(run=export_megatron)
     c = sub.add_parser("score", help="a reward model's (--task rm) score of each record of a JSON-lines file")
     c.add_argument("--load", required=True, help="the reward model's run")
     c.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
     c.set_defaults(run=score)
-    return p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)
+    if a.command != "import-megatron" and rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    return a, rest
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        a = parse(argv)
-        return a.run(a)
+        a, model_flags = parse(argv)
+        return a.run(a, model_flags) if a.command == "import-megatron" else a.run(a)
     except (ConfigError, data.DataError, convert.ExportError, lora.LoRAError) as e:
         print(f"tools.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

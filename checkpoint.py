@@ -550,14 +550,38 @@ def save_merged(load_dir, save_dir):
     if "lora_base" not in run.ckpt.meta:
         raise ConfigError(f"--load {load_dir}: not a LoRA run (no adapters to merge)")
     out = Path(save_dir)
-    if out.is_dir() and any(ITER_DIR.fullmatch(p.name) for p in out.iterdir()):
-        raise ConfigError(f"--save {out} holds a run already: merge into an empty directory")
+    refuse_run_in(out, "merge")
     lora.merge(run.model)
-    out.mkdir(parents=True, exist_ok=True)
-    data.save_tokenizer(run.tok, out / "tokenizer.json")
     settings = {**run.ckpt.meta["args"], "save": str(out), "load": None, "lora_rank": None}
-    save_checkpoint(out, run.ckpt.meta["iteration"], [run.model], None, Scale(), None, settings)
+    return save_weights(run.model, run.tok, out, settings, run.ckpt.meta["iteration"])
+
+
+def save_weights(model, tok, save_dir, settings: dict, iteration: int = 0) -> Path:
+    """A checkpoint of `model`'s weights only (no optimizer: meta.json's weights_only) at `iteration`, with `settings`
+    as its args and `tok` as tokenizer.json beside it: what tools.py merge and import-megatron write. A run starts
+    from it with --pretrained-checkpoint or --finetune."""
+    out = Path(save_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data.save_tokenizer(tok, out / "tokenizer.json")
+    save_checkpoint(out, iteration, [model], None, Scale(), None, settings)
     return out
+
+
+def model_from_flags(args):
+    """(a freshly initialized model of train.py's flags `args` in one process, its tokenizer, the run's settings):
+    the tokenizer and vocabulary as train.py finds them (--tokenizer-file, else the run's default BPE; --vocab-size),
+    the settings as its checkpoints record them. tools.py import-megatron fills the model with a checkpoint's weights."""
+    mf = model_file(args.model)
+    corpus = data.build_data(args, None, args.tokenizer_file, args.vocab_size, samples=False)
+    model = mf.Model(model_config(mf, args, corpus.vocab_size, corpus.tokenizer))
+    return model, corpus.tokenizer, {**vars(args), "vocab_size": corpus.vocab_size, "load": None}
+
+
+def refuse_run_in(save_dir, what: str):
+    """ConfigError when `save_dir` holds a run already (merge and import write into an empty or new directory)."""
+    out = Path(save_dir)
+    if out.is_dir() and any(ITER_DIR.fullmatch(p.name) for p in out.iterdir()):
+        raise ConfigError(f"--save {out} holds a run already: {what} into an empty directory")
 
 
 class Scale(NamedTuple):
@@ -565,59 +589,3 @@ class Scale(NamedTuple):
     scale: float = 1.0
     clean: int = 0
     stuck: int = 0
-
-
-# ---------------------------------------------------------------------------------------------- Megatron-core checkpoints
-def import_megatron(mcore_dir, save_dir, args) -> Path:
-    """tools.py import-megatron: a Megatron-core torch_dist checkpoint (convert.megatron_dist_state, then the rename
-    convert.megatron_state) saved to `save_dir` as a weights-only checkpoint of ours at iteration 0, as tools.py
-    merge writes one: its settings are `args` (the architecture flags given: a bare dist_checkpointing.save holds
-    none), its tokenizer --tokenizer-file's, else the run's default (data.build_data). Every name and shape must be
-    the model's: anything else is refused, naming the first such key. Start from it with
-    `train.py --pretrained-checkpoint SAVE_DIR` (or --finetune)."""
-    import convert
-
-    out = Path(save_dir)
-    if out.is_dir() and any(ITER_DIR.fullmatch(p.name) for p in out.iterdir()):
-        raise ConfigError(f"--save {out} holds a run already: import into an empty directory")
-    try:
-        megatron = convert.megatron_dist_state(mcore_dir)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"--load {mcore_dir}: {e}") from None
-    mf = model_file(args.model)
-    corpus = data.build_data(args, None, args.tokenizer_file, args.vocab_size, samples=False)
-    model = mf.Model(model_config(mf, args, corpus.vocab_size, corpus.tokenizer))
-    try:
-        full = convert.megatron_state(megatron, model.config)
-    except ValueError as e:
-        raise ConfigError(f"--load {mcore_dir}: {e}") from None
-    want = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    for name in sorted(set(want) - set(full)):
-        raise ConfigError(f"--load {mcore_dir} lacks {name} (of --model {args.model} with these flags)")
-    for name in sorted(set(full) - set(want)):
-        raise ConfigError(f"--load {mcore_dir}: {name} is not a parameter of --model {args.model} with these flags")
-    for name, t in sorted(full.items()):
-        if t.shape != want[name].shape:
-            raise ConfigError(f"--load {mcore_dir}: {name} has shape {list(t.shape)}, --model {args.model} with these "
-                              f"flags has {list(want[name].shape)}")
-    model.load_state_dict(full, strict=False)  # (names checked above; cast to the model's dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    data.save_tokenizer(corpus.tokenizer, out / "tokenizer.json")
-    settings = {**vars(args), "vocab_size": corpus.vocab_size, "save": str(out), "load": None}
-    save_checkpoint(out, 0, [model], None, Scale(), None, settings)
-    return out
-
-
-def export_megatron(load_dir, save_dir, padded_vocab_size=None) -> Path:
-    """tools.py export-megatron: a saved run (a LoRA run: merged) as a Megatron-core torch_dist checkpoint
-    (convert.to_megatron_dist) that `dist_checkpointing.load(gpt_model.sharded_state_dict(), save_dir)` loads."""
-    import convert
-
-    run = load_model(load_dir)
-    out = Path(save_dir)
-    if out.is_dir() and any(out.iterdir()):
-        raise ConfigError(f"--save {out} is not empty: export into an empty directory")
-    try:
-        return convert.to_megatron_dist(run.model.state_dict(), run.model.config, out, padded_vocab_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None

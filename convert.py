@@ -11,6 +11,10 @@ external layout sits here side by side.
                  tests/test_hf.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
+                 Its distributed checkpoints (dist_checkpointing, torch_dist) are read by megatron_dist_state without
+                 Megatron-core (layers and experts un-stacked, SwiGLU halves joined: the dict megatron_state takes)
+                 and written by to_megatron_dist, which Megatron-core's dist_checkpointing.load takes
+                 (`tools.py import-megatron` / `export-megatron`; tests/test_megatron_dist.py: the logits in float64).
   Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`tools.py export`) —
                  tests/test_export.py loads them with transformers and compares the logits; save_hf writes them with
                  the tokenizer, its special tokens and chat template, ready to serve (tests/test_serve_export.py).
@@ -586,6 +590,23 @@ def megatron_dist_state(ckpt_dir) -> dict:
     return out
 
 
+def megatron_dist_full(ckpt_dir, model) -> dict:
+    """The full state dict (our names) for `model` from a torch_dist checkpoint: megatron_dist_state, then
+    megatron_state for model.config; every name and shape must be the model's, or MegatronDistError names the first
+    key that is missing, left over, or of another shape."""
+    full = megatron_state(megatron_dist_state(ckpt_dir), model.config)
+    want = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    for name in sorted(set(want) - set(full)):
+        raise MegatronDistError(f"{ckpt_dir} lacks {name} (a tensor of the model these flags make)")
+    for name in sorted(set(full) - set(want)):
+        raise MegatronDistError(f"{ckpt_dir}: {name} is not a tensor of the model these flags make")
+    for name, t in sorted(full.items()):
+        if t.shape != want[name].shape:
+            raise MegatronDistError(f"{ckpt_dir}: {name} has shape {list(t.shape)}, the model these flags make has "
+                                    f"{list(want[name].shape)}")
+    return full
+
+
 def to_megatron_dist(full: dict, c, out_dir, padded_vocab_size: int | None = None) -> Path:
     """The inverse of megatron_dist_state: our full state dict (one process) of config `c` written as a torch_dist
     checkpoint that Megatron-core's `dist_checkpointing.load(model.sharded_state_dict(), out_dir)` loads into a
@@ -613,8 +634,8 @@ def to_megatron_dist(full: dict, c, out_dir, padded_vocab_size: int | None = Non
     experts, state = {}, {}  # {sharded key: {expert: tensor}}, {sharded key: tensor or object}
     for name, t in full.items():
         t = t.detach()
-        if name.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias")):
-            t = F.pad(t[: c.vocab_size], (0, 0) * (t.ndim - 1) + (0, rows - c.vocab_size))
+        if name.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias")):  # rows cut or
+            t = F.pad(t[:rows], (0, 0) * (t.ndim - 1) + (0, max(0, rows - t.shape[0])))  # zero-padded to Megatron's
         for ours, theirs in norms.items():
             name = name.replace(ours, theirs)
         if (m := re.match(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$", name)) is not None:

@@ -1,5 +1,5 @@
-"""tools.py — what you do with a saved run: sample from it, merge its LoRA adapters, export it to Hugging Face, score
-text with a reward model.
+"""tools.py — what you do with a saved run: sample from it, merge its LoRA adapters, export it to Hugging Face or to
+Megatron-core, score text with a reward model; and a Megatron-core checkpoint made a run.
 
 Mirrors Megatron-LM's tools/ (tools/run_text_generation_server.py's generation, tools/checkpoint/ conversion). A
 file of its own so that train.py is only the training loop. Each command loads the run in one process
@@ -10,6 +10,9 @@ file of its own so that train.py is only the training loop. Each command loads t
     python tools.py merge --load runs/gpt-lora --save runs/gpt-merged    # a LoRA run's adapters merged into its base
     python tools.py export --load runs/gpt --hf-out runs/gpt-hf          # a Hugging Face model directory
     python tools.py score --load runs/gpt-rm --data-path answers.jsonl   # a reward model's score of each record
+    python tools.py export-megatron --load runs/gpt --save runs/gpt-mcore   # a Megatron-core torch_dist checkpoint
+    python tools.py import-megatron --load runs/gpt-mcore --save runs/gpt-from-mcore --model gpt \
+        --tokenizer-file runs/gpt/tokenizer.json    # a Megatron-core checkpoint as a run (architecture flags: see below)
 
 sample --chat: --prompt is one user turn of the chat template the SFT task trains on (posttrain.py section 1), then
 the assistant's header, `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized piece by piece as SFT's samples are; the
@@ -20,12 +23,24 @@ end-of-document token), generation_config.json, and the same chat template as Ji
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` renders the text --chat feeds the model
 (tests/test_serve_export.py: the same token ids and the same greedy answer in transformers).
 
+export-megatron / import-megatron: Megatron-core's own distributed checkpoints (dist_checkpointing's torch_dist
+format: metadata.json, common.pt, .metadata, *.distcp), read and written with torch.distributed.checkpoint alone
+(convert.megatron_dist_state / to_megatron_dist: the layer-stacked tensors, the fused-norm names, the SwiGLU halves
+and the expert stacks). export-megatron writes what `dist_checkpointing.load(gpt_model.sharded_state_dict(), DIR)`
+loads into a Megatron-core GPTModel of the same architecture (--padded-vocab-size: Megatron's embedding rows, which
+depend on its TP). import-megatron writes a weights-only run (iteration 0, as merge does) that train.py starts from
+(`--pretrained-checkpoint RUN` or --finetune); such a checkpoint holds no architecture, so the flags after --save are
+train.py's model flags (--model, --num-layers, --hidden-size, --swiglu, ...: those of the Megatron model; a flag left
+out takes train.py's default, as above, where they are runs/gpt's) and --tokenizer-file the tokenizer (default: the
+run's, trained on the corpus). A tensor that is missing, left over or of another shape is refused by name.
+
 Bad input ends with one line `tools.py: error: ...`.
 """
 from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -100,14 +115,23 @@ def export(a):
 
 
 def import_megatron(a, model_flags):
-    """A Megatron-core torch_dist checkpoint as a weights-only run of ours; the architecture is the flags given
-    (train.py's, parsed and checked as train.py does)."""
+    """A Megatron-core torch_dist checkpoint as a weights-only run at iteration 0 (as merge writes one): the model and
+    tokenizer of the flags given (train.py's model flags), filled with the checkpoint's tensors, every name and shape
+    checked (convert.megatron_dist_full)."""
+    checkpoint.refuse_run_in(a.save, "import")
     args = check_args(parse_args(model_flags), world=1)
-    return checkpoint.import_megatron(a.load, a.save, args)
+    model, tok, settings = checkpoint.model_from_flags(args)
+    model.load_state_dict(convert.megatron_dist_full(a.load, model), strict=False)  # (cast to the model's dtype)
+    return checkpoint.save_weights(model, tok, a.save, {**settings, "save": a.save})
 
 
 def export_megatron(a):
-    return checkpoint.export_megatron(a.load, a.save, a.padded_vocab_size)
+    """The run (a LoRA run: merged) as a Megatron-core torch_dist checkpoint (convert.to_megatron_dist)."""
+    if Path(a.save).is_dir() and any(Path(a.save).iterdir()):
+        raise ConfigError(f"--save {a.save} is not empty: export into an empty directory")
+    run = checkpoint.load_model(a.load)
+    refuse_reward_model(run, a.load)
+    return convert.to_megatron_dist(run.model.state_dict(), run.model.config, a.save, a.padded_vocab_size)
 
 
 def score(a):
@@ -175,7 +199,7 @@ def main(argv=None):
     try:
         a, model_flags = parse(argv)
         return a.run(a, model_flags) if a.command == "import-megatron" else a.run(a)
-    except (ConfigError, data.DataError, convert.ExportError, lora.LoRAError) as e:
+    except (ConfigError, data.DataError, convert.ExportError, convert.MegatronDistError, lora.LoRAError) as e:
         print(f"tools.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

@@ -121,6 +121,9 @@ def megatron_side(work: str, port: int):
             load_into_megatron(mc, seeded_full_state(mc, 1, SEED), 1, gated=True)
             (work / case / "mcore").mkdir(parents=True)
             dist_checkpointing.save(mc.sharded_state_dict(), str(work / case / "mcore"))
+            (work / case / "singleton").mkdir()  # the layout Megatron writes with singleton_local_shards
+            dist_checkpointing.save(mc.sharded_state_dict(metadata={"singleton_local_shards": True}),
+                                    str(work / case / "singleton"))
             out[case] = {"state": {k: v.clone() for k, v in mc.state_dict().items() if not k.endswith("_extra_state")}}
             if case == "dense":
                 out[case]["logits"], out[case]["loss"] = megatron_outputs(mc, c)
@@ -193,6 +196,17 @@ def test_moe_import_is_megatrons_state(work, megatron):
         assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.parametrize("case", ["dense", "moe"])
+def test_singleton_local_shards_layout_reads_the_same(work, case):
+    """Megatron's other layout (sharded_state_dict(metadata={"singleton_local_shards": True})): per-layer keys,
+    SwiGLU fc1 as KEY_w / KEY_v, one key per expert — the same tensors as the default layout's."""
+    md = convert._dist_reader(work / case / "singleton").read_metadata().state_dict_metadata
+    assert "decoder.layers.0.mlp.linear_fc1.weight_w" in md
+    a = convert.megatron_dist_state(work / case / "mcore")
+    b = convert.megatron_dist_state(work / case / "singleton")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_wrong_layer_order_is_caught(work, megatron):
     """Negative control: the stacked layers un-stacked in reverse (layer 0 <-> 1) fail the logits comparison."""
     c = config64(FLAGS, work / "tokenizer.json")
@@ -241,6 +255,23 @@ def test_export_then_import_is_exact(work, tmp_path):
     a = checkpoint.load_model(work / "dense" / "run").model.state_dict()
     b = checkpoint.load_model(tmp_path / "back").model.state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_pads_to_megatrons_vocabulary(work, tmp_path):
+    """--padded-vocab-size: Megatron's rows (its padding depends on TP); the import cuts them back to ours."""
+    tools.main(["export-megatron", "--load", str(work / "dense" / "run"), "--save", str(tmp_path / "mcore"),
+                "--padded-vocab-size", "640"])
+    rows = convert.megatron_dist_state(tmp_path / "mcore")["embedding.word_embeddings.weight"]
+    run = checkpoint.load_model(work / "dense" / "run").model.state_dict()["embedding.word_embeddings.weight"]
+    assert rows.shape[0] == 640 and torch.equal(rows[: run.shape[0]], run) and not rows[run.shape[0]:].any()
+
+
+def test_export_refuses_what_it_does_not_map(work, tmp_path):
+    c = config64(FLAGS, work / "tokenizer.json")
+    with pytest.raises(convert.MegatronDistError, match="^export-megatron: mtp_num_layers=1 is not mapped"):
+        convert.to_megatron_dist({}, dataclasses.replace(c, mtp_num_layers=1), tmp_path / "out")
+    with pytest.raises(convert.MegatronDistError, match="^padded_vocab_size=8 is smaller than vocab_size="):
+        convert.to_megatron_dist({}, c, tmp_path / "out", padded_vocab_size=8)
 
 
 def test_moe_export_loads_into_megatron(work, megatron):

@@ -541,14 +541,38 @@ def save_merged(load_dir, save_dir):
     if "lora_base" not in run.ckpt.meta:
         raise ConfigError(f"--load {load_dir}: not a LoRA run (no adapters to merge)")
     out = Path(save_dir)
-    if out.is_dir() and any(ITER_DIR.fullmatch(p.name) for p in out.iterdir()):
-        raise ConfigError(f"--save {out} holds a run already: merge into an empty directory")
+    refuse_run_in(out, "merge")
     lora.merge(run.model)
-    out.mkdir(parents=True, exist_ok=True)
-    data.save_tokenizer(run.tok, out / "tokenizer.json")
     settings = {**run.ckpt.meta["args"], "save": str(out), "load": None, "lora_rank": None}
-    save_checkpoint(out, run.ckpt.meta["iteration"], [run.model], None, Scale(), None, settings)
+    return save_weights(run.model, run.tok, out, settings, run.ckpt.meta["iteration"])
+
+
+def save_weights(model, tok, save_dir, settings: dict, iteration: int = 0) -> Path:
+    """A checkpoint of `model`'s weights only (no optimizer: meta.json's weights_only) at `iteration`, with `settings`
+    as its args and `tok` as tokenizer.json beside it: what tools.py merge and import-megatron write. A run starts
+    from it with --pretrained-checkpoint or --finetune."""
+    out = Path(save_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data.save_tokenizer(tok, out / "tokenizer.json")
+    save_checkpoint(out, iteration, [model], None, Scale(), None, settings)
     return out
+
+
+def model_from_flags(args):
+    """(a freshly initialized model of train.py's flags `args` in one process, its tokenizer, the run's settings):
+    the tokenizer and vocabulary as train.py finds them (--tokenizer-file, else the run's default BPE; --vocab-size),
+    the settings as its checkpoints record them. tools.py import-megatron fills the model with a checkpoint's weights."""
+    mf = model_file(args.model)
+    corpus = data.build_data(args, None, args.tokenizer_file, args.vocab_size, samples=False)
+    model = mf.Model(model_config(mf, args, corpus.vocab_size, corpus.tokenizer))
+    return model, corpus.tokenizer, {**vars(args), "vocab_size": corpus.vocab_size, "load": None}
+
+
+def refuse_run_in(save_dir, what: str):
+    """ConfigError when `save_dir` holds a run already (merge and import write into an empty or new directory)."""
+    out = Path(save_dir)
+    if out.is_dir() and any(ITER_DIR.fullmatch(p.name) for p in out.iterdir()):
+        raise ConfigError(f"--save {out} holds a run already: {what} into an empty directory")
 
 
 class Scale(NamedTuple):

@@ -12,6 +12,10 @@ external layout sits here side by side.
                  tests/test_hf.py, test_mla_mtp.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
+                 Its distributed checkpoints (dist_checkpointing, torch_dist) are read by megatron_dist_state without
+                 Megatron-core (layers and experts un-stacked, SwiGLU halves joined: the dict megatron_state takes)
+                 and written by to_megatron_dist, which Megatron-core's dist_checkpointing.load takes
+                 (`tools.py import-megatron` / `export-megatron`; tests/test_megatron_dist.py: the logits in float64).
   Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`tools.py export`) —
                  tests/test_export.py loads them with transformers and compares the logits; save_hf writes them with
                  the tokenizer, its special tokens and chat template, ready to serve (tests/test_serve_export.py).
@@ -39,6 +43,7 @@ import json
 import math
 import re
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -590,6 +595,209 @@ def megatron_state(state_dict: dict, c, rename=None) -> dict:
             raise ValueError(f"{name} has {rows} rows, fewer than vocab_size={c.vocab_size}")
         full[name] = F.pad(t[: c.padded_vocab_size], (0, 0) * (t.ndim - 1) + (0, max(0, c.padded_vocab_size - rows)))
     return full
+
+
+# ---------------------------------------------------------------------------------------------- Megatron-core: torch_dist
+# A checkpoint Megatron-core's dist_checkpointing.save writes with its default backend, "torch_dist":
+#   metadata.json   {"sharded_backend": "torch_dist", ...}: how to read the rest (MEGATRON_DIST_METADATA)
+#   common.pt       torch.save of what is not sharded (Megatron-LM: its args, iteration, ...; {} from a bare save)
+#   .metadata, __R_K.distcp   a torch.distributed.checkpoint: every ShardedTensor under its *sharded key*, whole
+#                   (its global shape), plus objects (Transformer Engine's `_extra_state`, RNG states) as bytes.
+# A sharded key is not the state_dict name:
+#   stacked layers  TransformerBlock saves layer i's tensors as row i of one tensor [L, ...] named without the index
+#                   (decoder.layers.self_attention.linear_qkv.weight: [L, rows, h]), unless its layers differ (an MoE
+#                   pattern, moe_layer_freq a list or > 1): then decoder.layers.{i}.X, one tensor each;
+#   fused norms     the local spec's norms under the Transformer Engine spec's names (input_layernorm.weight as
+#                   self_attention.linear_qkv.layer_norm_weight, pre_mlp_layernorm.weight as mlp.linear_fc1.layer_norm_
+#                   weight): megatron_state renames both;
+#   SwiGLU fc1      saved as two shards per TP rank (gate_r at row r·f/tp, up_r at row f + r·f/tp,
+#                   apply_swiglu_sharded_factory), so the global tensor is [gate; up], our layout; with
+#                   `singleton_local_shards` as two tensors, KEY_w (gate) and KEY_v (up), joined here;
+#   MoE experts     SequentialMLP and TEGroupedMLP both save mlp.experts.experts.linear_fc{1,2}.weight with an expert
+#                   axis [E, ...] after the layer axis (experts.experts.{e}.linear_fc... with singleton_local_shards).
+MEGATRON_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                          "common_backend_version": 1}
+_STACKED = re.compile(r"^(.*\.layers)\.(?!\d+\.)(.+)$")  # a layer-stacked key: .layers. not followed by an index
+_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|bias)(?:_[wv])?)$")  # [E, ...]
+_ONE_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\..+)$")  # singleton_local_shards
+
+
+class MegatronDistError(ValueError):
+    """A Megatron distributed checkpoint this converter cannot read or write; the message names the key or setting."""
+
+
+def _dist_reader(ckpt_dir: Path):
+    """A torch.distributed.checkpoint reader of a torch_dist checkpoint directory (its metadata.json checked) that
+    unpickles `.metadata` without Megatron-core: Megatron's MCoreMetadata and MCoreSavePlan (torch's Metadata and
+    SavePlan plus `mcore_data`) are read as such dataclasses here; a class outside torch, collections and pathlib is
+    refused by name."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    meta = ckpt_dir / "metadata.json"
+    if not meta.is_file():
+        raise MegatronDistError(f"{ckpt_dir}: no metadata.json (not a Megatron-core distributed checkpoint)")
+    backend = json.loads(meta.read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise MegatronDistError(f"{meta}: sharded_backend={backend!r}; only 'torch_dist' is read here")
+
+    @dataclasses.dataclass
+    class MCoreMetadata(Metadata):
+        mcore_data: dict | None = None
+
+    @dataclasses.dataclass(frozen=True)
+    class MCoreSavePlan(SavePlan):  # (the metadata keeps every rank's save plan)
+        mcore_data: dict | None = None
+
+    megatron = {"MCoreMetadata": MCoreMetadata, "MCoreSavePlan": MCoreSavePlan}
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module == "megatron.core.dist_checkpointing.strategies.torch" and name in megatron:
+                return megatron[name]
+            if module.split(".")[0] in ("torch", "collections", "pathlib"):  # (DCP's own metadata)
+                return super().find_class(module, name)
+            raise MegatronDistError(f"{ckpt_dir / '.metadata'}: refusing to unpickle {module}.{name}")
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(ckpt_dir / ".metadata", "rb") as f:
+                md = Unpickler(f).load()
+            md.storage_meta = md.storage_meta or StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return Reader(str(ckpt_dir))
+
+
+def megatron_dist_state(ckpt_dir) -> dict:
+    """A Megatron-core torch_dist checkpoint directory -> {Megatron state_dict name: full tensor}, the dict
+    `megatron_state` maps to ours (Megatron-core itself is not needed: torch.distributed.checkpoint reads the files).
+    Layer-stacked tensors are split into decoder.layers.{i}.X, expert-stacked ones into
+    mlp.experts.local_experts.{e}.linear_fc{1,2}.weight, KEY_w / KEY_v pairs joined into [gate; up] (see above).
+    Not read: objects (Transformer Engine's _extra_state, RNG states: bytes, no weights) and the optimizer's state
+    (keys "optimizer.*"). A key this does not know passes through under its own name (the caller, which knows the
+    model, refuses it by name)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ckpt_dir = Path(ckpt_dir)
+    reader = _dist_reader(ckpt_dir)
+    md = reader.read_metadata()
+    for key, info in (getattr(md, "mcore_data", None) or {}).items():
+        if "nd_reformulated_orig_global_shape" in info and not key.startswith("optimizer."):
+            raise MegatronDistError(f"{ckpt_dir}: {key} is saved flattened (nd_reformulated); not read here")
+    stored = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+              if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
+    if not stored:
+        raise MegatronDistError(f"{ckpt_dir}: holds no model tensors")
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is intended
+        warnings.simplefilter("ignore")
+        dcp.load(stored, storage_reader=reader, no_dist=True)
+
+    def split(name, t):  # (name, tensor) pairs with the layer axis, then the expert axis, made indices of the name
+        if (m := _STACKED.match(name)) is not None:
+            return [pair for i, row in enumerate(t.unbind(0)) for pair in split(f"{m[1]}.{i}.{m[2]}", row)]
+        if (m := _EXPERTS.match(name)) is not None:
+            return [(f"{m[1]}.local_experts.{e}.{m[2]}", row) for e, row in enumerate(t.unbind(0))]
+        if (m := _ONE_EXPERT.match(name)) is not None:
+            return [(f"{m[1]}.local_experts.{m[2]}.{m[3]}", t)]
+        return [(name, t)]
+
+    out = {}
+    for key, t in stored.items():
+        out.update((name, row.clone()) for name, row in split(key, t))
+    for name in [k for k in out if k.endswith("_w")]:  # singleton_local_shards' SwiGLU halves: [gate; up]
+        up = name[:-2] + "_v"
+        if up not in out:
+            raise MegatronDistError(f"{ckpt_dir}: {name} (SwiGLU gate) has no {up} (up)")
+        out[name[:-2]] = torch.cat([out.pop(name), out.pop(up)])
+    return out
+
+
+def megatron_dist_full(ckpt_dir, model) -> dict:
+    """The full state dict (our names) for `model` from a torch_dist checkpoint: megatron_dist_state, then
+    megatron_state for model.config; every name and shape must be the model's, or MegatronDistError names the first
+    key that is missing, left over, or of another shape."""
+    full = megatron_state(megatron_dist_state(ckpt_dir), model.config)
+    want = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    for name in sorted(set(want) - set(full)):
+        raise MegatronDistError(f"{ckpt_dir} lacks {name} (a tensor of the model these flags make)")
+    for name in sorted(set(full) - set(want)):
+        raise MegatronDistError(f"{ckpt_dir}: {name} is not a tensor of the model these flags make")
+    for name, t in sorted(full.items()):
+        if t.shape != want[name].shape:
+            raise MegatronDistError(f"{ckpt_dir}: {name} has shape {list(t.shape)}, the model these flags make has "
+                                    f"{list(want[name].shape)}")
+    return full
+
+
+def to_megatron_dist(full: dict, c, out_dir, padded_vocab_size: int | None = None) -> Path:
+    """The inverse of megatron_dist_state: our full state dict (one process) of config `c` written as a torch_dist
+    checkpoint that Megatron-core's `dist_checkpointing.load(model.sharded_state_dict(), out_dir)` loads into a
+    GPTModel of the same architecture (local spec; tests/test_megatron_dist.py). Our names are Megatron's, so this is
+    the sharded-key layout above: layers stacked unless moe_layer_freq makes them differ (Megatron's rule), norms and
+    experts under their sharded keys, SwiGLU fc1 whole ([gate; up]), an empty `_extra_state` object for each linear
+    layer (Megatron's local spec asks for them), metadata.json and an empty common.pt. `padded_vocab_size`: Megatron's
+    vocabulary rows (its padding depends on TP: a multiple of make_vocab_size_divisible_by·tp); default ours.
+    Refused by name: multi-latent attention and multi-token prediction (their sharded keys are not mapped here)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    for field in ("multi_latent_attention", "mtp_num_layers"):
+        if getattr(c, field, None):
+            raise MegatronDistError(f"export-megatron: {field}={getattr(c, field)!r} is not mapped to Megatron's "
+                                    "sharded keys here")
+    out_dir = Path(out_dir)
+    rows = padded_vocab_size or c.padded_vocab_size
+    if rows < c.vocab_size:
+        raise MegatronDistError(f"padded_vocab_size={rows} is smaller than vocab_size={c.vocab_size}")
+    freq, L = c.moe_layer_freq, c.num_layers
+    stacked = not (isinstance(freq, list) or freq > 1)  # TransformerBlock.sharded_state_dict's homogeneous layers
+    norms = {".input_layernorm.": ".self_attention.linear_qkv.layer_norm_",
+             ".pre_mlp_layernorm.": ".mlp.linear_fc1.layer_norm_"}
+    experts, state = {}, {}  # {sharded key: {expert: tensor}}, {sharded key: tensor or object}
+    for name, t in full.items():
+        t = t.detach()
+        if name.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias")):  # rows cut or
+            t = F.pad(t[:rows], (0, 0) * (t.ndim - 1) + (0, max(0, rows - t.shape[0])))  # zero-padded to Megatron's
+        for ours, theirs in norms.items():
+            name = name.replace(ours, theirs)
+        if (m := re.match(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$", name)) is not None:
+            experts.setdefault(f"{m[1]}.experts.{m[2]}.weight", {})[int(m[3])] = t
+            continue
+        state[name] = t
+    for key, by_expert in experts.items():  # [E, ...] in expert order
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise MegatronDistError(f"{key}: experts {sorted(by_expert)} are not 0..E-1")
+        state[key] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    for name in [k for k in state if re.match(r"^.*\.layers\.\d+\..*linear_\w+\.weight$", k)]:
+        m = re.match(r"^(.*\.layers)\.(\d+)\.(.+)\.weight$", name)  # each linear layer's _extra_state object, per
+        n_experts = state[name].shape[0] if ".experts.experts." in name else None  # expert too, at its offsets
+        for e in range(n_experts or 1):
+            inner_off, inner_shape = ([e], [n_experts]) if n_experts else ([], [])
+            key, off, shape = ((f"{m[1]}.{m[3]}", [int(m[2])] + inner_off, [L] + inner_shape) if stacked else
+                               (f"{m[1]}.{m[2]}.{m[3]}", inner_off or [0], inner_shape or [1]))
+            state[f"{key}._extra_state/shard_{'.'.join(map(str, off))}_{'.'.join(map(str, shape))}"] = [None]
+    if stacked:  # row i of decoder.layers.X is layer i's X
+        per_layer = {}
+        for name in [k for k in state if isinstance(state[k], torch.Tensor) and re.match(r"^.*\.layers\.\d+\.", k)]:
+            m = re.match(r"^(.*\.layers)\.(\d+)\.(.+)$", name)
+            per_layer.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = state.pop(name)
+        for key, by_layer in per_layer.items():
+            if sorted(by_layer) != list(range(L)):
+                raise MegatronDistError(f"{key}: layers {sorted(by_layer)} are not 0..{L - 1} (num_layers={L})")
+            state[key] = torch.stack([by_layer[i] for i in range(L)])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # (not flattened: an object is saved whole, torch.save([None]), as Megatron
+        warnings.simplefilter("ignore")  # saves a ShardedObject's list of data)
+        dcp.save(state, checkpoint_id=str(out_dir), planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    torch.save({}, out_dir / "common.pt")
+    (out_dir / "metadata.json").write_text(json.dumps(MEGATRON_DIST_METADATA))
+    return out_dir
 
 
 # ---------------------------------------------------------------------------------------------- export: ours -> Hugging Face

@@ -1,5 +1,5 @@
-"""tools.py — what you do with a saved run: sample from it, merge its LoRA adapters, export it to Hugging Face, score
-text with a reward model.
+"""tools.py — what you do with a saved run: sample from it, merge its LoRA adapters, export it to Hugging Face or to
+Megatron-core, score text with a reward model; and a Megatron-core checkpoint made a run.
 
 Mirrors Megatron-LM's tools/ (tools/run_text_generation_server.py's generation, tools/checkpoint/ conversion). A
 file of its own so that train.py is only the training loop. Each command loads the run in one process
@@ -10,6 +10,9 @@ file of its own so that train.py is only the training loop. Each command loads t
     python tools.py merge --load runs/gpt-lora --save runs/gpt-merged    # a LoRA run's adapters merged into its base
     python tools.py export --load runs/gpt --hf-out runs/gpt-hf          # a Hugging Face model directory
     python tools.py score --load runs/gpt-rm --data-path answers.jsonl   # a reward model's score of each record
+    python tools.py export-megatron --load runs/gpt --save runs/gpt-mcore   # a Megatron-core torch_dist checkpoint
+    python tools.py import-megatron --load runs/gpt-mcore --save runs/gpt-from-mcore --model gpt \
+        --tokenizer-file runs/gpt/tokenizer.json    # a Megatron-core checkpoint as a run (architecture flags: see below)
 
 sample --chat: --prompt is one user turn of the chat template the SFT task trains on (posttrain.py section 1), then
 the assistant's header, `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized piece by piece as SFT's samples are; the
@@ -23,6 +26,17 @@ tokenizer folder with a chat template of its own (--tokenizer-type HuggingFaceTo
 the --chat prompt is its render with add_generation_prompt, encoded whole as transformers' apply_chat_template
 encodes it, the answer ends at the template's end-of-turn token (data.chat_stop_ids), and export writes it back
 (tests/test_chat_templates.py).
+
+export-megatron / import-megatron: Megatron-core's own distributed checkpoints (dist_checkpointing's torch_dist
+format: metadata.json, common.pt, .metadata, *.distcp), read and written with torch.distributed.checkpoint alone
+(convert.megatron_dist_state / to_megatron_dist: the layer-stacked tensors, the fused-norm names, the SwiGLU halves
+and the expert stacks). export-megatron writes what `dist_checkpointing.load(gpt_model.sharded_state_dict(), DIR)`
+loads into a Megatron-core GPTModel of the same architecture (--padded-vocab-size: Megatron's embedding rows, which
+depend on its TP). import-megatron writes a weights-only run (iteration 0, as merge does) that train.py starts from
+(`--pretrained-checkpoint RUN` or --finetune); such a checkpoint holds no architecture, so the flags after --save are
+train.py's model flags (--model, --num-layers, --hidden-size, --swiglu, ...: those of the Megatron model; a flag left
+out takes train.py's default, as above, where they are runs/gpt's) and --tokenizer-file the tokenizer (default: the
+run's, trained on the corpus). A tensor that is missing, left over or of another shape is refused by name.
 
 Bad input ends with one line `tools.py: error: ...`.
 """
@@ -41,7 +55,7 @@ import data
 import hf
 import lora
 import posttrain
-from arguments import ArgumentParser, Args, ConfigError, flags_of, model_config, parse_args
+from arguments import ArgumentParser, Args, ConfigError, check_args, flags_of, model_config, parse_args
 
 
 def refuse_reward_model(run, load):
@@ -146,6 +160,26 @@ def import_hf(path, save_dir, dtype=torch.float32):
     return out
 
 
+def import_megatron(a, model_flags):
+    """A Megatron-core torch_dist checkpoint as a weights-only run at iteration 0 (as merge writes one): the model and
+    tokenizer of the flags given (train.py's model flags), filled with the checkpoint's tensors, every name and shape
+    checked (convert.megatron_dist_full)."""
+    checkpoint.refuse_run_in(a.save, "import")
+    args = check_args(parse_args(model_flags), world=1)
+    model, tok, settings = checkpoint.model_from_flags(args)
+    model.load_state_dict(convert.megatron_dist_full(a.load, model), strict=False)  # (cast to the model's dtype)
+    return checkpoint.save_weights(model, tok, a.save, {**settings, "save": a.save})
+
+
+def export_megatron(a):
+    """The run (a LoRA run: merged) as a Megatron-core torch_dist checkpoint (convert.to_megatron_dist)."""
+    if Path(a.save).is_dir() and any(Path(a.save).iterdir()):
+        raise ConfigError(f"--save {a.save} is not empty: export into an empty directory")
+    run = checkpoint.load_model(a.load)
+    refuse_reward_model(run, a.load)
+    return convert.to_megatron_dist(run.model.state_dict(), run.model.config, a.save, a.padded_vocab_size)
+
+
 def score(a):
     """A reward model's (--task rm) reward of each record of an SFT file ({"prompt", "response"} or {"messages"}), one
     per line, in file order. One process, the whole model."""
@@ -192,19 +226,34 @@ def parse(argv):
     i.add_argument("--save", required=True, help="an empty directory for the checkpoint")
     i.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="of the imported weights")
     i.set_defaults(run=lambda a: import_hf(a.hf, a.save, getattr(torch, a.dtype)))
+    g = sub.add_parser("import-megatron", help="a Megatron-core torch_dist checkpoint as a run (weights only); "
+                       "the model's flags (train.py's: --model, --num-layers, ...) follow")
+    g.add_argument("--load", required=True, help="the Megatron-core checkpoint directory (metadata.json, .metadata)")
+    g.add_argument("--save", required=True, help="an empty directory for the run")
+    g.set_defaults(run=import_megatron)
+    x = sub.add_parser("export-megatron", help="a run as a Megatron-core torch_dist checkpoint")
+    x.add_argument("--load", required=True, help="the run directory")
+    x.add_argument("--save", required=True, help="an empty directory for the Megatron-core checkpoint")
+    x.add_argument("--padded-vocab-size", type=int, default=None, help="Megatron's embedding rows (default: the "
+                   "run's padded vocabulary; Megatron pads to make_vocab_size_divisible_by x TP)")
+    x.set_defaults(run=export_megatron)
     c = sub.add_parser("score", help="a reward model's (--task rm) score of each record of a JSON-lines file")
     c.add_argument("--load", required=True, help="the reward model's run")
     c.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
     c.set_defaults(run=score)
-    return p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)
+    if a.command != "import-megatron" and rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    return a, rest
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        a = parse(argv)
-        return a.run(a)
-    except (ConfigError, data.DataError, convert.ExportError, lora.LoRAError) as e:  # (hf.ExportError: a ConfigError)
+        a, model_flags = parse(argv)
+        return a.run(a, model_flags) if a.command == "import-megatron" else a.run(a)
+    except (ConfigError, data.DataError, convert.ExportError, convert.MegatronDistError,
+            lora.LoRAError) as e:  # (hf.ExportError: a ConfigError)
         print(f"tools.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

@@ -8,7 +8,8 @@ What "at a tiny size" changes, and nothing else:
     model's own small shape), short sequences, one evaluation batch. A pretraining run whose command names no
     --data-path reads SMALL_CORPUS (40 small Python files) instead of the default corpus (the stdlib: ~25 s to
     tokenize); a post-training task keeps its example records.
-  - tools.py sample: at most 4 new tokens; data.py preprocess: SMALL_CORPUS when the command names no --input.
+  - tools.py sample: at most 4 new tokens; tools.py import-megatron: the model's tiny shape appended (its flags are
+    train.py's model flags); data.py preprocess: SMALL_CORPUS when the command names no --input.
   - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
     starts processes of its own (ranks, or one per row), tens of seconds even at that size, so `make test` parses
     its documented arguments with the script's own parser, and COMMANDS=all runs it too
@@ -178,9 +179,11 @@ def run_python(words: list[str], work: Path):
     if script == "tools.py":
         if argv[:1] == ["sample"]:
             argv = argv + ["--max-new-tokens", "4"]
-        for flag in ("--save", "--hf-out"):  # merge and export write into an empty directory
-            if argv[:1] in (["merge"], ["export"]) and flag in argv:
+        for flag in ("--save", "--hf-out"):  # merge, export and the Megatron commands write into an empty directory
+            if argv[:1] in (["merge"], ["export"], ["export-megatron"], ["import-megatron"]) and flag in argv:
                 shutil.rmtree(work / argv[argv.index(flag) + 1], ignore_errors=True)
+        if argv[:1] == ["import-megatron"]:  # its model flags: the tiny runs' shape (as train.py's are)
+            argv = argv + TINY[argv[argv.index("--model") + 1] if "--model" in argv else "gpt"]
         with inside(work):
             tools.main(argv)
         return
@@ -315,7 +318,8 @@ def test_pytest_commands_name_tests_that_exist():
 
 
 ENTRY_POINTS = [["train.py"], ["train.py", "--model", "mamba"], ["tools.py"], *[["tools.py", c] for c in
-                ("sample", "merge", "export", "score")], ["data.py"], ["data.py", "preprocess"]]
+                ("sample", "merge", "export", "score", "import-megatron", "export-megatron")], ["data.py"],
+                ["data.py", "preprocess"]]
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=" ".join)

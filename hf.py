@@ -1,9 +1,9 @@
 """hf.py — Hugging Face model folders in and out: a local folder (config.json, *.safetensors, tokenizer files) becomes
 a checkpoint of ours that any run starts from, and a run goes back out as a folder `transformers` loads and serves.
 
-    python tools.py import-hf --hf DIR --save runs/base        # DIR: a local Hugging Face folder (nothing is downloaded)
-    python train.py --pretrained-checkpoint runs/base --task sft --save runs/sft ...   # any task, layout, LoRA
-    python tools.py export --load runs/sft --hf-out runs/sft-hf     # config.json, safetensors, the folder's tokenizer
+    tools.py import-hf --hf DIR --save RUN     DIR: a local Hugging Face folder (nothing is downloaded)
+    train.py --pretrained-checkpoint RUN ...   any task (pretraining, --task sft/dpo/kto/rm), layout, LoRA
+    tools.py export --load RUN2 --hf-out OUT   config.json, safetensors in the folder's layout, its tokenizer files
 
 This is Megatron-Bridge's flow (AutoBridge.import_ckpt, then training from the Megatron checkpoint, then export) and
 ms-swift's (`swift export --to_mcore`, `megatron sft --load`, `--to_hf`). A file of its own because it joins four

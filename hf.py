@@ -149,6 +149,13 @@ def file_state(folder: Folder, kind: str = "real") -> Lazy:
                 .view(folder.tensors[k][2]))
 
 
+def live_name(layout: dict, stored_name: str) -> str:
+    """A stored tensor's name in the live model (the layout's renames)."""
+    for pattern, to in layout.get("renames", ()):
+        stored_name = re.sub(pattern, to, stored_name)
+    return stored_name
+
+
 def memory_state(layout: dict, stored: Mapping) -> Lazy:
     """The stored state dict in `transformers`' in-memory layout, by the rules a model file declares for its
     model_type (contract.ModelFile.HF_LAYOUTS, transformers' conversion_mapping): "renames" [(regex, replacement)]
@@ -157,11 +164,7 @@ def memory_state(layout: dict, stored: Mapping) -> Lazy:
     experts.{j}.{gate,up}.weight [f, h] -> experts.gate_up_proj [E, 2f, h] ([gate_j; up_j] per expert), and
     experts.{j}.{down}.weight [h, f] -> experts.down_proj [E, h, f]. Lazy: a stacked tensor reads its experts on
     access."""
-    def rename(k):
-        for pattern, to in layout.get("renames", ()):
-            k = re.sub(pattern, to, k)
-        return k
-    names = {rename(k): k for k in stored}
+    names = {live_name(layout, k): k for k in stored}
     if "experts" not in layout:
         return Lazy(names, lambda k: stored[names[k]])
     gate, up, down = layout["experts"]
@@ -294,7 +297,7 @@ def export_state(arch: dict, full: dict, dtype=None) -> tuple[dict, list]:
     the module docstring): each element of ours goes back to the element of the folder it came from. `dtype`: of the
     tensors written (None: each tensor's dtype in the folder)."""
     folder = _folder_of(arch)
-    _, _, traced = convert(arch["config"], file_state(folder, "ids"), torch.float32)
+    traced = import_trace(arch).ids
     total = 1 + sum(math.prod(s) for _, _, s in folder.tensors.values())
     flat = torch.zeros(total, dtype=torch.float64)
     filled = torch.zeros(total, dtype=torch.bool)
@@ -342,3 +345,88 @@ def export_folder(arch: dict, full: dict, tok, out_dir, dtype=None):
     for name, text in arch.get("files", {}).items():
         (out / name).write_text(text)
     return out, left
+
+
+# ---------------------------------------------------------------------------------------------- LoRA adapters -> PEFT
+class Trace(NamedTuple):
+    """Where each element of our state dict lives in a Hugging Face layout: `tensors` {HF name: shape} in id order
+    (ids of tensor k: starts[k] .. starts[k] + numel - 1), `ids` {our name: int64 tensor of HF element ids, 0 = none}."""
+    tensors: dict
+    ids: dict
+
+
+def import_trace(arch: dict) -> Trace:
+    """The trace of a recorded architecture (an imported model): the converter run on the folder's element numbers."""
+    folder = _folder_of(arch)
+    _, _, traced = convert(arch["config"], file_state(folder, "ids"), torch.float32)
+    return Trace({k: s for k, (_, _, s) in folder.tensors.items()}, traced)
+
+
+def export_trace(to_hf, c, full: dict) -> Trace:
+    """The trace of a model file's exporter (to_hf(config, our state) -> (config.json, HF state)), which moves
+    elements only: run it on our elements' numbers and invert."""
+    ours, n = {}, 1
+    for k, v in full.items():
+        ours[k], n = torch.arange(n, n + v.numel()).view(v.shape), n + v.numel()
+    _, theirs = to_hf(c, ours)
+    where = torch.zeros(n, dtype=torch.int64)  # our element id -> its HF element id
+    m = 1
+    for v in theirs.values():
+        where[v.flatten()] = torch.arange(m, m + v.numel())
+        m += v.numel()
+    return Trace({k: tuple(v.shape) for k, v in theirs.items()}, {k: where[v] for k, v in ours.items()})
+
+
+def peft_state(trace: Trace, adapters: dict, rename=lambda k: k) -> tuple[dict, dict]:
+    """LoRA adapters {our weight name: (A [r, i], B [o, r])} on fused linears -> PEFT's ({key: tensor}, config
+    fields) on the Hugging Face modules those weights came from (trace). Exact, not approximated: W + c·B·A moves
+    row by row, so a Hugging Face module fed by rows of ours gets the same A and those rows of B (q/k/v_proj from
+    linear_qkv, gate/up_proj from linear_fc1); GPT-2's Conv1D, stored [in, out], gets them as columns
+    (fan_in_fan_out). A weight whose rows do not each land whole on one row (or column) of one tensor, in order,
+    is refused by name. `rename`: a stored name -> the live model's (the layout's renames)."""
+    names, shapes = list(trace.tensors), list(trace.tensors.values())
+    starts = torch.tensor([0] + [math.prod(s) for s in shapes]).cumsum(0)[:-1] + 1
+    out, fan_in_fan_out, targets = {}, set(), set()
+    for ours, (A, B) in adapters.items():
+        ids = trace.ids[ours]
+        which = torch.searchsorted(starts, ids, right=True) - 1  # [o, i] the HF tensor of each element
+        local = ids - starts[which]
+        if (ids == 0).any() or (which != which[:, :1]).any():
+            raise ExportError(f"export: the adapter on {ours}: a row of it spreads over several Hugging Face tensors")
+        cols = torch.tensor([shapes[t][-1] for t in which[:, 0].tolist()])[:, None]
+        p, q = local // cols, local % cols  # [o, i] row and column in the HF tensor
+        i = torch.arange(ids.shape[1])
+        if (p == p[:, :1]).all() and (q == i).all():
+            rows, transposed = p[:, 0], False  # nn.Linear [out, in]: our row j is its row p_j
+        elif (q == q[:, :1]).all() and (p == i).all():
+            rows, transposed = q[:, 0], True  # Conv1D [in, out]: our row j is its column q_j
+        else:
+            raise ExportError(f"export: the adapter on {ours}: its rows are not rows of one Hugging Face tensor")
+        for t in which[:, 0].unique().tolist():
+            module = rename(names[t]).removesuffix(".weight")
+            mine = which[:, 0] == t
+            b = torch.zeros(shapes[t][1 if transposed else 0], B.shape[1], dtype=B.dtype)
+            b[rows[mine]] = B.detach()[mine]
+            out[f"base_model.model.{module}.lora_A.weight"] = A.detach().clone()
+            out[f"base_model.model.{module}.lora_B.weight"] = b
+            targets.add(module.rsplit(".", 1)[-1])
+            fan_in_fan_out.add(transposed)
+    if len(fan_in_fan_out) > 1:
+        raise ExportError("export: the adapters sit on both nn.Linear and Conv1D modules: PEFT has one fan_in_fan_out")
+    return out, {"target_modules": sorted(targets), "fan_in_fan_out": fan_in_fan_out == {True}}
+
+
+def save_peft(out_dir, state: dict, fields: dict, rank: int, alpha: float, dropout: float, base: str = ""):
+    """A PEFT adapter folder: adapter_config.json and adapter_model.safetensors, which
+    peft.PeftModel.from_pretrained(base_model, out_dir) loads (scale lora_alpha / r, as ours)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+              "bias": "none", "use_rslora": False, "inference_mode": True, "base_model_name_or_path": base,
+              "modules_to_save": None, **fields}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    return out

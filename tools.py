@@ -115,6 +115,12 @@ def export(a):
     (posttrain.chat_template_jinja, or the run's tokenizer folder's own template), generation_config.json; eos is our
     end-of-document token (convert.save_hf). A
     setting Hugging Face's class cannot express is refused by name."""
+    if a.hf_out is None and a.peft_out is None:
+        raise ConfigError("export: pass --hf-out DIR (the model), --peft-out DIR (a LoRA run's adapters), or both")
+    if a.peft_out is not None:
+        export_peft(a)
+    if a.hf_out is None:
+        return a.peft_out
     run = checkpoint.load_model(a.load)
     refuse_reward_model(run, a.load)
     if run.args.hf_architecture:  # imported from a Hugging Face folder: that folder's layout again (hf.py)
@@ -180,6 +186,30 @@ def export_megatron(a):
     return convert.to_megatron_dist(run.model.state_dict(), run.model.config, a.save, a.padded_vocab_size)
 
 
+def export_peft(a):
+    """A LoRA run's adapters as a PEFT folder (hf.peft_state: exact, row by row) for the Hugging Face model its base
+    exports to: an imported model's own folder (`tools.py export --load BASE --hf-out DIR`), or what the model file's
+    exporter writes; `peft.PeftModel.from_pretrained(that model, --peft-out)` computes our adapted model's logits."""
+    run = checkpoint.load_model(a.load, merge=False)
+    if "lora_base" not in run.ckpt.meta:
+        raise ConfigError(f"--peft-out: --load {a.load} is not a LoRA run (no adapters)")
+    adapters = {f"{n}.weight": (m.lora.A, m.lora.B) for n, m in run.model.named_modules()
+                if isinstance(getattr(m, "lora", None), lora.LoRA)}
+    arch = run.args.hf_architecture
+    if arch:
+        trace = hf.import_trace(arch)
+        layout = run.model_file.HF_LAYOUTS.get(arch["config"].get("model_type"), {})
+        rename = lambda k: hf.live_name(layout, k)  # noqa: E731
+    elif run.model_file.to_hf is not None:
+        base = {k: v for k, v in run.model.state_dict().items() if ".lora." not in k}
+        trace, rename = hf.export_trace(run.model_file.to_hf, run.model.config, base), lambda k: k
+    else:
+        raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here")
+    state, fields = hf.peft_state(trace, adapters, rename)
+    rank = run.args.lora_rank
+    return hf.save_peft(a.peft_out, state, fields, rank, run.args.lora_alpha or rank, run.args.lora_dropout)
+
+
 def score(a):
     """A reward model's (--task rm) reward of each record of an SFT file ({"prompt", "response"} or {"messages"}), one
     per line, in file order. One process, the whole model."""
@@ -217,7 +247,9 @@ def parse(argv):
     m.set_defaults(run=merge)
     e = sub.add_parser("export", help="a Hugging Face model directory (weights, tokenizer, chat template)")
     e.add_argument("--load", required=True)
-    e.add_argument("--hf-out", required=True, help="the directory to write")
+    e.add_argument("--hf-out", default=None, help="the directory to write the model to")
+    e.add_argument("--peft-out", default=None, help="a LoRA run: the directory to write its adapters to, as a PEFT "
+                   "folder for the exported base model")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="of the written weights (default: an imported model's dtype in its folder, else the run's)")
     e.set_defaults(run=export)

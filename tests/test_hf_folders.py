@@ -185,3 +185,58 @@ def test_a_flag_against_the_folders_architecture_is_refused(tmp_path):
     import train
     with pytest.raises(hf.ConfigError, match="--num-layers 3: the model's architecture comes from"):
         train.setup(train.parse(run_argv(tmp_path / "base", tmp_path / "x", "--num-layers", "3")))
+
+
+# ---------------------------------------------------------------------------------------------- LoRA adapters as PEFT folders
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lora_adapters_export_as_a_peft_folder(family, tmp_path):
+    """A LoRA run at TP 2 on an imported folder: its adapters as a PEFT folder on the base's export give, in peft,
+    our merged model's logits (float32: atol 1e-5); GPT-2's Conv1D takes them as columns (fan_in_fan_out). Negative
+    control: B's rows for k_proj / c_attn taken in our fused order fail that comparison."""
+    import peft
+    live = (hf_llama(groups=2) if family == "llama" else hf_gpt2()).float().eval()
+    live.save_pretrained(tmp_path / "src")
+    tiny_tokenizer_folder(tmp_path / "src", live)
+    tools.import_hf(tmp_path / "src", tmp_path / "base")
+    harness.launch(2, run_argv(tmp_path / "base", tmp_path / "lora", "--lora-rank", "4", "--lora-alpha", "8",
+                               "--lr", "5e-2", "--tensor-model-parallel-size", "2", "--sequence-parallel"))
+    tools.main(["export", "--load", str(tmp_path / "base"), "--hf-out", str(tmp_path / "base-hf")])
+    tools.main(["export", "--load", str(tmp_path / "lora"), "--peft-out", str(tmp_path / "adapter")])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["fan_in_fan_out"] == (family == "gpt2")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf").float().eval()
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = checkpoint.load_model(tmp_path / "lora").model.eval()
+    ids = torch.randint(0, live.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = merged(ids)[..., :live.config.vocab_size]
+        torch.testing.assert_close(adapted(input_ids=ids).logits, want, rtol=0, atol=1e-5)
+        with adapted.disable_adapter():  # (peft wraps `base` in place)
+            assert (adapted(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapters trained: they matter
+    from safetensors.torch import load_file, save_file
+    state = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    key = next(k for k in state if ("k_proj" in k or "c_attn" in k) and k.endswith("lora_B.weight"))
+    state[key] = state[key].flip(0)
+    save_file(state, tmp_path / "adapter" / "adapter_model.safetensors")
+    wrong = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf")
+                                           .float().eval(), tmp_path / "adapter").eval()
+    with torch.no_grad(), pytest.raises(AssertionError):
+        torch.testing.assert_close(wrong(input_ids=ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_the_export_trace_and_the_import_trace_agree(tmp_path):
+    """A model trained here exports through its model file's exporter (convert.gpt_to_hf); its trace (export_trace)
+    puts every element where the import's trace of the exported folder finds it — one correspondence, two ways."""
+    import gpt
+    folder = saved(hf_llama(groups=2), tmp_path / "f")
+    mf, c, full = hf.convert(folder.config, hf.file_state(folder), torch.float64)
+    a, b = hf.import_trace(hf.arch_of(folder)), hf.export_trace(gpt.to_hf, c, full)
+    assert list(a.tensors) != [] and set(a.tensors) == set(b.tensors)
+    # the same HF element: map each trace's flat ids to (name, position)
+    def where(t):
+        names, sizes = list(t.tensors), [math.prod(s) for s in t.tensors.values()]
+        starts = torch.tensor([0] + sizes).cumsum(0)
+        return {k: [(names[int(torch.searchsorted(starts, i - 1, right=True)) - 1],
+                     int(i - 1 - starts[int(torch.searchsorted(starts, i - 1, right=True)) - 1])) if i else None
+                    for i in v.flatten()[:: max(1, v.numel() // 7)].tolist()] for k, v in t.ids.items()}
+    assert where(a) == where(b)

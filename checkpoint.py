@@ -74,7 +74,8 @@ def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True, only=None):
         if isinstance(stride, (list, tuple)):  # per-segment shards (Mamba's in_proj [z_r, x_r, B_r, C_r, dt_r]):
             n = sum(stride) // t.shape[dim]  # one entry per segment, each a plain Shard (Megatron does the same)
             return {f"segment{i}": as_dtensor(seg, p, dim) for i, seg in enumerate(t.split([k // n for k in stride], dim))}
-        if stride > 1:
+        if stride > 1:  # (a replicated one too: MoE's fc1 at expert-TP 1 — its rows, dim 0, as when sharded)
+            dim = max(dim, 0)
             t, dim = t.unflatten(dim, (stride, -1)), dim + 1  # [.., stride, rows/stride, ..]
         return as_dtensor(t, p, dim)
 

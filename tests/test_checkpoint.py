@@ -180,3 +180,15 @@ def test_partial_saves_are_removed_at_start(run, corpus, cache, tmp_path, capsys
     out = capsys.readouterr().out
     assert not list(c.glob("*.tmp")) and f"removed {c / 'iter_0000003.tmp'}: a partial checkpoint" in out
     assert sorted(metrics(c)[0]) == [1, 2, 3, 4]  # resumed at 4: the log of the run it resumes is kept
+
+
+def test_a_strided_weight_saves_in_one_shape_at_every_expert_tp():
+    """SwiGLU expert fc1 ([gate; up] rows, stride 2) is saved as [2, f, h] whether its expert-TP is 1 (replicated)
+    or more (sharded: a DTensor of that global shape), so a MoE checkpoint loads at any layout. Negative control:
+    the replicated weight viewed along its last dim (the shape it had before) is not that shape."""
+    import gpt
+    c = gpt.Config(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=64,
+                   num_experts=2, moe_ffn_hidden_size=24, gated_linear_unit=True, activation="silu")
+    state = checkpoint.checkpoint_state([gpt.Model(c)], None, None)["model"]
+    assert tuple(state["decoder.layers.0.mlp.experts.linear_fc1.weight0"].shape) == (2, 24, 32)
+    assert tuple(torch.empty(48, 32).unflatten(-1, (2, -1)).shape) != (2, 24, 32)

@@ -139,14 +139,29 @@ def first_losses(run_dir):
     return [r["loss"] for r in recs if "loss" in r]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+EVERY_LAYOUT = {"tp2-sp": TP2_SP, "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
+# every other decoder family at one parallel layout each (each layout several times): the suite's budget
+ONE_LAYOUT = {"mistral": "dp2", "qwen2": "tp2-sp", "qwen3": "pp2", "mixtral": "tp2-sp", "qwen2_moe": "dp2",
+              "qwen3_moe": "pp2", "deepseek_v3": "tp2-sp"}
+
+
+def make_live(family):
+    if family == "llama":
+        return hf_llama(groups=2).float().eval()
+    if family == "gpt2":
+        return hf_gpt2().float().eval()
+    return FAMILIES[family]().float().eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", *ONE_LAYOUT])
 def test_a_run_starts_from_a_folder_at_every_layout_and_exports_back(family, tmp_path):
     """Import, then train 2 steps at TP 2 + SP, PP 2 and DP 2: the first step's loss is the Hugging Face model's mean
     next-token loss on the run's first global batch (float32 training: rtol 1e-5, a few float32 roundings of a
     summation over 128 tokens), the same at every layout; the export of the trained run loads in transformers with our
     model's logits (float32: atol 1e-5)."""
     torch.manual_seed(0)
-    live = (hf_llama(groups=2) if family == "llama" else hf_gpt2()).float().eval()
+    live = make_live(family)
     src = tmp_path / "src"
     live.save_pretrained(src)
     tiny_tokenizer_folder(src, live)
@@ -159,16 +174,16 @@ def test_a_run_starts_from_a_folder_at_every_layout_and_exports_back(family, tmp
     with torch.no_grad():
         logits = live(batch[:, :-1]).logits
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
-    layouts = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-               "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
+    layouts = EVERY_LAYOUT if family in ("llama", "gpt2") else {ONE_LAYOUT[family]: EVERY_LAYOUT[ONE_LAYOUT[family]]}
     for name, layout in layouts.items():
         harness.launch(2, run_argv(tmp_path / "base", tmp_path / name, *layout))
         got = first_losses(tmp_path / name)[0]
         assert math.isclose(got, want, rel_tol=1e-5), f"{name}: first loss {got} vs Hugging Face's {want}"
     from tools import main as tools_main
-    tools_main(["export", "--load", str(tmp_path / "tp2-sp"), "--hf-out", str(tmp_path / "out")])
+    trained = tmp_path / next(iter(layouts))
+    tools_main(["export", "--load", str(trained), "--hf-out", str(tmp_path / "out")])
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ours = checkpoint.load_model(tmp_path / "tp2-sp").model.eval()
+    ours = checkpoint.load_model(trained).model.eval()
     with torch.no_grad():
         a, b = back(batch[:, :-1]).logits, ours(batch[:, :-1])[..., :live.config.vocab_size]
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+import arguments
 import data
 import lora
 import parallel as P
-import arguments
 from arguments import Args, ConfigError, model_config, parse_args
 from contract import ModelFile, model_file
 

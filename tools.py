@@ -55,7 +55,7 @@ import data
 import hf
 import lora
 import posttrain
-from arguments import ArgumentParser, Args, ConfigError, check_args, flags_of, model_config, parse_args
+from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args
 
 
 def refuse_reward_model(run, load):

@@ -163,6 +163,33 @@ def run_train(argv, work, nproc=1):
     assert code == 0, f"train.py exited {code}"
 
 
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def tiny_hf_folder(path: Path, work: Path):
+    """A Hugging Face folder as `save_pretrained` writes one (a Qwen2 at the tiny runs' shape, SHAPE; a byte-level
+    BPE of SMALL_CORPUS with ChatML's tokens and template): what `tools.py import-hf --hf DIR` documents."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    texts = [p.read_text() for p in sorted((work / "small_corpus").iterdir())]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        eos_token_id=tok.token_to_id("<|im_end|>"))).save_pretrained(path)
+    fast.save_pretrained(path)
+
+
 def run_python(words: list[str], work: Path):
     """`python SCRIPT ARGS` (or -m, -c)."""
     if words[0] == "-m" and words[1] == "pytest":
@@ -182,6 +209,10 @@ def run_python(words: list[str], work: Path):
         for flag in ("--save", "--hf-out"):  # merge, export and the Megatron commands write into an empty directory
             if argv[:1] in (["merge"], ["export"], ["export-megatron"], ["import-megatron"]) and flag in argv:
                 shutil.rmtree(work / argv[argv.index(flag) + 1], ignore_errors=True)
+        if argv[:1] == ["import-hf"] and not (work / argv[argv.index("--hf") + 1]).exists():
+            tiny_hf_folder(work / argv[argv.index("--hf") + 1], work)  # the documented folder, at the tiny shape
+        if argv[:1] == ["import-hf"]:
+            shutil.rmtree(work / argv[argv.index("--save") + 1], ignore_errors=True)
         if argv[:1] == ["import-megatron"]:  # its model flags: the tiny runs' shape (as train.py's are)
             argv = argv + TINY[argv[argv.index("--model") + 1] if "--model" in argv else "gpt"]
         with inside(work):

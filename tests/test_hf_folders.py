@@ -13,18 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_bert import hf_bert
+from test_hf import FAMILIES as LLAMA_FAMILIES
+from test_hf import hf_family, hf_gpt2, hf_llama
+from test_llava import hf_llava
+from test_mamba import hf_mamba2
+from test_mla_mtp import hf_deepseek
+from test_t5 import hf_t5
 
 import checkpoint
 import data
 import harness
 import hf
 import tools
-from test_bert import hf_bert
-from test_hf import FAMILIES as LLAMA_FAMILIES, hf_family, hf_gpt2, hf_llama
-from test_llava import hf_llava
-from test_mamba import hf_mamba2
-from test_mla_mtp import hf_deepseek
-from test_t5 import hf_t5
 
 FAMILIES = {"gpt2": hf_gpt2, "llama": lambda: hf_llama(groups=2), "bert": hf_bert, "t5": hf_t5,
             "mamba2": lambda: hf_mamba2(2, 4), "llava": hf_llava, "deepseek_v3": hf_deepseek,
@@ -89,8 +90,11 @@ def test_export_names_a_tensor_it_cannot_trace(tmp_path):
     scaled = dict(mf.HF_CONVERTERS)
     try:
         conv = mf.HF_CONVERTERS["llama"]
-        mf.HF_CONVERTERS["llama"] = lambda h, C, d: (lambda c, f: (c, {**f, "decoder.final_layernorm.weight":
-                                                                        f["decoder.final_layernorm.weight"] * 0.5}))(*conv(h, C, d))
+
+        def halving(h, C, d):  # a converter that scales a tensor: a computed value, not a moved one
+            c, f = conv(h, C, d)
+            return c, {**f, "decoder.final_layernorm.weight": f["decoder.final_layernorm.weight"] * 0.5}
+        mf.HF_CONVERTERS["llama"] = halving
         with pytest.raises(hf.ExportError, match="computed"):
             hf.export_state(arch, full)
     finally:

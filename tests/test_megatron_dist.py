@@ -33,8 +33,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from equivalence import rel_err
-from harness import _free_port
 from test_train import SNIPPET
 
 import arguments
@@ -43,6 +41,8 @@ import convert
 import data
 import tools
 import train
+from equivalence import rel_err
+from harness import _free_port
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-10  # float64: the same weights, only the order of reductions differs (measured ~1e-15)

@@ -894,8 +894,9 @@ def flags_of(c, mf) -> dict:
     show the model's shape."""
     defaults = vars(parse_args(["--model", mf.name]))
     plain = model_config(mf, Args(**{**defaults, "vocab_size": c.vocab_size}))  # what the defaults make
+    always = {"max_position_embeddings"}  # check_args fills it from --seq-length when it is not given
     return {k: v for k, v in hf.spelled(c, defaults).items() if v != defaults[k] and k in {*ARCH_FLAGS, *mf.ARCH_FLAGS}
-            and (not hasattr(plain, k) or getattr(plain, k) != v)}
+            and (not hasattr(plain, k) or getattr(plain, k) != v or k in always)}
 
 
 def _imported_config(mf, flagged, args):

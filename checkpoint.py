@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 
 import arguments
 import data
+import hf
 import lora
 import parallel as P
 from arguments import Args, ConfigError, model_config, parse_args
@@ -366,6 +367,10 @@ def plan_start(args) -> Start:
     if args.finetune and ckpt is not None:
         ckpt, base = None, ckpt
     elif ckpt is None and args.pretrained_checkpoint:
+        if hf.is_folder(args.pretrained_checkpoint):
+            raise ConfigError(f"--pretrained-checkpoint {args.pretrained_checkpoint} is a Hugging Face folder: import it "
+                              f"once, then start from the import: python tools.py import-hf --hf "
+                              f"{args.pretrained_checkpoint} --save RUN; --pretrained-checkpoint RUN")
         base = find_checkpoint(args.pretrained_checkpoint, flag="--pretrained-checkpoint")
         if base is None:
             raise ConfigError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no checkpoint there")
@@ -443,7 +448,8 @@ def check_same_model(args, start: Start, mf: ModelFile, vocab_size: int):
 def saved_names(ckpt: Checkpoint) -> set[str]:
     """The model tensors' names a checkpoint holds (DCP's metadata: no tensor is read)."""
     meta = dcp.FileSystemReader(str(ckpt.path)).read_metadata()
-    return {k.split(".", 1)[1] for k in meta.state_dict_metadata if k.startswith("model.")}
+    # (a per-segment parameter, Mamba's in_proj / conv1d, is saved as NAME.segment0, NAME.segment1, ...)
+    return {re.sub(r"\.segment\d+$", "", k.split(".", 1)[1]) for k in meta.state_dict_metadata if k.startswith("model.")}
 
 
 def load_weights(ckpt: Checkpoint, chunks, mesh):

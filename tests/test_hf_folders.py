@@ -147,7 +147,7 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 EVERY_LAYOUT = {"tp2-sp": TP2_SP, "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
 # every other decoder family at one parallel layout each (each layout several times): the suite's budget
 ONE_LAYOUT = {"mistral": "dp2", "qwen2": "tp2-sp", "qwen3": "pp2", "mixtral": "tp2-sp", "qwen2_moe": "dp2",
-              "qwen3_moe": "pp2", "deepseek_v3": "tp2-sp"}
+              "qwen3_moe": "pp2", "deepseek_v3": "tp2-sp", "mamba2": "tp2-sp"}
 
 
 def make_live(family):
@@ -204,6 +204,8 @@ def test_a_flag_against_the_folders_architecture_is_refused(tmp_path):
     import train
     with pytest.raises(hf.ConfigError, match="--num-layers 3: the model's architecture comes from"):
         train.setup(train.parse(run_argv(tmp_path / "base", tmp_path / "x", "--num-layers", "3")))
+    with pytest.raises(hf.ConfigError, match="is a Hugging Face folder: import it once"):  # the folder itself
+        train.setup(train.parse(run_argv(tmp_path / "src", tmp_path / "y")))
 
 
 # ---------------------------------------------------------------------------------------------- LoRA adapters as PEFT folders

@@ -588,7 +588,8 @@ def main(argv=None):
         train(parse(argv))
     except (ConfigError, data.DataError, TrainingError, convert.ExportError, lora.LoRAError) as e:
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun: every rank finds the same error and rank 0 says it;
-            time.sleep(5)  # when it exits, torchrun stops this rank. Still alive: rank 0 did not fail, so this one speaks
+            # when it exits, torchrun stops this rank (which takes seconds on a loaded machine). Still alive: rank 0
+            time.sleep(15)  # did not fail, so this one speaks
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except KeyboardInterrupt:  # before the loop (or a second Ctrl-C in it): nothing more is saved

@@ -494,6 +494,11 @@ _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|
 _ONE_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\..+)$")  # singleton_local_shards
 
 
+_GPT_TENSOR = re.compile(r"^(embedding\.(word|position)_embeddings\.weight|decoder\.final_layernorm\.(weight|bias)|"
+                         r"output_layer\.(weight|bias)|decoder\.layers\.\d+\.(input_layernorm|pre_mlp_layernorm|"
+                         r"self_attention|mlp)\..+)$")  # what to_megatron_dist writes
+
+
 class MegatronDistError(ValueError):
     """A Megatron distributed checkpoint this converter cannot read or write; the message names the key or setting."""
 
@@ -545,18 +550,32 @@ def _dist_reader(ckpt_dir: Path):
     return Reader(str(ckpt_dir))
 
 
+def megatron_iteration_dir(ckpt_dir) -> Path:
+    """The torch_dist directory itself, or, for a Megatron-LM --save directory (latest_checkpointed_iteration.txt
+    beside iter_0000100/, or "release" beside release/), the checkpoint its tracker file names."""
+    ckpt_dir = Path(ckpt_dir)
+    tracker = ckpt_dir / "latest_checkpointed_iteration.txt"
+    if (ckpt_dir / "metadata.json").is_file() or not tracker.is_file():
+        return ckpt_dir
+    text = tracker.read_text().strip()
+    if text != "release" and not text.isdigit():
+        raise MegatronDistError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")
+    return ckpt_dir / ("release" if text == "release" else f"iter_{int(text):07d}")
+
+
 def megatron_dist_state(ckpt_dir) -> dict:
-    """A Megatron-core torch_dist checkpoint directory -> {Megatron state_dict name: full tensor}, the dict
-    `megatron_state` maps to ours (Megatron-core itself is not needed: torch.distributed.checkpoint reads the files).
-    Layer-stacked tensors are split into decoder.layers.{i}.X, expert-stacked ones into
-    mlp.experts.local_experts.{e}.linear_fc{1,2}.weight, KEY_w / KEY_v pairs joined into [gate; up] (see above).
+    """A Megatron-core torch_dist checkpoint directory (or a Megatron-LM run's: megatron_iteration_dir) -> {Megatron
+    state_dict name: full tensor}, the dict `megatron_state` maps to ours. Megatron-core is not needed (nor imported):
+    torch.distributed.checkpoint reads the files. Layer-stacked tensors are split into decoder.layers.{i}.X,
+    expert-stacked ones into mlp.experts.local_experts.{e}.linear_fc{1,2}.weight, KEY_w / KEY_v pairs joined into
+    [gate; up] (see above).
     Not read: objects (Transformer Engine's _extra_state, RNG states: bytes, no weights) and the optimizer's state
     (keys "optimizer.*"). A key this does not know passes through under its own name (the caller, which knows the
     model, refuses it by name)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = megatron_iteration_dir(ckpt_dir)
     reader = _dist_reader(ckpt_dir)
     md = reader.read_metadata()
     for key, info in (getattr(md, "mcore_data", None) or {}).items():
@@ -615,7 +634,9 @@ def to_megatron_dist(full: dict, c, out_dir, padded_vocab_size: int | None = Non
     experts under their sharded keys, SwiGLU fc1 whole ([gate; up]), an empty `_extra_state` object for each linear
     layer (Megatron's local spec asks for them), metadata.json and an empty common.pt. `padded_vocab_size`: Megatron's
     vocabulary rows (its padding depends on TP: a multiple of make_vocab_size_divisible_by·tp); default ours.
-    Refused by name: multi-latent attention and multi-token prediction (their sharded keys are not mapped here)."""
+    Refused by name: multi-latent attention and multi-token prediction (their sharded keys are not mapped here), and
+    any tensor outside a GPTModel's embedding, decoder layers' attention / MLP / norms, final norm and output layer
+    (another model file's: a BERT head, a Mamba mixer, cross-attention)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -623,6 +644,10 @@ def to_megatron_dist(full: dict, c, out_dir, padded_vocab_size: int | None = Non
         if getattr(c, field, None):
             raise MegatronDistError(f"export-megatron: {field}={getattr(c, field)!r} is not mapped to Megatron's "
                                     "sharded keys here")
+    for name in full:  # a GPTModel's tensors only (another model's would load nowhere in Megatron)
+        if not _GPT_TENSOR.match(name):
+            raise MegatronDistError(f"export-megatron: {name} is not a tensor of a Megatron-core GPTModel (only GPT "
+                                    "models are written here)")
     out_dir = Path(out_dir)
     rows = padded_vocab_size or c.padded_vocab_size
     if rows < c.vocab_size:

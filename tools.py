@@ -24,15 +24,16 @@ end-of-document token), generation_config.json, and the same chat template as Ji
 (tests/test_serve_export.py: the same token ids and the same greedy answer in transformers).
 
 export-megatron / import-megatron: Megatron-core's own distributed checkpoints (dist_checkpointing's torch_dist
-format: metadata.json, common.pt, .metadata, *.distcp), read and written with torch.distributed.checkpoint alone
-(convert.megatron_dist_state / to_megatron_dist: the layer-stacked tensors, the fused-norm names, the SwiGLU halves
-and the expert stacks). export-megatron writes what `dist_checkpointing.load(gpt_model.sharded_state_dict(), DIR)`
-loads into a Megatron-core GPTModel of the same architecture (--padded-vocab-size: Megatron's embedding rows, which
-depend on its TP). import-megatron writes a weights-only run (iteration 0, as merge does) that train.py starts from
-(`--pretrained-checkpoint RUN` or --finetune); such a checkpoint holds no architecture, so the flags after --save are
-train.py's model flags (--model, --num-layers, --hidden-size, --swiglu, ...: those of the Megatron model; a flag left
-out takes train.py's default, as above, where they are runs/gpt's) and --tokenizer-file the tokenizer (default: the
-run's, trained on the corpus). A tensor that is missing, left over or of another shape is refused by name.
+format: metadata.json, common.pt, .metadata, *.distcp), read and written with torch.distributed.checkpoint alone —
+Megatron-core need not be installed (convert.megatron_dist_state / to_megatron_dist: layer-stacked tensors, fused-norm
+names, SwiGLU halves, expert stacks). export-megatron writes what `dist_checkpointing.load(gpt_model.sharded_state_dict(),
+DIR)` loads into a Megatron-core GPTModel of the same architecture (--padded-vocab-size: Megatron's embedding rows,
+which depend on its TP). import-megatron --load takes such a directory or a Megatron-LM --save directory (its
+latest_checkpointed_iteration.txt) and writes a weights-only run at iteration 0, as merge does, that train.py starts
+from (`--pretrained-checkpoint RUN`, or --finetune). Such a checkpoint does not say its architecture, so the flags
+after --save are train.py's model flags (--model, --num-layers, --hidden-size, --swiglu, ...; one left out takes
+train.py's default: above, the default run's shape, which is runs/gpt's), and --tokenizer-file its tokenizer (default:
+the one train.py would train on the corpus). A tensor missing, left over or of another shape is refused by name.
 
 Bad input ends with one line `tools.py: error: ...`.
 """

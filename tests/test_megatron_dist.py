@@ -33,8 +33,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from equivalence import rel_err
-from harness import _free_port
 from test_train import SNIPPET
 
 import arguments
@@ -43,6 +41,8 @@ import convert
 import data
 import tools
 import train
+from equivalence import rel_err
+from harness import _free_port
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-10  # float64: the same weights, only the order of reductions differs (measured ~1e-15)
@@ -207,6 +207,17 @@ def test_singleton_local_shards_layout_reads_the_same(work, case):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_megatron_lm_run_directory_is_followed(work, tmp_path):
+    """A Megatron-LM --save directory: latest_checkpointed_iteration.txt names iter_0000005/, the checkpoint read."""
+    shutil.copytree(work / "dense" / "mcore", tmp_path / "iter_0000005")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    a, b = convert.megatron_dist_state(tmp_path), convert.megatron_dist_state(work / "dense" / "mcore")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6\n")  # names a checkpoint that is not there
+    with pytest.raises(convert.MegatronDistError, match="iter_0000006: no metadata.json"):
+        convert.megatron_dist_state(tmp_path)
+
+
 def test_wrong_layer_order_is_caught(work, megatron):
     """Negative control: the stacked layers un-stacked in reverse (layer 0 <-> 1) fail the logits comparison."""
     c = config64(FLAGS, work / "tokenizer.json")
@@ -272,6 +283,9 @@ def test_export_refuses_what_it_does_not_map(work, tmp_path):
         convert.to_megatron_dist({}, dataclasses.replace(c, mtp_num_layers=1), tmp_path / "out")
     with pytest.raises(convert.MegatronDistError, match="^padded_vocab_size=8 is smaller than vocab_size="):
         convert.to_megatron_dist({}, c, tmp_path / "out", padded_vocab_size=8)
+    with pytest.raises(convert.MegatronDistError, match="^export-megatron: decoder.layers.0.mixer.in_proj.weight is not"):
+        convert.to_megatron_dist({"decoder.layers.0.mixer.in_proj.weight": torch.zeros(2)}, c, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_moe_export_loads_into_megatron(work, megatron):

@@ -150,7 +150,7 @@ def work(tmp_path_factory):
     tok.save(str(d / "tokenizer.json"))
     code = (f"import sys; sys.path[:0] = [{str(HERE.parent)!r}, {str(HERE)!r}]; import test_megatron_dist as t; "
             f"t.megatron_side({str(d)!r}, {_free_port()})")
-    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return d
 

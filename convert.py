@@ -609,6 +609,56 @@ def megatron_dist_state(ckpt_dir) -> dict:
     return out
 
 
+# Megatron-LM's args that shape the model, which are train.py's flags under the same names (arguments.py mirrors them)
+_MEGATRON_LM_ARCH = ["num_layers", "hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size",
+                     "max_position_embeddings", "seq_length", "position_embedding_type", "rotary_base", "rotary_percent",
+                     "normalization", "norm_epsilon", "apply_layernorm_1p", "swiglu", "qk_layernorm",
+                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "num_experts",
+                     "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size"]
+
+
+def megatron_lm_args(ckpt_dir) -> dict:
+    """The architecture a Megatron-LM checkpoint records (common.pt's "args", its argparse.Namespace) as train.py flag
+    values {dest: value}: the names above are the same; --disable-bias-linear is `not add_bias_linear`; num_query_groups
+    counts only with group_query_attention. {} when common.pt holds no args (a bare dist_checkpointing.save).
+    common.pt is unpickled with argparse.Namespace, torch, numpy and collections types as themselves and every other
+    class (Megatron's enums, its other objects) as an inert stand-in, so that Megatron-LM need not be installed.
+    Refused by name: a setting train.py has no flag for (add_qkv_bias)."""
+    import argparse
+    import pickle
+
+    class StandIn:  # a class this reader does not need: holds what it was given, does nothing
+        def __init__(self, *args, **kwargs):
+            self.args = args
+
+        def __setstate__(self, state):
+            self.state = state
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("argparse", "Namespace") or module.split(".")[0] in ("torch", "numpy", "collections"):
+                return super().find_class(module, name)
+            return type(name, (StandIn,), {})
+
+    common = megatron_iteration_dir(ckpt_dir) / "common.pt"
+    if not common.is_file():
+        raise MegatronDistError(f"{common} is missing (not a Megatron-core distributed checkpoint)")
+    state = torch.load(common, map_location="cpu", weights_only=False,
+                       pickle_module=types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="pickle"))
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        return {}
+    a = vars(args)
+    if a.get("add_qkv_bias"):
+        raise MegatronDistError(f"{common}: Megatron-LM's add_qkv_bias=True has no train.py flag here")
+    out = {k: a[k] for k in _MEGATRON_LM_ARCH if k in a}
+    if "add_bias_linear" in a:
+        out["disable_bias_linear"] = not a["add_bias_linear"]
+    if "group_query_attention" in a:
+        out["num_query_groups"] = a.get("num_query_groups") if a["group_query_attention"] else None
+    return out
+
+
 def megatron_dist_full(ckpt_dir, model) -> dict:
     """The full state dict (our names) for `model` from a torch_dist checkpoint: megatron_dist_state, then
     megatron_state for model.config; every name and shape must be the model's, or MegatronDistError names the first

@@ -640,7 +640,9 @@ def megatron_lm_args(ckpt_dir) -> dict:
                 return super().find_class(module, name)
             return type(name, (StandIn,), {})
 
-    common = megatron_iteration_dir(ckpt_dir) / "common.pt"
+    ckpt_dir = megatron_iteration_dir(ckpt_dir)
+    _dist_reader(ckpt_dir)  # (its metadata.json checked first)
+    common = ckpt_dir / "common.pt"
     if not common.is_file():
         raise MegatronDistError(f"{common} is missing (not a Megatron-core distributed checkpoint)")
     state = torch.load(common, map_location="cpu", weights_only=False,

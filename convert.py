@@ -622,6 +622,11 @@ _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|
 _ONE_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.experts\.(\d+)\.(linear_fc[12]\..+)$")  # singleton_local_shards
 
 
+_GPT_TENSOR = re.compile(r"^(embedding\.(word|position)_embeddings\.weight|decoder\.final_layernorm\.(weight|bias)|"
+                         r"output_layer\.(weight|bias)|decoder\.layers\.\d+\.(input_layernorm|pre_mlp_layernorm|"
+                         r"self_attention|mlp)\..+)$")  # what to_megatron_dist writes
+
+
 class MegatronDistError(ValueError):
     """A Megatron distributed checkpoint this converter cannot read or write; the message names the key or setting."""
 
@@ -673,18 +678,32 @@ def _dist_reader(ckpt_dir: Path):
     return Reader(str(ckpt_dir))
 
 
+def megatron_iteration_dir(ckpt_dir) -> Path:
+    """The torch_dist directory itself, or, for a Megatron-LM --save directory (latest_checkpointed_iteration.txt
+    beside iter_0000100/, or "release" beside release/), the checkpoint its tracker file names."""
+    ckpt_dir = Path(ckpt_dir)
+    tracker = ckpt_dir / "latest_checkpointed_iteration.txt"
+    if (ckpt_dir / "metadata.json").is_file() or not tracker.is_file():
+        return ckpt_dir
+    text = tracker.read_text().strip()
+    if text != "release" and not text.isdigit():
+        raise MegatronDistError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")
+    return ckpt_dir / ("release" if text == "release" else f"iter_{int(text):07d}")
+
+
 def megatron_dist_state(ckpt_dir) -> dict:
-    """A Megatron-core torch_dist checkpoint directory -> {Megatron state_dict name: full tensor}, the dict
-    `megatron_state` maps to ours (Megatron-core itself is not needed: torch.distributed.checkpoint reads the files).
-    Layer-stacked tensors are split into decoder.layers.{i}.X, expert-stacked ones into
-    mlp.experts.local_experts.{e}.linear_fc{1,2}.weight, KEY_w / KEY_v pairs joined into [gate; up] (see above).
+    """A Megatron-core torch_dist checkpoint directory (or a Megatron-LM run's: megatron_iteration_dir) -> {Megatron
+    state_dict name: full tensor}, the dict `megatron_state` maps to ours. Megatron-core is not needed (nor imported):
+    torch.distributed.checkpoint reads the files. Layer-stacked tensors are split into decoder.layers.{i}.X,
+    expert-stacked ones into mlp.experts.local_experts.{e}.linear_fc{1,2}.weight, KEY_w / KEY_v pairs joined into
+    [gate; up] (see above).
     Not read: objects (Transformer Engine's _extra_state, RNG states: bytes, no weights) and the optimizer's state
     (keys "optimizer.*"). A key this does not know passes through under its own name (the caller, which knows the
     model, refuses it by name)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = megatron_iteration_dir(ckpt_dir)
     reader = _dist_reader(ckpt_dir)
     md = reader.read_metadata()
     for key, info in (getattr(md, "mcore_data", None) or {}).items():
@@ -718,6 +737,58 @@ def megatron_dist_state(ckpt_dir) -> dict:
     return out
 
 
+# Megatron-LM's args that shape the model, which are train.py's flags under the same names (arguments.py mirrors them)
+_MEGATRON_LM_ARCH = ["num_layers", "hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size",
+                     "max_position_embeddings", "seq_length", "position_embedding_type", "rotary_base", "rotary_percent",
+                     "normalization", "norm_epsilon", "apply_layernorm_1p", "swiglu", "qk_layernorm",
+                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "num_experts",
+                     "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size"]
+
+
+def megatron_lm_args(ckpt_dir) -> dict:
+    """The architecture a Megatron-LM checkpoint records (common.pt's "args", its argparse.Namespace) as train.py flag
+    values {dest: value}: the names above are the same; --disable-bias-linear is `not add_bias_linear`; num_query_groups
+    counts only with group_query_attention. {} when common.pt holds no args (a bare dist_checkpointing.save).
+    common.pt is unpickled with argparse.Namespace, torch, numpy and collections types as themselves and every other
+    class (Megatron's enums, its other objects) as an inert stand-in, so that Megatron-LM need not be installed.
+    Refused by name: a setting train.py has no flag for (add_qkv_bias)."""
+    import argparse
+    import pickle
+
+    class StandIn:  # a class this reader does not need: holds what it was given, does nothing
+        def __init__(self, *args, **kwargs):
+            self.args = args
+
+        def __setstate__(self, state):
+            self.state = state
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("argparse", "Namespace") or module.split(".")[0] in ("torch", "numpy", "collections"):
+                return super().find_class(module, name)
+            return type(name, (StandIn,), {})
+
+    ckpt_dir = megatron_iteration_dir(ckpt_dir)
+    _dist_reader(ckpt_dir)  # (its metadata.json checked first)
+    common = ckpt_dir / "common.pt"
+    if not common.is_file():
+        raise MegatronDistError(f"{common} is missing (not a Megatron-core distributed checkpoint)")
+    state = torch.load(common, map_location="cpu", weights_only=False,
+                       pickle_module=types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="pickle"))
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        return {}
+    a = vars(args)
+    if a.get("add_qkv_bias"):
+        raise MegatronDistError(f"{common}: Megatron-LM's add_qkv_bias=True has no train.py flag here")
+    out = {k: a[k] for k in _MEGATRON_LM_ARCH if k in a}
+    if "add_bias_linear" in a:
+        out["disable_bias_linear"] = not a["add_bias_linear"]
+    if "group_query_attention" in a:
+        out["num_query_groups"] = a.get("num_query_groups") if a["group_query_attention"] else None
+    return out
+
+
 def megatron_dist_full(ckpt_dir, model) -> dict:
     """The full state dict (our names) for `model` from a torch_dist checkpoint: megatron_dist_state, then
     megatron_state for model.config; every name and shape must be the model's, or MegatronDistError names the first
@@ -743,7 +814,9 @@ def to_megatron_dist(full: dict, c, out_dir, padded_vocab_size: int | None = Non
     experts under their sharded keys, SwiGLU fc1 whole ([gate; up]), an empty `_extra_state` object for each linear
     layer (Megatron's local spec asks for them), metadata.json and an empty common.pt. `padded_vocab_size`: Megatron's
     vocabulary rows (its padding depends on TP: a multiple of make_vocab_size_divisible_by·tp); default ours.
-    Refused by name: multi-latent attention and multi-token prediction (their sharded keys are not mapped here)."""
+    Refused by name: multi-latent attention and multi-token prediction (their sharded keys are not mapped here), and
+    any tensor outside a GPTModel's embedding, decoder layers' attention / MLP / norms, final norm and output layer
+    (another model file's: a BERT head, a Mamba mixer, cross-attention)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -751,6 +824,10 @@ def to_megatron_dist(full: dict, c, out_dir, padded_vocab_size: int | None = Non
         if getattr(c, field, None):
             raise MegatronDistError(f"export-megatron: {field}={getattr(c, field)!r} is not mapped to Megatron's "
                                     "sharded keys here")
+    for name in full:  # a GPTModel's tensors only (another model's would load nowhere in Megatron)
+        if not _GPT_TENSOR.match(name):
+            raise MegatronDistError(f"export-megatron: {name} is not a tensor of a Megatron-core GPTModel (only GPT "
+                                    "models are written here)")
     out_dir = Path(out_dir)
     rows = padded_vocab_size or c.padded_vocab_size
     if rows < c.vocab_size:

@@ -28,15 +28,18 @@ encodes it, the answer ends at the template's end-of-turn token (data.chat_stop_
 (tests/test_chat_templates.py).
 
 export-megatron / import-megatron: Megatron-core's own distributed checkpoints (dist_checkpointing's torch_dist
-format: metadata.json, common.pt, .metadata, *.distcp), read and written with torch.distributed.checkpoint alone
-(convert.megatron_dist_state / to_megatron_dist: the layer-stacked tensors, the fused-norm names, the SwiGLU halves
-and the expert stacks). export-megatron writes what `dist_checkpointing.load(gpt_model.sharded_state_dict(), DIR)`
-loads into a Megatron-core GPTModel of the same architecture (--padded-vocab-size: Megatron's embedding rows, which
-depend on its TP). import-megatron writes a weights-only run (iteration 0, as merge does) that train.py starts from
-(`--pretrained-checkpoint RUN` or --finetune); such a checkpoint holds no architecture, so the flags after --save are
-train.py's model flags (--model, --num-layers, --hidden-size, --swiglu, ...: those of the Megatron model; a flag left
-out takes train.py's default, as above, where they are runs/gpt's) and --tokenizer-file the tokenizer (default: the
-run's, trained on the corpus). A tensor that is missing, left over or of another shape is refused by name.
+format: metadata.json, common.pt, .metadata, *.distcp), read and written with torch.distributed.checkpoint alone —
+Megatron-core need not be installed (convert.megatron_dist_state / to_megatron_dist: layer-stacked tensors, fused-norm
+names, SwiGLU halves, expert stacks). export-megatron writes what `dist_checkpointing.load(gpt_model.sharded_state_dict(),
+DIR)` loads into a Megatron-core GPTModel of the same architecture (--padded-vocab-size: Megatron's embedding rows,
+which depend on its TP). import-megatron --load takes such a directory or a Megatron-LM --save directory (its
+latest_checkpointed_iteration.txt) and writes a weights-only run at iteration 0, as merge does, that train.py starts
+from (`--pretrained-checkpoint RUN`, or --finetune). The flags after --save are train.py's model flags (--model,
+--num-layers, --hidden-size, --swiglu, ...): a bare dist_checkpointing.save does not record the architecture, so one
+left out takes train.py's default (above: the default run's shape, runs/gpt's); a Megatron-LM checkpoint's common.pt
+does ("args"), and its values are then the defaults (convert.megatron_lm_args). --tokenizer-file: its tokenizer
+(default: the one train.py would train on the corpus). A tensor missing, left over or of another shape is refused by
+name.
 
 Bad input ends with one line `tools.py: error: ...`.
 """
@@ -168,10 +171,11 @@ def import_hf(path, save_dir, dtype=torch.float32):
 
 def import_megatron(a, model_flags):
     """A Megatron-core torch_dist checkpoint as a weights-only run at iteration 0 (as merge writes one): the model and
-    tokenizer of the flags given (train.py's model flags), filled with the checkpoint's tensors, every name and shape
-    checked (convert.megatron_dist_full)."""
+    tokenizer of the flags given (train.py's model flags; a Megatron-LM checkpoint's recorded args are their defaults,
+    convert.megatron_lm_args), filled with the checkpoint's tensors, every name and shape checked
+    (convert.megatron_dist_full)."""
     checkpoint.refuse_run_in(a.save, "import")
-    args = check_args(parse_args(model_flags), world=1)
+    args = check_args(parse_args(model_flags, saved=convert.megatron_lm_args(a.load)), world=1)
     model, tok, settings = checkpoint.model_from_flags(args)
     model.load_state_dict(convert.megatron_dist_full(a.load, model), strict=False)  # (cast to the model's dtype)
     return checkpoint.save_weights(model, tok, a.save, {**settings, "save": a.save})

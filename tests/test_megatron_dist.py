@@ -23,7 +23,9 @@ queue: the save runs synchronously in this process).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import enum
 import importlib.util
 import shutil
 import subprocess
@@ -150,7 +152,7 @@ def work(tmp_path_factory):
     tok.save(str(d / "tokenizer.json"))
     code = (f"import sys; sys.path[:0] = [{str(HERE.parent)!r}, {str(HERE)!r}]; import test_megatron_dist as t; "
             f"t.megatron_side({str(d)!r}, {_free_port()})")
-    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return d
 
@@ -207,6 +209,17 @@ def test_singleton_local_shards_layout_reads_the_same(work, case):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_megatron_lm_run_directory_is_followed(work, tmp_path):
+    """A Megatron-LM --save directory: latest_checkpointed_iteration.txt names iter_0000005/, the checkpoint read."""
+    shutil.copytree(work / "dense" / "mcore", tmp_path / "iter_0000005")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    a, b = convert.megatron_dist_state(tmp_path), convert.megatron_dist_state(work / "dense" / "mcore")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6\n")  # names a checkpoint that is not there
+    with pytest.raises(convert.MegatronDistError, match="iter_0000006: no metadata.json"):
+        convert.megatron_dist_state(tmp_path)
+
+
 def test_wrong_layer_order_is_caught(work, megatron):
     """Negative control: the stacked layers un-stacked in reverse (layer 0 <-> 1) fail the logits comparison."""
     c = config64(FLAGS, work / "tokenizer.json")
@@ -215,6 +228,44 @@ def test_wrong_layer_order_is_caught(work, megatron):
     logits, _ = our_outputs(ours64(c, convert.megatron_state(state, c)), c)
     with pytest.raises(AssertionError):
         assert rel_err(logits, megatron["dense"]["logits"]) <= RTOL
+
+
+class Backend(enum.Enum):  # stands for Megatron-LM's enums in its args (AttnBackend, ...): a class the reader lacks
+    auto = 5
+
+
+def megatron_lm_run(work, root: Path, **changes) -> Path:
+    """A Megatron-LM --save directory: iter_0000003/ (the dense checkpoint) whose common.pt holds Megatron-LM's args
+    for it, and latest_checkpointed_iteration.txt."""
+    shutil.copytree(work / "dense" / "mcore", root / "iter_0000003")
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True,
+                              num_query_groups=2, ffn_hidden_size=48, swiglu=True, add_bias_linear=False,
+                              normalization="RMSNorm", rotary_base=500, position_embedding_type="rope",
+                              untie_embeddings_and_output_weights=True, max_position_embeddings=16, seq_length=16,
+                              params_dtype=torch.bfloat16, attention_backend=Backend.auto, lr=3e-4)
+    vars(args).update(changes)
+    torch.save({"args": args, "iteration": 3, "checkpoint_version": 3.0}, root / "iter_0000003" / "common.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("3\n")
+    return root
+
+
+def test_megatron_lm_args_give_the_architecture(work, tmp_path, capsys):
+    """Without model flags, a Megatron-LM checkpoint's recorded args shape the model: the same run as the flags give.
+    Controls: args of another depth fail by name (so they are read), and a setting without a flag is refused."""
+    run = megatron_lm_run(work, tmp_path / "lm")
+    tools.main(["import-megatron", "--load", str(run), "--save", str(tmp_path / "run"), "--model", "gpt",
+                "--tokenizer-file", str(work / "tokenizer.json")])
+    a = checkpoint.load_model(work / "dense" / "run").model.state_dict()
+    b = checkpoint.load_model(tmp_path / "run").model.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    deeper = megatron_lm_run(work, tmp_path / "lm3", num_layers=3)
+    with pytest.raises(SystemExit, match="^2$"):
+        tools.main(["import-megatron", "--load", str(deeper), "--save", str(tmp_path / "run3"), "--model", "gpt",
+                    "--tokenizer-file", str(work / "tokenizer.json")])
+    assert "lacks decoder.layers.2.input_layernorm.weight" in capsys.readouterr().err
+    qkv_bias = megatron_lm_run(work, tmp_path / "lmb", add_qkv_bias=True)
+    with pytest.raises(convert.MegatronDistError, match="add_qkv_bias=True has no train.py flag"):
+        convert.megatron_lm_args(qkv_bias)
 
 
 # ---------------------------------------------------------------------------------------------- (b) train from it
@@ -272,6 +323,9 @@ def test_export_refuses_what_it_does_not_map(work, tmp_path):
         convert.to_megatron_dist({}, dataclasses.replace(c, mtp_num_layers=1), tmp_path / "out")
     with pytest.raises(convert.MegatronDistError, match="^padded_vocab_size=8 is smaller than vocab_size="):
         convert.to_megatron_dist({}, c, tmp_path / "out", padded_vocab_size=8)
+    with pytest.raises(convert.MegatronDistError, match="^export-megatron: decoder.layers.0.mixer.in_proj.weight is not"):
+        convert.to_megatron_dist({"decoder.layers.0.mixer.in_proj.weight": torch.zeros(2)}, c, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_moe_export_loads_into_megatron(work, megatron):

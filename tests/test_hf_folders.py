@@ -1,7 +1,8 @@
-"""Hugging Face folders in and out (hf.py): every family's folder, as `save_pretrained` writes it (sharded safetensors
-included), converts to the model `transformers` builds from it (logits in float64), export is the identity on every
-stored tensor, and a run starts from an imported folder at TP 2 + SP, PP 2 and DP 2 with the Hugging Face model's
-loss on its first batch, trains, and exports a folder `transformers` loads with our model's logits."""
+"""Hugging Face folders in and out (hf.py), for every family of the gpt, bert, t5, mamba and llava model files: a
+folder as `save_pretrained` writes it (sharded safetensors included) converts to what the live `transformers` model
+converts to (whose logits the converters' own tests compare), export is the identity on every stored tensor, a run
+starts from an imported folder at TP 2 + SP, PP 2 and DP 2 with the Hugging Face model's loss on its first batch,
+trains, and exports a folder `transformers` loads with our model's logits; LoRA adapters go out as PEFT folders."""
 from __future__ import annotations
 
 import dataclasses

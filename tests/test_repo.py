@@ -383,7 +383,8 @@ def test_parallel_sections_stay_short():
 # refuses it, or to the hook a model file has or not (None: nothing refuses it, so no model may show "—").
 FEATURES = {"TP": None, "SP": None, "PP": "pipeline_parallel", "VPP": "pipeline_parallel", "DP": None, "ZeRO-1": None,
             "CP": "context_parallel", "EP/MoE": None, "FP8": None, "post-training tasks": "post_training",
-            "generation (sample)": "sample", "HF in (from_hf)": "from_hf", "HF out (export)": "export"}
+            "generation (sample)": "sample", "HF in (from_hf)": "from_hf", "HF out (export)": "export",
+            "HF folders (import-hf)": "hf_folders"}
 HOOKS = {"sample": "sample", "export": "to_hf"}  # the ModelFile hook behind a feature (from_hf: the module's function)
 
 
@@ -413,6 +414,8 @@ def why_unsupported(model: str, feature_key: str | None) -> str | None:
         return why
     if feature_key == "from_hf":
         return None if hasattr(importlib.import_module(model), "from_hf") else "no from_hf"
+    if feature_key == "hf_folders":  # a folder in (tools.py import-hf) and back out (export by tracing): hf.py
+        return None if mf.HF_CONVERTERS else "no HF_CONVERTERS"
     if feature_key in HOOKS and getattr(mf, HOOKS[feature_key]) is None:
         return f"no {HOOKS[feature_key]} hook"
     return None

@@ -28,8 +28,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -41,8 +41,7 @@ import contract  # noqa: E402
 import metrics  # noqa: E402
 
 
-@dataclass(frozen=True)
-class Gemm:
+class Gemm(NamedTuple):
     """One GEMM (m x k)·(k x n) of an iteration, run `count` times (layers x micro-batches)."""
     name: str  # e.g. "linear_qkv dgrad"
     m: int

@@ -183,7 +183,8 @@ def main():
         nproc = LAYOUTS[name][0]
         vs = f"{r['tokens_per_s'] / base:.2f}x" if base else "–"
         print(f"| {name} | {nproc} x {r['threads']} | {r['tokens_per_s']:,.0f} | {vs} | {r['step_s']:.3f} | "
-              f"{r['collective_s']:.3f} | {r['collective_s'] / r['step_s']:.1%} | {r['bytes'] / 1e6:.2f} | {r['wire'] / 1e6:.2f} |")
+              f"{r['collective_s']:.3f} | {r['collective_s'] / r['step_s']:.1%} | {r['bytes'] / 1e6:.2f} | "
+              f"{r['wire'] / 1e6:.2f} |")
     print("\naudit bytes: parallel.count_collectives's convention (an all-reduce of N bytes logs N; SP's all-gather "
           "and reduce-scatter pair logs N each); sent: what a ring algorithm sends (WIRE), so TP 2 and TP 2 + SP "
           "send the same. Collective time includes waiting for the slower rank.")

@@ -14,12 +14,14 @@ as a fraction of the ceiling and of the peak. With --profile N, N training itera
 process (train.setup and train.train_step, after one warm-up iteration) under torch.profiler, the ops' self CPU time
 grouped (GEMMs, attention, norms, optimizer, elementwise, other) as a fraction of the profiled time.
 
-    .venv/bin/python bench/bench_gemm.py --repeats 10        (~1 min at full size; --model-args "..." for other shapes)
-    .venv/bin/python bench/bench_gemm.py --run runs/gpt --profile 3
+    .venv/bin/python bench/bench_gemm.py --repeats 10        (~10-20 s; --model-args "..." for another shape)
+    .venv/bin/python bench/bench_gemm.py --run runs/gpt --profile 3        (~30 s more: train.py's set-up)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -149,7 +151,7 @@ def group_of(names: list[str]) -> str:
 def profile(n: int, model_args: list[str], top: int):
     """N iterations of train.py's step in this process under torch.profiler (one warm-up iteration first)."""
     import train
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):  # (train.py's arguments)
         run = train.setup(train.parse(["--save", f"{tmp}/run", "--eval-iters", "0", *model_args]))
         opt = run.optimizer
         for method in ("step", "clip_grad_norm", "zero_grad"):  # each marked, so their ops group as the optimizer's
@@ -176,9 +178,9 @@ def profile(n: int, model_args: list[str], top: int):
     print(f"\n--profile {n}: {n} iterations in {wall:.2f} s under the profiler ({wall / n:.3f} s/iteration); "
           f"self CPU time of all ops {total / 1e6:.2f} s ({total / 1e6 / wall:.0%} of the wall time: the rest is "
           "Python and the profiler's own cost)")
-    print("\n| group | self CPU s / iteration | fraction |\n|---|---|---|")
+    print("\n| group | self CPU s / iteration | of the ops' time | of the step (wall) |\n|---|---|---|---|")
     for g, us in sorted(by_group.items(), key=lambda kv: -kv[1]):
-        print(f"| {g} | {us / 1e6 / n:.4f} | {us / total:.1%} |")
+        print(f"| {g} | {us / 1e6 / n:.4f} | {us / total:.1%} | {us / 1e6 / wall:.1%} |")
     print(f"\ntop {top} ops by self CPU time:\n\n| op | group | self CPU s / iteration | fraction |\n|---|---|---|---|")
     for (name, g), us in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]:
         print(f"| {name} | {g} | {us / 1e6 / n:.4f} | {us / total:.1%} |")

@@ -13,7 +13,7 @@ alone), so the machine's compute is the same and the layouts can only lose — b
 loopback: memory copies plus waiting for the slower rank) and by smaller GEMMs running further below the ceiling
 (bench/bench_gemm.py). DP 2 moves the gradients once a step; TP 2 moves activations in every layer, forward and back.
 
-    .venv/bin/python bench/bench_scaling.py --iters 12        (~2 min at full size on a quiet machine)
+    .venv/bin/python bench/bench_scaling.py --iters 12        (~3 min at full size: 5 runs of ~30 s, set-up included)
 """
 from __future__ import annotations
 

@@ -71,7 +71,13 @@ BENCH = {  # size flags appended to each bench script
     "llama"], "bench_mamba_scan.py": ["--lengths", "64", "--repeat", "1", "--heads", "2", "--head-dim", "8",
     "--state", "8", "--chunk", "16"], "bench_memory.py": ["--dp", "1"], "bench_pipeline.py": ["--micro-batches", "4",
     "--t", "0.001"], "bench_moe_balance.py": ["--iters", "2", "--log-interval", "1",
-    "--data-path", "small_corpus"], "soak.py": ["--minutes", "0.3"]}
+    "--data-path", "small_corpus"], "soak.py": ["--minutes", "0.3"],
+    "bench_gemm.py": ["--repeats", "1", "--warmup", "0", "--peak-size", "64", "--model-args", "--num-layers 2 "
+                      "--hidden-size 64 --num-attention-heads 4 --micro-batch-size 2 --seq-length 32 --data-path "
+                      "small_corpus"],
+    "bench_scaling.py": ["--iters", "2", "--warmup", "1", "--global-batch", "2", "--layouts", "single", "dp2",
+                         "--train-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                         "--data-path small_corpus"]}
 # The files the documents name as the reader's own, made in the scratch copy: a few records of each kind
 RECORDS = {"sft": {"prompt": "Add 2 and 3.", "response": "5"}, "dpo": {"prompt": "Add 2 and 3.", "chosen": "5",
            "rejected": "6"}, "kto": {"prompt": "Add 2 and 3.", "completion": "5", "label": True}}

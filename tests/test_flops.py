@@ -306,3 +306,54 @@ def test_train_logs_tflops(tmp_path):
         assert "mfu" not in r  # CPU: no peak
         assert r["tflops"] * 1e12 / r["tokens_per_s"] == pytest.approx(per_token, rel=1e-12)
 
+
+
+def bench_gemm():
+    """bench/bench_gemm.py, imported (its main is behind __name__ == "__main__")."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_gemm", Path(__file__).parent.parent / "bench" / "bench_gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gemm_weights(gemms) -> dict:
+    """{(out, in): calls} of a GEMM list's forward GEMMs X·Wᵀ [T, in]·[in, out]."""
+    out = {}
+    for g in gemms:
+        if g.name.endswith(" fwd"):
+            out[g.n, g.k] = out.get((g.n, g.k), 0) + g.count
+    return out
+
+
+def model_weights(model) -> dict:
+    """{(out, in): how many} of the model's linear weights (a tied output layer: the embedding's [V, h])."""
+    out = {}
+    for m in model.modules():
+        if isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear, nn.Linear)):
+            w = m.weight if m.weight is not None else model.embedding.word_embeddings.weight
+            out[tuple(w.shape)] = out.get(tuple(w.shape), 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt2-like", "llama-gqa-swiglu"])
+def test_bench_gemm_lists_the_models_weight_gemms(cfg):
+    """bench_gemm.model_gemms, from the Config alone: its forward GEMMs are the model's linear weights, each as often
+    as the model holds it (x 2 micro-batches); each forward's dgrad and wgrad are the same m·k·n; and the list's
+    FLOPs plus the core attention are metrics.flops exactly (integers < 2^53: ==). Negative control: the list of a
+    config that forgets SwiGLU's fused gate (gated_linear_unit False) misses fc1's [2f, h] weight and its FLOPs."""
+    G, M = bench_gemm(), 2
+    model = gpt.Model(gpt.Config(**cfg))
+    c = model.config
+    gemms = G.model_gemms(c, B, S, M)
+    assert gemm_weights(gemms) == {k: M * v for k, v in model_weights(model).items()}
+    for fwd, dgrad, wgrad in zip(gemms[0::3], gemms[1::3], gemms[2::3]):
+        assert sorted((fwd.m, fwd.k, fwd.n)) == sorted((dgrad.m, dgrad.k, dgrad.n)) == sorted((wgrad.m, wgrad.k,
+                                                                                               wgrad.n))
+    attention = 3 * c.num_layers * core(B * M, c.num_attention_heads, S, S, c.kv_channels, c.kv_channels, causal=True)
+    assert sum(g.count * g.flops for g in gemms) + attention == metrics.flops(c, B * M, S)
+    if c.gated_linear_unit:
+        wrong = G.model_gemms(dataclasses.replace(c, gated_linear_unit=False), B, S, M)
+        assert gemm_weights(wrong) != {k: M * v for k, v in model_weights(model).items()}
+        assert sum(g.count * g.flops for g in wrong) + attention != metrics.flops(c, B * M, S)

@@ -5,9 +5,12 @@ point answers --help. A changed default or a renamed flag breaks a documented co
 What "at a tiny size" changes, and nothing else:
   - train.py (directly, through torchrun, through `make train` / `make bench`'s ARGS, or a --config file): TINY's
     flags appended, which argparse lets win over earlier ones: 2 iterations, a 2-layer model of hidden size 64 (each
-    model's own small shape), short sequences, one evaluation batch. A pretraining run whose command names no
-    --data-path reads SMALL_CORPUS (40 small Python files) instead of the default corpus (the stdlib: ~25 s to
-    tokenize); a post-training task keeps its example records.
+    model's own small shape), short sequences, one evaluation batch (LLaVA: a global batch of 2, not its default
+    run's 32). A pretraining run whose command names no --data-path reads SMALL_CORPUS (40 small Python files)
+    instead of the default corpus (the stdlib: ~25 s to tokenize); for a post-training task whose command names no
+    --data-path, "the stdlib" is EXAMPLE_FILES (a few stdlib modules, tests/test_posttrain_data.py's): its example
+    records (posttrain.example_records) are their functions', not the whole stdlib's (~20 s to parse, then ~10 s per
+    task to tokenize them all), and so is its tokenizer's corpus when it starts from no checkpoint.
   - tools.py sample: at most 4 new tokens; data.py preprocess: SMALL_CORPUS when the command names no --input.
   - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
     starts processes of its own (ranks, or one per row), tens of seconds even at that size, so `make test` parses
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import pytest
 from commands import ROOT, Command, documented
+from test_posttrain_data import FILES as EXAMPLE_FILES
 from test_train import SNIPPET
 
 import arguments
@@ -60,7 +64,8 @@ TINY = {  # each model's tiny shape (a run on a checkpoint takes the checkpoint'
     "retro": SHAPE[2:] + ["--num-layers", "6", "--seq-length", "32", "--retro-chunk-length", "16"],
     "mamba": SHAPE + ["--hybrid-layer-pattern", "M*", "--mamba-num-groups", "2", "--mamba-head-dim", "16",
                       "--mamba-state-dim", "16", "--mamba-chunk-size", "16", "--seq-length", "32"],
-    "llava": ["--vision-num-layers", "1", "--seq-length", "80"],  # (SMALL_CORPUS's BPE spells captions longer)
+    "llava": ["--vision-num-layers", "1", "--seq-length", "80",  # (SMALL_CORPUS's BPE spells captions longer)
+              "--global-batch-size", "2"],  # (its default run's is 32: 16 micro-batches of COMMON's 2 per iteration)
 }
 TASK_SEQ = ["--seq-length", "256"]  # a post-training task's records, in SMALL_CORPUS's BPE
 BENCH = {  # size flags appended to each bench script
@@ -157,7 +162,8 @@ def run_train(argv, work, nproc=1):
     argv = tiny_train(argv, work)
     if nproc > 1:
         return harness.launch(nproc, argv, cwd=work)
-    with inside(work):
+    with inside(work), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "default_corpus_files", lambda: list(EXAMPLE_FILES))  # (see the module docstring)
         code = train.main(argv)
     assert code == 0, f"train.py exited {code}"
 

@@ -22,7 +22,7 @@ is there for the next (a command that starts a run in a directory it does not re
 `python` and `torchrun` are .venv's. To stay within make test's budget, train.py, tools.py and data.py commands (and
 `python -c` code) run in this process (train.main, ...), torchrun's on warm ranks (harness.launch: torchrun's
 environment), and a make target runs the recipe `make -n` prints (so the Makefile's expansion is what runs); `make
-sample` and `make lint` run make itself. Not run, with the reason: `make test` and .ci/run (this suite itself), `make
+lint` runs make itself. Not run, with the reason: `make test` and .ci/run (this suite itself), `make
 setup` (builds a virtualenv: `make -n` only), pytest commands (the files and -k keywords they name are checked: the
 suite runs them), a multi-node torchrun (its train.py flags are checked for its world size), bench/gpu_default_runs.sh
 (a GPU machine's script: `bash -n`), tensorboard (a server: --version).
@@ -230,9 +230,7 @@ def run_make(words: list[str], work: Path):
     assigns = dict(w.split("=", 1) for w in words if "=" in w)
     if target == "test":
         raise Skipped("make test: this suite itself")
-    if target in ("sample", "lint", "clean"):
-        if target == "sample":
-            assigns["ARGS"] = (assigns.get("ARGS", "") + " --max-new-tokens 4").strip()
+    if target in ("lint", "clean"):
         r = subprocess.run(["make", target, *[f"{k}={v}" for k, v in assigns.items()]], cwd=work,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

@@ -5,11 +5,15 @@ point answers --help. A changed default or a renamed flag breaks a documented co
 What "at a tiny size" changes, and nothing else:
   - train.py (directly, through torchrun, through `make train` / `make bench`'s ARGS, or a --config file): TINY's
     flags appended, which argparse lets win over earlier ones: 2 iterations, a 2-layer model of hidden size 64 (each
-    model's own small shape), short sequences, one evaluation batch. A pretraining run whose command names no
-    --data-path reads SMALL_CORPUS (40 small Python files) instead of the default corpus (the stdlib: ~25 s to
-    tokenize); a post-training task keeps its example records.
+    model's own small shape), short sequences, one evaluation batch (LLaVA: a global batch of 2, not its default
+    run's 32). A pretraining run whose command names no --data-path reads SMALL_CORPUS (40 small Python files)
+    instead of the default corpus (the stdlib: ~25 s to tokenize); for a post-training task whose command names no
+    --data-path, "the stdlib" is EXAMPLE_FILES (a few stdlib modules, tests/test_posttrain_data.py's): its example
+    records (posttrain.example_records) are their functions', not the whole stdlib's (~20 s to parse, then ~10 s per
+    task to tokenize them all), and so is its tokenizer's corpus when it starts from no checkpoint.
   - tools.py sample: at most 4 new tokens; tools.py import-megatron: the model's tiny shape appended (its flags are
-    train.py's model flags); data.py preprocess: SMALL_CORPUS when the command names no --input.
+    train.py's model flags); tools.py import-hf: a tiny Qwen2 folder where the command names one that does not exist;
+    data.py preprocess: SMALL_CORPUS when the command names no --input.
   - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
     starts processes of its own (ranks, or one per row), tens of seconds even at that size, so `make test` parses
     its documented arguments with the script's own parser, and COMMANDS=all runs it too
@@ -20,7 +24,7 @@ is there for the next (a command that starts a run in a directory it does not re
 `python` and `torchrun` are .venv's. To stay within make test's budget, train.py, tools.py and data.py commands (and
 `python -c` code) run in this process (train.main, ...), torchrun's on warm ranks (harness.launch: torchrun's
 environment), and a make target runs the recipe `make -n` prints (so the Makefile's expansion is what runs); `make
-sample` and `make lint` run make itself. Not run, with the reason: `make test` and .ci/run (this suite itself), `make
+lint` runs make itself. Not run, with the reason: `make test` and .ci/run (this suite itself), `make
 setup` (builds a virtualenv: `make -n` only), pytest commands (the files and -k keywords they name are checked: the
 suite runs them), a multi-node torchrun (its train.py flags are checked for its world size), bench/gpu_default_runs.sh
 (a GPU machine's script: `bash -n`), tensorboard (a server: --version).
@@ -41,6 +45,7 @@ from pathlib import Path
 
 import pytest
 from commands import ROOT, Command, documented
+from test_posttrain_data import FILES as EXAMPLE_FILES
 from test_train import SNIPPET
 
 import arguments
@@ -61,7 +66,8 @@ TINY = {  # each model's tiny shape (a run on a checkpoint takes the checkpoint'
     "retro": SHAPE[2:] + ["--num-layers", "6", "--seq-length", "32", "--retro-chunk-length", "16"],
     "mamba": SHAPE + ["--hybrid-layer-pattern", "M*", "--mamba-num-groups", "2", "--mamba-head-dim", "16",
                       "--mamba-state-dim", "16", "--mamba-chunk-size", "16", "--seq-length", "32"],
-    "llava": ["--vision-num-layers", "1", "--seq-length", "80"],  # (SMALL_CORPUS's BPE spells captions longer)
+    "llava": ["--vision-num-layers", "1", "--seq-length", "80",  # (SMALL_CORPUS's BPE spells captions longer)
+              "--global-batch-size", "2"],  # (its default run's is 32: 16 micro-batches of COMMON's 2 per iteration)
 }
 TASK_SEQ = ["--seq-length", "256"]  # a post-training task's records, in SMALL_CORPUS's BPE
 BENCH = {  # size flags appended to each bench script
@@ -164,7 +170,8 @@ def run_train(argv, work, nproc=1):
     argv = tiny_train(argv, work)
     if nproc > 1:
         return harness.launch(nproc, argv, cwd=work)
-    with inside(work):
+    with inside(work), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "default_corpus_files", lambda: list(EXAMPLE_FILES))  # (see the module docstring)
         code = train.main(argv)
     assert code == 0, f"train.py exited {code}"
 
@@ -264,9 +271,7 @@ def run_make(words: list[str], work: Path):
     assigns = dict(w.split("=", 1) for w in words if "=" in w)
     if target == "test":
         raise Skipped("make test: this suite itself")
-    if target in ("sample", "lint", "clean"):
-        if target == "sample":
-            assigns["ARGS"] = (assigns.get("ARGS", "") + " --max-new-tokens 4").strip()
+    if target in ("lint", "clean"):
         r = subprocess.run(["make", target, *[f"{k}={v}" for k, v in assigns.items()]], cwd=work,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

@@ -10,6 +10,9 @@ GPT-3 script asks for a batch-size ramp-up with --train-iters, which Megatron re
 batch-size rampup for iteration-based training"); here too, in one line, and the same script trains once
 --train-iters is replaced by --train-samples.
 
+The tokenizer each run makes from its script's data flags is saved with it as Megatron reads those files
+(test_scripts_tokenizers_and_splits_as_megatron_reads_them; tests/test_tokenizers.py checks each type's ids).
+
 DESIGN.md §11's table (honoured / fallback / refused, per script) is what these runs show; this file checks it:
 refresh it with  .venv/bin/python tests/test_megatron_scripts.py --fix-design-table
 """
@@ -357,3 +360,48 @@ def test_design_table_is_what_the_runs_show(runs, paths):
         path.write_text(head + BEGIN + "\n" + want + END + tail, encoding="utf-8")
     assert body == want, "DESIGN.md §11 is stale: MEGATRON_TABLE=fix .venv/bin/python -m pytest -q " \
                          "tests/test_megatron_scripts.py -k design_table"
+
+
+LLAMA3, BERT, T5 = ("examples/llama/train_llama3_8b_h100_fp8.sh", "examples/bert/train_bert_340m_distributed.sh",
+                    "examples/t5/train_t5_220m_distributed.sh")
+
+
+def test_scripts_tokenizers_and_splits_as_megatron_reads_them(runs, paths, capsys):
+    """The tokenizer each run made from its script's data flags, saved with the run (tests/test_tokenizers.py checks
+    each type's ids against its oracle): GPT-3's --vocab-file + --merge-file (GPT2BPETokenizer, the GPT scripts'
+    default type), which tools.py sample reads back; BERT's --vocab-file alone (BertWordPieceLowerCase: its [CLS],
+    [SEP], [MASK], [PAD]); T5's BertWordPieceCase, with the span sentinels after [BOS], [EOS] as Megatron's
+    --vocab-extra-ids 100 puts them; Llama-3's --mock-data on NullTokenizer (--vocab-size 4096: the mock documents
+    count to 4094). The splits (949,50,1 and 99982,9,9) leave a test document: Megatron's end-of-training test runs."""
+    import data
+    import tools
+
+    def run_dir(script):
+        return Path(run_paths(paths, script)["ckpt"])
+
+    def records(script):
+        return [json.loads(line) for line in (run_dir(script) / "metrics.jsonl").read_text().splitlines()]
+
+    def last(script):
+        return max(r["iteration"] for r in records(script) if "loss" in r)
+
+    for script in (GPT3, BERT, T5):
+        assert [r["iteration"] for r in records(script) if "test_loss" in r] == [last(script)], script
+    gpt3 = run_dir(GPT3)
+    assert json.loads((gpt3 / "tokenizer.roles.json").read_text())["tokenizer_type"] == "GPT2BPETokenizer"
+    saved = data.get_tokenizer(None, None, tokenizer_file=str(gpt3 / "tokenizer.json"))
+    assert data.special_ids(saved)["eod"] == json.loads(open(paths["vocab_json"]).read())["<|endoftext|>"]
+    capsys.readouterr()
+    tools.main(["sample", "--load", str(gpt3), "--prompt", "the model", "--max-new-tokens", "4"])
+    assert capsys.readouterr().out.startswith("the model")
+    roles = json.loads((run_dir(BERT) / "tokenizer.roles.json").read_text())
+    assert (roles["tokenizer_type"], roles["cls"], roles["eod"]) == ("BertWordPieceLowerCase", "[CLS]", "[EOS]")
+    saved = data.get_tokenizer(None, None, tokenizer_file=str(run_dir(T5) / "tokenizer.json"))
+    V = sum(1 for _ in open(paths["vocab_txt"], encoding="utf-8"))
+    assert data.special_ids(saved)["sentinels"] == list(range(V + 2, V + 102))
+    assert [r["iteration"] for r in records(LLAMA3) if "loss" in r] == list(range(1, last(LLAMA3) + 1))
+    output = runs[LLAMA3][1]
+    assert "--mock-data: the first 1000 of Megatron's 100,000 mock documents" in output and "--num-workers 1" in output
+    it = last(LLAMA3)
+    assert json.loads((run_dir(LLAMA3) / f"iter_{it:07d}" / "meta.json").read_text())["args"]["vocab_size"] == \
+        4096 + 1 + 104

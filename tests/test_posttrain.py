@@ -534,15 +534,27 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
 
 def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
     """`make train NPROC=2 TP=2 ARGS="--task dpo"` in small, on generated example data: float32, 1e-5 relative
-    (reduction order only)."""
+    (reduction order only). The example records (posttrain.example_records) are those of test_posttrain_data's few
+    stdlib modules, with a tokenizer trained on them, given as --data-path and --tokenizer-file: the whole stdlib's
+    would add ~25 s (parsing it, and training the default 8192-token BPE on it) and prove nothing more here."""
     import json
 
+    from test_posttrain_data import FILES
     from test_train import torchrun
+
+    import data
 
     def losses(run):
         return {r["iteration"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                 if "loss" in r}
-    flags = ["--task", "dpo", "--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "128", "--vocab-size", "8192"]
+    tok = data.get_tokenizer([open(f, encoding="utf-8").read() for f in FILES], None, vocab_size=1024)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    records = posttrain.example_records("dpo", tok, 128, seed=1234, files=FILES)
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n"
+                                                  for r in records))
+    flags = ["--task", "dpo", "--data-path", str(tmp_path / "pairs.jsonl"), "--tokenizer-file",
+             str(tmp_path / "tokenizer.json"), "--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "128",
+             "--vocab-size", "8192"]
     train.main(tiny(tmp_path / "one", *flags))
     torchrun(2, tiny(tmp_path / "tp2", *flags, "--tensor-model-parallel-size", "2"))
     one, two = losses(tmp_path / "one"), losses(tmp_path / "tp2")

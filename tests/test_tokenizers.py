@@ -373,14 +373,9 @@ def test_bad_split_is_refused(split):
 
 
 # ---------------------------------------------------------------------------------------------- Megatron's scripts
-def _corpus(tmp_path):
-    d = tmp_path / "corpus"
-    d.mkdir()
-    for i in range(24):
-        (d / f"{i:02d}.txt").write_text(f"{CORPUS[i % len(CORPUS)]} document {i}, the quick brown fox\n" * 2)
-    return d
-
-
+# The data flags of Megatron's GPT-3, BERT, T5 and Llama-3 (--mock-data) scripts train in tests/test_megatron_scripts.py
+# (test_scripts_tokenizers_and_splits_as_megatron_reads_them: each run's saved tokenizer and its test split); the
+# Llama-3 script's real-data branch (a PREFIX made with a Hugging Face folder) trains here.
 def _tiny(tmp_path, *extra):
     return ["--data-cache-path", str(tmp_path / "cache"), "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
@@ -389,49 +384,6 @@ def _tiny(tmp_path, *extra):
 
 def _records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_gpt3_scripts_data_flags_train_save_and_sample(gpt2_files, tmp_path, capsys):
-    """train_gpt3_175b_distributed.sh's data flags: --vocab-file, --merge-file (GPT2BPETokenizer, the GPT scripts'
-    default type), --split 949,50,1; the saved run keeps the tokenizer's roles, which tools.py sample reads."""
-    import tools
-    import train
-    vocab, merges = gpt2_files
-    run = tmp_path / "run"
-    train.main(_tiny(tmp_path, "--data-path", str(_corpus(tmp_path)), "--vocab-file", vocab, "--merge-file", merges,
-                     "--split", "949,50,1", "--save", str(run)))
-    assert [r["iteration"] for r in _records(run) if "test_loss" in r] == [2]
-    assert json.loads((run / "tokenizer.roles.json").read_text())["tokenizer_type"] == "GPT2BPETokenizer"
-    saved = data.get_tokenizer(None, None, tokenizer_file=str(run / "tokenizer.json"))
-    assert data.special_ids(saved)["eod"] == json.loads(open(vocab).read())["<|endoftext|>"]
-    capsys.readouterr()
-    tools.main(["sample", "--load", str(run), "--prompt", "the quick", "--max-new-tokens", "4"])
-    assert capsys.readouterr().out.startswith("the quick")
-
-
-def test_llama3_scripts_mock_data_path_trains(tmp_path, capsys):
-    """train_llama3_8b_h100_fp8.sh's MOCK data flags, --vocab-size scaled to 4096 (the mock documents count to 4094)."""
-    import train
-    run = tmp_path / "run"
-    train.main(_tiny(tmp_path, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
-                     "--tiktoken-pattern", "v2", "--split", "'99,1,0'", "--no-create-attention-mask-in-dataloader",
-                     "--no-mmap-bin-files", "--num-workers", "1", "--save", str(run)))
-    out = capsys.readouterr().out
-    assert "--mock-data: the first 1000 of Megatron's 100,000 mock documents" in out and "--num-workers 1" in out
-    assert [r["iteration"] for r in _records(run) if "loss" in r] == [1, 2]
-    assert json.loads((run / "iter_0000002" / "meta.json").read_text())["args"]["vocab_size"] == 4096 + 1 + 104
-
-
-def test_bert_wordpiece_recipe_trains(vocab_txt, tmp_path):
-    """--model bert on BertWordPieceLowerCase (train_bert_340m_distributed.sh's --vocab-file alone): its [CLS], [SEP],
-    [MASK], [PAD] are the recipe's."""
-    import train
-    run = tmp_path / "run"
-    train.main(_tiny(tmp_path, "--model", "bert", "--data-path", str(_corpus(tmp_path)), "--vocab-file", vocab_txt,
-                     "--split", "949,50,1", "--save", str(run)))
-    assert [r["iteration"] for r in _records(run) if "test_loss" in r] == [2]
-    roles = json.loads((run / "tokenizer.roles.json").read_text())
-    assert (roles["tokenizer_type"], roles["cls"], roles["eod"]) == ("BertWordPieceLowerCase", "[CLS]", "[EOS]")
 
 
 def test_llama3_scripts_real_data_flags_train(tmp_path, capsys):
@@ -453,20 +405,6 @@ def test_llama3_scripts_real_data_flags_train(tmp_path, capsys):
     assert json.loads((run / "iter_0000002" / "meta.json").read_text())["args"]["vocab_size"] == tok.get_vocab_size()
     roles = json.loads((run / "tokenizer.roles.json").read_text())
     assert (roles["tokenizer_type"], roles["eod"], roles["add_special_tokens"]) == ("HuggingFaceTokenizer", "</s>", True)
-
-
-def test_t5_scripts_data_flags_train(vocab_txt, tmp_path):
-    """train_t5_220m_distributed.sh's data flags: --tokenizer-type BertWordPieceCase, --vocab-file, --split
-    99982,9,9 (one valid and one test document of a small corpus); the span sentinels follow [BOS], [EOS] as
-    Megatron's --vocab-extra-ids 100 puts them."""
-    import train
-    run = tmp_path / "run"
-    train.main(_tiny(tmp_path, "--model", "t5", "--data-path", str(_corpus(tmp_path)), "--tokenizer-type",
-                     "BertWordPieceCase", "--vocab-file", vocab_txt, "--split", "99982,9,9", "--save", str(run)))
-    assert [r["iteration"] for r in _records(run) if "test_loss" in r] == [2]
-    saved = data.get_tokenizer(None, None, tokenizer_file=str(run / "tokenizer.json"))
-    V = sum(1 for _ in open(vocab_txt, encoding="utf-8"))
-    assert data.special_ids(saved)["sentinels"] == list(range(V + 2, V + 102))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -345,18 +345,21 @@ def test_t5_trains_and_samples_a_decoded_span(corpus, cache, tmp_path, capsys):
 def test_keep_freed_memory_reuses_large_blocks():
     """train.keep_freed_memory: a freed 64 MiB block (the default run's [s, b, V] logits) is reused, not given back
     to the kernel and faulted in again page by page. Negative control: without it, glibc's mmap makes the second
-    64 MiB buffer fault in every one of its 16,384 pages."""
-    code = ("import resource, sys, torch, train\n"
-            "if sys.argv[1] == 'on': train.keep_freed_memory()\n"
+    64 MiB buffer fault in every one of its 16,384 pages. One fresh process measures both, the control first (mallopt
+    cannot be undone; one process, not two, saves a torch import)."""
+    code = ("import resource, torch, train\n"
             "def touch(): torch.empty(16 << 20).fill_(1.0)\n"  # 64 MiB of float32, freed on return
-            "touch(); f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; touch()\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n")
-    count = lambda m: int(subprocess.run([sys.executable, "-c", code, m], cwd=ROOT, capture_output=True, text=True,
-                                         check=True).stdout)
+            "def faults():\n"  # the page faults of the second of two touches
+            "    touch(); f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; touch()\n"
+            "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0\n"
+            "off = faults(); train.keep_freed_memory(); faults()\n"  # (the first touch after mallopt faults them in)
+            "print(off, faults())\n")
+    count = lambda: dict(zip(("off", "on"), map(int, subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split())))
     # up to 3 tries: under a loaded test session the kernel occasionally faults the reused pages in again (seen here
     # once in a few full runs, never alone); without keep_freed_memory every run faults them all in
-    faults = {"off": count("off"), "on": count("on")}
+    faults = count()
     for _ in range(2):
-        faults["on"] = faults["on"] if faults["on"] < 1_000 else count("on")
+        faults = faults if faults["on"] < 1_000 else count()
     assert faults["off"] > 10_000, faults  # 16,384 pages of 4 KiB
     assert faults["on"] < 1_000, faults

@@ -487,3 +487,10 @@ if __name__ == "__main__":
         path.write_text(fixed)
     print("parallel.py's contents table " + ("rewritten" if fixed != text else "already up to date"))
     sys.exit("\n".join(contents_problems(fixed)) or None)
+
+
+def test_the_readme_is_a_map_of_at_most_200_lines():
+    """The README is a map (its facts live elsewhere and it links to them): at most 200 lines, none over 120."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines (at most 200: move detail to DESIGN.md or bench/)"
+    assert not [i for i, line in enumerate(lines, 1) if len(line) > 120]

@@ -388,7 +388,7 @@ def peft_state(trace: Trace, adapters: dict, rename=lambda k: k) -> tuple[dict, 
     starts = torch.tensor([0] + [math.prod(s) for s in shapes]).cumsum(0)[:-1] + 1
     out, fan_in_fan_out, targets = {}, set(), set()
     for ours, (A, B) in adapters.items():
-        ids = trace.ids[ours]
+        ids = trace.ids[ours].contiguous()
         which = torch.searchsorted(starts, ids, right=True) - 1  # [o, i] the HF tensor of each element
         local = ids - starts[which]
         if (ids == 0).any() or (which != which[:, :1]).any():

@@ -369,11 +369,12 @@ def folder_tokenizer(folder) -> Tokenizer:
                               if k.endswith("_token") and _token_text(v)})
             except (ValueError, AttributeError) as e:
                 raise DataError(f"{path / name}: unreadable ({e})") from None
-    if not named.get("eos_token"):
+    if not (named.get("eos_token") or named.get("sep_token")):
         raise DataError(f"--tokenizer-model {folder}: tokenizer_config.json names no eos_token (Megatron's "
-                        "HuggingFaceTokenizer takes eod from it)")
+                        "HuggingFaceTokenizer takes eod from it) and no sep_token")
     roles = {r: named[f"{k}_token"] for r, k in [("eod", "eos"), ("pad", "pad"), ("cls", "cls"), ("sep", "sep"),
                                                    ("mask", "mask")] if named.get(f"{k}_token")}
+    roles.setdefault("eod", named.get("sep_token"))  # an encoder's folder (BERT): [SEP] ends a document
     absent = [t for t in roles.values() if tok.token_to_id(t) is None]
     if absent:
         raise DataError(f"--tokenizer-model {folder}: its special token {absent[0]!r} is not in its tokenizer.json")

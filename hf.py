@@ -284,7 +284,7 @@ RUN_FIELDS = {"hidden_dropout", "attention_dropout", "init_method_std", "sequenc
               "label_smoothing", "seed", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type",
               "moe_pad_expert_input_to_capacity", "moe_router_load_balancing_type", "moe_token_drop_policy",
               "moe_router_bias_update_rate", "recompute_granularity", "recompute_method", "recompute_num_layers",
-              "cp_comm_type", "mtp_loss_scaling_factor"}
+              "cp_comm_type", "mtp_loss_scaling_factor", "encoder_seq_length", "decoder_seq_length"}
 
 
 # ---------------------------------------------------------------------------------------------- export

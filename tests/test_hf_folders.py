@@ -262,3 +262,51 @@ def test_the_export_trace_and_the_import_trace_agree(tmp_path):
                      int(i - 1 - starts[int(torch.searchsorted(starts, i - 1, right=True)) - 1])) if i else None
                     for i in v.flatten()[:: max(1, v.numel() // 7)].tolist()] for k, v in t.ids.items()}
     assert where(a) == where(b)
+
+
+# ---------------------------------------------------------------------------------------------- encoders: BERT, T5
+def wordpiece_folder(path, model, sentinels: int = 0):
+    """A lower-case WordPiece tokenizer (BERT's: [CLS] $A [SEP]) saved with transformers as the folder's; with
+    `sentinels`, T5's <extra_id_i> tokens and eos </s>, pad <pad> instead (span corruption reads them)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    t5 = sentinels > 0
+    specials = ["<pad>", "</s>", "<unk>"] + [f"<extra_id_{i}>" for i in range(sentinels)] if t5 else [
+        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token=specials[2] if t5 else "[UNK]"))
+    tok.normalizer, tok.pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"] * 20,
+                            trainers.WordPieceTrainer(vocab_size=model.config.vocab_size, special_tokens=specials,
+                                                      show_progress=False))
+    names = dict(eos_token="</s>", pad_token="<pad>", unk_token="<unk>") if t5 else dict(
+        unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(path)
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_an_encoder_folder_trains_at_tp2_and_exports_back(family, tmp_path):
+    """A BERT (pretraining heads, its folder's [CLS]/[SEP]/[MASK] as the roles, [SEP] as the end of a document) and
+    a T5 (its <extra_id_i> sentinels) folder: import, 2 steps at TP 2 + SP, export; transformers loads the export with
+    our trained model's logits (float32: atol 1e-5), which moved from the folder's."""
+    live = FAMILIES[family]().float().eval()
+    live.save_pretrained(tmp_path / "src")
+    wordpiece_folder(tmp_path / "src", live, sentinels=100 if family == "t5" else 0)
+    tools.import_hf(tmp_path / "src", tmp_path / "base")
+    argv = run_argv(tmp_path / "base", tmp_path / "run", *TP2_SP, "--lr", "1e-2")
+    if family == "t5":  # (T5's spelling of the sequence length, and its decoder's)
+        argv[argv.index("--seq-length")] = "--encoder-seq-length"
+        argv += ["--decoder-seq-length", "16"]
+    harness.launch(2, argv)
+    tools.main(["export", "--load", str(tmp_path / "run"), "--hf-out", str(tmp_path / "out")])
+    back = type(live).from_pretrained(tmp_path / "out").float().eval()
+    ours = checkpoint.load_model(tmp_path / "run").model.eval()
+    ids = torch.randint(5, 50, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        if family == "bert":
+            got, want, start = ours(ids, torch.ones_like(ids))[0], back(input_ids=ids).prediction_logits, \
+                live(input_ids=ids).prediction_logits
+        else:
+            got, want, start = ours(ids, ids), back(input_ids=ids, decoder_input_ids=ids).logits, \
+                live(input_ids=ids, decoder_input_ids=ids).logits
+    torch.testing.assert_close(want, got[..., :want.shape[-1]], rtol=0, atol=1e-5)
+    assert (want - start).abs().max() > 1e-4  # it trained

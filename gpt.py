@@ -187,7 +187,8 @@ class Model(nn.Module):
     def forward(self, input_ids, labels=None, position_ids=None, mask=None, inference_context=None):
         """position_ids [b, s] / mask bool [b, 1, s, s] (True = attend): packed documents (data.Packing), else 0..s-1
         and causal. inference_context (transformer.InferenceContext): the KV cache; input_ids are the positions
-        after the cached ones."""
+        after the cached ones. serve.py's paged cache passes all three: many requests' tokens packed in one row, their
+        positions, and a mask [1, 1, s, keys] over the keys its `append` returns."""
         self.check_input(input_ids, position_ids=position_ids)
         s, dev = input_ids.shape[1], input_ids.device
         if inference_context is not None and position_ids is None:

@@ -9,6 +9,8 @@
     every step, and all are free at the end;
   - negative controls: a block table that shares a live block with another request makes the greedy comparison
     fail, and the block invariant too; a request longer than the context or than the pool is refused by number;
+  - negative control: requests drawing from one shared generator fail the batch-independence check;
+  - gpt.Model.forward checks explicit positions, not a packed row's length, against its learned-position table;
   - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities).
 Tolerance: tokens are compared exactly; the logits each token was sampled from, 1e-10 relative to the whole
 sequence's forward in float64 (they differ only in the order of float64 sums: the packed row's matmuls have other
@@ -96,18 +98,36 @@ def test_continuous_batching_greedy_equals_generate(cfg, monkeypatch):
     assert sum(n for s in steps for _, n in s) == sum(len(p) + len(t) - 1 for (_, p, _), t in zip(work, got))
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch():
-    model = gpt.Model(gpt.Config(**LLAMA))
-    work = workload(seed=1)
-
+def assert_batch_independent(model, work):
     def params(i, max_tokens):
         return serve.SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=40, top_p=0.9, seed=100 + i)
     together = serve_all(serve.Engine(model, 40, 4, max_batch=4), work, params)
+    assert len(set(sum(together, []))) >= 8
     for i, (_, prompt, max_tokens) in enumerate(work):
         alone = serve.Engine(model, 40, 4, max_batch=1)
         alone.add_request(prompt, params(i, max_tokens))
-        assert alone.run()[0] == together[i]
-    assert len(set(sum(together, []))) >= 8
+        assert alone.run()[0] == together[i], f"request {i}: alone {alone.requests[0].output}, batched {together[i]}"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    assert_batch_independent(gpt.Model(gpt.Config(**LLAMA)), workload(seed=1))
+
+
+def test_one_shared_generator_is_caught(monkeypatch):
+    """Negative control: every request drawing from one generator (the draws interleave with the batch's)."""
+    shared, real = torch.Generator().manual_seed(0), serve.sample
+    monkeypatch.setattr(serve, "sample", lambda logits, params, g: real(logits, params, shared))
+    with pytest.raises(AssertionError, match="request .*: alone .*, batched"):
+        assert_batch_independent(gpt.Model(gpt.Config(**LLAMA)), workload(seed=1))
+
+
+def test_packed_positions_are_checked_against_the_table():
+    """gpt.Model.forward with explicit positions checks them, not the row's length, against learned positions: a
+    packed row longer than the table runs, a position past it is refused."""
+    model = gpt.Model(gpt.Config(**GPT))
+    model(torch.zeros(1, CONTEXT + 6, dtype=torch.long), position_ids=torch.arange(CONTEXT + 6)[None] % CONTEXT)
+    with pytest.raises(ValueError, match="position 24 >= max_position_embeddings=24"):
+        model(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[0, 1, 24]]))
 
 
 def block_invariant(engine):

@@ -13,7 +13,8 @@ inference_context), and it is where the OpenAI-compatible server will live (not 
 Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
 pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
 add_request, step, scheduling). The attention here is written plainly (a gather of each request's keys and a dense
-mask), correctness first: Megatron and vLLM read the blocks inside a fused kernel instead.
+mask), correctness first: Megatron and vLLM read the blocks inside a fused kernel instead. Beside it, the plain
+sequential oracle: `generate_one`, one request alone in the static KV cache (transformer.InferenceContext).
 Paper:  Kwon et al. 2023 (Efficient memory management for large language model serving with PagedAttention).
 
 Run:    .venv/bin/python -m pytest -q tests/test_serve.py
@@ -30,6 +31,8 @@ import math
 
 import torch
 from einops import rearrange
+
+from transformer import InferenceContext
 
 
 @dataclasses.dataclass
@@ -94,7 +97,8 @@ class PagedKVCache:
         """This step's layout: request r feeds counts[r] tokens after its `cached` ones. Stores where they are written
         and which slots are read, and returns their positions [T] and the attention mask [T, K] (True = attend):
         token t of request r at position p sees key j iff j is request r's, at a position <= p."""
-        ar = lambda n: torch.arange(n, device=device)  # noqa: E731
+        def ar(n):
+            return torch.arange(n, device=device)
         pos = torch.cat([ar(n) + r.cached for r, n in zip(requests, counts)])  # [T]
         key_pos = torch.cat([ar(r.cached + n) for r, n in zip(requests, counts)])  # [K]
         owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(counts, device=device))  # [T]
@@ -147,6 +151,27 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def generator(params: SamplingParams, device) -> torch.Generator:
+    """A request's own random stream: from its seed, or from a seed drawn from torch's default generator."""
+    seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
+    return torch.Generator(device).manual_seed(seed)
+
+
+@torch.no_grad()
+def generate_one(model, prompt_ids, params: SamplingParams) -> list[int]:
+    """The sequential oracle the engine is tested against: one request alone, its keys and values in the static
+    cache (transformer.InferenceContext), sampled as the engine samples it — so a seeded request's tokens are these."""
+    model.eval()
+    device = next(model.parameters()).device
+    g, cache, out = generator(params, device), InferenceContext(), []
+    ids = torch.tensor([list(prompt_ids)], device=device)  # [1, s]: the prompt, then each sampled token
+    while True:
+        out.append(sample(model(ids, inference_context=cache)[0, -1], params, g))
+        if out[-1] in params.stop or len(out) == params.max_tokens:
+            return out
+        ids = torch.tensor([out[-1:]], device=device)
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 class Engine:
     """Continuous batching (Megatron's DynamicInferenceEngine; Yu et al. 2022, Orca): requests are added at any
@@ -181,8 +206,7 @@ class Engine:
                              f"{self.context}")
         if params.top_p is not None and not 0 < params.top_p <= 1:
             raise ValueError(f"top_p={params.top_p} must be in (0, 1]")
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
-        r = Request(len(self.requests), prompt, params, torch.Generator(self.device).manual_seed(seed))
+        r = Request(len(self.requests), prompt, params, generator(params, self.device))
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
                              f"positions ({r.max_positions()} positions), the pool has {self.cache.num_blocks}")

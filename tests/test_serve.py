@@ -3,8 +3,9 @@
   - greedy: every request of a continuously batched run — random prompt lengths, random arrival steps, different
     max_tokens and a stop id, so requests join and leave at different steps — is the token sequence
     gpt.generate(use_cache=False) gives it alone; GPT with learned positions (MHA) and Llama-style GQA with RoPE;
-  - sampled with a seed: each request's tokens are those it gets run alone through the engine (batch-composition
-    independence: each request draws from its own generator);
+  - sampled with a seed (temperature, top-k, top-p): each request's tokens are those it gets run alone through the
+    engine (batch-composition independence: each request draws from its own generator), and those of
+    serve.generate_one, the sequential oracle (the static KV cache, one request);
   - the pool never grows, freed blocks are reused, every block is free or held by exactly one running request at
     every step, and all are free at the end;
   - negative controls: a block table that shares a live block with another request makes the greedy comparison
@@ -107,6 +108,7 @@ def assert_batch_independent(model, work):
         alone = serve.Engine(model, 40, 4, max_batch=1)
         alone.add_request(prompt, params(i, max_tokens))
         assert alone.run()[0] == together[i], f"request {i}: alone {alone.requests[0].output}, batched {together[i]}"
+        assert serve.generate_one(model, prompt, params(i, max_tokens)) == together[i], f"request {i}: oracle"
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():

@@ -57,7 +57,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)  # the sampled tokens
     blocks: list[int] = dataclasses.field(default_factory=list)  # the block table: position p -> blocks[p // B]
     cached: int = 0  # positions whose keys and values are in the blocks
-    finish_reason: str | None = None  # "length" or "stop" once finished
+    finish_reason: str | None = None  # "length", "stop" or "abort" once finished
 
     def pending(self) -> list[int]:
         """The tokens this step feeds: the whole prompt first (prefill), then the last sampled token (decode)."""
@@ -160,7 +160,7 @@ def generator(params: SamplingParams, device) -> torch.Generator:
 @torch.no_grad()
 def generate_one(model, prompt_ids, params: SamplingParams) -> list[int]:
     """The sequential oracle the engine is tested against: one request alone, its keys and values in the static
-    cache (transformer.InferenceContext), sampled as the engine samples it — so a seeded request's tokens are these."""
+    cache (transformer.InferenceContext), sampled as the engine samples it: a seeded request's tokens are these."""
     model.eval()
     device = next(model.parameters()).device
     g, cache, out = generator(params, device), InferenceContext(), []
@@ -252,6 +252,16 @@ class Engine:
                 r.blocks = []
             out.append((r.id, r.output[-1], r.finish_reason is not None))
         return out
+
+    def abort(self, request_id: int):
+        """Finish a request now (a client that went away): out of the queue or the batch, its blocks freed."""
+        r = self.requests[request_id]
+        if r.finish_reason is None:
+            r.finish_reason = "abort"
+            self.waiting = [w for w in self.waiting if w is not r]
+            self.running = [w for w in self.running if w is not r]
+            self.cache.release(r.blocks)
+            r.blocks = []
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

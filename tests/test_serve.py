@@ -2,12 +2,14 @@
 
   - greedy: every request of a continuously batched run — random prompt lengths, random arrival steps, different
     max_tokens and a stop id, so requests join and leave at different steps — is the token sequence
-    gpt.generate(use_cache=False) gives it alone; GPT with learned positions (MHA) and Llama-style GQA with RoPE;
+    gpt.generate(use_cache=False) gives it alone; GPT with learned positions (MHA), Llama-style GQA with RoPE, and
+    multi-latent attention (deepseek.py: its pool holds each head's whole key and value, of different widths);
   - sampled with a seed (temperature, top-k, top-p): each request's tokens are those it gets run alone through the
     engine (batch-composition independence: each request draws from its own generator), and those of
     serve.generate_one, the sequential oracle (the static KV cache, one request);
   - the pool never grows, freed blocks are reused, every block is free or held by exactly one running request at
     every step, and all are free at the end;
+  - an aborted request (a client gone) leaves the batch and frees its blocks; the others finish unchanged;
   - negative controls: a block table that shares a live block with another request makes the greedy comparison
     fail, and the block invariant too; a request longer than the context or than the pool is refused by number;
   - negative control: requests drawing from one shared generator fail the batch-independence check;
@@ -24,7 +26,7 @@ import random
 
 import pytest
 import torch
-from test_kv_cache import GPT, LLAMA
+from test_kv_cache import GPT, LLAMA, MLA
 
 import gpt
 import serve
@@ -72,7 +74,7 @@ def assert_greedy_equals_generate(model, engine, work, stop=(), each_step=None):
     return got
 
 
-@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt-mha-learned", "llama-gqa-rope"])
+@pytest.mark.parametrize("cfg", [GPT, LLAMA, MLA], ids=["gpt-mha-learned", "llama-gqa-rope", "mla"])
 def test_continuous_batching_greedy_equals_generate(cfg, monkeypatch):
     model = gpt.Model(gpt.Config(**cfg))
     rows, real_sample = {}, serve.sample  # the logits each request sampled from, by its generator
@@ -173,6 +175,21 @@ def test_a_block_table_sharing_a_live_block_is_caught(monkeypatch):
     engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4)
     with pytest.raises(AssertionError, match="blocks held or free"):
         serve_all(engine, work, greedy, block_invariant)
+
+
+def test_an_aborted_request_frees_its_blocks_and_the_rest_go_on():
+    model = gpt.Model(gpt.Config(**LLAMA))
+    engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4)
+    a, b, c = (engine.add_request(p, greedy(0, 8)) for p in ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10]))
+    engine.step()
+    engine.abort(b)  # running: its blocks go back at once
+    engine.abort(c)
+    block_invariant(engine)
+    out = engine.run()
+    assert engine.requests[b].finish_reason == engine.requests[c].finish_reason == "abort" and len(out[b]) == 1
+    ref = gpt.generate(model, torch.tensor([[1, 2, 3, 4, 5]]), 8, temperature=0, use_cache=False)
+    assert out[a] == ref[0, 5:].tolist()
+    assert sorted(engine.cache.free) == list(range(20))
 
 
 def test_requests_too_long_are_refused():

@@ -182,7 +182,9 @@ class Engine:
     and preempts (not done here)."""
 
     def __init__(self, model, num_blocks: int, block_size: int, max_batch: int):
-        self.model, self.max_batch = model.eval(), max_batch
+        if min(num_blocks, block_size, max_batch) < 1:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}, max_batch={max_batch}: each must be >= 1")
+        self.model, self.max_batch = model.eval(), max_batch  # eval: no dropout while serving
         self.cache = PagedKVCache(num_blocks, block_size)
         self.device = next(model.parameters()).device
         self.context = model.config.max_position_embeddings  # the positions the model was built for

@@ -202,7 +202,7 @@ def test_requests_too_long_are_refused():
     with pytest.raises(ValueError, match="max_tokens=0"):
         engine.add_request([1], serve.SamplingParams(max_tokens=0))
     engine.add_request(list(range(9)), serve.SamplingParams(max_tokens=4))  # 12 positions: exactly the 3 blocks
-    with pytest.raises(ValueError, match="block_size=0: each must be >= 1"):
+    with pytest.raises(ValueError, match="num_blocks=3, block_size=0, max_batch=2: each must be >= 1"):
         serve.Engine(engine.model, num_blocks=3, block_size=0, max_batch=2)
     assert not engine.waiting[0].blocks
 

@@ -163,10 +163,14 @@ class Model(nn.Module):
         c = self.config
         return rope_for(c, s, device, d=c.qk_pos_emb_head_dim if c.multi_latent_attention else None)
 
-    def check_input(self, input_ids, what: str = "sequence"):
+    def check_input(self, input_ids, what: str = "sequence", position_ids=None):
         c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)
         s = input_ids.shape[1]
-        if c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
+        if c.position_embedding_type == "learned_absolute" and position_ids is not None:  # the table's rows read
+            if int(position_ids.max()) >= c.max_position_embeddings:  # (serve.py packs many requests in one row)
+                raise ValueError(f"position {int(position_ids.max())} >= max_position_embeddings="
+                                 f"{c.max_position_embeddings}")
+        elif c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
             raise ValueError(f"{what} length {s} > max_position_embeddings={c.max_position_embeddings}")
         cp = self.grid.cp_size if self.grid is not None else 1
         if cp > 1 and (s % (2 * cp) or c.sequence_parallel and s // cp % tp):
@@ -183,8 +187,9 @@ class Model(nn.Module):
     def forward(self, input_ids, labels=None, position_ids=None, mask=None, inference_context=None):
         """position_ids [b, s] / mask bool [b, 1, s, s] (True = attend): packed documents (data.Packing), else 0..s-1
         and causal. inference_context (transformer.InferenceContext): the KV cache; input_ids are the positions
-        after the cached ones."""
-        self.check_input(input_ids)
+        after the cached ones. serve.py's paged cache passes all three: many requests' tokens packed in one row, their
+        positions, and a mask [1, 1, s, keys] over the keys its `append` returns."""
+        self.check_input(input_ids, position_ids=position_ids)
         s, dev = input_ids.shape[1], input_ids.device
         if inference_context is not None and position_ids is None:
             position_ids = torch.arange(s, device=dev)[None] + inference_context.sequence_len_offset  # [1, s]

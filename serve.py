@@ -1,0 +1,275 @@
+"""serve.py — the inference engine for serving: a paged KV cache and continuous batching of many requests.
+
+What gpt.generate does for one batch of equal prompts that start and stop together, this does for a stream of
+requests that arrive at any step, each with its own prompt length, sampling settings and stopping point. Each
+`Engine.step()` runs ONE forward over every running request: new requests' whole prompts (prefill) and running
+requests' last tokens (decode) packed side by side in one sequence dimension, each token at its own position and
+attending only to its own request's cached keys (a block-diagonal causal mask). The keys and values live in a
+paged cache: a pool of fixed-size blocks per layer, a free list, and a block table per request that grows a block at
+a time and is freed whole when the request finishes, so memory follows the tokens actually held, not the longest
+request (Kwon et al. 2023, PagedAttention / vLLM). A file of its own because it is neither a model nor training: it
+drives any model built on gpt.Model's skeleton through forward's existing seams (position_ids, mask,
+inference_context), and it is where the OpenAI-compatible server will live (not yet written).
+Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
+pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
+add_request, step, scheduling). The attention here is written plainly (a gather of each request's keys and a dense
+mask), correctness first: Megatron and vLLM read the blocks inside a fused kernel instead. Beside it, the plain
+sequential oracle: `generate_one`, one request alone in the static KV cache (transformer.InferenceContext).
+Paper:  Kwon et al. 2023 (Efficient memory management for large language model serving with PagedAttention).
+
+Run:    .venv/bin/python -m pytest -q tests/test_serve.py
+
+Dimension glossary
+  R running requests    T tokens of this step (all requests' new tokens, packed)    K keys read this step (the
+  sum of the running requests' lengths)    N blocks in the pool    B block size (positions per block)
+  g key/value heads (query groups)    d head dim    V vocabulary
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from einops import rearrange
+
+from transformer import InferenceContext
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How one request samples: temperature 0 = greedy; top_k / top_p filter the distribution (None: off); `seed`
+    seeds the request's own generator, so its tokens do not depend on which requests share its steps; it stops
+    after max_tokens tokens or after sampling one of `stop` (that token included, as gpt.generate's eod)."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output: list[int] = dataclasses.field(default_factory=list)  # the sampled tokens
+    blocks: list[int] = dataclasses.field(default_factory=list)  # the block table: position p -> blocks[p // B]
+    cached: int = 0  # positions whose keys and values are in the blocks
+    finish_reason: str | None = None  # "length", "stop" or "abort" once finished
+
+    def pending(self) -> list[int]:
+        """The tokens this step feeds: the whole prompt first (prefill), then the last sampled token (decode)."""
+        return self.prompt if self.cached == 0 else self.output[-1:]
+
+    def max_positions(self) -> int:
+        """Positions it ever caches: the prompt and every sampled token but the last (which is never fed)."""
+        return len(self.prompt) + self.params.max_tokens - 1
+
+
+# ---------------------------------------------------------------------------------------------- the paged KV cache
+class PagedKVCache:
+    """Keys and values of every running request in fixed-size blocks (Megatron's DynamicInferenceContext): for each
+    attention layer a pool K, V [N, g, B, d] (allocated at the layer's first call, never grown), one free list of
+    block ids shared by the layers, and per step a plan — where this step's tokens are written and which slots each
+    token reads. Passed to the model as its inference_context: `append(layer, k, v)` is what attention calls."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = list(range(num_blocks))  # block ids, the next one handed out last
+        self.pools = {}  # attention layer -> (K, V) [N, g, B, d]
+        self.sequence_len_offset = 0  # the static cache's counter, which gpt.Model.forward advances: unused here
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free), f"{n} blocks asked, {len(self.free)} free: admission should have prevented it"
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]):
+        self.free.extend(reversed(blocks))
+
+    def slots(self, table: list[int], positions: torch.Tensor):
+        """(block, offset) [len(positions)] of positions in a request's block table."""
+        blocks = torch.tensor(table, dtype=torch.long, device=positions.device)
+        return blocks[positions // self.block_size], positions % self.block_size
+
+    def plan(self, requests: list[Request], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's layout: request r feeds counts[r] tokens after its `cached` ones. Stores where they are written
+        and which slots are read, and returns their positions [T] and the attention mask [T, K] (True = attend):
+        token t of request r at position p sees key j iff j is request r's, at a position <= p."""
+        def ar(n):
+            return torch.arange(n, device=device)
+        pos = torch.cat([ar(n) + r.cached for r, n in zip(requests, counts)])  # [T]
+        key_pos = torch.cat([ar(r.cached + n) for r, n in zip(requests, counts)])  # [K]
+        owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(counts, device=device))  # [T]
+        key_owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(
+            [r.cached + n for r, n in zip(requests, counts)], device=device))  # [K]
+        writes = [self.slots(r.blocks, ar(n) + r.cached) for r, n in zip(requests, counts)]
+        reads = [self.slots(r.blocks, ar(r.cached + n)) for r, n in zip(requests, counts)]
+        self.write = tuple(torch.cat(w) for w in zip(*writes))  # (block, offset) [T]
+        self.read = tuple(torch.cat(w) for w in zip(*reads))  # (block, offset) [K]
+        mask = (owner[:, None] == key_owner[None, :]) & (key_pos[None, :] <= pos[:, None])  # [T, K]
+        return pos, mask
+
+    def append(self, layer, k, v):
+        """This step's keys and values [1, g, T, d] -> every key and value this step's tokens read [1, g, K, d]
+        (the requests' cached ones and their own, in the plan's order; the mask says which each token sees)."""
+        if layer not in self.pools:
+            self.pools[layer] = tuple(t.new_zeros(self.num_blocks, t.shape[1], self.block_size, t.shape[3])
+                                      for t in (k, v))
+        out = []
+        for pool, new in zip(self.pools[layer], (k, v)):
+            pool[self.write[0], :, self.write[1]] = rearrange(new, "1 g t d -> t g d")
+            out.append(rearrange(pool[self.read[0], :, self.read[1]], "k g d -> 1 g k d"))
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def top_p_mask(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus sampling (Holtzman et al. 2020): True for the smallest set of most probable tokens whose probability
+    reaches p — token i is kept iff the tokens more probable than it sum to less than p. probs [V] -> bool [V]."""
+    sorted_probs, order = probs.sort(descending=True)
+    before = sorted_probs.cumsum(0) - sorted_probs  # [V] probability of the tokens ranked above each
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order] = before < p
+    return keep
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from one request's last logits [V]: greedy at temperature 0, else temperature, top-k, top-p, then a
+    draw from the request's own generator. In float32, as gpt.sample_next."""
+    logits = logits.float()
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if params.top_k is not None:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if params.top_p is not None:
+        probs = probs * top_p_mask(probs, params.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generator(params: SamplingParams, device) -> torch.Generator:
+    """A request's own random stream: from its seed, or from a seed drawn from torch's default generator."""
+    seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
+    return torch.Generator(device).manual_seed(seed)
+
+
+@torch.no_grad()
+def generate_one(model, prompt_ids, params: SamplingParams) -> list[int]:
+    """The sequential oracle the engine is tested against: one request alone, its keys and values in the static
+    cache (transformer.InferenceContext), sampled as the engine samples it: a seeded request's tokens are these."""
+    model.eval()
+    device = next(model.parameters()).device
+    g, cache, out = generator(params, device), InferenceContext(), []
+    ids = torch.tensor([list(prompt_ids)], device=device)  # [1, s]: the prompt, then each sampled token
+    while True:
+        out.append(sample(model(ids, inference_context=cache)[0, -1], params, g))
+        if out[-1] in params.stop or len(out) == params.max_tokens:
+            return out
+        ids = torch.tensor([out[-1:]], device=device)
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+class Engine:
+    """Continuous batching (Megatron's DynamicInferenceEngine; Yu et al. 2022, Orca): requests are added at any
+    time; each step admits waiting requests (first come, first served) while there are fewer than max_batch running
+    and the free blocks cover every running request's worst case, runs one forward over all of them, samples one
+    token per request and retires the finished ones, freeing their blocks. Admission reserves the worst case
+    (prompt + max_tokens − 1 positions), so a running request never waits for a block; vLLM instead admits more
+    and preempts (not done here)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, max_batch: int):
+        if min(num_blocks, block_size, max_batch) < 1:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}, max_batch={max_batch}: each must be >= 1")
+        self.model, self.max_batch = model.eval(), max_batch  # eval: no dropout while serving
+        self.cache = PagedKVCache(num_blocks, block_size)
+        self.device = next(model.parameters()).device
+        self.context = model.config.max_position_embeddings  # the positions the model was built for
+        self.requests: dict[int, Request] = {}  # every request, by id
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    def blocks_for(self, positions: int) -> int:
+        return math.ceil(positions / self.cache.block_size)
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
+        """Queue a request (token ids, at least one) and return its id; it joins the batch at a later step."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt or params.max_tokens < 1:
+            raise ValueError(f"a request needs a prompt and max_tokens >= 1 (prompt of {len(prompt)} tokens, "
+                             f"max_tokens={params.max_tokens})")
+        if len(prompt) + params.max_tokens > self.context:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} = "
+                             f"{len(prompt) + params.max_tokens} > the model's context max_position_embeddings="
+                             f"{self.context}")
+        if params.top_p is not None and not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p={params.top_p} must be in (0, 1]")
+        r = Request(len(self.requests), prompt, params, generator(params, self.device))
+        if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
+            raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
+                             f"positions ({r.max_positions()} positions), the pool has {self.cache.num_blocks}")
+        self.requests[r.id] = r
+        self.waiting.append(r)
+        return r.id
+
+    def admit(self):
+        """Move waiting requests into the batch while a slot and their worst-case blocks are free."""
+        promised = sum(self.blocks_for(r.max_positions()) - len(r.blocks) for r in self.running)
+        while self.waiting and len(self.running) < self.max_batch:
+            need = self.blocks_for(self.waiting[0].max_positions())
+            if need > len(self.cache.free) - promised:
+                break
+            promised += need
+            self.running.append(self.waiting.pop(0))
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, int, bool]]:
+        """One forward over the running batch: (request id, sampled token, finished) for each running request."""
+        self.admit()
+        if not self.running:
+            return []
+        batch, counts = list(self.running), [len(r.pending()) for r in self.running]
+        for r, n in zip(batch, counts):  # grow each block table to hold this step's tokens
+            r.blocks += self.cache.allocate(self.blocks_for(r.cached + n) - len(r.blocks))
+        ids = torch.tensor([t for r in batch for t in r.pending()], device=self.device)  # [T]
+        pos, mask = self.cache.plan(batch, counts, self.device)
+        logits = self.model(ids[None], position_ids=pos[None], mask=mask[None, None],
+                            inference_context=self.cache)[0]  # [T, V]
+        last = torch.tensor(counts, device=self.device).cumsum(0) - 1  # each request's last token in the row
+        out = []
+        for r, n, row in zip(batch, counts, logits[last]):
+            r.cached += n
+            r.output.append(sample(row, r.params, r.generator))
+            if r.output[-1] in r.params.stop:
+                r.finish_reason = "stop"
+            elif len(r.output) == r.params.max_tokens:
+                r.finish_reason = "length"
+            if r.finish_reason is not None:  # retire it: its blocks go back to the pool at once
+                self.running.remove(r)
+                self.cache.release(r.blocks)
+                r.blocks = []
+            out.append((r.id, r.output[-1], r.finish_reason is not None))
+        return out
+
+    def abort(self, request_id: int):
+        """Finish a request now (a client that went away): out of the queue or the batch, its blocks freed."""
+        r = self.requests[request_id]
+        if r.finish_reason is None:
+            r.finish_reason = "abort"
+            self.waiting = [w for w in self.waiting if w is not r]
+            self.running = [w for w in self.running if w is not r]
+            self.cache.release(r.blocks)
+            r.blocks = []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until every request added so far has finished: request id -> its sampled tokens."""
+        while self.has_unfinished():
+            self.step()
+        return {i: r.output for i, r in self.requests.items()}

@@ -1,0 +1,217 @@
+"""serve.py's engine (the paged KV cache and continuous batching) against gpt.generate, the sequential oracle.
+
+  - greedy: every request of a continuously batched run — random prompt lengths, random arrival steps, different
+    max_tokens and a stop id, so requests join and leave at different steps — is the token sequence
+    gpt.generate(use_cache=False) gives it alone; GPT with learned positions (MHA), Llama-style GQA with RoPE, and
+    multi-latent attention (deepseek.py: its pool holds each head's whole key and value, of different widths);
+  - sampled with a seed (temperature, top-k, top-p): each request's tokens are those it gets run alone through the
+    engine (batch-composition independence: each request draws from its own generator), and those of
+    serve.generate_one, the sequential oracle (the static KV cache, one request);
+  - the pool never grows, freed blocks are reused, every block is free or held by exactly one running request at
+    every step, and all are free at the end;
+  - an aborted request (a client gone) leaves the batch and frees its blocks; the others finish unchanged;
+  - negative controls: a block table that shares a live block with another request makes the greedy comparison
+    fail, and the block invariant too; a request longer than the context or than the pool is refused by number;
+  - negative control: requests drawing from one shared generator fail the batch-independence check;
+  - gpt.Model.forward checks explicit positions, not a packed row's length, against its learned-position table;
+  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities).
+Tolerance: tokens are compared exactly; the logits each token was sampled from, 1e-10 relative to the whole
+sequence's forward in float64 (they differ only in the order of float64 sums: the packed row's matmuls have other
+shapes; measured <= 3e-15). The random weights (init std 0.5, as tests/test_kv_cache.py's) keep greedy decoding
+from repeating one token, so the comparison means something.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_kv_cache import GPT, LLAMA, MLA
+
+import gpt
+import serve
+from equivalence import rel_err
+
+CONTEXT = 24  # the configs' max_position_embeddings
+
+
+def workload(seed=0, n=6):
+    """n requests: (arrival step, prompt ids, max_tokens), prompts of 1-9 tokens, 1-12 new tokens (at most the
+    context), arrivals over the first 5 steps."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        s = rng.randint(1, 9)
+        out.append((rng.randint(0, 4), [rng.randrange(GPT["vocab_size"]) for _ in range(s)],
+                    rng.randint(1, min(12, CONTEXT - s))))
+    return out
+
+
+def serve_all(engine, work, params, each_step=None):
+    """Add each request at its arrival step, step until all finish: the tokens of each request in `work`'s order."""
+    ids, t = {}, 0
+    while len(ids) < len(work) or engine.has_unfinished():
+        for i, (arrive, prompt, max_tokens) in enumerate(work):
+            if arrive == t:
+                ids[i] = engine.add_request(prompt, params(i, max_tokens))
+        engine.step()
+        if each_step is not None:
+            each_step(engine)
+        t += 1
+    return [engine.requests[ids[i]].output for i in range(len(work))]
+
+
+def greedy(i, max_tokens, stop=()):
+    return serve.SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop)
+
+
+def assert_greedy_equals_generate(model, engine, work, stop=(), each_step=None):
+    got = serve_all(engine, work, lambda i, m: greedy(i, m, stop), each_step)
+    for (_, prompt, max_tokens), tokens in zip(work, got):
+        ref = gpt.generate(model, torch.tensor([prompt]), max_tokens, temperature=0, eod=list(stop) or None,
+                           use_cache=False)[0, len(prompt):].tolist()
+        assert tokens == ref, f"engine's tokens {tokens} differ from gpt.generate's {ref}"
+    return got
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA, MLA], ids=["gpt-mha-learned", "llama-gqa-rope", "mla"])
+def test_continuous_batching_greedy_equals_generate(cfg, monkeypatch):
+    model = gpt.Model(gpt.Config(**cfg))
+    rows, real_sample = {}, serve.sample  # the logits each request sampled from, by its generator
+    monkeypatch.setattr(serve, "sample", lambda logits, params, g: (
+        rows.setdefault(id(g), []).append(logits), real_sample(logits, params, g))[1])
+    engine, steps = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4), []
+    plan = engine.cache.plan
+    engine.cache.plan = lambda requests, counts, device: (  # record each step: (prefill?, tokens) per request
+        steps.append([(r.cached == 0, n) for r, n in zip(requests, counts)]), plan(requests, counts, device))[1]
+    work = workload()
+    # a stop id: the 4th token the oracle gives the longest request, so that it stops early
+    j = max(range(len(work)), key=lambda i: work[i][2])
+    stop = (gpt.generate(model, torch.tensor([work[j][1]]), 4, temperature=0, use_cache=False)[0, -1].item(),)
+    got = assert_greedy_equals_generate(model, engine, work, stop)
+    assert got[j][-1] == stop[0] and len(got[j]) <= 4 < work[j][2]  # it stopped at the stop id
+    assert {r.finish_reason for r in engine.requests.values()} == {"stop", "length"}
+    assert len({len(t) for t in got}) >= 4, "the requests should finish at different steps"
+    assert len(set(sum(got, []))) >= 8, "a degenerate generation compares nothing"
+    for r in engine.requests.values():  # the logits too: the whole sequence's forward, at each sampled position
+        full = model(torch.tensor([r.prompt + r.output[:-1]]))[0, len(r.prompt) - 1:]  # [len(output), V]
+        assert rel_err(torch.stack(rows[id(r.generator)]), full) <= 1e-10
+    assert max(len(s) for s in steps) == 4  # max_batch requests ran together
+    assert any(len({prefill for prefill, _ in s}) == 2 for s in steps)  # prefills and decodes shared a step
+    assert sum(n for s in steps for _, n in s) == sum(len(p) + len(t) - 1 for (_, p, _), t in zip(work, got))
+
+
+def assert_batch_independent(model, work):
+    def params(i, max_tokens):
+        return serve.SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=40, top_p=0.9, seed=100 + i)
+    together = serve_all(serve.Engine(model, 40, 4, max_batch=4), work, params)
+    assert len(set(sum(together, []))) >= 8
+    for i, (_, prompt, max_tokens) in enumerate(work):
+        alone = serve.Engine(model, 40, 4, max_batch=1)
+        alone.add_request(prompt, params(i, max_tokens))
+        assert alone.run()[0] == together[i], f"request {i}: alone {alone.requests[0].output}, batched {together[i]}"
+        assert serve.generate_one(model, prompt, params(i, max_tokens)) == together[i], f"request {i}: oracle"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    assert_batch_independent(gpt.Model(gpt.Config(**LLAMA)), workload(seed=1))
+
+
+def test_one_shared_generator_is_caught(monkeypatch):
+    """Negative control: every request drawing from one generator (the draws interleave with the batch's)."""
+    shared, real = torch.Generator().manual_seed(0), serve.sample
+    monkeypatch.setattr(serve, "sample", lambda logits, params, g: real(logits, params, shared))
+    with pytest.raises(AssertionError, match="request .*: alone .*, batched"):
+        assert_batch_independent(gpt.Model(gpt.Config(**LLAMA)), workload(seed=1))
+
+
+def test_packed_positions_are_checked_against_the_table():
+    """gpt.Model.forward with explicit positions checks them, not the row's length, against learned positions: a
+    packed row longer than the table runs, a position past it is refused."""
+    model = gpt.Model(gpt.Config(**GPT))
+    model(torch.zeros(1, CONTEXT + 6, dtype=torch.long), position_ids=torch.arange(CONTEXT + 6)[None] % CONTEXT)
+    with pytest.raises(ValueError, match="position 24 >= max_position_embeddings=24"):
+        model(torch.zeros(1, 3, dtype=torch.long), position_ids=torch.tensor([[0, 1, 24]]))
+
+
+def block_invariant(engine):
+    """Every block is free or in exactly one running request's table."""
+    held = [b for r in engine.running for b in r.blocks] + engine.cache.free
+    assert sorted(held) == list(range(engine.cache.num_blocks)), f"blocks held or free: {sorted(held)}"
+
+
+def test_freed_blocks_are_reused_and_the_pool_never_grows():
+    model = gpt.Model(gpt.Config(**LLAMA))
+    engine = serve.Engine(model, num_blocks=12, block_size=4, max_batch=8)  # too few blocks for all 6 at once
+    users, pools = {}, []
+
+    def check(e):
+        block_invariant(e)
+        for r in e.running:
+            for b in r.blocks:
+                users.setdefault(b, set()).add(r.id)
+        pools.append([(k.data_ptr(), k.shape) for k, _ in e.cache.pools.values()])
+    assert_greedy_equals_generate(model, engine, workload(seed=2), each_step=check)
+    assert any(len(ids) > 1 for ids in users.values()), "no block was ever used by two requests"
+    assert all(p == pools[0] for p in pools) and len(pools[0]) == 2 and pools[0][0][1] == (12, 2, 4, 8)
+    assert sorted(engine.cache.free) == list(range(12)) and not engine.running and not engine.waiting
+
+
+def test_a_block_table_sharing_a_live_block_is_caught(monkeypatch):
+    """Negative control: request 1 writes its keys into a block request 0 still reads: the tokens differ."""
+    model = gpt.Model(gpt.Config(**LLAMA))
+    work = [(0, [1, 2, 3, 4, 5], 12), (1, [6, 7, 8], 12)]
+    real = serve.PagedKVCache.plan
+
+    def plan(self, requests, counts, device):  # once both run: request 1's first block is request 0's
+        live = {r.id: r for r in requests}
+        if 0 in live and 1 in live:
+            live[1].blocks[0] = live[0].blocks[0]
+        return real(self, requests, counts, device)
+    monkeypatch.setattr(serve.PagedKVCache, "plan", plan)
+    engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4)
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        assert_greedy_equals_generate(model, engine, work)
+    engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4)
+    with pytest.raises(AssertionError, match="blocks held or free"):
+        serve_all(engine, work, greedy, block_invariant)
+
+
+def test_an_aborted_request_frees_its_blocks_and_the_rest_go_on():
+    model = gpt.Model(gpt.Config(**LLAMA))
+    engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4)
+    a, b, c = (engine.add_request(p, greedy(0, 8)) for p in ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10]))
+    engine.step()
+    engine.abort(b)  # running: its blocks go back at once
+    engine.abort(c)
+    block_invariant(engine)
+    out = engine.run()
+    assert engine.requests[b].finish_reason == engine.requests[c].finish_reason == "abort" and len(out[b]) == 1
+    ref = gpt.generate(model, torch.tensor([[1, 2, 3, 4, 5]]), 8, temperature=0, use_cache=False)
+    assert out[a] == ref[0, 5:].tolist()
+    assert sorted(engine.cache.free) == list(range(20))
+
+
+def test_requests_too_long_are_refused():
+    engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
+    with pytest.raises(ValueError, match=r"prompt of 20 tokens \+ max_tokens=5 = 25 > the model's context "
+                                         r"max_position_embeddings=24"):
+        engine.add_request(list(range(20)), serve.SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match=r"request needs 4 blocks of 4 positions \(13 positions\), the pool has 3"):
+        engine.add_request(list(range(10)), serve.SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        engine.add_request([1], serve.SamplingParams(max_tokens=0))
+    engine.add_request(list(range(9)), serve.SamplingParams(max_tokens=4))  # 12 positions: exactly the 3 blocks
+    with pytest.raises(ValueError, match="num_blocks=3, block_size=0, max_batch=2: each must be >= 1"):
+        serve.Engine(engine.model, num_blocks=3, block_size=0, max_batch=2)
+    assert not engine.waiting[0].blocks
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.0625, 0.5, 0.1875, 0.25], dtype=torch.float64)  # exact in binary: sums have no rounding
+    # ranked 1, 3, 2, 0; the tokens above each sum to 0, 0.5, 0.75, 0.9375
+    for p, kept in [(0.3, [1]), (0.5, [1]), (0.6, [1, 3]), (0.75, [1, 3]), (0.8, [1, 2, 3]), (0.95, [0, 1, 2, 3])]:
+        assert serve.top_p_mask(probs, p).nonzero().flatten().tolist() == kept, p
+    engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
+    with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
+        engine.add_request([1], serve.SamplingParams(top_p=0))

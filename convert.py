@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import data
+import hf
 import parallel as P
 from rope import yarn_mscale
 
@@ -878,8 +879,7 @@ def to_megatron_dist(full: dict, c, out_dir, padded_vocab_size: int | None = Non
 
 
 # ---------------------------------------------------------------------------------------------- export: ours -> Hugging Face
-class ExportError(ValueError):
-    """A model Hugging Face's classes cannot represent; the message names the setting (train.py prints one line)."""
+ExportError = hf.ExportError  # a model Hugging Face's classes cannot represent: one line naming the setting
 
 
 # Config fields that do not change what an exported model computes (training-only), or that gpt_to_hf reads itself.

@@ -289,7 +289,8 @@ RUN_FIELDS = {"hidden_dropout", "attention_dropout", "init_method_std", "sequenc
 
 # ---------------------------------------------------------------------------------------------- export
 class ExportError(ConfigError):
-    """An export that would not be exact; the message names the tensor."""
+    """An export that would not be exact, or a setting Hugging Face's classes cannot represent (convert.gpt_to_hf): the
+    message names the tensor or the setting, in one line."""
 
 
 def export_state(arch: dict, full: dict, dtype=None) -> tuple[dict, list]:

@@ -2,6 +2,7 @@
 #   make train MODEL=gpt NPROC=2 TP=2 ARGS="--train-iters 100"    # -> runs/gpt/ (torchrun when NPROC > 1; also PP=)
 #   make train ARGS="--task dpo --pretrained-checkpoint runs/gpt"   # -> runs/gpt-dpo/ (--task sft, dpo, kto or rm)
 #   make sample PROMPT="class "                                     # text from runs/$(MODEL) (RUN=... for another)
+#   make serve                                                      # runs/$(MODEL) behind an OpenAI-compatible API
 #   make lint
 #   make bench
 #   make soak ARGS="--minutes 3"
@@ -27,7 +28,7 @@ RUN     ?= runs/$(MODEL)$(if $(TASK),-$(TASK))
 TORCH_INDEX ?=
 LAUNCH  := $(if $(filter 1,$(NPROC)),$(PY),OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 
-.PHONY: setup test lint train sample bench soak clean
+.PHONY: setup test lint train sample serve bench soak clean
 
 # A virtualenv with pinned dependencies; idempotent (the stamp is newer than the requirements it was built from).
 $(STAMP): requirements.txt requirements-test.txt
@@ -51,6 +52,11 @@ train: $(STAMP)
 
 sample: $(STAMP)
 	$(PY) tools.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)
+
+# An OpenAI-compatible HTTP server for the run in RUN (server.py; port 8000 unless ARGS="--port N"; NPROC=2 TP=2 serves
+# it at TP 2); Ctrl-C or SIGTERM stops it after the requests in flight are answered
+serve: $(STAMP)
+	$(LAUNCH) server.py --load $(RUN) --tensor-model-parallel-size $(TP) $(ARGS)
 
 # Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs
 # Hugging Face transformers (GPT-2, Llama, BERT, T5, Mamba-2 rows, each in a fresh process), fp32 (bench/bench_hf.py;

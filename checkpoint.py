@@ -502,37 +502,47 @@ def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, f
 
 
 class Loaded(NamedTuple):
-    """A saved run rebuilt in one process (load_model)."""
-    model: object  # the whole model (TP = PP = 1), eval-ready
-    args: Args  # the run's settings (its flags and vocabulary), with TP = PP = 1
+    """A saved run rebuilt for inference (load_model)."""
+    model: object  # the whole model (TP = PP = 1), or this rank's TP (and EP) shard of it; eval-ready
+    args: Args  # the run's settings (its flags and vocabulary), with the layout it was loaded at
     tok: object  # its tokenizer
     ckpt: Checkpoint
     model_file: ModelFile
 
 
-def load_model(load_dir, step=None, flag="--load", merge=True, extend=None) -> Loaded:
-    """A saved run for inference in one process (TP = PP = 1): tools.py and Retro's BERT chunk embedder
-    (retrieval.ChunkEmbedder.load) read runs so. A LoRA run: its base model with the adapters, merged into the weights
-    (lora.merge) unless merge=False. `extend(model)`: what the run added on top of the model before it was saved
-    (posttrain.add_value_head for a reward model), so that it loads too."""
+def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: int = 1, ep: int = 1) -> Loaded:
+    """A saved run for inference: in one process (TP = PP = 1; tools.py and Retro's BERT chunk embedder read runs so),
+    or on a world of tp x ep ranks (server.py: the checkpoint, saved at any layout, read as this rank's TP shard, the
+    experts split over ep ranks that all hold the same tokens; no sequence parallelism, one pipeline stage). A LoRA
+    run: its base model with the adapters, merged into the weights (lora.merge) unless merge=False. `extend(model)`:
+    what the run added on top of the model before it was saved (posttrain.add_value_head for a reward model), so that
+    it loads too."""
     ckpt = find_checkpoint(load_dir, step, flag)
     if ckpt is None:
         raise ConfigError(f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt)")
     saved = ckpt.meta["args"]
     mf = model_file(saved["model"])
     # flags a run saved before they existed take their defaults (of the flags of its time, the same values)
-    args = Args(**{**vars(parse_args(["--model", mf.name])), **saved, "tensor_model_parallel_size": 1,
-                   "pipeline_model_parallel_size": 1})
+    layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "data_parallel_size": ep,
+              "expert_model_parallel_size": ep, "context_parallel_size": 1, "sequence_parallel": False}
+    if saved.get("expert_tensor_parallel_size") not in (None, 1):
+        layout["expert_tensor_parallel_size"] = tp  # experts split like the dense MLP at this TP (or whole at 1)
+    args = Args(**{**vars(parse_args(["--model", mf.name])), **saved, **layout})
     tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
-    model = mf.Model(model_config(mf, args, tok=tok))
+    grid = mesh = None
+    if tp * ep > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+        grid = P.Grid(tp=tp, dp=ep, ep=ep, etp=args.expert_tensor_parallel_size)
+        mesh = DeviceMesh("cpu", torch.arange(tp * ep).view(ep, tp), mesh_dim_names=("dp_cp", "tp"))
+    model = mf.Model(model_config(mf, args, tok=tok), grid)
     if extend is not None:
         extend(model)
     adapters = "lora_base" in ckpt.meta
     if adapters:
-        load_weights(recorded_base(ckpt.meta["lora_base"], ckpt.path.parent, flag), [model], None)
+        load_weights(recorded_base(ckpt.meta["lora_base"], ckpt.path.parent, flag), [model], mesh)
         lora.apply_lora(model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
     with _quiet_dcp():
-        dcp.load({"model": checkpoint_state([model], None, None, only=added_to_base if adapters else None)["model"]},
+        dcp.load({"model": checkpoint_state([model], None, mesh, only=added_to_base if adapters else None)["model"]},
                  checkpoint_id=str(ckpt.path))
     if adapters and merge:
         lora.merge(model)

@@ -14,6 +14,8 @@ What "at a tiny size" changes, and nothing else:
   - tools.py sample: at most 4 new tokens; tools.py import-megatron: the model's tiny shape appended (its flags are
     train.py's model flags); tools.py import-hf: a tiny Qwen2 folder where the command names one that does not exist;
     data.py preprocess: SMALL_CORPUS when the command names no --input.
+  - server.py (`make serve`): started on a free port, asked one completion over HTTP, stopped by SIGTERM; on several
+    ranks its arguments are parsed only (COMMANDS=all runs it; tests/test_server.py serves at TP 2).
   - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
     starts processes of its own (ranks, or one per row), tens of seconds even at that size, so `make test` parses
     its documented arguments with the script's own parser, and COMMANDS=all runs it too
@@ -231,6 +233,8 @@ def run_python(words: list[str], work: Path):
         with inside(work):
             tools.main(argv)
         return
+    if script == "server.py":
+        return run_server(argv, work)
     if script == "data.py":
         if argv[:1] == ["preprocess"] and "--input" not in argv:
             argv = argv + ["--input", str(work / "small_corpus")]
@@ -248,6 +252,46 @@ def run_python(words: list[str], work: Path):
     raise AssertionError(f"no runner for python {script}")
 
 
+def run_server(argv: list[str], work: Path, nproc: int = 1):
+    """server.py: started in `work` on a free port, one completion asked over HTTP, stopped by SIGTERM (exit 0). At
+    TP > 1 only its arguments are parsed unless COMMANDS=all (tests/test_server.py serves at TP 2 itself)."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    import server
+    a = server.parse_args(argv)
+    if nproc > 1 and not FULL:
+        raise Skipped(f"server.py on {nproc} ranks: its arguments parsed (tests/test_server.py serves at TP 2)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    argv = [w for i, w in enumerate(argv) if w != "--port" and argv[i - 1:i] != ["--port"]] + ["--port", port]
+    launch = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [PY]
+    proc = subprocess.Popen([*launch, str(ROOT / "server.py"), *argv], cwd=work, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        body = json.dumps({"model": a.served_model_name or Path(a.load).name, "prompt": "def", "max_tokens": 2})
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(),
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    assert json.load(r)["choices"][0]["finish_reason"] == "length"
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+                time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        assert "stopped: every request answered" in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def run_torchrun(words: list[str], work: Path):
     p = argparse.ArgumentParser()
     p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1)
@@ -258,6 +302,8 @@ def run_torchrun(words: list[str], work: Path):
     p.add_argument("--master-port", "--master_port")
     p.add_argument("script")
     launcher, argv = p.parse_known_args(words)
+    if launcher.script == "server.py":
+        return run_server(argv, work, launcher.nproc_per_node)
     assert launcher.script == "train.py", launcher.script
     if launcher.nnodes != "1":  # a multi-node command: its flags, checked for the world it names
         world = int(launcher.nnodes) * launcher.nproc_per_node

@@ -1,0 +1,435 @@
+"""server.py — an OpenAI-compatible HTTP server over serve.py's engine, on one process or a tensor-parallel world.
+
+`/v1/completions` and `/v1/chat/completions` (the run's chat template), streamed as server-sent events when asked,
+`/v1/models` and `/health`: what vLLM's and Megatron's servers answer, so the official `openai` client, curl or any
+OpenAI-speaking tool talks to a run of this repository. A bad request (an unknown model, a prompt longer than the
+context, a negative max_tokens, malformed JSON) gets a 400 in OpenAI's error shape and the server goes on.
+A file of its own because it is the only asynchronous code here: serve.py's engine is synchronous torch, and a
+reader of the engine should not have to read HTTP. Mirrors Megatron-LM's `megatron/core/inference/text_generation_server`
+(a Flask server over the engine, rank 0 answering while every rank runs the model) and vLLM's
+`vllm/entrypoints/openai/api_server.py` (the same routes and shapes).
+
+How it runs. Every rank builds the model's shard (checkpoint.load_model at --tensor-model-parallel-size, saved at any
+layout) and an identical serve.Engine, and runs the same loop in lock-step: each step, rank 0 takes the commands the
+HTTP handlers queued (add a request, abort one), broadcasts them (torch.distributed's broadcast_object_list; an empty
+list at least once a second, so an idle server's ranks never hit the collective timeout), and every rank applies them
+and calls engine.step(). The model's collectives keep the ranks' logits identical, and each request carries the seed
+rank 0 chose, so every rank samples the same tokens, finishes the same requests and frees the same blocks. Rank 0
+alone answers HTTP (FastAPI on uvicorn, in the main thread; the engine loop in a thread beside it). SIGTERM or Ctrl-C:
+uvicorn stops taking requests and drains, then rank 0 broadcasts "stop" and every rank exits 0.
+
+Run:    make serve
+        make serve NPROC=2 TP=2 ARGS="--port 8001"
+        .venv/bin/python -m pytest -q tests/test_server.py
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import secrets
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+import checkpoint
+import data
+import posttrain
+import serve
+from config import ConfigError
+
+
+# ---------------------------------------------------------------------------------------------- the engine loop
+class Loop:
+    """The engine loop, the same on every rank. Rank 0's handlers `submit` commands with a callback that receives
+    the request's events: ("accepted",), ("error", message), then ("token", text, logprob entry, finish reason)
+    for each sampled token (finish reason None until the last). Stop strings are found here, on every rank alike: the
+    text is decoded after each token, cut before the first stop string, and the request aborted in the engine."""
+
+    def __init__(self, engine: serve.Engine, tok, world: int, rank: int):
+        self.engine, self.tok, self.world, self.rank = engine, tok, world, rank
+        self.inbox = queue.Queue()  # rank 0: (command, callback) from the HTTP handlers
+        self.callbacks = {}  # rank 0: request key -> callback
+        self.live = {}  # engine request id -> [key, stop strings, text sent]
+        self.ids = {}  # request key -> engine request id
+
+    def submit(self, command: tuple, callback=None):
+        self.inbox.put((command, callback))
+
+    def commands(self) -> list[tuple]:
+        """This step's commands: rank 0's queue (waiting up to a second when nothing runs), broadcast to all."""
+        cmds = []
+        if self.rank == 0:
+            try:
+                item = self.inbox.get(timeout=1.0) if not self.engine.has_unfinished() else self.inbox.get_nowait()
+                while True:
+                    command, callback = item
+                    cmds.append(command)
+                    if callback is not None:
+                        self.callbacks[command[1]] = callback
+                    item = self.inbox.get_nowait()
+            except queue.Empty:
+                pass
+        if self.world > 1:
+            box = [cmds]
+            dist.broadcast_object_list(box, src=0)
+            cmds = box[0]
+        return cmds
+
+    def emit(self, key: str, event: tuple):
+        if key in self.callbacks:
+            self.callbacks[key](event)
+            if event[0] == "error" or event[0] == "token" and event[3] is not None:
+                del self.callbacks[key]
+
+    def apply(self, command: tuple):
+        kind, key = command[0], command[1]
+        if kind == "add":
+            prompt, params, stops = command[2:]
+            try:
+                rid = self.engine.add_request(prompt, params)
+            except ValueError as e:
+                return self.emit(key, ("error", str(e)))
+            self.live[rid], self.ids[key] = [key, stops, ""], rid
+            self.emit(key, ("accepted",))
+        elif kind == "abort" and key in self.ids:  # a client that went away
+            rid = self.ids.pop(key)
+            self.engine.abort(rid)
+            self.live.pop(rid, None)
+            self.callbacks.pop(key, None)
+
+    def advance(self, rid: int, token: int, finished: bool):
+        """The text a request's new token adds (held back while it may be the start of a stop string or of a
+        character whose bytes are not all out yet), and its end."""
+        key, stops, sent = self.live[rid]
+        r = self.engine.requests[rid]
+        reason = r.finish_reason if finished else None
+        ids = r.output[:-1] if reason == "stop" else r.output  # a stop token is not part of the text
+        text = self.tok.decode(ids)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:  # a stop string: the text ends before it, and so does the request
+            text, reason = text[:cut], "stop"
+            if not finished:
+                self.engine.abort(rid)
+        safe = len(text)
+        if reason is None:
+            safe = len(text.rstrip("\ufffd"))
+            held = max((n for s in stops for n in range(1, len(s)) if text[:safe].endswith(s[:n])), default=0)
+            safe -= held
+        delta = text[len(sent):safe] if text.startswith(sent) else ""
+        self.live[rid][2] = sent + delta
+        lp = None
+        if getattr(r, "logprobs", None):
+            logprob, top = r.logprobs[-1]
+            lp = (token, logprob, top)
+        if reason is not None:
+            del self.live[rid], self.ids[key]
+        self.emit(key, ("token", delta, lp, reason))
+
+    def run(self):
+        """Step until rank 0 says stop."""
+        while True:
+            cmds = self.commands()
+            if any(c[0] == "stop" for c in cmds):
+                return
+            for c in cmds:
+                self.apply(c)
+            for rid, token, finished in self.engine.step():
+                if rid in self.live:
+                    self.advance(rid, token, finished)
+
+
+# ---------------------------------------------------------------------------------------------- the API's shapes
+class OpenAIError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def error_response(message: str, param=None, status: int = 400) -> JSONResponse:
+    """OpenAI's error shape."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The sampling fields both routes share (OpenAI's names; top_k is vLLM's extension). Unknown fields are ignored,
+    as vLLM ignores them."""
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: Literal[False] = False
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# ---------------------------------------------------------------------------------------------- the routes
+def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
+    app = FastAPI(title="mini-megatron")
+    eod = data.special_ids(tok)["eod"]
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):  # pydantic's complaint (or malformed JSON) as OpenAI's 400
+        e = exc.errors()[0]
+        if e.get("type") == "json_invalid":
+            return error_response(f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+        param = ".".join(str(p) for p in e.get("loc", ())[1:]) or None
+        return error_response(f"{param or 'body'}: {e.get('msg')}", param)
+
+    @app.exception_handler(OpenAIError)
+    async def refused(request, exc):
+        return error_response(exc.message, exc.param, exc.status)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mini-megatron",
+                                            "max_model_len": context}]}
+
+    async def submit(body: Sampling, prompt: list[int], stop_ids: list[int], logprobs: int | None):
+        """Queue body.n requests for one prompt; (an asyncio.Queue of (choice, event), their keys) once every one
+        is accepted, else OpenAIError with the engine's reason (what it refuses: a prompt too long, ...)."""
+        if body.model != name:
+            raise OpenAIError(f"model {body.model!r} does not exist: this server serves {name!r}", "model")
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens is None:  # completions: OpenAI's 16; chat: what the context leaves
+            max_tokens = 16 if isinstance(body, CompletionRequest) else max(context - len(prompt), 1)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stops):
+            raise OpenAIError("stop: an empty stop string", "stop")
+        events, here, keys = asyncio.Queue(), asyncio.get_running_loop(), []
+        for i in range(body.n):
+            seed = body.seed + i if body.seed is not None else secrets.randbits(62)  # every rank samples alike
+            params = serve.SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+                                          top_p=body.top_p if body.top_p < 1 else None, seed=seed,
+                                          stop=tuple(stop_ids),
+                                          **({"logprobs": logprobs} if logprobs is not None else {}))
+            keys.append(uuid.uuid4().hex)
+            loop.submit(("add", keys[-1], prompt, params, stops),
+                        lambda ev, i=i: here.call_soon_threadsafe(events.put_nowait, (i, ev)))
+        refusal = None
+        for _ in keys:
+            i, ev = await events.get()
+            refusal = refusal or (ev[1] if ev[0] == "error" else None)
+        if refusal is not None:
+            for k in keys:
+                loop.submit(("abort", k))
+            raise OpenAIError(refusal, "messages" if isinstance(body, ChatRequest) else "prompt")
+        return events, keys
+
+    def logprob_entry(lp, chat: bool):
+        token, logprob, top = lp
+        if chat:
+            return {"token": tok.decode([token]), "logprob": logprob, "bytes": None,
+                    "top_logprobs": [{"token": tok.decode([t]), "logprob": v, "bytes": None} for t, v in top]}
+        return token, logprob, {tok.decode([t]): v for t, v in top}
+
+    async def answer(body, prompt, stop_ids, logprobs, chat: bool):
+        events, keys = await submit(body, prompt, stop_ids, logprobs)
+        rid, created = ("chatcmpl-" if chat else "cmpl-") + keys[0], int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        want_lp = logprobs is not None
+
+        def chunk(i, text, lps, reason, first=False):
+            if chat:
+                delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first \
+                    else {}
+                lp = {"content": [logprob_entry(x, True) for x in lps]} if want_lp else None
+                return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": legacy(lps) if want_lp else None, "finish_reason": reason}
+
+        def legacy(lps):
+            entries = [logprob_entry(x, False) for x in lps]
+            return {"tokens": [tok.decode([t]) for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
+                    "top_logprobs": [top for _, _, top in entries], "text_offset": []}
+
+        async def tokens():
+            """(choice, text, logprob entry, finish reason) as the engine loop sends them, until every choice ends."""
+            open_ = set(range(len(keys)))
+            try:
+                while open_:
+                    i, ev = await events.get()
+                    if ev[3] is not None:
+                        open_.discard(i)
+                    yield i, ev[1], ev[2], ev[3]
+            finally:
+                for i in open_:  # the client went away (or the handler failed): free the engine's blocks
+                    loop.submit(("abort", keys[i]))
+
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+        if not body.stream:
+            texts, lps, reasons = [""] * len(keys), [[] for _ in keys], [None] * len(keys)
+            async for i, text, lp, reason in tokens():
+                texts[i] += text
+                lps[i] += [lp] if lp is not None else []
+                reasons[i] = reason
+                usage["completion_tokens"] += 1
+            usage["total_tokens"] = len(prompt) + usage["completion_tokens"]
+            choices = []
+            for i in range(len(keys)):
+                c = chunk(i, texts[i], lps[i], reasons[i])
+                if chat:
+                    c = {"index": i, "message": {"role": "assistant", "content": texts[i]},
+                         "logprobs": c["logprobs"], "finish_reason": reasons[i]}
+                choices.append(c)
+            return {"id": rid, "object": kind, "created": created, "model": name, "choices": choices, "usage": usage}
+
+        async def sse():
+            head = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": name}
+            if chat:
+                for i in range(len(keys)):
+                    yield f"data: {json.dumps({**head, 'choices': [chunk(i, '', [], None, first=True)]})}\n\n"
+            async for i, text, lp, reason in tokens():
+                usage["completion_tokens"] += 1
+                if text or reason is not None or lp is not None:
+                    c = chunk(i, text, [lp] if lp is not None else [], reason)
+                    yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
+            if body.stream_options is not None and body.stream_options.include_usage:
+                usage["total_tokens"] = len(prompt) + usage["completion_tokens"]
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        prompt = tok.encode(body.prompt).ids if isinstance(body.prompt, str) else body.prompt
+        if any(not 0 <= t < tok.get_vocab_size() for t in prompt):
+            raise OpenAIError(f"prompt: token ids must be in [0, {tok.get_vocab_size()})", "prompt")
+        return await answer(body, prompt, [eod], body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        try:
+            prompt = posttrain.chat_prompt_ids([m.model_dump() for m in body.messages], tok)
+        except ValueError as e:  # special-token text in a message
+            raise OpenAIError(str(e), "messages") from None
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await answer(body, prompt, data.chat_stop_ids(tok), logprobs, chat=True)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Serve a saved run behind an OpenAI-compatible HTTP API (server.py).")
+    p.add_argument("--load", required=True, help="the run to serve (a directory train.py saved into)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the run directory's name)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree (run under torchrun)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP degree for an MoE run: world = TP x EP ranks, each running every request")
+    p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch at most (vLLM's "
+                   "max_num_seqs)")
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
+    p.add_argument("--num-blocks", type=int, help="blocks in the KV cache (default: a full batch of full contexts)")
+    return p.parse_args(argv)
+
+
+def fail_fast(fn):
+    """fn, but an exception in it ends the whole process (and torchrun's world) at once, its traceback printed: a
+    server whose engine died must not go on accepting requests it will never answer."""
+    def run():
+        try:
+            fn()
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+    return run
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    tp, ep = a.tensor_model_parallel_size, a.expert_model_parallel_size
+    if tp < 1 or ep < 1 or tp * ep != world:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} x --expert-model-parallel-size {ep} must equal the "
+                          f"world size {world} (torchrun --nproc_per_node)")
+    if not 1 <= a.port <= 65535:
+        raise ConfigError(f"--port {a.port} must be in 1..65535")
+    if world > 1:
+        dist.init_process_group("gloo")
+        if rank:  # the ranks follow rank 0, which stops them itself after draining
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    run = checkpoint.load_model(a.load, tp=tp, ep=ep)
+    if run.model_file.sample_ids is None:
+        raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot be served: only a causal language "
+                          "model generates (its model file declares no sample_ids)")
+    context = run.model.config.max_position_embeddings
+    blocks = a.num_blocks or a.max_batch * -(-context // a.block_size)
+    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch), run.tok, world, rank)
+    if rank:
+        loop.run()
+    else:
+        import uvicorn
+        name = a.served_model_name or os.path.basename(os.path.normpath(a.load))
+        worker = threading.Thread(target=fail_fast(loop.run), daemon=True)
+        worker.start()
+        print(f"serving {a.load} as {name!r} at http://{a.host}:{a.port}/v1 (TP {tp}, EP {ep}); Ctrl-C stops",
+              flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn drains on them, then raises them again on its way
+            signal.signal(sig, lambda *_: None)  # out: this handler lets the shutdown below run, and exit 0
+        uvicorn.Server(uvicorn.Config(make_app(loop, name, run.tok, context), host=a.host, port=a.port,
+                                      log_level="warning")).run()
+        loop.submit(("stop", None))
+        worker.join()
+    if world > 1:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(f"stopped: every request answered, {world} rank(s) done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ConfigError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

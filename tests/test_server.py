@@ -1,0 +1,232 @@
+"""server.py driven over HTTP by the official `openai` client, as a user's program would, on one process and at TP 2.
+
+  - greedy completions and chat completions are the tokens gpt.generate gives each prompt alone (the sequential
+    oracle, on the saved run loaded in one process), decoded; eight clients at once (continuous batching through HTTP)
+    each get their own prompt's answer; and the same at TP 2 (torchrun, two ranks in lock-step, rank 0 answering);
+  - streaming (server-sent events): the deltas join into the non-streamed text; the usage chunk counts the tokens;
+  - stop strings cut the text before the first stop and end the request with finish_reason "stop"; a seeded sampled
+    request is reproducible and n=2 gives two choices;
+  - bad requests get a 400 in OpenAI's error shape (an unknown model, a prompt longer than the context, a negative
+    max_tokens, a wrong type, malformed JSON, an empty message list) and the server answers the next request;
+  - SIGTERM stops the server: it exits 0 (at TP 2, every rank leaves cleanly; torchrun itself exits 1 on a signal).
+Tolerance: tokens are compared exactly. The server's logits come from a packed batch (and at TP 2 from split matmuls),
+the oracle's from one sequence's forward: float32 sums in another order, ~1e-6 apart. So the prompts are checked to
+have a top-2 logit gap above 1e-3 at every greedy step of the oracle, and a flipped argmax cannot be luck.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from test_train import SNIPPET
+
+import checkpoint
+import data
+import gpt
+import posttrain
+from arguments import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+PROMPTS = ["def add(a, b):", "import os", "class Point:", "    return", "x = [", "for i in range(", "# a", "if x"]
+MAX = 10  # new tokens per greedy request
+GAP = 1e-3  # the smallest top-2 logit gap an oracle step may have (see the module docstring)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny GPT saved as a run (random weights, init std 0.3 so greedy decoding does not repeat one token)."""
+    root = tmp_path_factory.mktemp("server")
+    data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(root / "tokenizer.json"), 384)
+    torch.manual_seed(0)
+    args = parse_args(["--tokenizer-file", str(root / "tokenizer.json"), "--vocab-size", "384", "--num-layers", "2",
+                       "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                       "--max-position-embeddings", "64", "--init-method-std", "0.3",
+                       "--data-cache-dir", str(root / "cache")])
+    model, tok, settings = checkpoint.model_from_flags(args)
+    return checkpoint.save_weights(model, tok, root / "run", settings)
+
+
+@pytest.fixture(scope="module")
+def oracle(run):
+    """prompt ids -> (the greedy tokens gpt.generate gives them alone, stopping at `stop`), as text."""
+    loaded = checkpoint.load_model(run)
+    model, tok = loaded.model.eval(), loaded.tok
+
+    def answer(ids, stop, max_tokens=MAX):
+        out = gpt.generate(model, torch.tensor([ids]), max_tokens, temperature=0, eod=stop, use_cache=False)
+        new = out[0, len(ids):].tolist()
+        with torch.no_grad():
+            logits = model(out[:, :-1])[0, len(ids) - 1:]  # [new, V] what each new token was the argmax of
+        top2 = logits.topk(2, -1).values
+        assert (top2[:, 0] - top2[:, 1]).min() > GAP, "a near tie in the oracle: pick another prompt"
+        return tok.decode(new[:-1] if new[-1] in stop else new), "stop" if new[-1] in stop else "length"
+    return answer, tok
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """server.py (or torchrun of it) in a subprocess, up once /health answers."""
+
+    def __init__(self, run, world=1, *extra):
+        self.port = free_port()
+        argv = ["server.py", "--load", str(run), "--port", str(self.port), *extra]
+        if world > 1:
+            argv = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *argv,
+                    "--tensor-model-parallel-size", str(world)]
+        self.proc = subprocess.Popen([PY, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not self.healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"server did not come up:\n{self.proc.stdout.read()[-3000:]}")
+            time.sleep(0.5)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=120,
+                                    max_retries=0)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                return json.load(r) == {"status": "ok"}
+        except OSError:
+            return False
+
+    def post(self, route: str, body: bytes) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/{route}", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM (to torchrun, which passes it on), then the exit code and the output."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError("the server did not stop within 60 s of SIGTERM") from None
+        return self.proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    s = Server(run)
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+def complete(client, prompt, **kw):
+    r = client.completions.create(model="run", prompt=prompt, max_tokens=kw.pop("max_tokens", MAX), temperature=0,
+                                  **kw)
+    return r.choices[0].text, r.choices[0].finish_reason
+
+
+def assert_serves_the_oracle(client, oracle):
+    answer, tok = oracle
+    eod = data.special_ids(tok)["eod"]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # all at once: one running batch
+        got = list(pool.map(lambda p: complete(client, p), PROMPTS))
+    assert got == [answer(tok.encode(p).ids, [eod]) for p in PROMPTS]
+
+
+def test_completions_are_the_sequential_oracle(server, oracle):
+    assert_serves_the_oracle(server.client, oracle)
+
+
+def test_chat_uses_the_runs_template(server, oracle):
+    answer, tok = oracle
+    messages = [{"role": "system", "content": "You add."}, {"role": "user", "content": "3 + 4"}]
+    r = server.client.chat.completions.create(model="run", messages=messages, max_tokens=MAX, temperature=0)
+    want = answer(posttrain.chat_prompt_ids(messages, tok), data.chat_stop_ids(tok))
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == want
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens == len(posttrain.chat_prompt_ids(messages, tok))
+
+
+def test_streaming_joins_into_the_same_text(server):
+    text, _ = complete(server.client, PROMPTS[0])
+    chunks = list(server.client.completions.create(model="run", prompt=PROMPTS[0], max_tokens=MAX, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == MAX and chunks[-2].choices[0].finish_reason == "length"
+    chat = list(server.client.chat.completions.create(
+        model="run", messages=[{"role": "user", "content": "hi"}], max_tokens=MAX, temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[-1].choices[0].finish_reason is not None
+    whole = server.client.chat.completions.create(model="run", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=MAX, temperature=0)
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == whole.choices[0].message.content
+
+
+def test_stop_strings_seeds_and_n(server):
+    text, _ = complete(server.client, PROMPTS[2])
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from the middle of the greedy answer
+    assert stop.strip(), f"pick another prompt: {text!r}"
+    cut, reason = complete(server.client, PROMPTS[2], stop=[stop])
+    assert (cut, reason) == (text[:text.index(stop)], "stop")
+    sampled = [server.client.completions.create(model="run", prompt="x", max_tokens=MAX, temperature=1.0, top_p=0.9,
+                                                seed=7, n=2) for _ in range(2)]
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+    assert len(sampled[0].choices) == 2 and sampled[0].usage.completion_tokens == 2 * MAX
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "gpt-4", "prompt": "x"}, "model"),
+    ({"model": "run", "prompt": "x " * 80}, "prompt"),  # longer than the 64 positions of the context
+    ({"model": "run", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"model": "run", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": "run", "prompt": [10**6]}, "prompt"),
+    ({"model": "run"}, "prompt"),
+    (b"{not json", None),
+], ids=["unknown model", "too long", "negative max_tokens", "wrong type", "token out of range", "no prompt",
+        "malformed JSON"])
+def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, err = server.post("completions", raw)
+    assert status == 400 and set(err["error"]) == {"message", "type", "param", "code"}, err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["param"] == param, err
+    assert complete(server.client, "x", max_tokens=2)[1] == "length"  # still serving
+
+
+def test_the_openai_client_raises_on_400(server):
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        server.client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        server.client.chat.completions.create(model="run", messages=[])
+    assert [m.id for m in server.client.models.list()] == ["run"]
+
+
+def test_sigterm_stops_the_server_cleanly(server):  # (the module's server: the tests above are done with it)
+    code, out = server.stop()
+    assert code == 0 and "stopped: every request answered, 1 rank(s) done" in out, out[-2000:]
+
+
+def test_tensor_parallel_serves_the_same_tokens(run, oracle):
+    s = Server(run, 2)
+    try:
+        assert_serves_the_oracle(s.client, oracle)
+    finally:
+        code, out = s.stop()
+    # torchrun itself exits 1 on a SIGTERM it received (its SignalException), after passing it on to the ranks: the
+    # ranks' own exit is what is checked: rank 0 drained, told rank 1 to stop, both left the process group
+    assert "stopped: every request answered, 2 rank(s) done" in out and "ChildFailedError" not in out, out[-3000:]

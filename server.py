@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field

@@ -35,6 +35,7 @@ import checkpoint
 import data
 import gpt
 import posttrain
+import serve
 from arguments import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,22 +45,30 @@ MAX = 10  # new tokens per greedy request
 GAP = 1e-3  # the smallest top-2 logit gap an oracle step may have (see the module docstring)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def save_run(root: Path, name: str, *flags) -> Path:
     """A tiny GPT saved as a run (random weights, init std 0.3 so greedy decoding does not repeat one token)."""
-    root = tmp_path_factory.mktemp("server")
-    data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(root / "tokenizer.json"), 384)
+    if not (root / "tokenizer.json").exists():
+        data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(root / "tokenizer.json"), 384)
     torch.manual_seed(0)
     args = parse_args(["--tokenizer-file", str(root / "tokenizer.json"), "--vocab-size", "384", "--num-layers", "2",
                        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                        "--max-position-embeddings", "64", "--init-method-std", "0.3",
-                       "--data-cache-dir", str(root / "cache")])
+                       "--data-cache-dir", str(root / "cache"), *flags])
     model, tok, settings = checkpoint.model_from_flags(args)
-    return checkpoint.save_weights(model, tok, root / "run", settings)
+    return checkpoint.save_weights(model, tok, root / name, settings)
 
 
 @pytest.fixture(scope="module")
-def oracle(run):
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("server")
+
+
+@pytest.fixture(scope="module")
+def run(root):
+    return save_run(root, "run")
+
+
+def make_oracle(run):
     """prompt ids -> (the greedy tokens gpt.generate gives them alone, stopping at `stop`), as text."""
     loaded = checkpoint.load_model(run)
     model, tok = loaded.model.eval(), loaded.tok
@@ -73,6 +82,11 @@ def oracle(run):
         assert (top2[:, 0] - top2[:, 1]).min() > GAP, "a near tie in the oracle: pick another prompt"
         return tok.decode(new[:-1] if new[-1] in stop else new), "stop" if new[-1] in stop else "length"
     return answer, tok
+
+
+@pytest.fixture(scope="module")
+def oracle(run):
+    return make_oracle(run)
 
 
 def free_port() -> int:
@@ -230,3 +244,45 @@ def test_tensor_parallel_serves_the_same_tokens(run, oracle):
     # torchrun itself exits 1 on a SIGTERM it received (its SignalException), after passing it on to the ranks: the
     # ranks' own exit is what is checked: rank 0 drained, told rank 1 to stop, both left the process group
     assert "stopped: every request answered, 2 rank(s) done" in out and "ChildFailedError" not in out, out[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- the loop on warm ranks
+def loop_case(rank, n, run, tp, ep):
+    """server.Loop on n = tp x ep warm ranks, no HTTP: rank 0 submits half the prompts, the rest once the first answer
+    has its first token (so they join a running batch), and "stop" once every answer has ended. Rank 0 returns
+    [(text, finish reason)] in PROMPTS' order."""
+    import server
+    loaded = checkpoint.load_model(run, tp=tp, ep=ep)
+    loop = server.Loop(serve.Engine(loaded.model, 64, 8, 4), loaded.tok, n, rank)
+    eod, got = data.special_ids(loaded.tok)["eod"], {}
+
+    def add(i):
+        params = serve.SamplingParams(max_tokens=MAX, temperature=0, seed=i, stop=(eod,))
+        loop.submit(("add", str(i), loaded.tok.encode(PROMPTS[i]).ids, params, []), lambda ev, i=i: on(i, ev))
+
+    def on(i, ev):
+        if ev[0] == "token":
+            text, reason = got.get(i, ("", None))
+            got[i] = (text + ev[1], ev[3])
+            if i == 0 and len(got) == 1:
+                for j in range(len(PROMPTS) // 2, len(PROMPTS)):
+                    add(j)
+            if len(got) == len(PROMPTS) and all(r is not None for _, r in got.values()):
+                loop.submit(("stop", None))
+    if rank == 0:
+        for i in range(len(PROMPTS) // 2):
+            add(i)
+    loop.run()
+    return [got[i] for i in range(len(PROMPTS))] if rank == 0 else None
+
+
+@pytest.mark.parametrize("tp, ep, flags", [(2, 1, []), (1, 2, ["--num-experts", "4", "--moe-router-topk", "2"])],
+                         ids=["tp2", "moe-ep2"])
+def test_ranks_in_lock_step_serve_the_oracle(pool, root, tp, ep, flags):
+    """Continuous batching on ranks in lock-step (rank 0's commands broadcast each step): at TP 2, and an MoE run
+    with its experts split over EP 2 ranks that both run every request, are each request's tokens alone."""
+    run = save_run(root, f"run-{tp}-{ep}", *flags)
+    answer, tok = make_oracle(run)
+    eod = data.special_ids(tok)["eod"]
+    got = pool.run(loop_case, tp * ep, run=run, tp=tp, ep=ep)[0]
+    assert got == [answer(tok.encode(p).ids, [eod]) for p in PROMPTS]

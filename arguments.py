@@ -33,7 +33,8 @@ import scheduler
 from config import ConfigError  # noqa: F401 (re-exported: the error every flag check raises)
 from contract import default_model, model_file, model_files
 
-TASKS = ("pretrain", "sft", "dpo", "kto", "rm")  # --task: pretraining, or a post-training task (posttrain.py)
+TASKS = ("pretrain", "sft", "dpo", "kto", "rm", "grpo")  # --task: pretraining, a post-training task (posttrain.py),
+# or online RL (rl.py)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -339,6 +340,19 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--kto-desirable-weight", type=float, default=1.0, help="KTO: the weight of desirable samples' losses")
     a("--kto-undesirable-weight", type=float, default=1.0, help="KTO: the weight of undesirable samples' losses")
     a("--packing", action="store_true", help="SFT: several samples per sequence, attention kept within each")
+    a("--grpo-group-size", type=int, default=4, help="GRPO: completions sampled per prompt, G (TRL's num_generations)")
+    a("--grpo-iterations", type=int, default=1, help="GRPO: optimizer steps on each batch of rollouts, mu (TRL's "
+      "num_iterations): the old log-probs of the clipped ratio are those at rollout time")
+    a("--grpo-clip-eps", type=float, default=0.2, help="GRPO: the ratio's clip range epsilon")
+    a("--grpo-kl-beta", type=float, default=0.04, help="GRPO: the KL penalty to the frozen reference (0: no "
+      "reference model)")
+    a("--grpo-loss-average", default="token", choices=("token", "sequence"), help="GRPO: the loss's units: "
+      "completion tokens (DAPO's) or completions, each its tokens' mean (the GRPO paper's)")
+    a("--rollout-max-new-tokens", type=int, default=16, help="GRPO: the longest completion")
+    a("--rollout-temperature", type=float, default=1.0, help="GRPO: the rollouts' sampling temperature")
+    a("--rollout-top-p", type=float, default=1.0, help="GRPO: the rollouts' nucleus (1: off)")
+    a("--reward-function", help="GRPO: FILE.py:NAME, NAME(prompt, completion, record) -> float (default: rl.py's "
+      "arithmetic check of the shipped prompts)")
     # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
     a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
     a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
@@ -714,6 +728,16 @@ def check_task_args(args, mf):
     if task == "pretrain":
         return
     mf.refuse("post_training", f"--task {task}")
+    if task == "grpo":
+        for flag, bad in (("grpo_group_size", args.grpo_group_size < 2), ("grpo_iterations", args.grpo_iterations < 1),
+                          ("grpo_clip_eps", not args.grpo_clip_eps > 0), ("grpo_kl_beta", not args.grpo_kl_beta >= 0),
+                          ("rollout_max_new_tokens", not 1 <= args.rollout_max_new_tokens < args.seq_length),
+                          ("rollout_temperature", not args.rollout_temperature >= 0),
+                          ("rollout_top_p", not 0 < args.rollout_top_p <= 1)):
+            if bad:
+                raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} is out of range (group size "
+                                  ">= 2, iterations >= 1, clip > 0, beta >= 0, 1 <= new tokens < --seq-length, "
+                                  "temperature >= 0, top-p in (0, 1])")
     if cp > 1:
         raise ConfigError(f"--task {task} with --context-parallel-size={cp}: a task's per-sequence log-probs and "
                           "the reward model's last token are not gathered over cp ranks")

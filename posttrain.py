@@ -625,8 +625,11 @@ class Task:
     forward-only pass of the policy, summed over DP (and the pipeline, whose last stage holds it).
     Forward-only passes run in eval mode (no dropout), as TRL's reference model."""
 
+    METRICS = {"dpo": ["rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy"],
+               "kto": ["kl", "rewards"], "rm": ["accuracy", "reward_margin"]}  # what metrics() reports, per task
+
     def __init__(self, args, chunks, grid, shape, dtype, eod: int, device="cpu", autocast=contextlib.nullcontext,
-                 ref_chunks=None):
+                 ref_chunks=None, corpus=None):  # corpus: the run's data (an online task's prompts, rl.Task)
         self.a, self.kind, self.chunks, self.grid, self.eod = args, args.task, chunks, grid, eod
         self.shape, self.dtype, self.device, self.autocast = shape, dtype, device, autocast
         self.lora = args.lora_rank is not None
@@ -663,17 +666,19 @@ class Task:
         return (total / g).clamp_min(0)[0]
 
     @torch.no_grad()
-    def forward_only(self, chunks, micro, sides, g: int, adapters_off: bool = False):
+    def forward_only(self, chunks, micro, sides, g: int, adapters_off: bool = False, per_token: bool = False):
         """Sequence log-probs [g, k] of `sides` under `chunks` (forward-only schedule, eval mode), filled on the last
-        stage at each sample's META[1] (zeros elsewhere)."""
-        out = torch.zeros(g, len(sides), dtype=torch.float64, device=self.device)
+        stage at each sample's META[1] (zeros elsewhere); per_token: each token's log-prob [g, k, s] instead."""
+        out = torch.zeros(g, len(sides), *([micro[0].shape[-1] - 1] if per_token else []), dtype=torch.float64,
+                          device=self.device)
 
         def step(model, mb):
             with self.autocast(), lora.disabled(model) if adapters_off else contextlib.nullcontext():
                 res = run_model(model, mb, sides)
             if not model.post_process:
                 return res
-            out[mb[:, META, 1]] = rearrange(sequence_logps(*res), "k b -> b k").double()
+            logps = -res[0] if per_token else sequence_logps(*res)  # [k, b, s] or [k, b]
+            out[mb[:, META, 1]] = rearrange(logps, "k b ... -> b k ...").double()
             return torch.zeros((), device=self.device)
         was = [c.training for c in chunks]
         for c in chunks:
@@ -727,8 +732,7 @@ class Task:
     def metrics(self, split: str = "train", prefix: str = "") -> dict:
         """{prefix + name: mean} since the last call, over every sample of every rank: a collective (every rank calls
         it). sft: none (its loss is already per response token)."""
-        names = {"dpo": ["rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy"],
-                 "kto": ["kl", "rewards"], "rm": ["accuracy", "reward_margin"]}.get(self.kind, [])
+        names = self.METRICS.get(self.kind, [])
         mine = self.sums.pop(split, {})
         t = torch.stack([mine.get(k, torch.zeros(2, dtype=torch.float64)) for k in names]) if names else None
         if t is None:
@@ -769,7 +773,7 @@ def add_value_head(model):
     return model
 
 
-def setup_task(args, start, chunks, build, mesh):
+def setup_task(args, start, chunks, build, mesh, reference: bool | None = None):
     """What --task adds to this rank's model chunks, before the optimizer is made: rm, the value head on the last
     stage; dpo and kto, the frozen reference model — without LoRA a copy built like the policy (`build()`: fresh
     chunks) and loaded with the weights the run started from (none: the seed's initialization, the policy's), with
@@ -779,7 +783,7 @@ def setup_task(args, start, chunks, build, mesh):
         for c in chunks:
             if c.post_process:
                 add_value_head(c)
-    if args.task not in ("dpo", "kto"):
+    if not (args.task in ("dpo", "kto") if reference is None else reference):  # (rl.py: GRPO's KL term)
         return None, None
     if start.resume is not None:  # resuming: the reference the run started with
         pointer = start.resume.meta["args"].get("reference_base")

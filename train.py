@@ -43,6 +43,7 @@ import data
 import lora
 import parallel as P
 import posttrain
+import rl
 from arguments import Args, ConfigError, brief, check_args, model_config, notes, parse_args, print_args, transformer_impl
 from contract import ModelFile, model_file
 from metrics import Logger, Profiler, module_losses, throughput
@@ -183,8 +184,9 @@ def setup(args) -> Run:
     mf = model_file(args.model)
     start = checkpoint.plan_start(args)  # verified checkpoints; refuses a missing --load, an overwrite
     corpus = data.build_data(args, mf.dataset, start.tokenizer_file, start.vocab_size, samples=args.task == "pretrain")
-    if args.task != "pretrain":  # post-training: the task's samples (posttrain.py section 1)
-        train_ds, valid_ds = posttrain.build_task_datasets(args, corpus.tokenizer)
+    tasks = rl if args.task in rl.TASKS else posttrain  # online RL (rl.py) or an offline task (posttrain.py)
+    if args.task != "pretrain":  # post-training: the task's samples (posttrain.py section 1, rl.py's prompts)
+        train_ds, valid_ds = tasks.build_task_datasets(args, corpus.tokenizer)
         corpus = dataclasses.replace(corpus, train=train_ds, valid=valid_ds)
     config = model_config(mf, args, corpus.vocab_size, corpus.tokenizer)
     checkpoint.check_same_model(args, start, mf, corpus.vocab_size)
@@ -213,7 +215,7 @@ def setup(args) -> Run:
     chunks = build()
     for c in chunks if args.lora_rank else []:  # LoRA: the model frozen, adapters on its linears (lora.py)
         lora.apply_lora(c, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
-    ref_chunks, reference_base = posttrain.setup_task(args, start, chunks, build, mesh)  # value head, reference
+    ref_chunks, reference_base = tasks.setup_task(args, start, chunks, build, mesh)  # value head, reference
     model = torch.nn.ModuleList(chunks)
     recipe = P.FP8Recipe(args.fp8_format or "hybrid", args.fp8_recipe, args.fp8_margin, args.fp8_amax_history_len,
                          args.fp8_amax_compute_algo)
@@ -228,8 +230,8 @@ def setup(args) -> Run:
                  config.hidden_size)
     amp = torch.bfloat16 if args.bf16 else torch.float16
     autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16)
-    task = None if args.task == "pretrain" else posttrain.Task(  # post-training (posttrain.py section 2)
-        args, chunks, grid, p2p_shape, config.params_dtype, corpus.eod, device, autocast, ref_chunks)
+    task = None if args.task == "pretrain" else tasks.Task(  # post-training (posttrain.py section 2, rl.py)
+        args, chunks, grid, p2p_shape, config.params_dtype, corpus.eod, device, autocast, ref_chunks, corpus=corpus)
     if rank == 0:
         print_args(args, f"rank 0 holds {sum(p.numel() for p in model.parameters()):,} parameters; {grid}; "
                    f"{len(corpus.train)} train samples of {args.seq_length} tokens, "

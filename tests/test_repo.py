@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Bottom first. The infrastructure reaches the model files only through importlib (contract.model_file), at run time.
 LAYERS = ["parallel", "lora", "metrics", "data", "config", "scheduler", "contract", "hf", "arguments", "checkpoint", "rope",
           "convert", "transformer", "deepseek", "gpt", "bert", "t5", "mamba", "llava", "retrieval", "retro", "posttrain",
-          "tools", "train", "serve", "server"]
+          "serve", "rl", "tools", "train", "server"]
 
 
 def project_imports(source: str, modules) -> set[str]:
@@ -89,7 +89,7 @@ def test_outside_citation_is_caught():
 # The infrastructure asks a model file (contract.py) and never names one: no import of a model file, no model's name
 # in a string it uses (docstrings and comments may name examples) or in an identifier (a `_`-separated word of it).
 INFRASTRUCTURE = ["parallel", "lora", "metrics", "data", "config", "scheduler", "contract", "hf", "arguments", "checkpoint",
-                  "retrieval", "posttrain", "tools", "train", "serve", "server"]
+                  "retrieval", "posttrain", "serve", "rl", "tools", "train", "server"]
 
 
 def model_names_in(source: str, models) -> list[str]:

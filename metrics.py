@@ -151,11 +151,12 @@ class Logger:
             if k != "iteration" and isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, rec["iteration"])
         if "val_loss" in rec:
-            self.bar.write(f"iteration {rec['iteration']}: validation loss {rec['val_loss']:.4f}")
+            reward = f", reward {rec['val_reward']:.4f}" if "val_reward" in rec else ""
+            self.bar.write(f"iteration {rec['iteration']}: validation loss {rec['val_loss']:.4f}{reward}")
         elif "test_loss" in rec:  # once, when training has ended (a --split with a test part)
             self.bar.write(f"iteration {rec['iteration']}: test loss {rec['test_loss']:.4f}")
         else:
-            more = {k: f"{rec[k]:.3g}" for k in ("tflops", "mfu") if k in rec}
+            more = {k: f"{rec[k]:.3g}" for k in ("tflops", "mfu", "reward", "kl") if k in rec}  # (reward, kl: rl.py)
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
                                  tok_s=f"{rec['tokens_per_s']:.0f}", **more)
 

@@ -59,12 +59,12 @@ TOKENS, MASK = 0, 1
 
 
 # ---------------------------------------------------------------------------------------------- prompts and rewards
-def arithmetic_records(n: int = 400, seed: int = 0) -> list[dict]:
-    """The shipped verifiable task: {"prompt": "a + b", "answer": "a+b"} for a, b < 20, checkable with the stdlib."""
-    rng = random.Random(seed)
-    pairs = [(a, b) for a in range(20) for b in range(20)]
-    rng.shuffle(pairs)
-    return [{"prompt": f"{a} + {b}", "answer": str(a + b)} for a, b in pairs[:n]]
+def arithmetic_records(held_out: bool = False) -> list[dict]:
+    """The shipped verifiable task: {"prompt": "a + b", "answer": "a+b"} for a, b < 20, checkable with the stdlib;
+    the 40 pairs with a + 2b divisible by 10 are held out (the validation prompts), the other 360 train."""
+    pairs = [(a, b) for a in range(20) for b in range(20) if ((a + 2 * b) % 10 == 0) == held_out]
+    random.Random(0).shuffle(pairs)
+    return [{"prompt": f"{a} + {b}", "answer": str(a + b)} for a, b in pairs]
 
 
 def arithmetic_reward(prompt: str, completion: str, record: dict) -> float:
@@ -112,8 +112,9 @@ def build_task_datasets(args, tok):
                     if not isinstance(r, dict) or not isinstance(r.get("prompt"), str):
                         raise DataError(f"{path}:{i + 1}: a --task grpo record needs a string 'prompt'")
                     records.append({**r, "_where": f"{path}:{i + 1}"})
-    else:
-        records = [{**r, "_where": f"arithmetic record {i}"} for i, r in enumerate(arithmetic_records(seed=args.seed))]
+    else:  # the shipped prompts: their own held-out part, whatever --split says
+        train = arithmetic_records()
+        records = [{**r, "_where": f"arithmetic record {i}"} for i, r in enumerate(train + arithmetic_records(True))]
     eod, s, room = data.special_ids(tok)["eod"], args.seq_length, args.seq_length - args.rollout_max_new_tokens
     samples = np.full((len(records), 3, s + 1), eod, dtype=np.int64)
     samples[:, MASK] = 0
@@ -123,9 +124,12 @@ def build_task_datasets(args, tok):
             raise DataError(f"{r['_where']}: the prompt is {len(ids)} tokens; with --rollout-max-new-tokens="
                             f"{args.rollout_max_new_tokens} at most {room} fit --seq-length {s}")
         samples[i, TOKENS, :len(ids)], samples[i, META, 0], samples[i, META, 2] = ids, len(ids), i
-    n_valid = int(round(len(records) * args.valid_fraction))
-    order = np.random.default_rng(args.seed).permutation(len(records))
-    parts = (order[n_valid:], order[:n_valid])
+    if args.data_path:
+        n_valid = int(round(len(records) * args.valid_fraction))
+        order = np.random.default_rng(args.seed).permutation(len(records))
+        parts = (order[n_valid:], order[:n_valid])
+    else:
+        parts = (np.arange(len(train)), np.arange(len(train), len(records)))
     out = [PromptDataset(samples[ids], seed, records) if len(ids) else None
            for ids, seed in zip(parts, (args.seed, args.seed + 1))]
     return out[0], out[1]
@@ -271,3 +275,20 @@ class Task(posttrain.Task):
 def setup_task(args, start, chunks, build, mesh):
     """The frozen reference for the KL term (posttrain.setup_task's, as DPO's); none when --grpo-kl-beta is 0."""
     return posttrain.setup_task(args, start, chunks, build, mesh, reference=args.grpo_kl_beta > 0)
+
+
+def main(argv=None) -> int:
+    """`python rl.py --sft-out FILE`: the shipped prompts' training part with their answers as SFT records
+    ({"prompt", "response"}), to teach a model the task's format before GRPO (the held-out prompts left out)."""
+    import argparse
+    p = argparse.ArgumentParser(description="Write the shipped arithmetic task's training prompts as SFT records.")
+    p.add_argument("--sft-out", required=True, help="the JSON-lines file to write")
+    a = p.parse_args(argv)
+    Path(a.sft_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.sft_out).write_text("".join(json.dumps({"prompt": r["prompt"], "response": r["answer"]}) + "\n"
+                                       for r in arithmetic_records()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

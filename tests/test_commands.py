@@ -235,6 +235,11 @@ def run_python(words: list[str], work: Path):
         return
     if script == "server.py":
         return run_server(argv, work)
+    if script == "rl.py":  # its SFT records of the shipped task
+        import rl
+        with inside(work):
+            assert rl.main(argv) == 0
+        return
     if script == "data.py":
         if argv[:1] == ["preprocess"] and "--input" not in argv:
             argv = argv + ["--input", str(work / "small_corpus")]

@@ -11,9 +11,9 @@ single process, and the shipped task through train.py.
     second step's ratio is not 1: the old log-probs are those at rollout time);
   - negative controls: advantages normalised over the whole batch instead of each group, the KL term dropped, and the
     old log-probs recomputed after the first update each fail that comparison (they name the mismatch);
-  - TP 2 + SP, PP 2 and DP 2 with the distributed optimizer equal the single process: the rollouts (the replica of
-    gathered weights draws the same tokens), the losses of 2 steps, every gradient after the first backward and every
-    parameter after 2 AdamW steps, float64, 1e-10 relative (reduction order only; measured ~1e-15);
+  - TP 2 + SP, PP 2, DP 2 with the distributed optimizer, and LoRA at TP 2 + SP equal the single process: the
+    rollouts (the replica of gathered weights draws the same tokens), the losses of 2 steps, every gradient after the
+    first backward and every parameter after 2 AdamW steps, float64, 1e-10 relative (reduction order; measured ~1e-15);
   - `train.py --task grpo` runs on the shipped arithmetic prompts and logs reward, KL and clip fraction.
 """
 from __future__ import annotations
@@ -25,11 +25,12 @@ import types
 
 import pytest
 import torch
-from test_posttrain import OPT, _merged, _trainable_grads
+from test_posttrain import OPT, _adapt, _merged, _trainable_grads
 from test_train import SNIPPET
 
 import data
 import gpt
+import lora
 import parallel as P
 import posttrain
 import rl
@@ -110,7 +111,7 @@ def config(tok, sp=False):
                       init_method_std=0.2, sequence_parallel=sp)
 
 
-def grpo_case(rank, n, tok_file, tp, pp, sp, opt, M, g=4, steps=2, control=None):
+def grpo_case(rank, n, tok_file, tp, pp, sp, opt, M, g=4, steps=2, control=None, use_lora=False):
     """`steps` GRPO steps (g prompts, G completions each) on this rank's chunks, as train.py runs them (rl.Task.prepare,
     then the schedule). opt: None = parallel.Optimizer, True = the distributed optimizer. Also returns each step's
     rollouts and global count, and in one process the weights each step's loss was computed with (for the formula)."""
@@ -119,6 +120,7 @@ def grpo_case(rank, n, tok_file, tp, pp, sp, opt, M, g=4, steps=2, control=None)
     c = config(tok, sp)
     make = lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl)
     chunks = P.build_chunks(make, c.num_layers, grid, 1)
+    chunks = [_adapt(m) for m in chunks] if use_lora else chunks  # the reference: the policy, adapters off
     c_ref = dataclasses.replace(c, seed=c.seed + 1)  # another model: the KL term counts from the first step
     ref = [m.requires_grad_(False) for m in P.build_chunks(
         lambda pre, post, off, nl: gpt.Model(c_ref, grid, pre, post, off, nl), c.num_layers, grid, 1)]
@@ -128,7 +130,8 @@ def grpo_case(rank, n, tok_file, tp, pp, sp, opt, M, g=4, steps=2, control=None)
         ddp = P.DDP(chunks, grid, bucket_size=3000, overlap=True, distributed_optimizer=opt)
         optimizer = P.DistributedOptimizer(ddp, **OPT)
     mbs = g * G // (grid.dp_size * M)
-    args = argparse.Namespace(task="grpo", micro_batch_size=mbs, global_batch_size=g, lora_rank=None, **HYPER)
+    args = argparse.Namespace(task="grpo", micro_batch_size=mbs, global_batch_size=g, **HYPER, **(dict(
+        lora_rank=4, lora_alpha=8.0, lora_target_modules=lora.TARGETS) if use_lora else dict(lora_rank=None)))
     train_ds, _ = rl.build_task_datasets(args, tok)
     corpus = types.SimpleNamespace(tokenizer=tok, train=train_ds, valid=None)
     t = rl.Task(args, chunks, grid, (S // tp if sp else S, mbs, c.hidden_size), c.params_dtype,
@@ -232,14 +235,16 @@ def test_negative_controls_fail_the_formula(tok_file, control):
 
 
 # --------------------------------------------------------------------------------------- 3. any layout == one process
-LAYOUTS = {"tp2-sp": (2, 2, 1, True, None), "pp2": (2, 1, 2, False, None), "dp2-distopt": (2, 1, 1, False, True)}
+LAYOUTS = {"tp2-sp": (2, 2, 1, True, None, False), "pp2": (2, 1, 2, False, None, False),
+           "dp2-distopt": (2, 1, 1, False, True, False), "tp2-sp-lora": (2, 2, 1, True, None, True)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_grpo_in_any_layout_equals_single_process(pool, tok_file, layout):
-    n, tp, pp, sp, opt = LAYOUTS[layout]
-    got = _merged(pool.run(grpo_case, n, tok_file=tok_file, tp=tp, pp=pp, sp=sp, opt=opt, M=2))
-    ref = grpo_case(0, 1, tok_file, 1, 1, False, None, M=1)
+    """(With LoRA, the rollout replica carries the adapters and the reference is the policy with them off.)"""
+    n, tp, pp, sp, opt, use_lora = LAYOUTS[layout]
+    got = _merged(pool.run(grpo_case, n, tok_file=tok_file, tp=tp, pp=pp, sp=sp, opt=opt, M=2, use_lora=use_lora))
+    ref = grpo_case(0, 1, tok_file, 1, 1, False, None, M=1, use_lora=use_lora)
     assert_same(got, ref, rtol=1e-10, what=f"grpo {layout}")
 
 

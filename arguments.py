@@ -353,6 +353,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--rollout-top-p", type=float, default=1.0, help="GRPO: the rollouts' nucleus (1: off)")
     a("--reward-function", help="GRPO: FILE.py:NAME, NAME(prompt, completion, record) -> float (default: rl.py's "
       "arithmetic check of the shipped prompts)")
+    a("--reward-model", help="GRPO: a reward model's run (--task rm) scores the completions instead")
     # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
     a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
     a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
@@ -835,10 +836,14 @@ def check_args(args, world: int) -> Args:
     step_rows = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:  # Megatron's default: one micro-batch per data-parallel rank
         args.global_batch_size = step_rows
-    if args.global_batch_size % step_rows:
-        raise ConfigError(f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size x "
-                          f"data-parallel size = {args.micro_batch_size} x {args.data_parallel_size} = {step_rows}")
-    args.num_micro_batches = args.global_batch_size // step_rows  # after the ramp-up, if any
+    group = args.grpo_group_size if args.task == "grpo" else 1  # GRPO: a global batch of prompts, G rows each
+    if (args.global_batch_size * group) % step_rows or args.global_batch_size % args.data_parallel_size:
+        raise ConfigError(f"--global-batch-size={args.global_batch_size}" + (f" x --grpo-group-size={group}" if
+                          group > 1 else "") + f" is not divisible by --micro-batch-size x data-parallel size = "
+                          f"{args.micro_batch_size} x {args.data_parallel_size} = {step_rows}")
+    if group > 1 and args.rampup_batch_size:
+        raise ConfigError("--rampup-batch-size with --task grpo: the ramp counts prompts, not rows (not supported)")
+    args.num_micro_batches = args.global_batch_size * group // step_rows  # after the ramp-up, if any
     if vp > 1 and args.num_micro_batches % pp:
         raise ConfigError(f"interleaved pipelining needs the number of micro-batches {args.num_micro_batches} "
                           f"(global batch / (micro batch x dp)) to be a multiple of pp={pp}")

@@ -7,7 +7,8 @@ batch holds P prompts; before the policy's pass, Task.prepare, on every rank:
   2. samples G completions of each of this DP rank's prompts with serve.Engine on the replica (continuous batching
      over a paged KV cache; completion j of the prompt of record i seeded by (--seed, iteration, i, j), so every
      layout draws the same completions);
-  3. scores each with the reward function (--reward-function FILE:NAME; by default the shipped arithmetic check);
+  3. scores each with the reward function (--reward-function FILE:NAME; by default the shipped arithmetic check) or
+     a reward model trained by --task rm (--reward-model RUN);
   4. group-normalises the rewards into advantages: A = (r - mean of its group) / (std of its group + 1e-4);
   5. runs the frozen reference (forward only) for the KL term, and with --grpo-iterations mu > 1 the policy too, for
      the old log-probs of the clipped ratio (the same rollouts then serve mu optimizer steps, their log-probs kept).
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
+import checkpoint
 import data
 import lora
 import parallel as P
@@ -86,6 +88,26 @@ def load_reward_function(spec: str | None):
     if not callable(getattr(module, name, None)):
         raise ConfigError(f"--reward-function {spec}: {path} defines no function {name!r}")
     return getattr(module, name)
+
+
+class RewardModel:
+    """--reward-model RUN: a reward model (--task rm) scores each rollout: its value where it reads the completion's
+    last token, as it was trained (posttrain.last_token_values). The whole model in every process, not sharded."""
+
+    def __init__(self, load, tok):
+        ckpt = checkpoint.find_checkpoint(load, None, "--reward-model")
+        task = ckpt.meta["args"].get("task") if ckpt is not None else None
+        if ckpt is not None and task != "rm":
+            raise ConfigError(f"--reward-model {load} is a --task {task} run, not a reward model (--task rm)")
+        run = checkpoint.load_model(load, flag="--reward-model", extend=posttrain.add_value_head)
+        if run.tok.get_vocab() != tok.get_vocab():
+            raise ConfigError(f"--reward-model {load}: its tokenizer is not the policy's (it would read other tokens)")
+        self.model = run.model.eval()
+
+    @torch.no_grad()
+    def __call__(self, rows):
+        """Rollouts [n, 3, s+1] -> rewards [n]."""
+        return posttrain.last_token_values(*posttrain.run_model(self.model, rows, (posttrain.CHOSEN,), value=True))[0]
 
 
 class PromptDataset(posttrain.TaskDataset):
@@ -183,7 +205,10 @@ class Task(posttrain.Task):
         args = self.a
         self.tok, self.eod = corpus.tokenizer, data.special_ids(corpus.tokenizer)["eod"]
         self.datasets = {"train": corpus.train, "valid": corpus.valid}
-        self.reward = load_reward_function(args.reward_function)
+        if args.reward_model is not None and args.reward_function is not None:
+            raise ConfigError("--reward-model and --reward-function: give one reward")
+        self.reward = load_reward_function(args.reward_function) if args.reward_model is None else None
+        self.reward_model = RewardModel(args.reward_model, self.tok) if args.reward_model is not None else None
         self.iteration, self.rollouts, self.replica = 0, {}, None
         self.ref_chunks = self.ref_chunks if args.grpo_kl_beta > 0 else None
 
@@ -223,9 +248,12 @@ class Task(posttrain.Task):
             n, rec, completion = int(out[k, META, 0]), int(out[k, META, 2]), outputs[rid]
             out[k, TOKENS, n:n + len(completion)] = torch.tensor(completion)
             out[k, MASK, n:n + len(completion)] = 1
-            text = self.tok.decode(completion[:-1] if completion[-1] == self.eod else completion)
-            prompt = records[rec]["prompt"]
-            rewards[k] = float(self.reward(prompt, text, {k2: v for k2, v in records[rec].items() if k2 != "_where"}))
+            if self.reward is not None:
+                text = self.tok.decode(completion[:-1] if completion[-1] == self.eod else completion)
+                record = {k2: v for k2, v in records[rec].items() if k2 != "_where"}
+                rewards[k] = float(self.reward(records[rec]["prompt"], text, record))
+        if self.reward_model is not None:
+            rewards = self.reward_model(out.to(self.device)).double().cpu()
         return out, rewards.view(len(prompts), G)
 
     def prepare(self, batch, split: str = "train"):

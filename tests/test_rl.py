@@ -40,7 +40,8 @@ from equivalence import assert_same
 S, NEW, G = 40, 6, 2  # --seq-length (the arithmetic prompts are 30 tokens in this BPE), new tokens, group size
 HYPER = dict(grpo_group_size=G, grpo_iterations=2, grpo_clip_eps=0.2, grpo_kl_beta=0.3, grpo_loss_average="token",
              rollout_max_new_tokens=NEW, rollout_temperature=1.0, rollout_top_p=0.95,
-             reward_function="examples/rewards.py:brevity", seed=5, seq_length=S, data_path=None, valid_fraction=0.0)
+             reward_function="examples/rewards.py:brevity",
+             reward_model=None, seed=5, seq_length=S, data_path=None, valid_fraction=0.0)
 
 
 # --------------------------------------------------------------------------------------- 1. the loss vs the formula
@@ -259,3 +260,25 @@ def test_train_py_runs_grpo_on_the_shipped_task(tok_file, tmp_path):
     records = [__import__("json").loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
     logged = {k for r in records for k in r}
     assert {"reward", "reward_std", "kl", "clip_fraction", "completion_length", "val_reward"} <= logged, logged
+
+
+def test_a_reward_model_scores_the_rollouts(tok_file, tmp_path, capsys):
+    """--reward-model: a --task rm run's values are the rewards (they spread; a tied group would teach nothing); a run
+    of another task is refused in one line."""
+    shape = ["--tokenizer-file", str(tok_file), "--vocab-size", "384", "--num-layers", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--seq-length", str(S), "--micro-batch-size", "4", "--eval-iters", "0",
+             "--log-interval", "1", "--data-cache-dir", str(tmp_path / "cache")]
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(__import__("json").dumps({"prompt": f"{i} + 1", "chosen": str(i + 1), "rejected": str(i)})
+                             + "\n" for i in range(8)))
+    train.main([*shape, "--task", "rm", "--data-path", str(prefs), "--global-batch-size", "4",
+                "--train-iters", "1", "--save", str(tmp_path / "rm")])
+    train.main([*shape, "--task", "grpo", "--reward-model", str(tmp_path / "rm"), "--rollout-max-new-tokens", str(NEW),
+                "--global-batch-size", "2", "--train-iters", "1", "--save", str(tmp_path / "grpo")])
+    rec = [__import__("json").loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert rec["reward_std"] > 0 and rec["reward"] != 0, rec
+    with pytest.raises(SystemExit):
+        train.main([*shape, "--task", "grpo", "--reward-model", str(tmp_path / "grpo"), "--global-batch-size", "2",
+                    "--rollout-max-new-tokens", str(NEW),
+                    "--train-iters", "1", "--save", str(tmp_path / "grpo2")])
+    assert "is a --task grpo run, not a reward model (--task rm)" in capsys.readouterr().err

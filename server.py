@@ -61,26 +61,27 @@ class Loop:
 
     def __init__(self, engine: serve.Engine, tok, world: int, rank: int):
         self.engine, self.tok, self.world, self.rank = engine, tok, world, rank
-        self.inbox = queue.Queue()  # rank 0: (command, callback) from the HTTP handlers
+        self.inbox = queue.Queue()  # rank 0: lists of (command, callback) from the HTTP handlers
         self.callbacks = {}  # rank 0: request key -> callback
         self.live = {}  # engine request id -> [key, stop strings, text sent]
         self.ids = {}  # request key -> engine request id
 
-    def submit(self, command: tuple, callback=None):
-        self.inbox.put((command, callback))
+    def submit(self, command: tuple, callback=None, more=()):
+        """Queue a command (with `more` (command, callback) pairs applied in the same step: a request's n choices)."""
+        self.inbox.put([(command, callback), *more])
 
     def commands(self) -> list[tuple]:
         """This step's commands: rank 0's queue (waiting up to a second when nothing runs), broadcast to all."""
         cmds = []
         if self.rank == 0:
             try:
-                item = self.inbox.get(timeout=1.0) if not self.engine.has_unfinished() else self.inbox.get_nowait()
+                items = self.inbox.get(timeout=1.0) if not self.engine.has_unfinished() else self.inbox.get_nowait()
                 while True:
-                    command, callback = item
-                    cmds.append(command)
-                    if callback is not None:
-                        self.callbacks[command[1]] = callback
-                    item = self.inbox.get_nowait()
+                    for command, callback in items:
+                        cmds.append(command)
+                        if callback is not None:
+                            self.callbacks[command[1]] = callback
+                    items = self.inbox.get_nowait()
             except queue.Empty:
                 pass
         if self.world > 1:
@@ -240,17 +241,17 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             raise OpenAIError("stop: an empty stop string", "stop")
-        events, here, keys = asyncio.Queue(), asyncio.get_running_loop(), []
+        events, here, adds = asyncio.Queue(), asyncio.get_running_loop(), []
         for i in range(body.n):
             seed = body.seed + i if body.seed is not None else secrets.randbits(62)  # every rank samples alike
             params = serve.SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                                           top_p=body.top_p if body.top_p < 1 else None, seed=seed,
                                           stop=tuple(stop_ids),
                                           **({"logprobs": logprobs} if logprobs is not None else {}))
-            keys.append(uuid.uuid4().hex)
-            loop.submit(("add", keys[-1], prompt, params, stops),
-                        lambda ev, i=i: here.call_soon_threadsafe(events.put_nowait, (i, ev)))
-        refusal = None
+            adds.append((("add", uuid.uuid4().hex, prompt, params, stops),
+                         lambda ev, i=i: here.call_soon_threadsafe(events.put_nowait, (i, ev))))
+        loop.submit(*adds[0], more=adds[1:])  # one step applies them all: each answers before any token comes
+        keys, refusal = [command[1] for command, _ in adds], None
         for _ in keys:
             i, ev = await events.get()
             refusal = refusal or (ev[1] if ev[0] == "error" else None)

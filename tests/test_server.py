@@ -204,6 +204,27 @@ def test_stop_strings_seeds_and_n(server):
     assert len(sampled[0].choices) == 2 and sampled[0].usage.completion_tokens == 2 * MAX
 
 
+def test_logprobs_are_the_engines(server, run):
+    """logprobs (completions: the legacy shape, chat: OpenAI's content list): the sampled tokens' log-probabilities and
+    the top ones are serve.generate_one's, from the raw logits (float32: 1e-5 absolute, the packed batch's sums)."""
+    loaded = checkpoint.load_model(run)
+    ids = loaded.tok.encode(PROMPTS[1]).ids
+    want = []
+    serve.generate_one(loaded.model, ids, serve.SamplingParams(max_tokens=4, temperature=0, logprobs=2), want)
+    r = server.client.completions.create(model="run", prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert max(abs(a - b) for a, (b, _) in zip(lp.token_logprobs, want)) < 1e-5
+    assert [sorted(t.values(), reverse=True) for t in lp.top_logprobs] == pytest.approx(
+        [[v for _, v in top] for _, top in want], abs=1e-5)
+    chat = server.client.chat.completions.create(model="run", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, temperature=0, logprobs=True, top_logprobs=1)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 1 and c.logprob <= 0 for c in content)
+    # greedy: the sampled token is the most probable one
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6) for c in content)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"model": "gpt-4", "prompt": "x"}, "model"),
     ({"model": "run", "prompt": "x " * 80}, "prompt"),  # longer than the 64 positions of the context

@@ -457,7 +457,7 @@ def bert_from_hf(hf, Config, dtype=None) -> tuple:
                     activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
                     num_tokentypes=hc.type_vocab_size, add_binary_head=binary, apply_residual_connection_post_layernorm=True,
                     share_embeddings_and_output_weights=tied, hidden_dropout=0.0, attention_dropout=0.0,
-                    params_dtype=dtype or next(hf.parameters()).dtype)
+                    params_dtype=dtype or next(hf.parameters()).dtype, mask_vocab_padding=True)  # HF's loss: its vocab
     e, p = "bert.embeddings.", "cls.predictions."
     full = {"embedding.word_embeddings.weight": sd[e + "word_embeddings.weight"],
             "embedding.position_embeddings.weight": sd[e + "position_embeddings.weight"],
@@ -513,7 +513,8 @@ def t5_from_hf(hf, Config, dtype=None) -> tuple:
                   layernorm_epsilon=hc.layer_norm_epsilon, softmax_scale=1.0, activation=act, gated_linear_unit=gated,
                   add_bias_linear=False, share_embeddings_and_output_weights=tied, lm_head_bias=False,
                   scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)),
-                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype)
+                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype,
+                  mask_vocab_padding=True)  # transformers' loss has no padded rows (gpt.Model.postprocess)
     n = c.num_attention_heads
     full = {"embedding.word_embeddings.weight": sd["shared.weight"],
             "encoder.final_layernorm.weight": sd["encoder.final_layer_norm.weight"],

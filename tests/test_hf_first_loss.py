@@ -4,18 +4,23 @@ exported and loaded back; BERT's masked-LM loss and T5's loss with the padded vo
 (Config.mask_vocab_padding), as transformers computes them over its own vocabulary."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from test_bert import hf_bert
 from test_hf_folders import first_losses, run_argv
 from test_llava import hf_llava
+from test_t5 import hf_t5
 
 import checkpoint
+import convert
 import data
 import harness
 import llava
@@ -75,3 +80,42 @@ def test_llava_trains_from_a_folder_with_the_hugging_face_loss(tmp_path):
         a, b = back(input_ids=ids, pixel_values=pixels).logits, ours(ids, pixels)[..., :logits.shape[-1]]
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert (a - logits).abs().max() > 1e-4  # it trained: the export is not the starting folder
+
+
+# ---------------------------------------------------------------------------------------------- BERT, T5: the loss
+def encoder_losses(family, mask: bool):
+    """(ours, transformers') mean loss in float64 on one batch: BERT's masked-LM loss (BertForPreTraining's MLM
+    part: cross-entropy of prediction_logits at the masked positions, labels -100 elsewhere, as its own loss code),
+    T5's (T5ForConditionalGeneration(input_ids, labels): the decoder reads the labels shifted right). `mask`: the
+    converted Config's mask_vocab_padding (the converters set it)."""
+    import bert
+    import t5
+    g = torch.Generator().manual_seed(4)
+    live = (hf_bert() if family == "bert" else hf_t5()).double().eval()
+    mf = bert if family == "bert" else t5
+    c, full = mf.HF_CONVERTERS[family](live, mf.Config, torch.float64)
+    assert c.mask_vocab_padding and c.padded_vocab_size > c.vocab_size  # (300 -> 384: padded rows exist)
+    ours = convert.load(mf.Model(dataclasses.replace(c, mask_vocab_padding=mask)), full).eval()
+    ids = torch.randint(5, c.vocab_size, (2, 12), generator=g)
+    labels = torch.randint(0, c.vocab_size, (2, 12), generator=g)
+    with torch.no_grad():
+        if family == "bert":
+            picked = torch.rand(2, 12, generator=g) < 0.3  # the masked positions: the loss's tokens
+            want = F.cross_entropy(live(input_ids=ids).prediction_logits[picked], labels[picked])
+            got = ours(ids, torch.ones_like(ids), lm_labels=labels)[0][picked].mean()
+        else:
+            want = live(input_ids=ids, labels=labels).loss
+            decoder_ids = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], 1)  # decoder_start_token_id 0
+            got = ours(ids, decoder_ids, lm_labels=labels).mean()
+    return got.item(), want.item()
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_an_imported_encoders_loss_is_the_hugging_face_loss(family):
+    """float64: BERT's equal to 1e-12 relative (summation order only); T5's to 1e-7, as transformers' T5LayerNorm
+    takes its variance in float32 whatever the model's dtype (measured: 4e-9). Negative control: without
+    mask_vocab_padding the 84 padded rows (logit 0) join the softmax and the loss differs (by > 1e-3 relative)."""
+    got, want = encoder_losses(family, mask=True)
+    assert math.isclose(got, want, rel_tol=1e-12 if family == "bert" else 1e-7), (got, want)
+    got, want = encoder_losses(family, mask=False)
+    assert not math.isclose(got, want, rel_tol=1e-3), (got, want)

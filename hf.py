@@ -165,10 +165,8 @@ def copies_of(layout: dict, names) -> dict:
     not stored)."""
     names, out = set(names), {}
     for pattern, sources in layout.get("copies", ()):
-        for k in names:
-            src = next((s for s in sources if s in names), None)
-            if re.fullmatch(pattern, k) and src is not None:
-                out[k] = src
+        src = next((s for s in sources if s in names), None)
+        out.update({k: src for k in names if src is not None and re.fullmatch(pattern, k)})
     return out
 
 

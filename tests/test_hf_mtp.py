@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from test_hf_folders import first_losses, run_argv, tiny_tokenizer_folder
+from test_hf_folders import TP2_SP, first_losses, run_argv, tiny_tokenizer_folder
 from test_mla_mtp import hf_deepseek
 
 import checkpoint
@@ -100,12 +100,17 @@ def test_mtp_copies_that_differ_are_refused_by_name(tmp_path):
                       torch.float64)[1].mtp_num_layers is None
 
 
+# TP 2 + SP: eh_proj column-parallel, the MTP layer's heads and experts split; PP 2: the last stage holds the MTP
+# block and a copy of the embedding (the import loads it there too)
+LAYOUTS = {"tp2-sp": TP2_SP, "pp2": ["--pipeline-model-parallel-size", "2"]}
+
+
 def rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def test_a_run_trains_with_the_imported_mtp_loss(tmp_path):
-    """Import the folder, train 2 steps at TP 2 + SP: the first step's logged MTP loss (depth 1) is the one the
+    """Import the folder, train 2 steps at TP 2 + SP and at PP 2: the first step's logged MTP loss (depth 1) is the one the
     folder's tensors give through transformers' own modules — DeepSeek-V3's MTP (its report §2.2, Megatron's
     MultiTokenPredictionLayer): h' = shared_head.norm(layer_L(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))),
     predicting t_{i+2} through lm_head, h_i the model's final (normed) hidden state — in float64 on the float32
@@ -135,14 +140,14 @@ def test_a_run_trains_with_the_imported_mtp_loss(tmp_path):
         x = x[0] if isinstance(x, tuple) else x
         logits = rms(x, stored[p + "shared_head.norm.weight"], eps) @ stored[p + "shared_head.head.weight"].T
         want_mtp = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).item()
-    harness.launch(2, run_argv(tmp_path / "base", tmp_path / "run", "--tensor-model-parallel-size", "2",
-                               "--sequence-parallel"))
-    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    first = next(r for r in recs if "mtp_1_loss" in r)
-    assert math.isclose(first_losses(tmp_path / "run")[0], want_main, rel_tol=1e-5)
-    assert math.isclose(first["mtp_1_loss"], want_mtp, rel_tol=1e-5), (first["mtp_1_loss"], want_mtp)
     assert not math.isclose(want_mtp, want_main, rel_tol=1e-3)  # a different loss, not the main one again
-    tools.main(["export", "--load", str(tmp_path / "run"), "--hf-out", str(tmp_path / "out")])
+    for name, layout in LAYOUTS.items():
+        harness.launch(2, run_argv(tmp_path / "base", tmp_path / name, *layout))
+        recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        first = next(r for r in recs if "mtp_1_loss" in r)
+        assert math.isclose(first_losses(tmp_path / name)[0], want_main, rel_tol=1e-5), name
+        assert math.isclose(first["mtp_1_loss"], want_mtp, rel_tol=1e-5), (name, first["mtp_1_loss"], want_mtp)
+    tools.main(["export", "--load", str(tmp_path / "tp2-sp"), "--hf-out", str(tmp_path / "out")])
     out = load_file(tmp_path / "out" / "model.safetensors")
     assert out.keys() == stored.keys()  # the MTP layer and its two copies, now of the trained weights
     assert torch.equal(out[p + "embed_tokens.weight"], out["model.embed_tokens.weight"])

@@ -82,6 +82,18 @@ def test_llava_trains_from_a_folder_with_the_hugging_face_loss(tmp_path):
     assert (a - logits).abs().max() > 1e-4  # it trained: the export is not the starting folder
 
 
+def test_an_image_token_the_tokenizer_lacks_is_refused(tmp_path):
+    """Negative control: config.json's image_token_id must be a token of the folder's tokenizer (DataError naming
+    it); the folder's own id is taken."""
+    caption_tokenizer(tmp_path, 100, 99)
+    tok = data.folder_tokenizer(tmp_path)
+    args = types.SimpleNamespace(hf_architecture={"config": {"model_type": "llava", "image_token_id": 99}})
+    assert llava.config_fields(args, tok) == {"image_token_index": 99} and tok.id_to_token(99) == "<image>"
+    args.hf_architecture["config"]["image_token_id"] = 500
+    with pytest.raises(data.DataError, match="no image token \\(image_token_id=500\\)"):
+        llava.config_fields(args, tok)
+
+
 # ---------------------------------------------------------------------------------------------- BERT, T5: the loss
 def encoder_losses(family, mask: bool):
     """(ours, transformers') mean loss in float64 on one batch: BERT's masked-LM loss (BertForPreTraining's MLM

@@ -35,7 +35,8 @@ How it works
               folder stores twice where our model holds it once (a layout's "copies": DeepSeek-V3's MTP layers repeat
               the embedding and output weights) must equal its source on import and is written again on export.
 
-Dimension glossary: gpt.py's. Tests: tests/test_hf_folders.py.
+Dimension glossary: gpt.py's. Tests: tests/test_hf_folders.py, test_hf_mtp.py (DeepSeek-V3's MTP layers, copies),
+test_hf_first_loss.py.
 """
 from __future__ import annotations
 

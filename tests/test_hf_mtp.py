@@ -7,8 +7,8 @@ deeper (save_pretrained's own layout for it, per-expert tensors included)."""
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 
 import pytest
 import torch

@@ -370,16 +370,13 @@ ARCH_FLAGS = ("img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden
 
 
 def config_fields(args, tok) -> dict:
-    """The image token's id in the run's tokenizer (tok None, before the tokenizer is known: the Config's default). A
-    model imported from a Hugging Face folder (hf.py) keeps its config.json's image_token_id, a token of the
-    folder's tokenizer (its <image>)."""
+    """The image token's id: the run's tokenizer's IMAGE_TOKEN, or an imported folder's config.json image_token_id
+    (hf.py), which its tokenizer must hold (its <image>). tok None (not known yet): the Config's default."""
     arch = getattr(args, "hf_architecture", None)
-    if tok is None and not arch:
-        return {}
-    i = hf.config_view(arch["config"]).image_token_id if arch else tok.token_to_id(IMAGE_TOKEN)
+    i = hf.config_view(arch["config"]).image_token_id if arch else tok and tok.token_to_id(IMAGE_TOKEN)
     if tok is not None and (i is None or tok.id_to_token(i) is None):
         raise data.DataError(f"the tokenizer has no image token ({f'image_token_id={i}' if arch else IMAGE_TOKEN})")
-    return {"image_token_index": i}
+    return {} if i is None else {"image_token_index": i}
 
 
 TRAIN_DEFAULTS = dict(seq_length=36, num_layers=2, hidden_size=128, num_attention_heads=4, drop_vision_class_token=True,

@@ -922,7 +922,8 @@ def flags_of(c, mf) -> dict:
     spells it and its value is not what the defaults already give: what the import records, so a run's printed flags
     show the model's shape."""
     defaults = vars(parse_args(["--model", mf.name]))
-    plain = model_config(mf, Args(**{**defaults, "vocab_size": c.vocab_size}))  # what the defaults make
+    plain = model_config(mf, Args(**defaults))  # what the defaults make (their vocabulary: an imported one may not
+    # hold a model file's default special ids, e.g. LLaVA's image token)
     always = {"max_position_embeddings"}  # check_args fills it from --seq-length when it is not given
     return {k: v for k, v in hf.spelled(c, defaults).items() if v != defaults[k] and k in {*ARCH_FLAGS, *mf.ARCH_FLAGS}
             and (not hasattr(plain, k) or getattr(plain, k) != v or k in always)}

@@ -107,8 +107,9 @@ class ModelFile:
     # HF_CONVERTERS: {Hugging Face model_type: converter(hf, Config, dtype) -> (Config, full state dict)} — the
     # folders tools.py import-hf reads as this model (hf.py)
     HF_CONVERTERS: dict = dataclasses.field(default_factory=dict)
-    # HF_LAYOUTS: {model_type: {"renames": [(regex, replacement)], "experts": (gate, up, down)}} — how the folder stores
-    # what a live `transformers` model holds otherwise (hf.memory_state); absent: the same names
+    # HF_LAYOUTS: {model_type: {"renames": [(regex, replacement)], "experts": (gate, up, down), "copies": [(regex,
+    # [source names])]}} — how the folder stores what a live `transformers` model holds otherwise (hf.memory_state),
+    # and the tensors it stores twice (hf.copies_of); absent: the same names
     HF_LAYOUTS: dict = dataclasses.field(default_factory=dict)
 
     def unsupported(self, feature: str) -> str | None:

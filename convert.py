@@ -296,9 +296,32 @@ _DEEPSEEK_ROUTING = {"n_group": (1, "moe_router_num_groups"), "topk_group": (1, 
                      "routed_scaling_factor": (1.0, "moe_router_topk_scaling_factor")}
 
 
+def _deepseek_mtp(hc, sd, moe_last: bool, bad: dict) -> int | None:
+    """mtp_num_layers of a DeepSeek-V3 state: config.json's num_nextn_predict_layers D when the state holds their
+    tensors — depth k + 1 is stored after the decoder's L layers as model.layers.{L + k}: a whole decoder layer plus
+    enorm, hnorm, eh_proj [h, 2h] and shared_head.norm (our MTPLayer's final_layernorm); its embed_tokens and
+    shared_head.head are copies of the model's embedding and output weights, which our MTP shares as Megatron's
+    does (hf.copies_of: the import checks they are equal). None when the state holds none of them: transformers'
+    DeepseekV3 neither builds nor saves them. Refused into `bad`: some depths stored and not others, and an MTP layer
+    whose MLP kind (dense / MoE) is not the last decoder layer's, which is what Megatron builds it as."""
+    d, L = getattr(hc, "num_nextn_predict_layers", 0) or 0, hc.num_hidden_layers
+    stored = [f"model.layers.{L + k}.eh_proj.weight" in sd for k in range(d)]
+    if not any(stored):
+        return None
+    if not all(stored):
+        bad["num_nextn_predict_layers"] = f"{d} with model.layers.{L + stored.index(False)}.eh_proj.weight missing"
+    for k in range(d):
+        kind = lambda moe: "MoE" if moe else "dense"
+        if (f"model.layers.{L + k}.mlp.gate.weight" in sd) != moe_last:
+            bad[f"model.layers.{L + k}.mlp"] = (f"{kind(not moe_last)}, the last decoder layer's (which the MTP layer "
+                                                f"is built as) {kind(moe_last)}")
+    return d
+
+
 def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
     """(gpt.Config, full state dict) of a `transformers` DeepseekV3ForCausalLM: multi-latent attention (with or without
-    q-lora), dense layers, and MoE layers with shared experts (deepseek.py). HF has no MTP weights (mtp off).
+    q-lora), dense layers, and MoE layers with shared experts (deepseek.py), and the multi-token prediction layers
+    that DeepSeek's own checkpoints store after the decoder's (_deepseek_mtp; transformers' model has none).
 
     RoPE: HF's rope_interleave=True rotates interleaved pairs by de-interleaving first, exactly Megatron's MLA RoPE
     (deepseek.apply_mla_rope): the weights map as they are. rope_interleave=False rotates halves; its RoPE rows are
@@ -339,14 +362,14 @@ def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
             # its top k // group_topk (parallel.topk_routing): the same only when that is 2, as in DeepSeek-V3 (8 / 4)
         if hc.norm_topk_prob != (hc.num_experts_per_tok > 1):  # our sigmoid router renormalises iff k > 1
             bad.update(norm_topk_prob=hc.norm_topk_prob, num_experts_per_tok=hc.num_experts_per_tok)
-        biased = any(bool(sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].any()) for i in range(k_dense, L))
-        if "moe_router_enable_expert_bias" in fields:
+        if "moe_router_enable_expert_bias" in fields:  # (the bias is then a buffer: no value is read here)
             moe["moe_router_enable_expert_bias"] = True
-        elif biased:
+        elif any(bool(sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].any()) for i in range(k_dense, L)):
             bad["e_score_correction_bias"] = "non-zero"
+    mtp = _deepseek_mtp(hc, sd, moe_last=k_dense < L, bad=bad)
     if bad:
         raise ValueError(f"gpt.from_hf: DeepseekV3 settings this model cannot represent: {bad}")
-    c = Config(num_layers=L, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
+    c = Config(num_layers=L, mtp_num_layers=mtp, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
                kv_channels=hc.v_head_dim, ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
                max_position_embeddings=hc.max_position_embeddings, **_rope_fields(hc),
                normalization="RMSNorm", layernorm_epsilon=hc.rms_norm_eps,
@@ -372,8 +395,8 @@ def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
     if not c.share_embeddings_and_output_weights:
         full["output_layer.weight"] = sd["lm_head.weight"]
     n = c.num_attention_heads
-    for i in range(L):
-        h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+
+    def layer(h, o, moe: bool):  # HF's decoder layer `h` -> our TransformerLayer `o` (MLA, dense MLP or MoE)
         a, oa = h + "self_attn.", o + "self_attention."
         full.update({o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
                      o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
@@ -389,16 +412,24 @@ def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
                          oa + "linear_q_up_proj.weight": rope_rows(sd[a + "q_b_proj.weight"], n)})
         m, om = h + "mlp.", o + "mlp."
         shared = [(m + "shared_experts.", om + "shared_experts.")] if c.moe_shared_expert_intermediate_size else []
-        for src, dst in [(m, om)] if i < k_dense else shared:  # the dense MLP, or the MoE layer's shared expert
+        for src, dst in shared if moe else [(m, om)]:  # the dense MLP, or the MoE layer's shared expert
             full[dst + "linear_fc1.weight"] = torch.cat([sd[src + "gate_proj.weight"], sd[src + "up_proj.weight"]])
             full[dst + "linear_fc2.weight"] = sd[src + "down_proj.weight"]
-        if i >= k_dense:
+        if moe:
             full[om + "router.weight"] = sd[m + "gate.weight"]
             for e in range(c.num_experts):  # HF's gate_up_proj [E, 2f, h] is [gate; up] per expert, as our fc1
                 full[om + f"experts.linear_fc1.weight{e}"] = sd[m + "experts.gate_up_proj"][e]
                 full[om + f"experts.linear_fc2.weight{e}"] = sd[m + "experts.down_proj"][e]
             if "moe_router_enable_expert_bias" in fields:
                 full[om + "router.expert_bias"] = sd[m + "gate.e_score_correction_bias"]
+    for i in range(L):
+        layer(f"model.layers.{i}.", f"decoder.layers.{i}.", moe=i >= k_dense)
+    for k in range(c.mtp_num_layers or 0):  # depth k + 1, stored after the decoder's layers (_deepseek_mtp)
+        h, o = f"model.layers.{L + k}.", f"mtp.layers.{k}."
+        full.update({o + "enorm.weight": sd[h + "enorm.weight"], o + "hnorm.weight": sd[h + "hnorm.weight"],
+                     o + "eh_proj.weight": sd[h + "eh_proj.weight"],
+                     o + "final_layernorm.weight": sd[h + "shared_head.norm.weight"]})
+        layer(h, o + "transformer_layer.", moe=k_dense < L)  # the kind of our last layer, as Megatron's
     for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if k in full:
             full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
@@ -426,7 +457,7 @@ def bert_from_hf(hf, Config, dtype=None) -> tuple:
                     activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
                     num_tokentypes=hc.type_vocab_size, add_binary_head=binary, apply_residual_connection_post_layernorm=True,
                     share_embeddings_and_output_weights=tied, hidden_dropout=0.0, attention_dropout=0.0,
-                    params_dtype=dtype or next(hf.parameters()).dtype)
+                    params_dtype=dtype or next(hf.parameters()).dtype, mask_vocab_padding=True)  # HF's loss: its vocab
     e, p = "bert.embeddings.", "cls.predictions."
     full = {"embedding.word_embeddings.weight": sd[e + "word_embeddings.weight"],
             "embedding.position_embeddings.weight": sd[e + "position_embeddings.weight"],
@@ -482,7 +513,8 @@ def t5_from_hf(hf, Config, dtype=None) -> tuple:
                   layernorm_epsilon=hc.layer_norm_epsilon, softmax_scale=1.0, activation=act, gated_linear_unit=gated,
                   add_bias_linear=False, share_embeddings_and_output_weights=tied, lm_head_bias=False,
                   scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)),
-                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype)
+                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype,
+                  mask_vocab_padding=True)  # transformers' loss has no padded rows (gpt.Model.postprocess)
     n = c.num_attention_heads
     full = {"embedding.word_embeddings.weight": sd["shared.weight"],
             "encoder.final_layernorm.weight": sd["encoder.final_layer_norm.weight"],

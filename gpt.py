@@ -306,6 +306,9 @@ HF_CONVERTERS = {"gpt2": convert.gpt_from_hf, "llama": convert.gpt_from_hf, "mis
                  "deepseek_v3": convert.deepseek_from_hf}
 HF_LAYOUTS = {"mixtral": {"renames": [(r"\.block_sparse_moe\.", ".mlp.")], "experts": ("w1", "w3", "w2")},  # hf.py
               **{t: {"experts": ("gate_proj", "up_proj", "down_proj")} for t in ("qwen2_moe", "qwen3_moe", "deepseek_v3")}}
+HF_LAYOUTS["deepseek_v3"]["copies"] = [(r"model\.layers\.\d+\.embed_tokens\.weight", ["model.embed_tokens.weight"]),
+                                       (r"model\.layers\.\d+\.shared_head\.head\.weight",  # MTP's (convert.py)
+                                        ["lm_head.weight", "model.embed_tokens.weight"])]
 
 
 def from_hf(hf, grid=None, dtype=None) -> Model:

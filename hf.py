@@ -31,9 +31,12 @@ How it works
               export is the identity on every tensor by construction, for every family that imports. A converter
               that computes (rather than moves) values would break that; `export` then refuses by name. A tensor the
               model never reads (CLIP's post_layernorm, vision layers past the selected one, the copy of a tied
-              embedding) is left out, with a note: transformers initialises it, and it changes no logit.
+              embedding) is left out, with a note: transformers initialises it, and it changes no logit. A tensor the
+              folder stores twice where our model holds it once (a layout's "copies": DeepSeek-V3's MTP layers repeat
+              the embedding and output weights) must equal its source on import and is written again on export.
 
-Dimension glossary: gpt.py's. Tests: tests/test_hf_folders.py.
+Dimension glossary: gpt.py's. Tests: tests/test_hf_folders.py, test_hf_mtp.py (DeepSeek-V3's MTP layers, copies),
+test_hf_first_loss.py.
 """
 from __future__ import annotations
 
@@ -114,10 +117,10 @@ def _header(path) -> dict:
 
 # ---------------------------------------------------------------------------------------------- the folder as a state dict
 class Lazy(Mapping):
-    """{name: tensor} whose tensors are made on access, one at a time (make(name))."""
+    """{name: tensor} whose tensors are made on access, one at a time (make(name)); `kind`: file_state's."""
 
-    def __init__(self, names, make):
-        self.names, self.make = list(names), make
+    def __init__(self, names, make, kind="real"):
+        self.names, self.make, self.kind = list(names), make, kind
 
     def __getitem__(self, name):
         if name not in self.names:
@@ -141,12 +144,12 @@ def file_state(folder: Folder, kind: str = "real") -> Lazy:
         return Lazy(folder.tensors, lambda k: safe_open(str(folder.path / folder.tensors[k][0]), "pt").get_tensor(k))
     if kind == "meta":
         return Lazy(folder.tensors, lambda k: torch.empty(folder.tensors[k][2], dtype=DTYPES[folder.tensors[k][1]],
-                                                          device="meta"))
+                                                          device="meta"), kind)
     offsets, n = {}, 1
     for k in folder.tensors:
         offsets[k], n = n, n + math.prod(folder.tensors[k][2])
     return Lazy(folder.tensors, lambda k: torch.arange(offsets[k], offsets[k] + math.prod(folder.tensors[k][2]))
-                .view(folder.tensors[k][2]))
+                .view(folder.tensors[k][2]), kind)
 
 
 def live_name(layout: dict, stored_name: str) -> str:
@@ -154,6 +157,30 @@ def live_name(layout: dict, stored_name: str) -> str:
     for pattern, to in layout.get("renames", ()):
         stored_name = re.sub(pattern, to, stored_name)
     return stored_name
+
+
+def copies_of(layout: dict, names) -> dict:
+    """{stored name: the stored name it is a copy of}, by the layout's "copies" [(regex, [source names])]: a tensor
+    the folder stores twice (DeepSeek-V3's MTP layers hold the model's embedding and output weights again), which
+    our model holds once. The source is the first of the names present (an output layer tied to the embedding is
+    not stored)."""
+    names, out = set(names), {}
+    for pattern, sources in layout.get("copies", ()):
+        src = next((s for s in sources if s in names), None)
+        out.update({k: src for k in names if src is not None and re.fullmatch(pattern, k)})
+    return out
+
+
+def without_copies(layout: dict, stored: Mapping) -> Lazy:
+    """The stored state less its copies (copies_of), which must equal their sources when the tensors are read
+    (a folder whose copies differ is refused naming both: our model has one tensor for the two)."""
+    copies = copies_of(layout, stored)
+    if getattr(stored, "kind", "real") == "real":
+        for k, src in copies.items():
+            if not torch.equal(stored[k], stored[src]):
+                raise ConfigError(f"{k} differs from {src}: the model holds one tensor for both (shared), so it "
+                                  "cannot represent the two")
+    return Lazy([k for k in stored if k not in copies], stored.__getitem__, getattr(stored, "kind", "real"))
 
 
 def memory_state(layout: dict, stored: Mapping) -> Lazy:
@@ -224,7 +251,8 @@ def convert(config: dict, stored: Mapping, dtype=None):
     naming it."""
     model_type = config.get("model_type")
     mf, conv = converter_for(model_type)
-    state = memory_state(mf.HF_LAYOUTS.get(model_type, {}), stored)
+    layout = mf.HF_LAYOUTS.get(model_type, {})
+    state = memory_state(layout, without_copies(layout, stored))
     first = next(iter(state.values()), None) if dtype is None else None
     dtype = dtype or (first.dtype if first is not None and first.is_floating_point() else torch.float32)
     source = types.SimpleNamespace(config=config_view(config), state_dict=lambda: state,
@@ -325,7 +353,11 @@ def export_state(arch: dict, full: dict, dtype=None) -> tuple[dict, list]:
         else:
             out[k] = flat[offset: offset + n].view(shape).to(dtype or DTYPES[dt]).contiguous()
         offset += n
-    return out, left
+    mf, _ = converter_for(arch["config"].get("model_type"))
+    copies = copies_of(mf.HF_LAYOUTS.get(arch["config"].get("model_type"), {}), folder.tensors)
+    out = {k: out[k] if k in out else out[copies[k]].to(dtype or DTYPES[folder.tensors[k][1]]).clone()
+           for k in folder.tensors if k in out or copies.get(k) in out}  # a copy: its source's values, again
+    return out, [k for k in left if k not in out]
 
 
 def export_folder(arch: dict, full: dict, tok, out_dir, dtype=None):

@@ -40,6 +40,7 @@ from torch import nn
 import convert
 import data
 import gpt
+import hf
 import parallel as P
 import transformer
 
@@ -369,8 +370,13 @@ ARCH_FLAGS = ("img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden
 
 
 def config_fields(args, tok) -> dict:
-    """The image token's id in the run's tokenizer (None before the tokenizer is known: the Config's default)."""
-    return {} if tok is None else {"image_token_index": tok.token_to_id(IMAGE_TOKEN)}
+    """The image token's id: the run's tokenizer's IMAGE_TOKEN, or an imported folder's config.json image_token_id
+    (hf.py), which its tokenizer must hold (its <image>). tok None (not known yet): the Config's default."""
+    arch = getattr(args, "hf_architecture", None)
+    i = hf.config_view(arch["config"]).image_token_id if arch else tok and tok.token_to_id(IMAGE_TOKEN)
+    if tok is not None and (i is None or tok.id_to_token(i) is None):
+        raise data.DataError(f"the tokenizer has no image token ({f'image_token_id={i}' if arch else IMAGE_TOKEN})")
+    return {} if i is None else {"image_token_index": i}
 
 
 TRAIN_DEFAULTS = dict(seq_length=36, num_layers=2, hidden_size=128, num_attention_heads=4, drop_vision_class_token=True,

@@ -70,10 +70,9 @@ def test_from_hf_logits_match(cls, tied):
         assert binary.shape == (3, 2) and (binary - ref.seq_relationship_logits).abs().max() < 1e-4
     else:
         assert binary is None
-    with torch.no_grad():  # the loss path: per-token CE over the padded vocabulary (padded logits are 0)
-        per_token, _ = ours(ids, am, tt, lm_labels=ids)
-    padded = torch.cat([lm_ref, torch.zeros(3, 20, ours.config.padded_vocab_size - 300)], -1)
-    ce = torch.nn.functional.cross_entropy(padded.transpose(1, 2), ids, reduction="none")
+    with torch.no_grad():  # the loss path: per-token CE over Hugging Face's own vocabulary (mask_vocab_padding:
+        per_token, _ = ours(ids, am, tt, lm_labels=ids)  # the padded rows out, tests/test_hf_first_loss.py)
+    ce = torch.nn.functional.cross_entropy(lm_ref.transpose(1, 2), ids, reduction="none")
     assert (per_token - ce).abs().max() < 1e-4
 
 

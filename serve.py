@@ -39,13 +39,19 @@ from transformer import InferenceContext
 class SamplingParams:
     """How one request samples: temperature 0 = greedy; top_k / top_p filter the distribution (None: off); `seed`
     seeds the request's own generator, so its tokens do not depend on which requests share its steps; it stops
-    after max_tokens tokens or after sampling one of `stop` (that token included, as gpt.generate's eod)."""
+    after max_tokens tokens or after sampling one of `stop` (that token included, as gpt.generate's eod).
+    `logprobs` N in 0..MAX_LOGPROBS records, for each sampled token, its log-probability and the N most probable
+    tokens' (None: off); from the raw logits, before temperature, top-k and top-p (vLLM's and OpenAI's meaning)."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[int, ...] = ()
+    logprobs: int | None = None
+
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclasses.dataclass
@@ -58,6 +64,8 @@ class Request:
     blocks: list[int] = dataclasses.field(default_factory=list)  # the block table: position p -> blocks[p // B]
     cached: int = 0  # positions whose keys and values are in the blocks
     finish_reason: str | None = None  # "length", "stop" or "abort" once finished
+    # with params.logprobs = N, per sampled token: (its logprob, [(token id, logprob)] of the N most probable first)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
 
     def pending(self) -> list[int]:
         """The tokens this step feeds: the whole prompt first (prefill), then the last sampled token (decode)."""
@@ -151,6 +159,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The sampled token's log-probability and the n most probable tokens' (most probable first), from one
+    request's raw logits [V]: log_softmax in float32, before any temperature or filtering."""
+    logp = torch.log_softmax(logits.float(), -1)  # [V]
+    top = torch.topk(logp, n)
+    return float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist()))
+
+
 def generator(params: SamplingParams, device) -> torch.Generator:
     """A request's own random stream: from its seed, or from a seed drawn from torch's default generator."""
     seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
@@ -158,15 +174,19 @@ def generator(params: SamplingParams, device) -> torch.Generator:
 
 
 @torch.no_grad()
-def generate_one(model, prompt_ids, params: SamplingParams) -> list[int]:
+def generate_one(model, prompt_ids, params: SamplingParams, logprobs: list | None = None) -> list[int]:
     """The sequential oracle the engine is tested against: one request alone, its keys and values in the static
-    cache (transformer.InferenceContext), sampled as the engine samples it: a seeded request's tokens are these."""
+    cache (transformer.InferenceContext), sampled as the engine samples it: a seeded request's tokens are these.
+    With params.logprobs set, each token's (logprob, top logprobs), as Request.logprobs, are appended to `logprobs`."""
     model.eval()
     device = next(model.parameters()).device
     g, cache, out = generator(params, device), InferenceContext(), []
     ids = torch.tensor([list(prompt_ids)], device=device)  # [1, s]: the prompt, then each sampled token
     while True:
-        out.append(sample(model(ids, inference_context=cache)[0, -1], params, g))
+        logits = model(ids, inference_context=cache)[0, -1]  # [V]
+        out.append(sample(logits, params, g))
+        if params.logprobs is not None and logprobs is not None:
+            logprobs.append(token_logprobs(logits, out[-1], params.logprobs))
         if out[-1] in params.stop or len(out) == params.max_tokens:
             return out
         ids = torch.tensor([out[-1:]], device=device)
@@ -208,6 +228,9 @@ class Engine:
                              f"{self.context}")
         if params.top_p is not None and not 0 < params.top_p <= 1:
             raise ValueError(f"top_p={params.top_p} must be in (0, 1]")
+        n = params.logprobs
+        if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={n!r} must be None or an int in 0..{MAX_LOGPROBS}")
         r = Request(len(self.requests), prompt, params, generator(params, self.device))
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
@@ -244,6 +267,8 @@ class Engine:
         for r, n, row in zip(batch, counts, logits[last]):
             r.cached += n
             r.output.append(sample(row, r.params, r.generator))
+            if r.params.logprobs is not None:
+                r.logprobs.append(token_logprobs(row, r.output[-1], r.params.logprobs))
             if r.output[-1] in r.params.stop:
                 r.finish_reason = "stop"
             elif len(r.output) == r.params.max_tokens:

@@ -14,7 +14,9 @@
     fail, and the block invariant too; a request longer than the context or than the pool is refused by number;
   - negative control: requests drawing from one shared generator fail the batch-independence check;
   - gpt.Model.forward checks explicit positions, not a packed row's length, against its learned-position table;
-  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities).
+  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities);
+  - logprobs (N = 0..20 per request): the engine's equal generate_one's and the log_softmax of the whole sequence's
+    forward (TOL32, float32); a value outside 0..20 is refused; negative control: logprobs of the tempered logits.
 Tolerance: tokens are compared exactly; the logits each token was sampled from, 1e-10 relative to the whole
 sequence's forward in float64 (they differ only in the order of float64 sums: the packed row's matmuls have other
 shapes; measured <= 3e-15). The random weights (init std 0.5, as tests/test_kv_cache.py's) keep greedy decoding
@@ -215,3 +217,57 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
     with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
         engine.add_request([1], serve.SamplingParams(top_p=0))
+
+
+
+TOL32 = 1e-5
+"""Logprobs are float32 (log_softmax of the float64 logits cast to float32), of magnitude <= ~10 here: float32's
+relative rounding 6e-8 over a few operations puts them within ~1e-6 of the float64 log_softmax (measured 7e-7);
+1e-5 leaves a margin. Engine against generate_one: their float64 logits agree to 1e-10 relative (above), so the
+float32 casts agree but for a logit on a rounding boundary (one ulp, < 1e-6); the same 1e-5 (measured 0)."""
+
+
+def assert_logprobs_match(model):
+    """The engine's logprobs (continuous batching, greedy and sampled, N from 0 to 20) against generate_one's and
+    the float64 log_softmax of the whole sequence's forward; the sampled token's logprob is the one at its id."""
+    work, n_top = workload(seed=3), [5, 0, 20, 3, 1, 7]
+
+    def params(i, max_tokens):
+        return serve.SamplingParams(max_tokens=max_tokens, temperature=[0, 0.9][i % 2], top_k=[None, 30][i % 2],
+                                    seed=200 + i, logprobs=n_top[i])
+    engine = serve.Engine(model, 40, 4, max_batch=4)
+    got = serve_all(engine, work, params)
+    requests = {r.params.seed - 200: r for r in engine.requests.values()}  # by work index (ids follow arrival)
+    for i, ((_, prompt, max_tokens), tokens) in enumerate(zip(work, got)):
+        r, oracle = requests[i], []
+        assert serve.generate_one(model, prompt, params(i, max_tokens), logprobs=oracle) == tokens
+        assert len(r.logprobs) == len(oracle) == len(tokens)
+        full = torch.log_softmax(model(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:], -1)  # [n, V]
+        for t, (token, (lp, top), (lp1, top1)) in enumerate(zip(tokens, r.logprobs, oracle)):
+            ids = [k for k, _ in top]
+            assert ids == [k for k, _ in top1] == full[t].topk(n_top[i]).indices.tolist(), "top ids differ"
+            ours = torch.tensor([lp] + [v for _, v in top], dtype=torch.float64)
+            assert (ours - torch.tensor([lp1] + [v for _, v in top1], dtype=torch.float64)).abs().max() <= TOL32
+            err = (ours - full[t][[token] + ids]).abs().max()
+            assert err <= TOL32, f"request {i} token {t}: logprobs {err:.2e} from the full forward's"
+            assert all(a >= b for a, b in zip(ours[1:], ours[2:]))  # most probable first
+            assert not ids or ours[1] >= lp  # nothing ranks above the most probable token
+
+
+def test_logprobs_equal_the_oracle_and_the_full_forward():
+    assert_logprobs_match(gpt.Model(gpt.Config(**LLAMA)))
+
+
+def test_logprobs_after_temperature_are_caught(monkeypatch):
+    """Negative control: logprobs of the tempered logits (not the raw ones) are off by far more than TOL32."""
+    real = serve.token_logprobs
+    monkeypatch.setattr(serve, "token_logprobs", lambda logits, token, n: real(logits / 0.9, token, n))
+    with pytest.raises(AssertionError, match="logprobs .* from the full forward's"):
+        assert_logprobs_match(gpt.Model(gpt.Config(**LLAMA)))
+
+
+@pytest.mark.parametrize("n", [-1, 21, 2.0])
+def test_logprobs_out_of_range_are_refused(n):
+    engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
+    with pytest.raises(ValueError, match=rf"^logprobs={n} must be None or an int in 0\.\.20$"):
+        engine.add_request([1], serve.SamplingParams(logprobs=n))

@@ -63,6 +63,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)  # the sampled tokens
     blocks: list[int] = dataclasses.field(default_factory=list)  # the block table: position p -> blocks[p // B]
     cached: int = 0  # positions whose keys and values are in the blocks
+    slot: int | None = None  # its recurrent-state slot while it runs (PagedKVCache.recurrent)
     finish_reason: str | None = None  # "length", "stop" or "abort" once finished
     # with params.logprobs = N, per sampled token: (its logprob, [(token id, logprob)] of the N most probable first)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
@@ -81,12 +82,20 @@ class PagedKVCache:
     """Keys and values of every running request in fixed-size blocks (Megatron's DynamicInferenceContext): for each
     attention layer a pool K, V [N, g, B, d] (allocated at the layer's first call, never grown), one free list of
     block ids shared by the layers, and per step a plan — where this step's tokens are written and which slots each
-    token reads. Passed to the model as its inference_context: `append(layer, k, v)` is what attention calls."""
+    token reads. Passed to the model as its inference_context: `append(layer, k, v)` is what attention calls.
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    Recurrent layers (a Mamba mixer: a conv state and an SSM state per sequence, no keys) call `recurrent` instead:
+    each running request holds one of `max_requests` state slots (handed out at admission, back when it finishes,
+    as Megatron's dynamic context keeps its "mamba state" per request), and each such layer a buffer per state
+    tensor [max_requests, ...], allocated at its first call, never grown. A model without such layers never calls
+    it, and its slots stay bookkeeping only."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_requests: int = 1):
+        self.num_blocks, self.block_size, self.max_requests = num_blocks, block_size, max_requests
         self.free = list(range(num_blocks))  # block ids, the next one handed out last
         self.pools = {}  # attention layer -> (K, V) [N, g, B, d]
+        self.free_slots = list(range(max_requests))[::-1]  # recurrent-state slots, the next one handed out last
+        self.states = {}  # recurrent layer -> its state tensors, each [max_requests, ...]
         self.sequence_len_offset = 0  # the static cache's counter, which gpt.Model.forward advances: unused here
 
     def allocate(self, n: int) -> list[int]:
@@ -116,6 +125,7 @@ class PagedKVCache:
         reads = [self.slots(r.blocks, ar(r.cached + n)) for r, n in zip(requests, counts)]
         self.write = tuple(torch.cat(w) for w in zip(*writes))  # (block, offset) [T]
         self.read = tuple(torch.cat(w) for w in zip(*reads))  # (block, offset) [K]
+        self.segments = [(r.slot, r.cached == 0, n) for r, n in zip(requests, counts)]  # for `recurrent`
         mask = (owner[:, None] == key_owner[None, :]) & (key_pos[None, :] <= pos[:, None])  # [T, K]
         return pos, mask
 
@@ -130,6 +140,37 @@ class PagedKVCache:
             pool[self.write[0], :, self.write[1]] = rearrange(new, "1 g t d -> t g d")
             out.append(rearrange(pool[self.read[0], :, self.read[1]], "k g d -> 1 g k d"))
         return tuple(out)
+
+    def recurrent(self, layer, fn, *xs):
+        """A recurrent layer over this step's packed row: xs [1, T, ·] -> its output y [1, T, ·]. Each request runs
+        fn(*its tokens [b, n, ·], state=) -> (y, the state after) from the state in its slot, or from None (zeros)
+        for a prefill, and the state after goes back into the slot. Decodes (one token each) run as one batch."""
+        starts = [0]
+        for _, _, n in self.segments:
+            starts.append(starts[-1] + n)
+        out = [None] * len(self.segments)
+        decodes = [i for i, (_, prefill, _) in enumerate(self.segments) if not prefill]
+        if decodes:
+            rows = torch.tensor([starts[i] for i in decodes], device=xs[0].device)
+            slots = torch.tensor([self.segments[i][0] for i in decodes], device=xs[0].device)
+            y, state = fn(*(rearrange(x[0, rows], "r e -> r 1 e") for x in xs),
+                          state=tuple(t[slots] for t in self.states[layer]))
+            self.keep(layer, slots, state)
+            for j, i in enumerate(decodes):
+                out[i] = y[j]  # [1, ·]
+        for i, (slot, prefill, n) in enumerate(self.segments):
+            if prefill:
+                y, state = fn(*(x[:, starts[i]:starts[i + 1]] for x in xs), state=None)
+                self.keep(layer, [slot], state)
+                out[i] = y[0]  # [n, ·]
+        return torch.cat(out)[None]
+
+    def keep(self, layer, slots, state):
+        """Write a recurrent layer's states [len(slots), ...] into its buffers at `slots`."""
+        if layer not in self.states:
+            self.states[layer] = tuple(t.new_zeros(self.max_requests, *t.shape[1:]) for t in state)
+        for buffer, t in zip(self.states[layer], state):
+            buffer[slots] = t
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -205,7 +246,7 @@ class Engine:
         if min(num_blocks, block_size, max_batch) < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}, max_batch={max_batch}: each must be >= 1")
         self.model, self.max_batch = model.eval(), max_batch  # eval: no dropout while serving
-        self.cache = PagedKVCache(num_blocks, block_size)
+        self.cache = PagedKVCache(num_blocks, block_size, max_requests=max_batch)
         self.device = next(model.parameters()).device
         self.context = model.config.max_position_embeddings  # the positions the model was built for
         self.requests: dict[int, Request] = {}  # every request, by id
@@ -248,6 +289,7 @@ class Engine:
                 break
             promised += need
             self.running.append(self.waiting.pop(0))
+            self.running[-1].slot = self.cache.free_slots.pop()
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int, bool]]:
@@ -273,10 +315,8 @@ class Engine:
                 r.finish_reason = "stop"
             elif len(r.output) == r.params.max_tokens:
                 r.finish_reason = "length"
-            if r.finish_reason is not None:  # retire it: its blocks go back to the pool at once
-                self.running.remove(r)
-                self.cache.release(r.blocks)
-                r.blocks = []
+            if r.finish_reason is not None:
+                self.retire(r)
             out.append((r.id, r.output[-1], r.finish_reason is not None))
         return out
 
@@ -286,9 +326,15 @@ class Engine:
         if r.finish_reason is None:
             r.finish_reason = "abort"
             self.waiting = [w for w in self.waiting if w is not r]
-            self.running = [w for w in self.running if w is not r]
-            self.cache.release(r.blocks)
-            r.blocks = []
+            if any(w is r for w in self.running):
+                self.retire(r)
+
+    def retire(self, r: Request):
+        """Out of the batch: its blocks and its state slot go back to the pool at once."""
+        self.running.remove(r)
+        self.cache.release(r.blocks)
+        self.cache.free_slots.append(r.slot)
+        r.blocks, r.slot = [], None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

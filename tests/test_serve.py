@@ -14,6 +14,11 @@
     fail, and the block invariant too; a request longer than the context or than the pool is refused by number;
   - negative control: requests drawing from one shared generator fail the batch-independence check;
   - gpt.Model.forward checks explicit positions, not a packed row's length, against its learned-position table;
+  - Mamba hybrids: attention layers in the paged cache, Mamba layers' (conv, ssm) states in a slot per running
+    request (PagedKVCache.recurrent): greedy tokens of a continuously batched run equal the full recompute's,
+    mamba.generate's alone and generate_one's; seeded sampling is batch-independent; every slot is free or held by
+    one running request; an aborted request's slot is reused from a zero state; negative control: two requests
+    sharing a slot fail the comparison and the slot invariant;
   - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities);
   - logprobs (N = 0..20 per request): the engine's equal generate_one's and the log_softmax of the whole sequence's
     forward (TOL32, float32); a value outside 0..20 is refused; negative control: logprobs of the tempered logits.
@@ -28,9 +33,10 @@ import random
 
 import pytest
 import torch
-from test_kv_cache import GPT, LLAMA, MLA
+from test_kv_cache import GPT, HYBRID, LLAMA, MLA
 
 import gpt
+import mamba
 import serve
 from equivalence import rel_err
 
@@ -219,6 +225,76 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
         engine.add_request([1], serve.SamplingParams(top_p=0))
 
 
+
+
+# --------------------------------------------------------------------------------------- Mamba hybrids
+def slot_invariant(engine):
+    """Every recurrent-state slot is free or held by exactly one running request."""
+    held = [r.slot for r in engine.running] + engine.cache.free_slots
+    assert sorted(held) == list(range(engine.max_batch)), f"state slots held or free: {sorted(held)}"
+
+
+def hybrid(pattern="M*-M*", pos="none"):
+    return mamba.Model(mamba.Config(**HYBRID, hybrid_layer_pattern=pattern, position_embedding_type=pos)).eval()
+
+
+@pytest.mark.parametrize("pattern,pos", [("M*-M*", "none"), ("*M-M", "rope")])
+def test_mamba_hybrid_greedy_equals_its_sequential_generation(pattern, pos):
+    """Attention layers in the paged cache, Mamba layers in per-request state slots: each request of a continuously
+    batched run is the full recompute's (gpt.generate), mamba.generate's alone (one position per forward, the
+    sequential scan) and generate_one's (the static cache)."""
+    model, buffers = hybrid(pattern, pos), []
+    engine = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4)
+
+    def check(e):
+        block_invariant(e)
+        slot_invariant(e)
+        buffers.append([(t.data_ptr(), t.shape) for ts in e.cache.states.values() for t in ts])
+    work = workload(seed=4)
+    got = assert_greedy_equals_generate(model, engine, work, each_step=check)
+    assert len(set(sum(got, []))) >= 8 and len({len(t) for t in got}) >= 4
+    for (_, prompt, max_tokens), tokens in zip(work, got):
+        alone = mamba.generate(model, torch.tensor([prompt]), max_tokens, temperature=0)[0, len(prompt):].tolist()
+        assert tokens == alone == serve.generate_one(model, prompt, greedy(0, max_tokens))
+    # two state tensors (conv, ssm) per Mamba layer, max_batch slots each, allocated once
+    assert len(buffers[0]) == 2 * pattern.count("M") and all(b == buffers[0] for b in buffers)
+    assert all(shape[0] == 4 for _, shape in buffers[0])
+    assert sorted(engine.cache.free_slots) == [0, 1, 2, 3]
+
+
+def test_mamba_hybrid_seeded_sampling_does_not_depend_on_the_batch():
+    assert_batch_independent(hybrid(), workload(seed=5, n=3))
+
+
+def test_two_requests_sharing_a_state_slot_are_caught(monkeypatch):
+    """Negative control: request 1 is handed request 0's state slot while both run: the tokens differ, and the slot
+    invariant fails."""
+    real = serve.PagedKVCache.plan
+
+    def plan(self, requests, counts, device):
+        live = {r.id: r for r in requests}
+        if 0 in live and 1 in live:
+            live[1].slot = live[0].slot
+        return real(self, requests, counts, device)
+    monkeypatch.setattr(serve.PagedKVCache, "plan", plan)
+    work, model = [(0, [1, 2, 3, 4, 5], 12), (1, [6, 7, 8], 12)], hybrid()
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        assert_greedy_equals_generate(model, serve.Engine(model, 20, 4, max_batch=4), work)
+    with pytest.raises(AssertionError, match="state slots held or free"):
+        serve_all(serve.Engine(model, 20, 4, max_batch=4), work, greedy, slot_invariant)
+
+
+def test_an_aborted_hybrid_request_frees_its_state_slot():
+    model = hybrid()
+    engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=2)
+    a, b, c = (engine.add_request(p, greedy(0, 6)) for p in ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10]))
+    engine.step()
+    engine.abort(b)  # its slot goes to c, which starts from a zero state at its prefill
+    slot_invariant(engine)
+    out = engine.run()
+    for i, prompt in ((a, [1, 2, 3, 4, 5]), (c, [9, 10])):
+        assert out[i] == gpt.generate(model, torch.tensor([prompt]), 6, temperature=0, use_cache=False)[0, len(prompt):].tolist()
+    assert sorted(engine.cache.free_slots) == [0, 1]
 
 TOL32 = 1e-5
 """Logprobs are float32 (log_softmax of the float64 logits cast to float32), of magnitude <= ~10 here: float32's

@@ -9,7 +9,12 @@ paged cache: a pool of fixed-size blocks per layer, a free list, and a block tab
 a time and is freed whole when the request finishes, so memory follows the tokens actually held, not the longest
 request (Kwon et al. 2023, PagedAttention / vLLM). A file of its own because it is neither a model nor training: it
 drives any model built on gpt.Model's skeleton through forward's existing seams (position_ids, mask,
-inference_context), and it is where the OpenAI-compatible server will live (not yet written).
+inference_context), and an OpenAI-compatible server is to be built on its Engine.
+A model with recurrent layers (the Mamba layers of a hybrid) needs no KV cache there but a state per sequence: each
+running request holds a state slot, taken at admission and given back when it finishes; the layer asks the cache
+for it (`PagedKVCache.recurrent`), a prefill starts from a zero state, a decode continues from the slot's. The
+engine never asks which model it serves: a model without such layers never calls `recurrent`.
+Each request may ask for logprobs (SamplingParams.logprobs): its sampled tokens' and the top N, from the raw logits.
 Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
 pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
 add_request, step, scheduling). The attention here is written plainly (a gather of each request's keys and a dense
@@ -158,7 +163,7 @@ class PagedKVCache:
             self.keep(layer, slots, state)
             for j, i in enumerate(decodes):
                 out[i] = y[j]  # [1, ·]
-        for i, (slot, prefill, n) in enumerate(self.segments):
+        for i, (slot, prefill, _) in enumerate(self.segments):
             if prefill:
                 y, state = fn(*(x[:, starts[i]:starts[i + 1]] for x in xs), state=None)
                 self.keep(layer, [slot], state)

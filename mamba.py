@@ -362,9 +362,10 @@ class MambaMixer(nn.Module):
         or None at the start (zeros: the causal conv's left padding, the scan's empty state)."""
         conv = state[0] if state is not None else xBC.new_zeros(xBC.shape[0], xBC.shape[2], self.k - 1)
         inputs = torch.cat([conv, rearrange(xBC, "b l e -> b e l")], dim=-1)  # [b, conv_dim, k-1+l]
-        # the depthwise conv as a sum over its k taps (torch's conv1d re-plans for every new length: slow to decode)
-        xBC = torch.einsum("belk,ek->ble", inputs.unfold(-1, self.k, 1), self.conv1d.weight[:, 0]) + self.conv1d.bias
-        y, ssm = self.ssm(F.silu(xBC), dt, z, scan, state=None if state is None else state[1])
+        # the depthwise conv as its k shifted products (torch's conv1d re-plans for each new length: slow to decode)
+        w, l = self.conv1d.weight[:, 0], xBC.shape[1]  # [conv_dim, k]
+        xBC = sum(inputs[..., j:j + l] * w[:, j, None] for j in range(self.k)) + self.conv1d.bias[:, None]
+        y, ssm = self.ssm(F.silu(rearrange(xBC, "b e l -> b l e")), dt, z, scan, None if state is None else state[1])
         return y, (inputs[..., inputs.shape[-1] - (self.k - 1):], ssm)
 
     def forward(self, hidden, inference_context=None):  # [s(/tp), b, h] -> [s(/tp), b, h]

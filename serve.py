@@ -14,6 +14,8 @@ A model with recurrent layers (the Mamba layers of a hybrid) needs no KV cache t
 running request holds a state slot, taken at admission and given back when it finishes; the layer asks the cache
 for it (`PagedKVCache.recurrent`), a prefill starts from a zero state, a decode continues from the slot's. The
 engine never asks which model it serves: a model without such layers never calls `recurrent`.
+A request may carry the model's own inputs for its prompt (LLaVA's image: add_request(ids, params, pixel_values=));
+the step that prefills it passes them, stacked over that step's prefills in the row's order, to the model.
 Each request may ask for logprobs (SamplingParams.logprobs): its sampled tokens' and the top N, from the raw logits.
 Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
 pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
@@ -69,6 +71,7 @@ class Request:
     blocks: list[int] = dataclasses.field(default_factory=list)  # the block table: position p -> blocks[p // B]
     cached: int = 0  # positions whose keys and values are in the blocks
     slot: int | None = None  # its recurrent-state slot while it runs (PagedKVCache.recurrent)
+    inputs: dict = dataclasses.field(default_factory=dict)  # the model's own inputs for its prompt (an image)
     finish_reason: str | None = None  # "length", "stop" or "abort" once finished
     # with params.logprobs = N, per sampled token: (its logprob, [(token id, logprob)] of the N most probable first)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
@@ -220,16 +223,19 @@ def generator(params: SamplingParams, device) -> torch.Generator:
 
 
 @torch.no_grad()
-def generate_one(model, prompt_ids, params: SamplingParams, logprobs: list | None = None) -> list[int]:
+def generate_one(model, prompt_ids, params: SamplingParams, logprobs: list | None = None, **inputs) -> list[int]:
     """The sequential oracle the engine is tested against: one request alone, its keys and values in the static
     cache (transformer.InferenceContext), sampled as the engine samples it: a seeded request's tokens are these.
-    With params.logprobs set, each token's (logprob, top logprobs), as Request.logprobs, are appended to `logprobs`."""
+    With params.logprobs set, each token's (logprob, top logprobs), as Request.logprobs, are appended to `logprobs`.
+    `inputs`: the model's own inputs for the prompt (as Engine.add_request's), given to its first forward."""
     model.eval()
     device = next(model.parameters()).device
     g, cache, out = generator(params, device), InferenceContext(), []
     ids = torch.tensor([list(prompt_ids)], device=device)  # [1, s]: the prompt, then each sampled token
+    inputs = {k: v[None].to(device) for k, v in inputs.items()}  # a batch of one
     while True:
-        logits = model(ids, inference_context=cache)[0, -1]  # [V]
+        logits = model(ids, inference_context=cache, **inputs)[0, -1]  # [V]
+        inputs = {}
         out.append(sample(logits, params, g))
         if params.logprobs is not None and logprobs is not None:
             logprobs.append(token_logprobs(logits, out[-1], params.logprobs))
@@ -261,8 +267,10 @@ class Engine:
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.cache.block_size)
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
-        """Queue a request (token ids, at least one) and return its id; it joins the batch at a later step."""
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, **inputs) -> int:
+        """Queue a request (token ids, at least one) and return its id; it joins the batch at a later step. `inputs`:
+        the model's own inputs for this prompt, each one sample's tensor (e.g. pixel_values [3, H, W] for the image
+        whose tokens the prompt holds); the step that runs the prompt passes each stacked over its prefills."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt or params.max_tokens < 1:
@@ -277,7 +285,7 @@ class Engine:
         n = params.logprobs
         if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={n!r} must be None or an int in 0..{MAX_LOGPROBS}")
-        r = Request(len(self.requests), prompt, params, generator(params, self.device))
+        r = Request(len(self.requests), prompt, params, generator(params, self.device), inputs=inputs)
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
                              f"positions ({r.max_positions()} positions), the pool has {self.cache.num_blocks}")
@@ -307,8 +315,13 @@ class Engine:
             r.blocks += self.cache.allocate(self.blocks_for(r.cached + n) - len(r.blocks))
         ids = torch.tensor([t for r in batch for t in r.pending()], device=self.device)  # [T]
         pos, mask = self.cache.plan(batch, counts, self.device)
+        inputs = {}  # the prefills' own inputs, stacked in the row's order
+        for r in batch:
+            for k, v in (r.inputs.items() if r.cached == 0 else ()):
+                inputs.setdefault(k, []).append(v)
+        inputs = {k: torch.stack(v).to(self.device) for k, v in inputs.items()}
         logits = self.model(ids[None], position_ids=pos[None], mask=mask[None, None],
-                            inference_context=self.cache)[0]  # [T, V]
+                            inference_context=self.cache, **inputs)[0]  # [T, V]
         last = torch.tensor(counts, device=self.device).cumsum(0) - 1  # each request's last token in the row
         out = []
         for r, n, row in zip(batch, counts, logits[last]):

@@ -19,6 +19,9 @@
     mamba.generate's alone and generate_one's; seeded sampling is batch-independent; every slot is free or held by
     one running request; an aborted request's slot is reused from a zero state; negative control: two requests
     sharing a slot fail the comparison and the slot invariant;
+  - LLaVA: a request's image (add_request(..., pixel_values=)) goes with its prompt; two image prefills in one step
+    are stacked in the row's order: greedy tokens equal the whole forward's (recomputed each step, learned positions
+    and RoPE) and generate_one's; negative control: the row's images in reverse order fail the comparison;
   - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities);
   - logprobs (N = 0..20 per request): the engine's equal generate_one's and the log_softmax of the whole sequence's
     forward (TOL32, float32); a value outside 0..20 is refused; negative control: logprobs of the tempered logits.
@@ -36,6 +39,7 @@ import torch
 from test_kv_cache import GPT, HYBRID, LLAMA, MLA
 
 import gpt
+import llava
 import mamba
 import serve
 from equivalence import rel_err
@@ -250,7 +254,7 @@ def test_mamba_hybrid_greedy_equals_its_sequential_generation(pattern, pos):
         block_invariant(e)
         slot_invariant(e)
         buffers.append([(t.data_ptr(), t.shape) for ts in e.cache.states.values() for t in ts])
-    work = workload(seed=4)
+    work = workload(seed=4, n=5)
     got = assert_greedy_equals_generate(model, engine, work, each_step=check)
     assert len(set(sum(got, []))) >= 8 and len({len(t) for t in got}) >= 4
     for (_, prompt, max_tokens), tokens in zip(work, got):
@@ -296,6 +300,63 @@ def test_an_aborted_hybrid_request_frees_its_state_slot():
         ref = gpt.generate(model, torch.tensor([prompt]), 6, temperature=0, use_cache=False)[0, len(prompt):]
         assert out[i] == ref.tolist()
     assert sorted(engine.cache.free_slots) == [0, 1]
+
+
+# --------------------------------------------------------------------------------------- LLaVA: an image in the prompt
+LLAVA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+             vocab_size=101, max_position_embeddings=CONTEXT, normalization="RMSNorm", activation="silu",
+             gated_linear_unit=True, add_bias_linear=False, img_h=8, img_w=8, patch_dim=4, vision_num_layers=1,
+             vision_hidden_size=16, vision_num_attention_heads=4, vision_ffn_hidden_size=24, image_token_index=100,
+             init_method_std=0.5, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
+
+
+def image_work(model, seed=6):
+    """(arrival, prompt, max_tokens, pixels or None): text, the image's 5 tokens, text; one text-only request; two
+    image requests arrive together (their prefills share a step, so their images are stacked in one forward)."""
+    rng, n_img = random.Random(seed), model.config.num_image_tokens
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for arrive in (0, 0, 1, 2, 3):
+        a, b = rng.randint(0, 4), rng.randint(1, 4)
+        prompt = [rng.randrange(100) for _ in range(a)] + [100] * n_img + [rng.randrange(100) for _ in range(b)]
+        out.append((arrive, prompt, rng.randint(3, CONTEXT - len(prompt)), torch.rand(3, 8, 8, generator=g)))
+    out[3] = (3, [rng.randrange(100) for _ in range(6)], 10, None)  # text only
+    return out
+
+
+def assert_image_requests_equal_their_oracles(model):
+    engine, work, ids, t = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4), image_work(model), {}, 0
+    params = lambda m: serve.SamplingParams(max_tokens=m, temperature=0, stop=(100,))  # never feed an image token
+    while len(ids) < len(work) or engine.has_unfinished():
+        for i, (arrive, prompt, m, px) in enumerate(work):
+            if arrive == t:
+                ids[i] = engine.add_request(prompt, params(m), **({} if px is None else {"pixel_values": px}))
+        engine.step()
+        t += 1
+    outs = [engine.requests[ids[i]].output for i in range(len(work))]
+    assert len(set(sum(outs, []))) >= 8
+    for (_, prompt, m, px), tokens in zip(work, outs):
+        inputs = {} if px is None else {"pixel_values": px}
+        full = gpt.generate(model, torch.tensor([prompt]), m, temperature=0, eod=100, next_logits=lambda ids: model(
+            ids, None if px is None else px[None])[:, -1])[0, len(prompt):].tolist()  # the whole forward each step
+        assert tokens == full, f"engine's tokens {tokens} differ from the full forward's {full}"
+        assert tokens == serve.generate_one(model, prompt, params(m), **inputs)
+
+
+@pytest.mark.parametrize("pos", ["rope", "learned_absolute"])
+def test_llava_image_prompts_equal_the_full_forward(pos):
+    """LLaVA through the engine: each request's image (pixel_values) goes with its prompt; a step with several
+    prefills stacks their images in the row's order and the model splices each into its own request's image tokens.
+    Greedy tokens equal the whole forward's (image and text, recomputed each step) and generate_one's."""
+    assert_image_requests_equal_their_oracles(llava.Model(llava.Config(**LLAVA, position_embedding_type=pos)).eval())
+
+
+def test_images_spliced_into_the_wrong_request_are_caught(monkeypatch):
+    """Negative control: the images of a packed row in reverse order (each prefill gets another's image)."""
+    real = llava.Model.encode_images
+    monkeypatch.setattr(llava.Model, "encode_images", lambda self, px: real(self, px.flip(0)))
+    with pytest.raises(AssertionError, match="differ from the full forward's"):
+        assert_image_requests_equal_their_oracles(llava.Model(llava.Config(**LLAVA, position_embedding_type="rope")).eval())
 
 TOL32 = 1e-5
 """Logprobs are float32 (log_softmax of the float64 logits cast to float32), of magnitude <= ~10 here: float32's

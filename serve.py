@@ -34,6 +34,7 @@ Dimension glossary
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import torch
@@ -285,6 +286,8 @@ class Engine:
         n = params.logprobs
         if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={n!r} must be None or an int in 0..{MAX_LOGPROBS}")
+        if unknown := sorted(set(inputs) - set(inspect.signature(self.model.forward).parameters)):
+            raise ValueError(f"inputs {unknown}: the model's forward takes no such argument")
         r = Request(len(self.requests), prompt, params, generator(params, self.device), inputs=inputs)
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "

@@ -11,7 +11,8 @@
     every step, and all are free at the end;
   - an aborted request (a client gone) leaves the batch and frees its blocks; the others finish unchanged;
   - negative controls: a block table that shares a live block with another request makes the greedy comparison
-    fail, and the block invariant too; a request longer than the context or than the pool is refused by number;
+    fail, and the block invariant too; a request longer than the context or than the pool is refused by number,
+    an input the model's forward does not take (pixel_values for a GPT) by name;
   - negative control: requests drawing from one shared generator fail the batch-independence check;
   - gpt.Model.forward checks explicit positions, not a packed row's length, against its learned-position table;
   - Mamba hybrids: attention layers in the paged cache, Mamba layers' (conv, ssm) states in a slot per running
@@ -211,6 +212,8 @@ def test_requests_too_long_are_refused():
         engine.add_request(list(range(20)), serve.SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match=r"request needs 4 blocks of 4 positions \(13 positions\), the pool has 3"):
         engine.add_request(list(range(10)), serve.SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"^inputs \['pixel_values'\]: the model's forward takes no such argument$"):
+        engine.add_request([1], serve.SamplingParams(), pixel_values=torch.zeros(3, 8, 8))
     with pytest.raises(ValueError, match="max_tokens=0"):
         engine.add_request([1], serve.SamplingParams(max_tokens=0))
     engine.add_request(list(range(9)), serve.SamplingParams(max_tokens=4))  # 12 positions: exactly the 3 blocks

@@ -193,27 +193,34 @@ class Model(gpt.Model):
         x = self.vision_model(pixel_values.to(c.params_dtype))  # [n_img, b, hv]
         return rearrange(self.vision_projection(x), "n b h -> b n h")
 
-    def embed(self, input_ids, images):
-        """gpt.Embedding with the image rows spliced in: ids [b, s], images [b, n_img, h] -> [s(/tp), b, h]."""
-        c, e = self.config, self.embedding
+    def embed(self, input_ids, images, position_ids):
+        """gpt.Embedding with the image rows spliced in: ids, positions [b, s], images [k, n_img, h] -> [s(/tp), b, h].
+        Each row holds one image's tokens (k = b), or serve.py's packed row (b = 1) those of its k prefills' images."""
+        c, e, b = self.config, self.embedding, input_ids.shape[0]
         is_image = input_ids == c.image_token_index  # [b, s]
-        counts = is_image.sum(1)
-        if not bool((counts == c.num_image_tokens).all()):
-            raise ValueError(f"rows hold {counts.tolist()} image tokens (id {c.image_token_index}); each image "
-                             f"gives num_image_tokens={c.num_image_tokens} embeddings")
+        k, counts = 0 if images is None else images.shape[0], is_image.sum(1)
+        if k != b and b != 1 or not bool((counts == c.num_image_tokens * (1 if k == b else k)).all()):
+            raise ValueError(f"rows hold {counts.tolist()} image tokens (id {c.image_token_index}); each of the {k} "
+                             f"images gives num_image_tokens={c.num_image_tokens} embeddings")
         x = e.word_embeddings(input_ids.masked_fill(is_image, 0))  # [b, s, h] (Megatron embeds image tokens as 0)
-        x = x.masked_scatter(is_image[..., None], images.to(x.dtype))  # row by row, in order
+        x = x.masked_scatter(is_image[..., None], images.to(x.dtype)) if k else x  # row by row, in order
         if hasattr(e, "position_embeddings"):
-            x = x + e.position_embeddings(torch.arange(input_ids.shape[1], device=input_ids.device))
+            x = x + e.position_embeddings(position_ids)
         x = rearrange(x, "b s h -> s b h").contiguous()
         if c.sequence_parallel:
             x = P.scatter_to_sp(x, P.tp_of(self.grid))  # [s/tp, b, h]
         return P.dropout(x, c.hidden_dropout, self.training, self.rng, sharded=c.sequence_parallel)
 
-    def forward(self, input_ids, pixel_values, labels=None):
-        self.check_input(input_ids)
-        x = self.embed(input_ids, self.encode_images(pixel_values))
-        x = self.decoder(x, rope=self.rope(input_ids.shape[1], input_ids.device))  # causal
+    def forward(self, input_ids, pixel_values=None, labels=None, position_ids=None, mask=None, inference_context=None):
+        """position_ids, mask, inference_context: as gpt.Model.forward's (a KV cache; serve.py's packed rows, whose
+        pixel_values [k, 3, H, W] are the images of the row's prefills in order, None when it has no image token)."""
+        self.check_input(input_ids, position_ids=position_ids)
+        s, t = input_ids.shape[1], inference_context.sequence_len_offset if inference_context is not None else 0
+        position_ids = torch.arange(t, t + s, device=input_ids.device)[None] if position_ids is None else position_ids
+        x = self.embed(input_ids, None if pixel_values is None else self.encode_images(pixel_values), position_ids)
+        x = self.decoder(x, rope=self.rope_at(position_ids), mask=mask, inference_context=inference_context)
+        if inference_context is not None:
+            inference_context.sequence_len_offset += s
         out = self.postprocess(x, labels)
         return out if labels is None else out * (labels != self.config.image_token_index)
 
@@ -254,8 +261,7 @@ def scene(seed: int, index: int, img_h: int = 32, img_w: int = 32):
 
 
 def all_captions():
-    """Every caption the scenes make, with its probability (1 or 2 objects w.p. 1/2, quadrants and attributes
-    uniform)."""
+    """Every caption the scenes make, with its probability (1 or 2 objects w.p. 1/2, all else uniform)."""
     one = list(itertools.product(COLOURS, SHAPES))  # 18
     for q1, a in itertools.product(range(4), one):
         yield caption([(*a, QUADRANTS[q1])]), 1 / 2 / 4 / 18
@@ -267,19 +273,14 @@ def text_only_accuracy(tok) -> float:
     """The best caption-token accuracy (eod included) of any predictor that does not see the image: at every
     prefix it names the most probable next token, computed exactly over all captions. The baseline a model that
     looks at the image must beat."""
-    eod, prefix = data.special_ids(tok)["eod"], {}
-    caps = list(all_captions())
-    for ids, p in zip((e.ids + [eod] for e in tok.encode_batch([c for c, _ in caps])), (p for _, p in caps)):
+    eod, prefix, caps = data.special_ids(tok)["eod"], {}, list(all_captions())
+    seqs = [(e.ids + [eod], p) for e, (_, p) in zip(tok.encode_batch([c for c, _ in caps]), caps)]
+    for ids, p in seqs:
         for i, t in enumerate(ids):
             nxt = prefix.setdefault(tuple(ids[:i]), {})
             nxt[t] = nxt.get(t, 0) + p
-    hits = tokens = 0.0
-    for ids, p in zip((e.ids + [eod] for e in tok.encode_batch([c for c, _ in caps])), (p for _, p in caps)):
-        for i, t in enumerate(ids):
-            nxt = prefix[tuple(ids[:i])]
-            hits += p * (max(nxt, key=nxt.get) == t)
-        tokens += p * len(ids)
-    return hits / tokens
+    best = lambda ids, i: max(prefix[tuple(ids[:i])], key=prefix[tuple(ids[:i])].get)  # the likeliest next token
+    return sum(p * (best(ids, i) == t) for ids, p in seqs for i, t in enumerate(ids)) / sum(p * len(i) for i, p in seqs)
 
 
 class CaptionDataset:
@@ -332,8 +333,7 @@ def loss_func(model, mb):
 
 
 def batch_recipe(batch, args=None, corpus=None):
-    s = (batch.shape[1] - 3) // 2
-    return loss_func, int(batch[:, s + 3:].sum())
+    return loss_func, int(batch[:, (batch.shape[1] - 3) // 2 + 3:].sum())  # the loss-mask columns' count
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ Dimension glossary (the paper's letters in brackets)
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -330,7 +331,7 @@ class MambaMixer(nn.Module):
         self.in_proj = P.ColumnParallelLinear(c.hidden_size, sum(segments), grid, bias=False, std=c.init_method_std,
                                               sequence_parallel=c.sequence_parallel, stride=segments, dtype=dt_)
         conv_dim = self.d + 2 * self.G * self.N
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.k, groups=conv_dim, padding=self.k - 1, dtype=dt_)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.k, groups=conv_dim, dtype=dt_)  # run by `mix`
         bound = 1 / math.sqrt(self.k)  # kaiming_uniform(a=√5) on [conv_dim, 1, k], and torch's conv bias default
         for p in self.conv1d.parameters():
             _uniform_init(P.mark(p, ("zeros",), 0, stride=[c.d_inner, GN, GN]), lambda u: (2 * u - 1) * bound)
@@ -355,22 +356,26 @@ class MambaMixer(nn.Module):
         y = y + self.D[:, None] * x  # the D skip
         return self.norm(rearrange(y, "b l h p -> b l (h p)"), z), state
 
-    def forward(self, hidden):  # [s(/tp), b, h] -> [s(/tp), b, h]
-        z, xBC, dt = self.split(rearrange(self.in_proj(hidden), "s b e -> b s e"))  # all-gathers s under SP
-        s = xBC.shape[1]
-        xBC = F.silu(self.conv1d(xBC.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal: keep the first s outputs
-        y, _ = self.ssm(xBC, dt, z, ssd_chunked if self.c.mamba_scan == "chunked" else ssd_sequential)
-        return self.out_proj(rearrange(y, "b s d -> s b d"))  # [s(/tp), b, h]
+    def mix(self, z, xBC, dt, scan=ssd_sequential, state=None):
+        """l new positions after `state` -> gated y [b, l, d] and the state after them. z [b, l, d], xBC
+        [b, l, conv_dim], dt [b, l, H]; state = (conv [b, conv_dim, k-1] the last k-1 conv inputs, ssm [b, H, P, N]),
+        or None at the start (zeros: the causal conv's left padding, the scan's empty state)."""
+        conv = state[0] if state is not None else xBC.new_zeros(xBC.shape[0], xBC.shape[2], self.k - 1)
+        inputs = torch.cat([conv, rearrange(xBC, "b l e -> b e l")], dim=-1)  # [b, conv_dim, k-1+l]
+        # the depthwise conv as its k shifted products (torch's conv1d re-plans for each new length: slow to decode)
+        w, l = self.conv1d.weight[:, 0], xBC.shape[1]  # [conv_dim, k]
+        xBC = sum(inputs[..., j:j + l] * w[:, j, None] for j in range(self.k)) + self.conv1d.bias[:, None]
+        y, ssm = self.ssm(F.silu(rearrange(xBC, "b e l -> b l e")), dt, z, scan, None if state is None else state[1])
+        return y, (inputs[..., inputs.shape[-1] - (self.k - 1):], ssm)
 
-    def step(self, hidden, state=None):
-        """One new position: hidden [1, b, h]; state = (conv [b, conv_dim, k] the last k conv inputs,
-        ssm [b, H, P, N]) or None at the start. Returns the output [1, b, h] and the new state."""
-        z, xBC, dt = self.split(self.in_proj(hidden)[0])  # [b, ·]
-        conv, ssm = state if state is not None else (xBC.new_zeros(*xBC.shape, self.k), None)
-        conv = torch.cat([conv[..., 1:], xBC[..., None]], dim=-1)  # shift in the newest input
-        xBC = F.silu(torch.einsum("bek,ek->be", conv, self.conv1d.weight[:, 0]) + self.conv1d.bias)
-        y, ssm = self.ssm(xBC[:, None], dt[:, None], z[:, None], ssd_sequential, state=ssm)
-        return self.out_proj(rearrange(y, "b 1 d -> 1 b d")), (conv, ssm)
+    def forward(self, hidden, inference_context=None):  # [s(/tp), b, h] -> [s(/tp), b, h]
+        """inference_context (decoding, serving): its `recurrent` runs `mix` from each sequence's held state and
+        keeps the state after (transformer.InferenceContext: one state per batch row; serve.py: one per request)."""
+        z, xBC, dt = self.split(rearrange(self.in_proj(hidden), "s b e -> b s e"))  # all-gathers s under SP
+        chunked = self.c.mamba_scan == "chunked" and xBC.shape[1] > 1  # one position: the recurrence's step
+        mix = functools.partial(self.mix, scan=ssd_chunked if chunked else ssd_sequential)
+        y = mix(z, xBC, dt)[0] if inference_context is None else inference_context.recurrent(self, mix, z, xBC, dt)
+        return self.out_proj(rearrange(y, "b s d -> s b d"))  # [s(/tp), b, h]
 
 
 def _dt_bias(u, dt_min=1e-3, dt_max=0.1, floor=1e-4):
@@ -417,20 +422,9 @@ class Layer(nn.Module):
 
     def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
         norm, f = self.parts()
-        y = f(norm(x), rope=rope, mask=mask, inference_context=inference_context) if self.symbol == "*" else f(norm(x))
+        ctx = dict(inference_context=inference_context) if self.symbol in "*M" else {}  # KV cache, recurrent states
+        y = f(norm(x), rope=rope, mask=mask, **ctx) if self.symbol == "*" else f(norm(x), **ctx)
         return x + P.dropout(y, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
-
-    def step(self, x, cache, rope=None, inference_context=None):
-        """x [1, b, h], one new position. Cache: Mamba (conv, ssm) states; attention its keys and values in
-        `inference_context` (transformer.InferenceContext, O(t) per token); MLP none."""
-        norm, f = self.parts()
-        if self.symbol == "M":
-            y, cache = f.step(norm(x), cache)
-        elif self.symbol == "*":
-            y = f(norm(x), rope=rope, inference_context=inference_context)
-        else:
-            y = f(norm(x))
-        return x + y, cache
 
 
 class Stack(nn.Module):
@@ -442,8 +436,6 @@ class Stack(nn.Module):
         self.final_norm = transformer.Norm(c) if post_process else None
 
     def forward(self, x, rope=None, mask=None, inference_context=None):
-        if inference_context is not None and any(layer.symbol == "M" for layer in self.layers):
-            raise ValueError("Mamba layers decode from their recurrent state (Model.step), not from a KV cache")
         for layer in self.layers:
             x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
         return self.final_norm(x) if self.final_norm is not None else x
@@ -464,20 +456,11 @@ class Model(gpt.Model):
 
     @torch.no_grad()
     def step(self, ids, cache: dict):
-        """Logits [b, V] of the newest ids [b]; `cache` ({} at first): "t", Mamba "layers" states, attention "kv"."""
+        """Logits [b, V] of the newest ids [b], one position after the earlier calls': `cache` ({} at first) holds
+        "kv", a transformer.InferenceContext with the Mamba layers' states and the attention layers' keys."""
         if self.config.sequence_parallel or not (self.pre_process and self.post_process):
             raise ValueError("step() runs a whole model without sequence parallelism")
-        t = cache.get("t", 0)
-        layers = cache.setdefault("layers", [None] * len(self.decoder.layers))
-        kv = cache.setdefault("kv", transformer.InferenceContext())
-        pos = torch.tensor([[t]], device=ids.device)  # [1, 1]
-        x = self.embedding(ids[:, None], pos[0])  # [1, b, h]
-        rope = self.rope_at(pos)
-        for i, layer in enumerate(self.decoder.layers):
-            x, layers[i] = layer.step(x, layers[i], rope=rope, inference_context=kv)
-        cache["t"] = kv.sequence_len_offset = t + 1
-        return self.postprocess(self.decoder.final_norm(x))[:, 0]  # [b, V]
-
+        return self(ids[:, None], inference_context=cache.setdefault("kv", transformer.InferenceContext()))[:, -1]
 
 @torch.no_grad()
 def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -9,7 +9,14 @@ paged cache: a pool of fixed-size blocks per layer, a free list, and a block tab
 a time and is freed whole when the request finishes, so memory follows the tokens actually held, not the longest
 request (Kwon et al. 2023, PagedAttention / vLLM). A file of its own because it is neither a model nor training: it
 drives any model built on gpt.Model's skeleton through forward's existing seams (position_ids, mask,
-inference_context), and it is where the OpenAI-compatible server will live (not yet written).
+inference_context), and an OpenAI-compatible server is to be built on its Engine.
+A model with recurrent layers (the Mamba layers of a hybrid) needs no KV cache there but a state per sequence: each
+running request holds a state slot, taken at admission and given back when it finishes; the layer asks the cache
+for it (`PagedKVCache.recurrent`), a prefill starts from a zero state, a decode continues from the slot's. The
+engine never asks which model it serves: a model without such layers never calls `recurrent`.
+A request may carry the model's own inputs for its prompt (LLaVA's image: add_request(ids, params, pixel_values=));
+the step that prefills it passes them, stacked over that step's prefills in the row's order, to the model.
+Each request may ask for logprobs (SamplingParams.logprobs): its sampled tokens' and the top N, from the raw logits.
 Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
 pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
 add_request, step, scheduling). The attention here is written plainly (a gather of each request's keys and a dense
@@ -27,6 +34,7 @@ Dimension glossary
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import torch
@@ -39,13 +47,19 @@ from transformer import InferenceContext
 class SamplingParams:
     """How one request samples: temperature 0 = greedy; top_k / top_p filter the distribution (None: off); `seed`
     seeds the request's own generator, so its tokens do not depend on which requests share its steps; it stops
-    after max_tokens tokens or after sampling one of `stop` (that token included, as gpt.generate's eod)."""
+    after max_tokens tokens or after sampling one of `stop` (that token included, as gpt.generate's eod).
+    `logprobs` N in 0..MAX_LOGPROBS records, for each sampled token, its log-probability and the N most probable
+    tokens' (None: off); from the raw logits, before temperature, top-k and top-p (vLLM's and OpenAI's meaning)."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[int, ...] = ()
+    logprobs: int | None = None
+
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclasses.dataclass
@@ -57,7 +71,11 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)  # the sampled tokens
     blocks: list[int] = dataclasses.field(default_factory=list)  # the block table: position p -> blocks[p // B]
     cached: int = 0  # positions whose keys and values are in the blocks
+    slot: int | None = None  # its recurrent-state slot while it runs (PagedKVCache.recurrent)
+    inputs: dict = dataclasses.field(default_factory=dict)  # the model's own inputs for its prompt (an image)
     finish_reason: str | None = None  # "length", "stop" or "abort" once finished
+    # with params.logprobs = N, per sampled token: (its logprob, [(token id, logprob)] of the N most probable first)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
 
     def pending(self) -> list[int]:
         """The tokens this step feeds: the whole prompt first (prefill), then the last sampled token (decode)."""
@@ -73,12 +91,20 @@ class PagedKVCache:
     """Keys and values of every running request in fixed-size blocks (Megatron's DynamicInferenceContext): for each
     attention layer a pool K, V [N, g, B, d] (allocated at the layer's first call, never grown), one free list of
     block ids shared by the layers, and per step a plan — where this step's tokens are written and which slots each
-    token reads. Passed to the model as its inference_context: `append(layer, k, v)` is what attention calls."""
+    token reads. Passed to the model as its inference_context: `append(layer, k, v)` is what attention calls.
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    Recurrent layers (a Mamba mixer: a conv state and an SSM state per sequence, no keys) call `recurrent` instead:
+    each running request holds one of `max_requests` state slots (handed out at admission, back when it finishes,
+    as Megatron's dynamic context keeps its "mamba state" per request), and each such layer a buffer per state
+    tensor [max_requests, ...], allocated at its first call, never grown. A model without such layers never calls
+    it, and its slots stay bookkeeping only."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_requests: int = 1):
+        self.num_blocks, self.block_size, self.max_requests = num_blocks, block_size, max_requests
         self.free = list(range(num_blocks))  # block ids, the next one handed out last
         self.pools = {}  # attention layer -> (K, V) [N, g, B, d]
+        self.free_slots = list(range(max_requests))[::-1]  # recurrent-state slots, the next one handed out last
+        self.states = {}  # recurrent layer -> its state tensors, each [max_requests, ...]
         self.sequence_len_offset = 0  # the static cache's counter, which gpt.Model.forward advances: unused here
 
     def allocate(self, n: int) -> list[int]:
@@ -108,6 +134,7 @@ class PagedKVCache:
         reads = [self.slots(r.blocks, ar(r.cached + n)) for r, n in zip(requests, counts)]
         self.write = tuple(torch.cat(w) for w in zip(*writes))  # (block, offset) [T]
         self.read = tuple(torch.cat(w) for w in zip(*reads))  # (block, offset) [K]
+        self.segments = [(r.slot, r.cached == 0, n) for r, n in zip(requests, counts)]  # for `recurrent`
         mask = (owner[:, None] == key_owner[None, :]) & (key_pos[None, :] <= pos[:, None])  # [T, K]
         return pos, mask
 
@@ -122,6 +149,37 @@ class PagedKVCache:
             pool[self.write[0], :, self.write[1]] = rearrange(new, "1 g t d -> t g d")
             out.append(rearrange(pool[self.read[0], :, self.read[1]], "k g d -> 1 g k d"))
         return tuple(out)
+
+    def recurrent(self, layer, fn, *xs):
+        """A recurrent layer over this step's packed row: xs [1, T, ·] -> its output y [1, T, ·]. Each request runs
+        fn(*its tokens [b, n, ·], state=) -> (y, the state after) from the state in its slot, or from None (zeros)
+        for a prefill, and the state after goes back into the slot. Decodes (one token each) run as one batch."""
+        starts = [0]
+        for _, _, n in self.segments:
+            starts.append(starts[-1] + n)
+        out = [None] * len(self.segments)
+        decodes = [i for i, (_, prefill, _) in enumerate(self.segments) if not prefill]
+        if decodes:
+            rows = torch.tensor([starts[i] for i in decodes], device=xs[0].device)
+            slots = torch.tensor([self.segments[i][0] for i in decodes], device=xs[0].device)
+            y, state = fn(*(rearrange(x[0, rows], "r e -> r 1 e") for x in xs),
+                          state=tuple(t[slots] for t in self.states[layer]))
+            self.keep(layer, slots, state)
+            for j, i in enumerate(decodes):
+                out[i] = y[j]  # [1, ·]
+        for i, (slot, prefill, _) in enumerate(self.segments):
+            if prefill:
+                y, state = fn(*(x[:, starts[i]:starts[i + 1]] for x in xs), state=None)
+                self.keep(layer, [slot], state)
+                out[i] = y[0]  # [n, ·]
+        return torch.cat(out)[None]
+
+    def keep(self, layer, slots, state):
+        """Write a recurrent layer's states [len(slots), ...] into its buffers at `slots`."""
+        if layer not in self.states:
+            self.states[layer] = tuple(t.new_zeros(self.max_requests, *t.shape[1:]) for t in state)
+        for buffer, t in zip(self.states[layer], state):
+            buffer[slots] = t
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -151,6 +209,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The sampled token's log-probability and the n most probable tokens' (most probable first), from one
+    request's raw logits [V]: log_softmax in float32, before any temperature or filtering."""
+    logp = torch.log_softmax(logits.float(), -1)  # [V]
+    top = torch.topk(logp, n)
+    return float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist()))
+
+
 def generator(params: SamplingParams, device) -> torch.Generator:
     """A request's own random stream: from its seed, or from a seed drawn from torch's default generator."""
     seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
@@ -158,15 +224,22 @@ def generator(params: SamplingParams, device) -> torch.Generator:
 
 
 @torch.no_grad()
-def generate_one(model, prompt_ids, params: SamplingParams) -> list[int]:
+def generate_one(model, prompt_ids, params: SamplingParams, logprobs: list | None = None, **inputs) -> list[int]:
     """The sequential oracle the engine is tested against: one request alone, its keys and values in the static
-    cache (transformer.InferenceContext), sampled as the engine samples it: a seeded request's tokens are these."""
+    cache (transformer.InferenceContext), sampled as the engine samples it: a seeded request's tokens are these.
+    With params.logprobs set, each token's (logprob, top logprobs), as Request.logprobs, are appended to `logprobs`.
+    `inputs`: the model's own inputs for the prompt (as Engine.add_request's), given to its first forward."""
     model.eval()
     device = next(model.parameters()).device
     g, cache, out = generator(params, device), InferenceContext(), []
     ids = torch.tensor([list(prompt_ids)], device=device)  # [1, s]: the prompt, then each sampled token
+    inputs = {k: v[None].to(device) for k, v in inputs.items()}  # a batch of one
     while True:
-        out.append(sample(model(ids, inference_context=cache)[0, -1], params, g))
+        logits = model(ids, inference_context=cache, **inputs)[0, -1]  # [V]
+        inputs = {}
+        out.append(sample(logits, params, g))
+        if params.logprobs is not None and logprobs is not None:
+            logprobs.append(token_logprobs(logits, out[-1], params.logprobs))
         if out[-1] in params.stop or len(out) == params.max_tokens:
             return out
         ids = torch.tensor([out[-1:]], device=device)
@@ -185,7 +258,7 @@ class Engine:
         if min(num_blocks, block_size, max_batch) < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}, max_batch={max_batch}: each must be >= 1")
         self.model, self.max_batch = model.eval(), max_batch  # eval: no dropout while serving
-        self.cache = PagedKVCache(num_blocks, block_size)
+        self.cache = PagedKVCache(num_blocks, block_size, max_requests=max_batch)
         self.device = next(model.parameters()).device
         self.context = model.config.max_position_embeddings  # the positions the model was built for
         self.requests: dict[int, Request] = {}  # every request, by id
@@ -195,8 +268,10 @@ class Engine:
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.cache.block_size)
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
-        """Queue a request (token ids, at least one) and return its id; it joins the batch at a later step."""
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, **inputs) -> int:
+        """Queue a request (token ids, at least one) and return its id; it joins the batch at a later step. `inputs`:
+        the model's own inputs for this prompt, each one sample's tensor (e.g. pixel_values [3, H, W] for the image
+        whose tokens the prompt holds); the step that runs the prompt passes each stacked over its prefills."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt or params.max_tokens < 1:
@@ -208,7 +283,12 @@ class Engine:
                              f"{self.context}")
         if params.top_p is not None and not 0 < params.top_p <= 1:
             raise ValueError(f"top_p={params.top_p} must be in (0, 1]")
-        r = Request(len(self.requests), prompt, params, generator(params, self.device))
+        n = params.logprobs
+        if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={n!r} must be None or an int in 0..{MAX_LOGPROBS}")
+        if unknown := sorted(set(inputs) - set(inspect.signature(self.model.forward).parameters)):
+            raise ValueError(f"inputs {unknown}: the model's forward takes no such argument")
+        r = Request(len(self.requests), prompt, params, generator(params, self.device), inputs=inputs)
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
                              f"positions ({r.max_positions()} positions), the pool has {self.cache.num_blocks}")
@@ -225,6 +305,7 @@ class Engine:
                 break
             promised += need
             self.running.append(self.waiting.pop(0))
+            self.running[-1].slot = self.cache.free_slots.pop()
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int, bool]]:
@@ -237,21 +318,26 @@ class Engine:
             r.blocks += self.cache.allocate(self.blocks_for(r.cached + n) - len(r.blocks))
         ids = torch.tensor([t for r in batch for t in r.pending()], device=self.device)  # [T]
         pos, mask = self.cache.plan(batch, counts, self.device)
+        inputs = {}  # the prefills' own inputs, stacked in the row's order
+        for r in batch:
+            for k, v in (r.inputs.items() if r.cached == 0 else ()):
+                inputs.setdefault(k, []).append(v)
+        inputs = {k: torch.stack(v).to(self.device) for k, v in inputs.items()}
         logits = self.model(ids[None], position_ids=pos[None], mask=mask[None, None],
-                            inference_context=self.cache)[0]  # [T, V]
+                            inference_context=self.cache, **inputs)[0]  # [T, V]
         last = torch.tensor(counts, device=self.device).cumsum(0) - 1  # each request's last token in the row
         out = []
         for r, n, row in zip(batch, counts, logits[last]):
             r.cached += n
             r.output.append(sample(row, r.params, r.generator))
+            if r.params.logprobs is not None:
+                r.logprobs.append(token_logprobs(row, r.output[-1], r.params.logprobs))
             if r.output[-1] in r.params.stop:
                 r.finish_reason = "stop"
             elif len(r.output) == r.params.max_tokens:
                 r.finish_reason = "length"
-            if r.finish_reason is not None:  # retire it: its blocks go back to the pool at once
-                self.running.remove(r)
-                self.cache.release(r.blocks)
-                r.blocks = []
+            if r.finish_reason is not None:
+                self.retire(r)
             out.append((r.id, r.output[-1], r.finish_reason is not None))
         return out
 
@@ -261,9 +347,15 @@ class Engine:
         if r.finish_reason is None:
             r.finish_reason = "abort"
             self.waiting = [w for w in self.waiting if w is not r]
-            self.running = [w for w in self.running if w is not r]
-            self.cache.release(r.blocks)
-            r.blocks = []
+            if any(w is r for w in self.running):
+                self.retire(r)
+
+    def retire(self, r: Request):
+        """Out of the batch: its blocks and its state slot go back to the pool at once."""
+        self.running.remove(r)
+        self.cache.release(r.blocks)
+        self.cache.free_slots.append(r.slot)
+        r.blocks, r.slot = [], None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

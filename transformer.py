@@ -75,11 +75,20 @@ class InferenceContext:
     megatron/core/inference/contexts/static_context.py, and attention.py `_adjust_key_value_for_inference`): for each
     attention layer, this rank's keys and values (its g/tp heads under TP) of every position fed so far, keys after
     RoPE (as Megatron's flash-decode and dynamic paths store them, so an old key is never rotated again).
-    `sequence_len_offset` = positions already cached; the model advances it after each forward. Buffers are
-    preallocated to max_sequence_length, and doubled if a call goes past it (amortized O(1) per token)."""
+    A recurrent layer's state rides along (`recurrent`). `sequence_len_offset` = positions already cached; the
+    model advances it after each forward. Buffers are preallocated to max_sequence_length, and doubled if a call
+    goes past it (amortized O(1) per token)."""
 
     def __init__(self, max_sequence_length: int | None = None):
         self.max_sequence_length, self.sequence_len_offset, self.key_value_memory_dict = max_sequence_length, 0, {}
+        self.recurrent_states = {}  # a recurrent layer (a Mamba mixer) -> its state after the positions so far
+
+    def recurrent(self, layer, fn, *xs):
+        """A recurrent layer over this call's positions xs [b, s, ·]: fn(*xs, state=) -> (y, the state after), run from
+        the state the previous call left (None at the first: zeros). Returns y. (Megatron's static context keeps the
+        Mamba conv and SSM states the same way, beside the keys and values.)"""
+        y, self.recurrent_states[layer] = fn(*xs, state=self.recurrent_states.get(layer))
+        return y
 
     def append(self, layer, k, v):
         """This call's keys and values [b, g, s, d] -> those of every position so far [b, g, t + s, d]."""

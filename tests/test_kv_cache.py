@@ -5,10 +5,11 @@
     (deepseek.py), past the position window
     (where the cached path falls back to the oracle's sliding window), and at TP 2 (each rank caches its own heads);
   - gpt.generate uses the cache by default: after the prompt every forward sees one token;
-  - the Mamba hybrid: its attention layers decode from the cache inside the recurrent step; mamba.generate equals a
-    full recompute of the whole hybrid each step, and the step's logits the parallel forward's; at TP 2 too;
+  - the Mamba hybrid: the InferenceContext holds the Mamba layers' states beside the attention layers' keys;
+    mamba.generate (one position per forward) equals a full recompute of the whole hybrid each step, and the step's
+    logits the parallel forward's; at TP 2 too; so does gpt.generate's cached path (the prompt in one forward);
   - negative controls: a cache whose new positions ignore the offset (RoPE at position 0) fails the comparison;
-    a KV cache offered to Mamba layers, which have no keys, is refused.
+    so does one that restarts the Mamba layers from zero states at each call.
 Tolerance: logits 1e-10 relative in float64: the cached path computes each position's attention over the same keys
 as the recompute, only the matmul shapes (one query row vs all) differ; measured ≤ 5e-15. Random weights use init
 std 0.5 so that greedy decoding does not settle on one repeated token (at 0.02 it does) and the token comparison
@@ -22,6 +23,7 @@ import torch
 import gpt
 import mamba
 import parallel as P
+import transformer
 from equivalence import rel_err
 
 f64 = torch.float64
@@ -139,7 +141,15 @@ def test_mamba_hybrid_generation_at_tp2_equals_single_process(pool):
         assert torch.equal(got, ref)
 
 
-def test_mamba_layers_refuse_a_kv_cache():
-    model = mamba.Model(mamba.Config(**HYBRID, hybrid_layer_pattern="M*"))
-    with pytest.raises(ValueError, match="recurrent state"):
-        gpt.generate(model, prompt(), 2)
+def test_hybrid_prefill_and_decode_through_the_cache_equal_recompute():
+    """gpt.generate's cached path on the hybrid: the whole prompt in one forward (the chunked scan from zero states),
+    then one token per forward, the Mamba states held in the InferenceContext beside the attention keys."""
+    model = mamba.Model(mamba.Config(**HYBRID, hybrid_layer_pattern="M*-M*")).eval()
+    assert_same_generation(model, prompt(), 19)
+
+
+def test_a_cache_that_drops_the_recurrent_state_is_caught(monkeypatch):
+    """Negative control: every call restarts the Mamba layers from zero states."""
+    monkeypatch.setattr(transformer.InferenceContext, "recurrent", lambda self, layer, fn, *xs: fn(*xs, state=None)[0])
+    with pytest.raises(AssertionError, match="cached and recomputed generations differ"):
+        assert_same_generation(mamba.Model(mamba.Config(**HYBRID, hybrid_layer_pattern="M*-M*")).eval(), prompt(), 19)

@@ -11,10 +11,21 @@
     every step, and all are free at the end;
   - an aborted request (a client gone) leaves the batch and frees its blocks; the others finish unchanged;
   - negative controls: a block table that shares a live block with another request makes the greedy comparison
-    fail, and the block invariant too; a request longer than the context or than the pool is refused by number;
+    fail, and the block invariant too; a request longer than the context or than the pool is refused by number,
+    an input the model's forward does not take (pixel_values for a GPT) by name;
   - negative control: requests drawing from one shared generator fail the batch-independence check;
   - gpt.Model.forward checks explicit positions, not a packed row's length, against its learned-position table;
-  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities).
+  - Mamba hybrids: attention layers in the paged cache, Mamba layers' (conv, ssm) states in a slot per running
+    request (PagedKVCache.recurrent): greedy tokens of a continuously batched run equal the full recompute's,
+    mamba.generate's alone and generate_one's; seeded sampling is batch-independent; every slot is free or held by
+    one running request; an aborted request's slot is reused from a zero state; negative control: two requests
+    sharing a slot fail the comparison and the slot invariant;
+  - LLaVA: a request's image (add_request(..., pixel_values=)) goes with its prompt; two image prefills in one step
+    are stacked in the row's order: greedy tokens equal the whole forward's (recomputed each step, learned positions
+    and RoPE) and generate_one's; negative control: the row's images in reverse order fail the comparison;
+  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities);
+  - logprobs (N = 0..20 per request): the engine's equal generate_one's and the log_softmax of the whole sequence's
+    forward (TOL32, float32); a value outside 0..20 is refused; negative control: logprobs of the tempered logits.
 Tolerance: tokens are compared exactly; the logits each token was sampled from, 1e-10 relative to the whole
 sequence's forward in float64 (they differ only in the order of float64 sums: the packed row's matmuls have other
 shapes; measured <= 3e-15). The random weights (init std 0.5, as tests/test_kv_cache.py's) keep greedy decoding
@@ -26,9 +37,11 @@ import random
 
 import pytest
 import torch
-from test_kv_cache import GPT, LLAMA, MLA
+from test_kv_cache import GPT, HYBRID, LLAMA, MLA
 
 import gpt
+import llava
+import mamba
 import serve
 from equivalence import rel_err
 
@@ -199,6 +212,8 @@ def test_requests_too_long_are_refused():
         engine.add_request(list(range(20)), serve.SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match=r"request needs 4 blocks of 4 positions \(13 positions\), the pool has 3"):
         engine.add_request(list(range(10)), serve.SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"^inputs \['pixel_values'\]: the model's forward takes no such argument$"):
+        engine.add_request([1], serve.SamplingParams(), pixel_values=torch.zeros(3, 8, 8))
     with pytest.raises(ValueError, match="max_tokens=0"):
         engine.add_request([1], serve.SamplingParams(max_tokens=0))
     engine.add_request(list(range(9)), serve.SamplingParams(max_tokens=4))  # 12 positions: exactly the 3 blocks
@@ -215,3 +230,185 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
     with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
         engine.add_request([1], serve.SamplingParams(top_p=0))
+
+
+
+
+# --------------------------------------------------------------------------------------- Mamba hybrids
+def slot_invariant(engine):
+    """Every recurrent-state slot is free or held by exactly one running request."""
+    held = [r.slot for r in engine.running] + engine.cache.free_slots
+    assert sorted(held) == list(range(engine.max_batch)), f"state slots held or free: {sorted(held)}"
+
+
+def hybrid(pattern="M*-M*", pos="none"):
+    return mamba.Model(mamba.Config(**HYBRID, hybrid_layer_pattern=pattern, position_embedding_type=pos)).eval()
+
+
+@pytest.mark.parametrize("pattern,pos", [("M*-M*", "none"), ("*M-M", "rope")])
+def test_mamba_hybrid_greedy_equals_its_sequential_generation(pattern, pos):
+    """Attention layers in the paged cache, Mamba layers in per-request state slots: each request of a continuously
+    batched run is the full recompute's (gpt.generate), mamba.generate's alone (one position per forward, the
+    sequential scan) and generate_one's (the static cache)."""
+    model, buffers = hybrid(pattern, pos), []
+    engine = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4)
+
+    def check(e):
+        block_invariant(e)
+        slot_invariant(e)
+        buffers.append([(t.data_ptr(), t.shape) for ts in e.cache.states.values() for t in ts])
+    work = workload(seed=4, n=5)
+    got = assert_greedy_equals_generate(model, engine, work, each_step=check)
+    assert len(set(sum(got, []))) >= 8 and len({len(t) for t in got}) >= 4
+    for (_, prompt, max_tokens), tokens in zip(work, got):
+        alone = mamba.generate(model, torch.tensor([prompt]), max_tokens, temperature=0)[0, len(prompt):].tolist()
+        assert tokens == alone == serve.generate_one(model, prompt, greedy(0, max_tokens))
+    # two state tensors (conv, ssm) per Mamba layer, max_batch slots each, allocated once
+    assert len(buffers[0]) == 2 * pattern.count("M") and all(b == buffers[0] for b in buffers)
+    assert all(shape[0] == 4 for _, shape in buffers[0])
+    assert sorted(engine.cache.free_slots) == [0, 1, 2, 3]
+
+
+def test_mamba_hybrid_seeded_sampling_does_not_depend_on_the_batch():
+    assert_batch_independent(hybrid(), workload(seed=5, n=3))
+
+
+def test_two_requests_sharing_a_state_slot_are_caught(monkeypatch):
+    """Negative control: request 1 is handed request 0's state slot while both run: the tokens differ, and the slot
+    invariant fails."""
+    real = serve.PagedKVCache.plan
+
+    def plan(self, requests, counts, device):
+        live = {r.id: r for r in requests}
+        if 0 in live and 1 in live:
+            live[1].slot = live[0].slot
+        return real(self, requests, counts, device)
+    monkeypatch.setattr(serve.PagedKVCache, "plan", plan)
+    work, model = [(0, [1, 2, 3, 4, 5], 12), (1, [6, 7, 8], 12)], hybrid()
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        assert_greedy_equals_generate(model, serve.Engine(model, 20, 4, max_batch=4), work)
+    with pytest.raises(AssertionError, match="state slots held or free"):
+        serve_all(serve.Engine(model, 20, 4, max_batch=4), work, greedy, slot_invariant)
+
+
+def test_an_aborted_hybrid_request_frees_its_state_slot():
+    model = hybrid()
+    engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=2)
+    a, b, c = (engine.add_request(p, greedy(0, 6)) for p in ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10]))
+    engine.step()
+    engine.abort(b)  # its slot goes to c, which starts from a zero state at its prefill
+    slot_invariant(engine)
+    out = engine.run()
+    for i, prompt in ((a, [1, 2, 3, 4, 5]), (c, [9, 10])):
+        ref = gpt.generate(model, torch.tensor([prompt]), 6, temperature=0, use_cache=False)[0, len(prompt):]
+        assert out[i] == ref.tolist()
+    assert sorted(engine.cache.free_slots) == [0, 1]
+
+
+# --------------------------------------------------------------------------------------- LLaVA: an image in the prompt
+LLAVA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+             vocab_size=101, max_position_embeddings=CONTEXT, normalization="RMSNorm", activation="silu",
+             gated_linear_unit=True, add_bias_linear=False, img_h=8, img_w=8, patch_dim=4, vision_num_layers=1,
+             vision_hidden_size=16, vision_num_attention_heads=4, vision_ffn_hidden_size=24, image_token_index=100,
+             init_method_std=0.5, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
+
+
+def image_work(model, seed=6):
+    """(arrival, prompt, max_tokens, pixels or None): text, the image's 5 tokens, text; one text-only request; two
+    image requests arrive together (their prefills share a step, so their images are stacked in one forward)."""
+    rng, n_img = random.Random(seed), model.config.num_image_tokens
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for arrive in (0, 0, 1, 2, 3):
+        a, b = rng.randint(0, 4), rng.randint(1, 4)
+        prompt = [rng.randrange(100) for _ in range(a)] + [100] * n_img + [rng.randrange(100) for _ in range(b)]
+        out.append((arrive, prompt, rng.randint(3, CONTEXT - len(prompt)), torch.rand(3, 8, 8, generator=g)))
+    out[3] = (3, [rng.randrange(100) for _ in range(6)], 10, None)  # text only
+    return out
+
+
+def assert_image_requests_equal_their_oracles(model):
+    engine, work, ids, t = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4), image_work(model), {}, 0
+    params = lambda m: serve.SamplingParams(max_tokens=m, temperature=0, stop=(100,))  # never feed an image token
+    while len(ids) < len(work) or engine.has_unfinished():
+        for i, (arrive, prompt, m, px) in enumerate(work):
+            if arrive == t:
+                ids[i] = engine.add_request(prompt, params(m), **({} if px is None else {"pixel_values": px}))
+        engine.step()
+        t += 1
+    outs = [engine.requests[ids[i]].output for i in range(len(work))]
+    assert len(set(sum(outs, []))) >= 8
+    for (_, prompt, m, px), tokens in zip(work, outs):
+        inputs = {} if px is None else {"pixel_values": px}
+        full = gpt.generate(model, torch.tensor([prompt]), m, temperature=0, eod=100, next_logits=lambda ids: model(
+            ids, None if px is None else px[None])[:, -1])[0, len(prompt):].tolist()  # the whole forward each step
+        assert tokens == full, f"engine's tokens {tokens} differ from the full forward's {full}"
+        assert tokens == serve.generate_one(model, prompt, params(m), **inputs)
+
+
+@pytest.mark.parametrize("pos", ["rope", "learned_absolute"])
+def test_llava_image_prompts_equal_the_full_forward(pos):
+    """LLaVA through the engine: each request's image (pixel_values) goes with its prompt; a step with several
+    prefills stacks their images in the row's order and the model splices each into its own request's image tokens.
+    Greedy tokens equal the whole forward's (image and text, recomputed each step) and generate_one's."""
+    assert_image_requests_equal_their_oracles(llava.Model(llava.Config(**LLAVA, position_embedding_type=pos)).eval())
+
+
+def test_images_spliced_into_the_wrong_request_are_caught(monkeypatch):
+    """Negative control: the images of a packed row in reverse order (each prefill gets another's image)."""
+    real = llava.Model.encode_images
+    monkeypatch.setattr(llava.Model, "encode_images", lambda self, px: real(self, px.flip(0)))
+    with pytest.raises(AssertionError, match="differ from the full forward's"):
+        assert_image_requests_equal_their_oracles(llava.Model(llava.Config(**LLAVA, position_embedding_type="rope")).eval())
+
+TOL32 = 1e-5
+"""Logprobs are float32 (log_softmax of the float64 logits cast to float32), of magnitude <= ~10 here: float32's
+relative rounding 6e-8 over a few operations puts them within ~1e-6 of the float64 log_softmax (measured 7e-7);
+1e-5 leaves a margin. Engine against generate_one: their float64 logits agree to 1e-10 relative (above), so the
+float32 casts agree but for a logit on a rounding boundary (one ulp, < 1e-6); the same 1e-5 (measured 0)."""
+
+
+def assert_logprobs_match(model):
+    """The engine's logprobs (continuous batching, greedy and sampled, N from 0 to 20) against generate_one's and
+    the float64 log_softmax of the whole sequence's forward; the sampled token's logprob is the one at its id."""
+    work, n_top = workload(seed=3), [5, 0, 20, 3, 1, 7]
+
+    def params(i, max_tokens):
+        return serve.SamplingParams(max_tokens=max_tokens, temperature=[0, 0.9][i % 2], top_k=[None, 30][i % 2],
+                                    seed=200 + i, logprobs=n_top[i])
+    engine = serve.Engine(model, 40, 4, max_batch=4)
+    got = serve_all(engine, work, params)
+    requests = {r.params.seed - 200: r for r in engine.requests.values()}  # by work index (ids follow arrival)
+    for i, ((_, prompt, max_tokens), tokens) in enumerate(zip(work, got)):
+        r, oracle = requests[i], []
+        assert serve.generate_one(model, prompt, params(i, max_tokens), logprobs=oracle) == tokens
+        assert len(r.logprobs) == len(oracle) == len(tokens)
+        full = torch.log_softmax(model(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:], -1)  # [n, V]
+        for t, (token, (lp, top), (lp1, top1)) in enumerate(zip(tokens, r.logprobs, oracle)):
+            ids = [k for k, _ in top]
+            assert ids == [k for k, _ in top1] == full[t].topk(n_top[i]).indices.tolist(), "top ids differ"
+            ours = torch.tensor([lp] + [v for _, v in top], dtype=torch.float64)
+            assert (ours - torch.tensor([lp1] + [v for _, v in top1], dtype=torch.float64)).abs().max() <= TOL32
+            err = (ours - full[t][[token] + ids]).abs().max()
+            assert err <= TOL32, f"request {i} token {t}: logprobs {err:.2e} from the full forward's"
+            assert all(a >= b for a, b in zip(ours[1:], ours[2:]))  # most probable first
+            assert not ids or ours[1] >= lp  # nothing ranks above the most probable token
+
+
+def test_logprobs_equal_the_oracle_and_the_full_forward():
+    assert_logprobs_match(gpt.Model(gpt.Config(**LLAMA)))
+
+
+def test_logprobs_after_temperature_are_caught(monkeypatch):
+    """Negative control: logprobs of the tempered logits (not the raw ones) are off by far more than TOL32."""
+    real = serve.token_logprobs
+    monkeypatch.setattr(serve, "token_logprobs", lambda logits, token, n: real(logits / 0.9, token, n))
+    with pytest.raises(AssertionError, match="logprobs .* from the full forward's"):
+        assert_logprobs_match(gpt.Model(gpt.Config(**LLAMA)))
+
+
+@pytest.mark.parametrize("n", [-1, 21, 2.0])
+def test_logprobs_out_of_range_are_refused(n):
+    engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
+    with pytest.raises(ValueError, match=rf"^logprobs={n} must be None or an int in 0\.\.20$"):
+        engine.add_request([1], serve.SamplingParams(logprobs=n))

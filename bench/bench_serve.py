@@ -1,0 +1,178 @@
+"""Serving throughput, latency and KV memory: serve.Engine (continuous batching, paged KV cache) against the same
+requests run one after another through serve.generate_one (the static KV cache, one request at a time).
+
+For each concurrency n (default 1, 8 and 32): n requests arrive together at time 0, prompts of random lengths
+(--prompt-len, uniform, random token ids), --new-tokens tokens each, greedy. The engine takes all n in one batch
+(max_batch = n, a pool just large enough for their worst case); the sequential path serves them in arrival order.
+  - tokens/s: the n·new_tokens sampled tokens over the wall time of the whole load (prefills included);
+  - latency: each request's time from 0 to its last token — mean, p50 and p90 (nearest rank) over the n requests;
+    sequentially a request's latency includes the time it waited for the ones before it;
+  - KV memory: the paged cache's blocks actually held at the peak step × the bytes of one block (keys and values of
+    every attention layer), against a dense cache [n, max_len] of the same layers, max_len the longest request's
+    prompt + new tokens (the smallest static cache that holds this load; a server's would be the model's context);
+    a model with recurrent (Mamba) layers adds its state slots' bytes, the same in both columns;
+  - same tokens: whether every request's greedy tokens from the engine equal generate_one's (fp32: equal unless two
+    logits tie to rounding).
+The model is train.py's default GPT (arguments.py's defaults, vocabulary 8192) with random weights, fp32, with
+--max-position-embeddings raised to the longest prompt + new tokens; --model-args changes its shape (train.py's
+flags); --load RUN serves a trained run instead (checkpoint.load_model; its own context must hold the requests).
+
+    .venv/bin/python bench/bench_serve.py --concurrency 1 8 --new-tokens 16 --prompt-len 16 32        (~1 min)
+    .venv/bin/python bench/bench_serve.py        (the full table: 1, 8, 32 requests of 16-128 + 64 tokens)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import shlex
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import arguments  # noqa: E402
+import checkpoint  # noqa: E402
+import contract  # noqa: E402
+import serve  # noqa: E402
+
+
+def parse_args(argv=None):
+    """The command line (tests/test_commands.py checks the documented ones with it)."""
+    p = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="requests arriving together")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    p.add_argument("--model-args", default="", help='train.py flags for the random model, e.g. "--num-layers 2"')
+    p.add_argument("--load", metavar="RUN", help="a saved run (checkpoint.load_model) instead of a random model")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build(a, max_len: int):
+    """The model to serve, in eval mode on a.device: a trained run (--load) or train.py's default GPT, random."""
+    if a.load:
+        model = checkpoint.load_model(a.load).model
+        if model.config.max_position_embeddings < max_len:
+            raise SystemExit(f"bench_serve.py: error: --load {a.load}: its context max_position_embeddings="
+                             f"{model.config.max_position_embeddings} < the longest request ({max_len} positions)")
+    else:
+        args = arguments.parse_args(["--vocab-size", "8192", *shlex.split(a.model_args),
+                                     "--max-position-embeddings", str(max_len)])
+        model = contract.model_file(args.model).Model(arguments.model_config(contract.model_file(args.model), args))
+    return model.to(a.device).eval()
+
+
+def requests(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of uniform random lengths in [lengths] and random token ids."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def summary(latencies: list[float]) -> tuple[float, float, float]:
+    """(mean, p50, p90) with nearest-rank percentiles: the smallest value with at least p % of them at or below."""
+    s = sorted(latencies)
+    rank = lambda p: s[max(math.ceil(p / 100 * len(s)), 1) - 1]
+    return sum(s) / len(s), rank(50), rank(90)
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_engine(model, prompts, new_tokens: int, block_size: int):
+    """All prompts at once through one Engine: (tokens per request, latencies s, wall s, peak blocks, engine)."""
+    params = serve.SamplingParams(max_tokens=new_tokens, temperature=0)
+    blocks = sum(math.ceil((len(p) + new_tokens - 1) / block_size) for p in prompts)  # every worst case at once
+    engine = serve.Engine(model, num_blocks=blocks, block_size=block_size, max_batch=len(prompts))
+    ids = [engine.add_request(p, params) for p in prompts]
+    peak, done = 0, {}
+    allocate = engine.cache.allocate
+
+    def tracked(n):  # the blocks held right after each allocation: their maximum is the peak
+        nonlocal peak
+        out = allocate(n)
+        peak = max(peak, engine.cache.num_blocks - len(engine.cache.free))
+        return out
+    engine.cache.allocate = tracked
+    sync(engine.device)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for rid, _, finished in engine.step():
+            if finished:
+                done[rid] = time.perf_counter() - t0
+    sync(engine.device)
+    wall = time.perf_counter() - t0
+    return [engine.requests[i].output for i in ids], [done[i] for i in ids], wall, peak, engine
+
+
+def run_sequential(model, prompts, new_tokens: int):
+    """The prompts one after another through generate_one: (tokens per request, latencies s, wall s)."""
+    params = serve.SamplingParams(max_tokens=new_tokens, temperature=0)
+    out, latencies, t0 = [], [], time.perf_counter()
+    for p in prompts:
+        out.append(serve.generate_one(model, p, params))
+        latencies.append(time.perf_counter() - t0)
+    return out, latencies, time.perf_counter() - t0
+
+
+def kv_bytes(engine) -> tuple[int, int]:
+    """(bytes of one block across every attention layer's K and V pools, bytes of all recurrent state slots)."""
+    block = sum(t[0].numel() * t.element_size() for pools in engine.cache.pools.values() for t in pools)
+    states = sum(t.numel() * t.element_size() for ts in engine.cache.states.values() for t in ts)
+    return block, states
+
+
+def memory(engine, prompts, peak: int, new_tokens: int) -> tuple[int, int]:
+    """(paged bytes: the peak blocks × a block's bytes, dense bytes: [n, max_len] positions), state slots in both."""
+    block, states = kv_bytes(engine)
+    max_len = max(len(p) + new_tokens for p in prompts)
+    return peak * block + states, len(prompts) * max_len * block // engine.cache.block_size + states
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    max_len = a.prompt_len[1] + a.new_tokens
+    model = build(a, max_len)
+    vocab = model.config.vocab_size
+    run_engine(model, requests(2, (4, 8), vocab, a.seed + 1), 4, a.block_size)  # warm-up
+    print(f"$ .venv/bin/python bench/bench_serve.py {shlex.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    what = f"--load {a.load}" if a.load else "train.py's default GPT" + (f" ({a.model_args})" if a.model_args else "")
+    print(f"{what}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+          f"{next(model.parameters()).dtype}, {a.device}, prompts {a.prompt_len[0]}-{a.prompt_len[1]} tokens, "
+          f"{a.new_tokens} new tokens, greedy, KV blocks of {a.block_size}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} at the start")
+    print("| requests | engine tokens/s | sequential tokens/s | speed-up | engine latency mean / p50 / p90 (s) | "
+          "sequential latency mean / p50 / p90 (s) | paged KV at peak | dense KV [n, max_len] | paged / dense | "
+          "same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in a.concurrency:
+        prompts = requests(n, tuple(a.prompt_len), vocab, a.seed + n)
+        tokens, lat, wall, peak, engine = run_engine(model, prompts, a.new_tokens, a.block_size)
+        seq_tokens, seq_lat, seq_wall = run_sequential(model, prompts, a.new_tokens)
+        paged, dense = memory(engine, prompts, peak, a.new_tokens)
+        rate, seq_rate = n * a.new_tokens / wall, n * a.new_tokens / seq_wall
+        fmt = lambda s: " / ".join(f"{x:.3f}" for x in summary(s))
+        print(f"| {n} | {rate:,.1f} | {seq_rate:,.1f} | {rate / seq_rate:.2f}× | {fmt(lat)} | {fmt(seq_lat)} | "
+              f"{mib(paged)} ({peak} blocks) | {mib(dense)} | {paged / dense:.2f} | "
+              f"{'yes' if tokens == seq_tokens else 'NO'} |", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()

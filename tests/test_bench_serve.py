@@ -1,0 +1,73 @@
+"""bench/bench_serve.py at a tiny size: a row per concurrency, the engine's greedy tokens equal to generate_one's,
+and memory figures that are the paged cache's exactly — the peak is every request's worst case (all arrive together
+with the same max_tokens, so each holds ceil((prompt + max_tokens − 1) / block) blocks at the final step), a block
+is 2 (K, V) × layers × key/value heads × block size × head dim × 4 bytes (fp32), and the dense figure n × the
+longest request's positions × a position's bytes. Percentiles are nearest-rank. Negative control: a peak read after
+each step (not at each allocation) misses the final step's blocks, freed within that step.
+Tolerance: none; blocks, bytes and tokens are integers, compared exactly.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+import serve
+
+TINY = ["--block-size", "4", "--new-tokens", "4", "--prompt-len", "3", "9", "--device", "cpu", "--model-args",
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --vocab-size 128"]
+
+
+def bench():
+    """bench/bench_serve.py, imported (its main is behind __name__ == "__main__")."""
+    spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent.parent / "bench" / "bench_serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_serve_prints_a_row_per_concurrency(capsys):
+    bench().main(["--concurrency", "1", "3", *TINY])
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "3"]
+    assert all(r.split("|")[-2].strip() == "yes" for r in rows), rows  # same tokens as generate_one
+
+
+def assert_memory_is_the_caches(peak_of=None):
+    B = bench()
+    a = B.parse_args(["--concurrency", "3", *TINY])
+    model = B.build(a, a.prompt_len[1] + a.new_tokens)
+    prompts = B.requests(3, tuple(a.prompt_len), model.config.vocab_size, seed=7)
+    tokens, latencies, wall, peak, engine = B.run_engine(model, prompts, a.new_tokens, a.block_size)
+    peak = peak_of(engine, prompts) if peak_of else peak
+    worst = sum(math.ceil((len(p) + a.new_tokens - 1) / a.block_size) for p in prompts)
+    assert peak == worst, f"peak {peak} blocks, every request's worst case held at once is {worst}"
+    c, (block, states) = model.config, B.kv_bytes(engine)
+    assert block == 2 * c.num_layers * c.num_query_groups * a.block_size * c.kv_channels * 4 and states == 0
+    max_len = max(len(p) for p in prompts) + a.new_tokens
+    assert B.memory(engine, prompts, peak, a.new_tokens) == (peak * block, 3 * max_len * block // a.block_size)
+    assert tokens == [serve.generate_one(model, p, serve.SamplingParams(max_tokens=4, temperature=0)) for p in prompts]
+    assert len(latencies) == 3 and max(latencies) <= wall
+
+
+def test_memory_figures_are_the_paged_caches():
+    assert_memory_is_the_caches()
+    assert bench().summary([10, 9, 8, 7, 6, 5, 4, 3, 2, 1]) == (5.5, 5, 9)  # p50 the 5th of 10, p90 the 9th
+
+
+def test_a_peak_read_after_each_step_is_caught():
+    """Negative control: the blocks held after each step() (rerun of the same load) miss the final step's."""
+    def after_steps(engine, prompts):
+        fresh = serve.Engine(engine.model, engine.cache.num_blocks, engine.cache.block_size, engine.max_batch)
+        for p in prompts:
+            fresh.add_request(p, serve.SamplingParams(max_tokens=4, temperature=0))
+        held = []
+        while fresh.has_unfinished():
+            fresh.step()
+            held.append(fresh.cache.num_blocks - len(fresh.cache.free))
+        return max(held)
+    with pytest.raises(AssertionError, match=r"peak \d+ blocks, every request's worst case held at once is \d+"):
+        assert_memory_is_the_caches(after_steps)

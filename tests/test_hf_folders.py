@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -146,7 +147,9 @@ def first_losses(run_dir):
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 EVERY_LAYOUT = {"tp2-sp": TP2_SP, "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
-# every other decoder family at one or two parallel layouts (each layout several times): the suite's budget
+# every other decoder family at one or two parallel layouts (each layout several times): the suite's budget; all three
+# under HYPOTHESIS_PROFILE=deep (`HYPOTHESIS_PROFILE=deep .venv/bin/python -m pytest -q tests/test_hf_folders.py`)
+DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
 ONE_LAYOUT = {"mistral": "dp2", "qwen2": ("tp2-sp", "pp2"), "qwen3": "pp2", "mixtral": ("tp2-sp", "pp2"),
               "qwen2_moe": "dp2", "qwen3_moe": "pp2", "deepseek_v3": ("tp2-sp", "pp2"), "mamba2": "tp2-sp"}
 
@@ -180,7 +183,7 @@ def test_a_run_starts_from_a_folder_at_every_layout_and_exports_back(family, tmp
         logits = live(batch[:, :-1]).logits
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
     chosen = ONE_LAYOUT.get(family, ())
-    layouts = EVERY_LAYOUT if family in ("llama", "gpt2") else {
+    layouts = EVERY_LAYOUT if family in ("llama", "gpt2") or DEEP else {
         name: EVERY_LAYOUT[name] for name in ((chosen,) if isinstance(chosen, str) else chosen)}
     for name, layout in layouts.items():
         harness.launch(2, run_argv(tmp_path / "base", tmp_path / name, *layout))

@@ -261,12 +261,17 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
             raise OpenAIError(refusal, "messages" if isinstance(body, ChatRequest) else "prompt")
         return events, keys
 
+    def text_of(token: int) -> str:  # a token's text; a piece of a character (or nothing): its vocabulary entry
+        text = tok.decode([token])
+        return text if text and "\ufffd" not in text else tok.id_to_token(token)
+
     def logprob_entry(lp, chat: bool):
         token, logprob, top = lp
         if chat:
-            return {"token": tok.decode([token]), "logprob": logprob, "bytes": None,
-                    "top_logprobs": [{"token": tok.decode([t]), "logprob": v, "bytes": None} for t, v in top]}
-        return token, logprob, {tok.decode([t]): v for t, v in top}
+            return {"token": text_of(token), "logprob": logprob, "bytes": list(text_of(token).encode()),
+                    "top_logprobs": [{"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode())}
+                                     for t, v in top]}
+        return token, logprob, {text_of(t): v for t, v in top}
 
     async def answer(body, prompt, stop_ids, logprobs, chat: bool):
         events, keys = await submit(body, prompt, stop_ids, logprobs)
@@ -284,7 +289,7 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
 
         def legacy(lps):
             entries = [logprob_entry(x, False) for x in lps]
-            return {"tokens": [tok.decode([t]) for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
+            return {"tokens": [text_of(t) for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
                     "top_logprobs": [top for _, _, top in entries], "text_offset": []}
 
         async def tokens():

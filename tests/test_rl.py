@@ -282,3 +282,13 @@ def test_a_reward_model_scores_the_rollouts(tok_file, tmp_path, capsys):
                     "--rollout-max-new-tokens", str(NEW),
                     "--train-iters", "1", "--save", str(tmp_path / "grpo2")])
     assert "is a --task grpo run, not a reward model (--task rm)" in capsys.readouterr().err
+
+
+def test_the_shipped_reward_and_prompts():
+    """The arithmetic check: exact 1, a near miss partial credit, no number 0; the held-out prompts are never trained."""
+    r = {"prompt": "3 + 4", "answer": "7"}
+    assert [rl.arithmetic_reward("3 + 4", x, r) for x in ("7", " 7 apples", "9", "17", "seven", "-7")] == \
+        [1.0, 1.0, 0.5 * 0.8, 0.0, 0.0, 0.0]
+    train_prompts = {x["prompt"] for x in rl.arithmetic_records()}
+    held_out = {x["prompt"] for x in rl.arithmetic_records(held_out=True)}
+    assert len(train_prompts) == 360 and len(held_out) == 40 and not train_prompts & held_out

@@ -103,6 +103,11 @@ def read_folder(path) -> Folder:
         except (OSError, ValueError) as e:
             raise ConfigError(f"{p / name}: not a readable safetensors file ({e})") from None
         tensors.update({k: (name, v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"})
+    quantized = config.get("quantization_config") or next(
+        (f"{k} is {v[1]}" for k, v in tensors.items() if v[1].startswith(("F8", "I4", "U4"))), None)
+    if quantized:  # (DeepSeek-V3's own release: float8 weights with *.weight_scale_inv block scales)
+        raise ConfigError(f"{p}: a quantized checkpoint ({quantized}): not read (its scales would be dropped); "
+                          "dequantize it to bfloat16 or float32 first")
     return Folder(p, config, tensors)
 
 

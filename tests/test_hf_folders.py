@@ -116,6 +116,14 @@ def test_a_folder_that_is_not_one_fails_in_one_line(tmp_path):
         hf.read_folder(tmp_path / "f")
     with pytest.raises(hf.ConfigError, match="model_type 'gptj' is not supported"):
         hf.converter_for("gptj")
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(2, dtype=torch.float8_e4m3fn), "w_scale_inv": torch.ones(1)},
+              tmp_path / "f" / "model.safetensors")  # a float8 release (DeepSeek-V3's): its scales are not read
+    with pytest.raises(hf.ConfigError, match="a quantized checkpoint \\(w is F8_E4M3\\).*dequantize"):
+        hf.read_folder(tmp_path / "f")
+    (tmp_path / "f" / "config.json").write_text('{"model_type": "llama", "quantization_config": {"quant_method": "fp8"}}')
+    with pytest.raises(hf.ConfigError, match="a quantized checkpoint \\(\\{'quant_method': 'fp8'\\}\\)"):
+        hf.read_folder(tmp_path / "f")
 
 
 # ---------------------------------------------------------------------------------------------- a run on an imported folder

@@ -23,6 +23,7 @@ trainer's weights each step). Papers: Shao et al. 2024, "DeepSeekMath" (GRPO); S
 divergence" (k3); Yu et al. 2025, "DAPO" (token-level averaging).
 
 Run:    make train ARGS="--task grpo --pretrained-checkpoint runs/gpt-sft"
+        .venv/bin/python rl.py --eval runs/gpt-grpo          # greedy reward and exact answers on the held-out prompts
         .venv/bin/python -m pytest -q tests/test_rl.py
 
 Dimension glossary

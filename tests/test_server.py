@@ -296,11 +296,16 @@ def loop_case(rank, n, run, tp, ep):
     return [got[i] for i in range(len(PROMPTS))] if rank == 0 else None
 
 
-@pytest.mark.parametrize("tp, ep, flags", [(2, 1, []), (1, 2, ["--num-experts", "4", "--moe-router-topk", "2"])],
-                         ids=["tp2", "moe-ep2"])
+MAMBA = ["--model", "mamba", "--hybrid-layer-pattern", "M*", "--mamba-num-groups", "2", "--mamba-head-dim", "16",
+         "--mamba-state-dim", "16", "--mamba-chunk-size", "16"]
+
+
+@pytest.mark.parametrize("tp, ep, flags", [(2, 1, []), (1, 2, ["--num-experts", "4", "--moe-router-topk", "2"]),
+                                           (2, 1, MAMBA)], ids=["tp2", "moe-ep2", "mamba-hybrid-tp2"])
 def test_ranks_in_lock_step_serve_the_oracle(pool, root, tp, ep, flags):
-    """Continuous batching on ranks in lock-step (rank 0's commands broadcast each step): at TP 2, and an MoE run
-    with its experts split over EP 2 ranks that both run every request, are each request's tokens alone."""
+    """Continuous batching on ranks in lock-step (rank 0's commands broadcast each step): at TP 2 (a GPT, and a
+    Mamba hybrid: its recurrent-state slots beside the paged KV cache), and an MoE run with its experts split over EP
+    2 ranks that both run every request, are each request's tokens alone."""
     run = save_run(root, f"run-{tp}-{ep}", *flags)
     answer, tok = make_oracle(run)
     eod = data.special_ids(tok)["eod"]

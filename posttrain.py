@@ -629,7 +629,7 @@ class Task:
                "kto": ["kl", "rewards"], "rm": ["accuracy", "reward_margin"]}  # what metrics() reports, per task
 
     def __init__(self, args, chunks, grid, shape, dtype, eod: int, device="cpu", autocast=contextlib.nullcontext,
-                 ref_chunks=None, corpus=None):  # corpus: the run's data (an online task's prompts, rl.Task)
+                 ref_chunks=None, corpus=None, iteration: int = 0):  # (rl.Task's: its prompts, its first step)
         self.a, self.kind, self.chunks, self.grid, self.eod = args, args.task, chunks, grid, eod
         self.shape, self.dtype, self.device, self.autocast = shape, dtype, device, autocast
         self.lora = args.lora_rank is not None

@@ -206,7 +206,7 @@ class Task(posttrain.Task):
     """GRPO on this rank's model chunks: prepare() rolls out, scores and keeps the log-probs; policy_step is the loss."""
     METRICS = {"grpo": ["reward", "reward_std", "completion_length", "kl", "clip_fraction", "rollout_seconds"]}
 
-    def __init__(self, *a, corpus=None, **kw):
+    def __init__(self, *a, corpus=None, iteration: int = 0, **kw):
         super().__init__(*a, **kw)
         args = self.a
         self.tok, self.eod = corpus.tokenizer, data.special_ids(corpus.tokenizer)["eod"]
@@ -215,7 +215,8 @@ class Task(posttrain.Task):
             raise ConfigError("--reward-model and --reward-function: give one reward")
         self.reward = load_reward_function(args.reward_function) if args.reward_model is None else None
         self.reward_model = RewardModel(args.reward_model, self.tok) if args.reward_model is not None else None
-        self.iteration, self.rollouts, self.replica = 0, {}, None
+        # the iteration seeds the rollouts: a resumed run (iteration = where it resumes) draws what it would have
+        self.iteration, self.rollouts, self.replica = iteration, {}, None
         self.ref_chunks = self.ref_chunks if args.grpo_kl_beta > 0 else None
 
     def sync_replica(self):

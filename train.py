@@ -231,7 +231,8 @@ def setup(args) -> Run:
     amp = torch.bfloat16 if args.bf16 else torch.float16
     autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16)
     task = None if args.task == "pretrain" else tasks.Task(  # post-training (posttrain.py section 2, rl.py)
-        args, chunks, grid, p2p_shape, config.params_dtype, corpus.eod, device, autocast, ref_chunks, corpus=corpus)
+        args, chunks, grid, p2p_shape, config.params_dtype, corpus.eod, device, autocast, ref_chunks, corpus=corpus,
+        iteration=first)
     if rank == 0:
         print_args(args, f"rank 0 holds {sum(p.numel() for p in model.parameters()):,} parameters; {grid}; "
                    f"{len(corpus.train)} train samples of {args.seq_length} tokens, "

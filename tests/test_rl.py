@@ -292,3 +292,26 @@ def test_the_shipped_reward_and_prompts():
     train_prompts = {x["prompt"] for x in rl.arithmetic_records()}
     held_out = {x["prompt"] for x in rl.arithmetic_records(held_out=True)}
     assert len(train_prompts) == 360 and len(held_out) == 40 and not train_prompts & held_out
+
+
+def test_a_resumed_grpo_run_repeats_the_uninterrupted_one(tok_file, tmp_path):
+    """Stopped after iteration 2 (--exit-interval) and resumed, a run logs the uninterrupted run's losses and rewards:
+    the rollouts' seeds follow the iteration, not the process. (--grpo-iterations 1: with mu > 1 a run resumed inside a
+    cycle rolls out again.)"""
+    argv = lambda save, *more: ["--task", "grpo", "--tokenizer-file", str(tok_file), "--vocab-size", "384",
+                                "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+                                str(S), "--rollout-max-new-tokens", str(NEW), "--micro-batch-size", "4",
+                                "--global-batch-size", "2", "--train-iters", "4", "--eval-iters", "0", "--log-interval",
+                                "1", "--reward-function", "examples/rewards.py:brevity", "--lr", "1e-2",
+                                "--data-cache-dir", str(tmp_path / "cache"), "--load", str(save), "--save", str(save),
+                                *more]
+    train.main(argv(tmp_path / "whole"))
+    train.main(argv(tmp_path / "resumed", "--exit-interval", "2"))
+    train.main(argv(tmp_path / "resumed"))
+
+    def logged(run):
+        recs = [__import__("json").loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["iteration"]: (r["loss"], r["reward"]) for r in recs if "loss" in r}
+    whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
+    assert sorted(resumed) == [1, 2, 3, 4] and len({v[1] for v in whole.values()}) > 1, (whole, resumed)
+    assert resumed == whole

@@ -104,21 +104,23 @@ def tok_file(tmp_path_factory):
     return path
 
 
-def config(tok, sp=False):
-    return gpt.Config(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+def config(tok, sp=False, moe=False):
+    moe = dict(num_experts=4, moe_router_topk=2) if moe else {}  # (no aux loss: it is per micro-batch, as Megatron's)
+    return gpt.Config(**moe, num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                       vocab_size=tok.get_vocab_size(), max_position_embeddings=S, hidden_dropout=0.0,
                       attention_dropout=0.0, params_dtype=torch.float64, position_embedding_type="rope",
                       normalization="RMSNorm", activation="silu", gated_linear_unit=True, add_bias_linear=False,
                       init_method_std=0.2, sequence_parallel=sp)
 
 
-def grpo_case(rank, n, tok_file, tp, pp, sp, opt, M, g=4, steps=2, control=None, use_lora=False):
+def grpo_case(rank, n, tok_file, tp, pp, sp, opt, M, g=4, steps=2, control=None, use_lora=False, ep=1,
+              moe=False):
     """`steps` GRPO steps (g prompts, G completions each) on this rank's chunks, as train.py runs them (rl.Task.prepare,
     then the schedule). opt: None = parallel.Optimizer, True = the distributed optimizer. Also returns each step's
     rollouts and global count, and in one process the weights each step's loss was computed with (for the formula)."""
     tok = data.get_tokenizer(None, None, tokenizer_file=str(tok_file))
-    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
-    c = config(tok, sp)
+    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp), ep=ep)
+    c = config(tok, sp, moe=moe)
     make = lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl)
     chunks = P.build_chunks(make, c.num_layers, grid, 1)
     chunks = [_adapt(m) for m in chunks] if use_lora else chunks  # the reference: the policy, adapters off
@@ -237,15 +239,18 @@ def test_negative_controls_fail_the_formula(tok_file, control):
 
 # --------------------------------------------------------------------------------------- 3. any layout == one process
 LAYOUTS = {"tp2-sp": (2, 2, 1, True, None, False), "pp2": (2, 1, 2, False, None, False),
-           "dp2-distopt": (2, 1, 1, False, True, False), "tp2-sp-lora": (2, 2, 1, True, None, True)}
+           "dp2-distopt": (2, 1, 1, False, True, False), "tp2-sp-lora": (2, 2, 1, True, None, True),
+           "moe-ep2": (2, 1, 1, False, None, False)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_grpo_in_any_layout_equals_single_process(pool, tok_file, layout):
     """(With LoRA, the rollout replica carries the adapters and the reference is the policy with them off.)"""
     n, tp, pp, sp, opt, use_lora = LAYOUTS[layout]
-    got = _merged(pool.run(grpo_case, n, tok_file=tok_file, tp=tp, pp=pp, sp=sp, opt=opt, M=2, use_lora=use_lora))
-    ref = grpo_case(0, 1, tok_file, 1, 1, False, None, M=1, use_lora=use_lora)
+    ep = 2 if layout == "moe-ep2" else 1  # (an MoE policy: the replica gathers each EP rank's experts)
+    got = _merged(pool.run(grpo_case, n, tok_file=tok_file, tp=tp, pp=pp, sp=sp, opt=opt, M=2, use_lora=use_lora,
+                           ep=ep, moe=ep > 1))
+    ref = grpo_case(0, 1, tok_file, 1, 1, False, None, M=1, use_lora=use_lora, moe=ep > 1)
     assert_same(got, ref, rtol=1e-10, what=f"grpo {layout}")
 
 

@@ -305,11 +305,16 @@ def test_an_encoder_folder_trains_at_tp2_and_exports_back(family, tmp_path):
     live.save_pretrained(tmp_path / "src")
     wordpiece_folder(tmp_path / "src", live, sentinels=100 if family == "t5" else 0)
     tools.import_hf(tmp_path / "src", tmp_path / "base")
-    argv = run_argv(tmp_path / "base", tmp_path / "run", *TP2_SP, "--lr", "1e-2")
-    if family == "t5":  # (T5's spelling of the sequence length, and its decoder's)
-        argv[argv.index("--seq-length")] = "--encoder-seq-length"
-        argv += ["--decoder-seq-length", "16"]
-    harness.launch(2, argv)
+    layouts = {"run": TP2_SP}  # under HYPOTHESIS_PROFILE=deep also DP 2, and PP 2 for BERT (T5 has no PP here)
+    layouts |= {"dp2": [], **({"pp2": EVERY_LAYOUT["pp2"]} if family == "bert" else {})} if DEEP else {}
+    for name, layout in layouts.items():
+        argv = run_argv(tmp_path / "base", tmp_path / name, *layout, "--lr", "1e-2")
+        if family == "t5":  # (T5's spelling of the sequence length, and its decoder's)
+            argv[argv.index("--seq-length")] = "--encoder-seq-length"
+            argv += ["--decoder-seq-length", "16"]
+        harness.launch(2, argv)
+    losses = [first_losses(tmp_path / name)[0] for name in layouts]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), dict(zip(layouts, losses))  # every layout's first step
     tools.main(["export", "--load", str(tmp_path / "run"), "--hf-out", str(tmp_path / "out")])
     back = type(live).from_pretrained(tmp_path / "out").float().eval()
     ours = checkpoint.load_model(tmp_path / "run").model.eval()

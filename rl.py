@@ -277,10 +277,10 @@ class Task(posttrain.Task):
             micro = list(mine.to(self.device).split(a.micro_batch_size))
             count = mine[:, MASK, 1:].sum() if a.grpo_loss_average == "token" else torch.tensor(len(mine))
             count = int(P.all_reduce(count.reshape(1).to(self.device), grid.dp)[0])
-            forward_only = lambda chunks, off=False: rearrange(self.forward_only(
-                chunks, micro, (posttrain.CHOSEN,), g, off, per_token=True), "g 1 s -> g s")
-            ref = forward_only(self.ref_chunks, self.lora) if self.ref_chunks is not None else None
-            old = forward_only(self.chunks) if a.grpo_iterations > 1 and split == "train" else None
+            token_logps = lambda chunks, adapters_off=False: rearrange(self.forward_only(  # [g, s], last stage
+                chunks, micro, (posttrain.CHOSEN,), g, adapters_off, per_token=True), "g 1 s -> g s")
+            ref = token_logps(self.ref_chunks, self.lora) if self.ref_chunks is not None else None
+            old = token_logps(self.chunks) if a.grpo_iterations > 1 and split == "train" else None
             self.rollouts[split] = (micro, adv, ref, old, count)
             if self.chunks[-1].post_process:
                 lengths = mine[:, MASK].sum(-1).double()

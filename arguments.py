@@ -67,6 +67,15 @@ class Args(argparse.Namespace):
         raise AttributeError(f"args are read-only after check_args (del args.{name})")
 
 
+# --task's own defaults where pretraining's do not suit, below a model file's TRAIN_DEFAULTS and the command's own
+# flags. Online RL starts from an SFT'd model: a learning rate 30x below pretraining's, a short run, groups of 8
+# completions of 16 prompts a step, short rows (prompt + completion; the shipped task's prompts are ~10 tokens), one
+# held-out batch every 20 steps (bench/README.md "Online RL (GRPO)" measured these).
+ONLINE_RL = dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=5, train_iters=60, grpo_group_size=8, global_batch_size=16,
+                 micro_batch_size=32, seq_length=32, log_interval=5, eval_interval=20, eval_iters=1)
+TASK_DEFAULTS = {"grpo": ONLINE_RL}
+
+
 def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     """argv -> the flags (a plain Namespace; check_args validates them and makes them read-only). The model's own
     flags and defaults come from its model file, so `--model X --help` lists them. `saved`: the flags of the checkpoint
@@ -369,6 +378,8 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     position.choices = list(mf.Config.POSITION_EMBEDDING_TYPES)
     mf.add_arguments(p.add_argument_group(f"--model {model}'s own flags ({model}.py)"))
     p.set_defaults(**mf.TRAIN_DEFAULTS)
+    task = p.parse_known_args((config_argv(p, config, known=True) if config else []) + list(argv))[0].task
+    p.set_defaults(**TASK_DEFAULTS.get(task, {}))
     dests = {act.dest for act in p._actions}
     p.set_defaults(**{k: v for k, v in (saved or {}).items() if k in dests})
     a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")

@@ -27,6 +27,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import arguments
 import checkpoint
 import gpt
 import lora
@@ -560,3 +561,20 @@ def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
     one, two = losses(tmp_path / "one"), losses(tmp_path / "tp2")
     assert one.keys() == two.keys() == {1, 2}
     assert all(abs(one[k] - two[k]) <= 1e-5 * abs(one[k]) for k in one), (one, two)
+
+
+def test_a_task_has_its_own_defaults_below_the_command_and_above_the_model_file():
+    """--task grpo takes arguments.ONLINE_RL where pretraining's defaults would not suit (lr 3e-3, 650 iterations, rows
+    of 128); a flag the command gives wins, with Megatron's rules beside a command's own --lr (min-lr 0, no warmup);
+    another task keeps the model file's defaults. Negative control: without the table the pretraining defaults come."""
+    pre = arguments.parse_args([])
+    grpo = arguments.parse_args(["--task", "grpo"])
+    for k, v in arguments.ONLINE_RL.items():
+        assert getattr(grpo, k) == v, (k, getattr(grpo, k), v)
+    assert (pre.lr, pre.train_iters, pre.seq_length) == (3e-3, 650, 128)  # the model file's and the parser's own
+    assert arguments.parse_args(["--task", "sft"]).lr == pre.lr
+    own = arguments.parse_args(["--task", "grpo", "--lr", "3e-4", "--seq-length", "64"])
+    assert (own.lr, own.min_lr, own.lr_warmup_iters, own.seq_length, own.train_iters) == (3e-4, 0.0, 0, 64, 60)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(arguments, "TASK_DEFAULTS", {})
+        assert arguments.parse_args(["--task", "grpo"]).lr == pre.lr

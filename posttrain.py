@@ -666,18 +666,20 @@ class Task:
         return (total / g).clamp_min(0)[0]
 
     @torch.no_grad()
-    def forward_only(self, chunks, micro, sides, g: int, adapters_off: bool = False, per_token: bool = False):
+    def forward_only(self, chunks, micro, sides, g: int, adapters_off: bool = False, per_token: bool = False,
+                     value: bool = False):
         """Sequence log-probs [g, k] of `sides` under `chunks` (forward-only schedule, eval mode), filled on the last
-        stage at each sample's META[1] (zeros elsewhere); per_token: each token's log-prob [g, k, s] instead."""
+        stage at each sample's META[1] (zeros elsewhere); per_token: each token's log-prob [g, k, s] instead; value:
+        a reward model's value at each sequence's last token [g, k] (chunks with the value head)."""
         out = torch.zeros(g, len(sides), *([micro[0].shape[-1] - 1] if per_token else []), dtype=torch.float64,
                           device=self.device)
 
         def step(model, mb):
             with self.autocast(), lora.disabled(model) if adapters_off else contextlib.nullcontext():
-                res = run_model(model, mb, sides)
+                res = run_model(model, mb, sides, value=value)
             if not model.post_process:
                 return res
-            logps = -res[0] if per_token else sequence_logps(*res)  # [k, b, s] or [k, b]
+            logps = last_token_values(*res) if value else -res[0] if per_token else sequence_logps(*res)  # [k, b(, s)]
             out[mb[:, META, 1]] = rearrange(logps, "k b ... -> b k ...").double()
             return torch.zeros((), device=self.device)
         was = [c.training for c in chunks]

@@ -8,7 +8,8 @@ batch holds P prompts; before the policy's pass, Task.prepare, on every rank:
      over a paged KV cache; completion j of the prompt of record i seeded by (--seed, iteration, i, j), so every
      layout draws the same completions);
   3. scores each with the reward function (--reward-function FILE:NAME; by default the shipped arithmetic check) or
-     a reward model trained by --task rm (--reward-model RUN);
+     a reward model trained by --task rm (--reward-model RUN: sharded like the policy, in a forward-only pass of the
+     policy's schedule, when it has the policy's architecture; else whole in every process);
   4. group-normalises the rewards into advantages: A = (r - mean of its group) / (std of its group + 1e-4);
   5. runs the frozen reference (forward only) for the KL term, and with --grpo-iterations mu > 1 the policy too, for
      the old log-probs of the clipped ratio (the same rollouts then serve mu optimizer steps, their log-probs kept).
@@ -32,6 +33,7 @@ Dimension glossary
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 import checkpoint
+import contract
 import data
 import lora
 import parallel as P
@@ -96,19 +99,43 @@ def load_reward_function(spec: str | None):
     return getattr(module, name)
 
 
-class RewardModel:
-    """--reward-model RUN: a reward model (--task rm) scores each rollout: its value where it reads the completion's
-    last token, as it was trained (posttrain.last_token_values). The whole model in every process, not sharded."""
+def reward_checkpoint(load):
+    """--reward-model RUN -> its checkpoint, refused in one line unless it is a reward model (--task rm)."""
+    ckpt = checkpoint.find_checkpoint(load, None, "--reward-model")
+    if ckpt is None:
+        raise ConfigError(f"--reward-model {load}: no checkpoint there")
+    if ckpt.meta["args"].get("task") != "rm":
+        raise ConfigError(f"--reward-model {load} is a --task {ckpt.meta['args'].get('task')} run, not a reward model "
+                          "(--task rm)")
+    return ckpt
 
-    def __init__(self, load, tok):
-        ckpt = checkpoint.find_checkpoint(load, None, "--reward-model")
-        task = ckpt.meta["args"].get("task") if ckpt is not None else None
-        if ckpt is not None and task != "rm":
-            raise ConfigError(f"--reward-model {load} is a --task {task} run, not a reward model (--task rm)")
-        run = checkpoint.load_model(load, flag="--reward-model", extend=posttrain.add_value_head)
-        if run.tok.get_vocab() != tok.get_vocab():
-            raise ConfigError(f"--reward-model {load}: its tokenizer is not the policy's (it would read other tokens)")
-        self.model = run.model.eval()
+
+def reward_chunks(args, build, mesh):
+    """--reward-model RUN sharded like the policy: when RUN is a whole (not LoRA) reward model of the policy's
+    architecture, its chunks built at this run's layout (TP shards, this rank's pipeline stage, the value head on the
+    last stage), frozen, its weights read through DCP whatever layout saved them. Otherwise None: RewardModel reads it
+    whole in every process."""
+    ckpt = reward_checkpoint(args.reward_model)
+    saved, flags = ckpt.meta["args"], checkpoint.ARCH_FLAGS + list(contract.model_file(args.model).ARCH_FLAGS)
+    if "lora_base" in ckpt.meta or saved.get("model") != args.model or any(saved.get(k) != vars(args).get(k)
+                                                                            for k in flags):
+        return None
+    chunks = build()
+    for c in chunks:
+        if c.post_process:
+            posttrain.add_value_head(c)
+    checkpoint.load_weights(ckpt, chunks, mesh)
+    return [c.requires_grad_(False).eval() for c in chunks]
+
+
+class RewardModel:
+    """--reward-model RUN of another architecture than the policy's (or a LoRA one): the whole model in every process,
+    scoring each rollout as it was trained: its value where it reads the completion's last token
+    (posttrain.last_token_values)."""
+
+    def __init__(self, load):
+        reward_checkpoint(load)
+        self.model = checkpoint.load_model(load, flag="--reward-model", extend=posttrain.add_value_head).model.eval()
 
     @torch.no_grad()
     def __call__(self, rows):
@@ -206,15 +233,22 @@ class Task(posttrain.Task):
     """GRPO on this rank's model chunks: prepare() rolls out, scores and keeps the log-probs; policy_step is the loss."""
     METRICS = {"grpo": ["reward", "reward_std", "completion_length", "kl", "clip_fraction", "rollout_seconds"]}
 
-    def __init__(self, *a, corpus=None, iteration: int = 0, **kw):
-        super().__init__(*a, **kw)
-        args = self.a
+    def __init__(self, args, chunks, grid, shape, dtype, eod, device="cpu", autocast=None, ref_chunks=None,
+                 corpus=None, iteration: int = 0):
+        frozen = ref_chunks if isinstance(ref_chunks, Frozen) else Frozen(ref_chunks, None)  # (setup_task's)
+        super().__init__(args, chunks, grid, shape, dtype, eod, device, autocast or contextlib.nullcontext,
+                         frozen.reference)
         self.tok, self.eod = corpus.tokenizer, data.special_ids(corpus.tokenizer)["eod"]
         self.datasets = {"train": corpus.train, "valid": corpus.valid}
         if args.reward_model is not None and args.reward_function is not None:
             raise ConfigError("--reward-model and --reward-function: give one reward")
+        if args.reward_model is not None and data.get_tokenizer(None, None, tokenizer_file=str(
+                Path(args.reward_model) / "tokenizer.json")).get_vocab() != self.tok.get_vocab():
+            raise ConfigError(f"--reward-model {args.reward_model}: its tokenizer is not the policy's (it would read "
+                              "other tokens)")
         self.reward = load_reward_function(args.reward_function) if args.reward_model is None else None
-        self.reward_model = RewardModel(args.reward_model, self.tok) if args.reward_model is not None else None
+        self.reward_chunks = frozen.reward  # the reward model sharded like the policy, or
+        self.reward_model = RewardModel(args.reward_model) if args.reward_model and not frozen.reward else None
         # the iteration seeds the rollouts: a resumed run (iteration = where it resumes) draws what it would have
         self.iteration, self.rollouts, self.replica = iteration, {}, None
         self.ref_chunks = self.ref_chunks if args.grpo_kl_beta > 0 else None
@@ -261,7 +295,7 @@ class Task(posttrain.Task):
                 rewards[k] = float(self.reward(records[rec]["prompt"], text, record))
         if self.reward_model is not None:
             rewards = self.reward_model(out.to(self.device)).double().cpu()
-        return out, rewards.view(len(prompts), G)
+        return out, rewards.view(len(prompts), G)  # (a sharded reward model scores in prepare)
 
     def prepare(self, batch, split: str = "train"):
         a, grid = self.a, self.grid
@@ -272,9 +306,12 @@ class Task(posttrain.Task):
             start = time.perf_counter()
             mine, rewards = self.rollout(batch.chunk(grid.dp_size)[grid.dp.rank], split)
             mine[:, META, 1] = torch.arange(len(mine)) + grid.dp.rank * len(mine)  # the index in the global batch
+            micro = list(mine.to(self.device).split(a.micro_batch_size))
+            if self.reward_chunks is not None:  # each completion's value on the last stage (zeros elsewhere: unused)
+                values = self.forward_only(self.reward_chunks, micro, (posttrain.CHOSEN,), g, value=True)
+                rewards = values[mine[:, META, 1].to(self.device), 0].cpu().view_as(rewards)
             adv = torch.zeros(g, dtype=torch.float64)
             adv[mine[:, META, 1]] = group_advantages(rewards).flatten()
-            micro = list(mine.to(self.device).split(a.micro_batch_size))
             count = mine[:, MASK, 1:].sum() if a.grpo_loss_average == "token" else torch.tensor(len(mine))
             count = int(P.all_reduce(count.reshape(1).to(self.device), grid.dp)[0])
             token_logps = lambda chunks, adapters_off=False: rearrange(self.forward_only(  # [g, s], last stage
@@ -307,9 +344,18 @@ class Task(posttrain.Task):
         return average(losses, mask, self.a.grpo_loss_average)
 
 
+@dataclasses.dataclass
+class Frozen:
+    """What setup_task builds beside the policy, frozen: the reference (KL) and the sharded reward model, or None."""
+    reference: list | None
+    reward: list | None
+
+
 def setup_task(args, start, chunks, build, mesh):
-    """The frozen reference for the KL term (posttrain.setup_task's, as DPO's); none when --grpo-kl-beta is 0."""
-    return posttrain.setup_task(args, start, chunks, build, mesh, reference=args.grpo_kl_beta > 0)
+    """The frozen reference for the KL term (posttrain.setup_task's, as DPO's; none when --grpo-kl-beta is 0) and a
+    --reward-model of the policy's architecture sharded like it (reward_chunks), as Frozen; its pointer for meta.json."""
+    ref, pointer = posttrain.setup_task(args, start, chunks, build, mesh, reference=args.grpo_kl_beta > 0)
+    return Frozen(ref, reward_chunks(args, build, mesh) if args.reward_model else None), pointer
 
 
 @torch.no_grad()

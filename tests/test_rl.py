@@ -28,8 +28,10 @@ import torch
 from test_posttrain import OPT, _adapt, _merged, _trainable_grads
 from test_train import SNIPPET
 
+import arguments
 import data
 import gpt
+import harness
 import lora
 import parallel as P
 import posttrain
@@ -287,6 +289,47 @@ def test_a_reward_model_scores_the_rollouts(tok_file, tmp_path, capsys):
                     "--rollout-max-new-tokens", str(NEW),
                     "--train-iters", "1", "--save", str(tmp_path / "grpo2")])
     assert "is a --task grpo run, not a reward model (--task rm)" in capsys.readouterr().err
+
+
+def test_a_reward_model_is_sharded_like_the_policy(tok_file, tmp_path, monkeypatch):
+    """A reward model of the policy's architecture is built at the policy's layout (rl.reward_chunks: TP shards, the
+    value head on the last pipeline stage) and scores in a forward-only pass: at TP 2 + SP and at PP 2 (train.py on
+    warm ranks) the logged rewards are the one process's, and those are the whole-model RewardModel's. Tolerance 1e-5
+    relative: float32, the same rollouts (drawn by the one-process replica on every layout), only the reward model's
+    reduction order differs. Negative control: a sharded model that reads the value one token early differs."""
+    shape = ["--tokenizer-file", str(tok_file), "--vocab-size", "384", "--num-layers", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--seq-length", str(S), "--micro-batch-size", "4", "--eval-iters", "0",
+             "--log-interval", "1", "--data-cache-dir", str(tmp_path / "cache")]
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(__import__("json").dumps({"prompt": f"{i} + 2", "chosen": str(i + 2), "rejected": str(i)})
+                             + "\n" for i in range(8)))
+    train.main([*shape, "--task", "rm", "--data-path", str(prefs), "--global-batch-size", "4", "--train-iters", "2",
+                "--save", str(tmp_path / "rm")])
+    grpo = [*shape, "--task", "grpo", "--reward-model", str(tmp_path / "rm"), "--rollout-max-new-tokens", str(NEW),
+            "--global-batch-size", "2", "--grpo-group-size", "4", "--train-iters", "1"]
+
+    def rewards(name, extra=(), n=1):
+        argv = [*grpo, *extra, "--save", str(tmp_path / name)]
+        harness.launch(n, argv) if n > 1 else train.main(argv)
+        rec = [__import__("json").loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return torch.tensor([rec[-1]["reward"], rec[-1]["reward_std"]], dtype=torch.float64)
+
+    built = []
+    monkeypatch.setattr(rl, "reward_chunks", lambda *a, f=rl.reward_chunks: built.append(f(*a)) or built[-1])
+    one = rewards("one")
+    assert built[-1] is not None and built[-1][-1].post_process and hasattr(built[-1][-1], "value_head")
+    wider = arguments.check_args(arguments.parse_args([*grpo, "--hidden-size", "64"]), 1)
+    assert rl.reward_chunks(wider, None, None) is None  # another architecture: read whole (RewardModel), not sharded
+    monkeypatch.setattr(rl, "reward_chunks", lambda *a: None)  # the whole model in every process
+    torch.testing.assert_close(rewards("whole"), one, rtol=1e-5, atol=0)
+    for name, extra in (("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                        ("pp2", ["--pipeline-model-parallel-size", "2"])):
+        monkeypatch.undo()
+        torch.testing.assert_close(rewards(name, extra, n=2), one, rtol=1e-5, atol=0, msg=name)
+    early = posttrain.last_token_values
+    monkeypatch.setattr(posttrain, "last_token_values", lambda v, m: early(v, m.roll(-1, -1)))
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        torch.testing.assert_close(rewards("early"), one, rtol=1e-5, atol=0)
 
 
 def test_the_shipped_reward_and_prompts():

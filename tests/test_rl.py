@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import types
 
 import pytest
@@ -47,6 +48,7 @@ from einops import rearrange
 from test_posttrain import OPT, _adapt, _merged, _trainable_grads
 from test_train import SNIPPET
 
+import arguments
 import data
 import gpt
 import lora
@@ -467,6 +469,22 @@ def test_a_reward_model_scores_the_rollouts(tok_file, tmp_path, capsys):
                     "--rollout-max-new-tokens", str(NEW),
                     "--train-iters", "1", "--save", str(tmp_path / "grpo2")])
     assert "is a --task grpo run, not a reward model (--task rm)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--ppo-gamma", "0"], "--ppo-gamma=0.0 is out of range"), (["--ppo-lambda", "1.5"], "--ppo-lambda=1.5 is out"),
+    (["--ppo-vf-coef", "-1"], "--ppo-vf-coef=-1.0 is out"), (["--ppo-kl-coef", "-0.1"], "--ppo-kl-coef=-0.1 is out"),
+    (["--ppo-cliprange-value", "0"], "--ppo-cliprange-value=0.0 is out"),
+    (["--grpo-group-size", "0"], "--grpo-group-size=0 is out of range (group size >= 1"),
+    (["--grpo-loss-average", "sequence"], "--grpo-loss-average=sequence with --task ppo"),
+    (["--rampup-batch-size", "2", "2", "8"], "--rampup-batch-size with --task ppo")])
+def test_bad_ppo_flags_are_refused_in_one_line(flags, error):
+    """(PPO takes one completion per prompt; GRPO needs two to compare.)"""
+    argv = ["--task", "ppo", "--seq-length", str(S), "--rollout-max-new-tokens", str(NEW), "--micro-batch-size", "4",
+            "--global-batch-size", "4"]
+    with pytest.raises(arguments.ConfigError, match=re.escape(error)):
+        arguments.check_args(arguments.parse_args(argv + flags), 1)
+    arguments.check_args(arguments.parse_args(argv + ["--grpo-group-size", "1"]), 1)  # (the control: accepted)
 
 
 def test_the_shipped_reward_and_prompts():

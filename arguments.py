@@ -333,7 +333,8 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--hf-architecture", type=json.loads, default=None, help=argparse.SUPPRESS)  # set by a checkpoint only (hf.py)
     # post-training tasks (posttrain.py): supervised fine-tuning, preference optimization, reward models
     a("--task", default="pretrain", choices=TASKS, help="sft: response tokens only; dpo / kto: against a frozen "
-      "reference model (the starting weights); rm: a reward model (a value head, Bradley-Terry loss on pairs)")
+      "reference model (the starting weights); rm: a reward model (a value head, Bradley-Terry loss on pairs); "
+      "grpo / ppo: online RL on the policy's own samples (rl.py; ppo adds a value head beside the output)")
     a("--dpo-beta", type=float, default=0.1, help="DPO: the KL penalty's strength beta")
     a("--dpo-label-smoothing", type=float, default=0.0, help="cDPO: the assumed fraction of flipped preferences")
     a("--kto-beta", type=float, default=0.1, help="KTO: beta")

@@ -523,3 +523,5 @@ def test_a_resumed_rl_run_repeats_the_uninterrupted_one(tok_file, tmp_path, task
     if task == "ppo":  # (PPO's run through train.py: its metrics logged; GRPO's: the test above, with evaluation)
         keys = {k for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines() for k in json.loads(x)}
         assert LOGGED["ppo"] | {"val_reward", "val_value_loss"} <= keys, LOGGED["ppo"] - keys
+        reward, exact = rl.evaluate(tmp_path / "whole")  # (rl.py --eval: the policy loads without its value head)
+        assert 0 <= exact <= reward <= 1, (reward, exact)

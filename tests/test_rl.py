@@ -509,10 +509,10 @@ def test_a_resumed_rl_run_repeats_the_uninterrupted_one(tok_file, tmp_path, task
                                 "1", "--reward-function", "examples/rewards.py:brevity", "--lr", "1e-2",
                                 "--data-cache-dir", str(tmp_path / "cache"), "--load", str(save), "--save", str(save),
                                 *more]
-    evaluate = ["--eval-iters", "1", "--eval-interval", "4"] if task == "ppo" else []  # (at the end: PPO's valid pass)
-    train.main(argv(tmp_path / "whole", *evaluate))
-    train.main(argv(tmp_path / "resumed", "--exit-interval", "2", *evaluate))
-    train.main(argv(tmp_path / "resumed", *evaluate))
+    evaluate = ["--eval-iters", "1", "--eval-interval", "4"] if task == "ppo" else []  # (after the last step: PPO's
+    train.main(argv(tmp_path / "whole", *evaluate))                                     # valid pass, nothing follows)
+    train.main(argv(tmp_path / "resumed", "--exit-interval", "2"))
+    train.main(argv(tmp_path / "resumed"))
 
     def logged(run):
         recs = [__import__("json").loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -222,7 +222,8 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 def whiten(x, mask, group):
     """x [n, s] whitened over the completion tokens (mask [n, s]) of every rank of `group` (a collective; None: this
-    rank's alone): (x - mean) / sqrt(var + 1e-8), var with Bessel's correction (TRL's masked_whiten); 0 off the mask."""
+    rank's alone): (x - mean) / sqrt(var + 1e-8), var with Bessel's correction (TRL's masked_whiten; a lone token's
+    n - 1 taken as 1); 0 off the mask."""
     total = P.all_reduce(torch.stack([(x * mask).sum(), mask.sum()]), group)  # [sum, count]
     mean = total[0] / total[1]
     var = P.all_reduce(((x - mean) ** 2 * mask).sum().reshape(1), group)[0] / (total[1] - 1).clamp_min(1)

@@ -162,10 +162,11 @@ def no_bootstrap(rewards, values, mask, gamma, lam):
     return adv, (adv + values) * mask
 
 
-@pytest.mark.parametrize("control", [None, "gamma_lambda_swapped", "not_bootstrapped", "no_value_clip"])
+@pytest.mark.parametrize("control", [None, "no_reference", "gamma_lambda_swapped", "not_bootstrapped", "no_value_clip"])
 def test_ppo_loss_and_gae_are_the_formula(control, monkeypatch):
-    """The formula on hand-built rollouts; each control (GAE's gamma and lambda swapped, values not bootstrapped, the
-    value loss unclipped) fails it, naming the mismatch."""
+    """The formula on hand-built rollouts, also without a reference (--ppo-kl-coef 0: the score is the only reward);
+    each control (GAE's gamma and lambda swapped, values not bootstrapped, the value loss unclipped) fails it, naming
+    the mismatch."""
     g = torch.Generator().manual_seed(0)
     b, s = 4, 8
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -175,6 +176,7 @@ def test_ppo_loss_and_gae_are_the_formula(control, monkeypatch):
     old = -torch.rand(b, s, generator=g, dtype=torch.float64) * 3
     logp = (old + 0.4 * rand(b, s)).requires_grad_()  # ratios inside and outside the clip range
     ref, old_values, scores = old + 0.5 * rand(b, s), rand(b, s), rand(b)
+    ref = None if control == "no_reference" else ref
     values = (old_values + 0.1 * rand(b, s)).requires_grad_()  # values inside and outside V_old +- c
     h = dict(HYPER)
     gamma, lam = (h["ppo_lambda"], h["ppo_gamma"]) if control == "gamma_lambda_swapped" else (h["ppo_gamma"],
@@ -187,9 +189,9 @@ def test_ppo_loss_and_gae_are_the_formula(control, monkeypatch):
                                      h["ppo_cliprange_value"])
     got = ((pg + h["ppo_vf_coef"] * vf) * mask).sum()
     got.backward()
-    want, d_logp, d_v, _ = ppo_formula(logp.tolist(), values.tolist(), old.tolist(), old_values.tolist(), ref.tolist(),
-                                       scores.tolist(), mask.tolist(), h)
-    if control is not None:
+    want, d_logp, d_v, _ = ppo_formula(logp.tolist(), values.tolist(), old.tolist(), old_values.tolist(),
+                                       ref.tolist() if ref is not None else None, scores.tolist(), mask.tolist(), h)
+    if control not in (None, "no_reference"):
         err = abs(got.item() - want) / abs(want)
         assert err > 1e-6, f"{control}: the loss still matches the formula (relative error {err:.1e})"
         return

@@ -33,8 +33,8 @@ import scheduler
 from config import ConfigError  # noqa: F401 (re-exported: the error every flag check raises)
 from contract import default_model, model_file, model_files
 
-TASKS = ("pretrain", "sft", "dpo", "kto", "rm", "grpo")  # --task: pretraining, a post-training task (posttrain.py),
-# or online RL (rl.py)
+TASKS = ("pretrain", "sft", "dpo", "kto", "rm", "grpo", "ppo")  # --task: pretraining, a post-training task
+# (posttrain.py), or online RL (rl.py)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -74,7 +74,7 @@ class Args(argparse.Namespace):
 ONLINE_RL = dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=5, train_iters=60, grpo_group_size=8, global_batch_size=16,
                  micro_batch_size=32, seq_length=32, rollout_max_new_tokens=8, log_interval=5, eval_interval=20,
                  eval_iters=1)
-TASK_DEFAULTS = {"grpo": ONLINE_RL}
+TASK_DEFAULTS = {"grpo": ONLINE_RL, "ppo": ONLINE_RL}
 
 
 def parse_args(argv, saved: dict | None = None, known_only: bool = False):
@@ -343,27 +343,36 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--hf-architecture", type=json.loads, default=None, help=argparse.SUPPRESS)  # set by a checkpoint only (hf.py)
     # post-training tasks (posttrain.py): supervised fine-tuning, preference optimization, reward models
     a("--task", default="pretrain", choices=TASKS, help="sft: response tokens only; dpo / kto: against a frozen "
-      "reference model (the starting weights); rm: a reward model (a value head, Bradley-Terry loss on pairs)")
+      "reference model (the starting weights); rm: a reward model (a value head, Bradley-Terry loss on pairs); "
+      "grpo / ppo: online RL on the policy's own samples (rl.py; ppo adds a value head beside the output)")
     a("--dpo-beta", type=float, default=0.1, help="DPO: the KL penalty's strength beta")
     a("--dpo-label-smoothing", type=float, default=0.0, help="cDPO: the assumed fraction of flipped preferences")
     a("--kto-beta", type=float, default=0.1, help="KTO: beta")
     a("--kto-desirable-weight", type=float, default=1.0, help="KTO: the weight of desirable samples' losses")
     a("--kto-undesirable-weight", type=float, default=1.0, help="KTO: the weight of undesirable samples' losses")
     a("--packing", action="store_true", help="SFT: several samples per sequence, attention kept within each")
-    a("--grpo-group-size", type=int, default=4, help="GRPO: completions sampled per prompt, G (TRL's num_generations)")
-    a("--grpo-iterations", type=int, default=1, help="GRPO: optimizer steps on each batch of rollouts, mu (TRL's "
-      "num_iterations): the old log-probs of the clipped ratio are those at rollout time")
-    a("--grpo-clip-eps", type=float, default=0.2, help="GRPO: the ratio's clip range epsilon")
+    a("--grpo-group-size", type=int, default=4, help="GRPO, PPO: completions sampled per prompt, G (TRL's "
+      "num_generations; PPO may take 1); the global batch counts prompts")
+    a("--grpo-iterations", type=int, default=1, help="GRPO, PPO: optimizer steps on each batch of rollouts, mu (TRL's "
+      "num_iterations): the old log-probs of the clipped ratio (PPO: and the old values) are those at rollout time")
+    a("--grpo-clip-eps", type=float, default=0.2, help="GRPO, PPO: the ratio's clip range epsilon")
     a("--grpo-kl-beta", type=float, default=0.04, help="GRPO: the KL penalty to the frozen reference (0: no "
       "reference model)")
     a("--grpo-loss-average", default="token", choices=("token", "sequence"), help="GRPO: the loss's units: "
       "completion tokens (DAPO's) or completions, each its tokens' mean (the GRPO paper's)")
-    a("--rollout-max-new-tokens", type=int, default=16, help="GRPO: the longest completion")
-    a("--rollout-temperature", type=float, default=1.0, help="GRPO: the rollouts' sampling temperature")
-    a("--rollout-top-p", type=float, default=1.0, help="GRPO: the rollouts' nucleus (1: off)")
-    a("--reward-function", help="GRPO: FILE.py:NAME, NAME(prompt, completion, record) -> float (default: rl.py's "
+    a("--ppo-kl-coef", type=float, default=0.05, help="PPO: the per-token KL penalty to the frozen reference in the "
+      "rewards, r_t = -coef (old_t - ref_t) (0: no reference model)")
+    a("--ppo-gamma", type=float, default=1.0, help="PPO: GAE's discount gamma, in (0, 1]")
+    a("--ppo-lambda", type=float, default=0.95, help="PPO: GAE's lambda, in [0, 1]")
+    a("--ppo-vf-coef", type=float, default=0.1, help="PPO: the value loss's weight in the loss")
+    a("--ppo-cliprange-value", type=float, default=0.2, help="PPO: how far a value may move from its rollout-time "
+      "value before the clipped value loss takes over")
+    a("--rollout-max-new-tokens", type=int, default=16, help="GRPO, PPO: the longest completion")
+    a("--rollout-temperature", type=float, default=1.0, help="GRPO, PPO: the rollouts' sampling temperature")
+    a("--rollout-top-p", type=float, default=1.0, help="GRPO, PPO: the rollouts' nucleus (1: off)")
+    a("--reward-function", help="GRPO, PPO: FILE.py:NAME, NAME(prompt, completion, record) -> float (default: rl.py's "
       "arithmetic check of the shipped prompts)")
-    a("--reward-model", help="GRPO: a reward model's run (--task rm) scores the completions instead")
+    a("--reward-model", help="GRPO, PPO: a reward model's run (--task rm) scores the completions instead")
     # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
     a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
     a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
@@ -741,16 +750,25 @@ def check_task_args(args, mf):
     if task == "pretrain":
         return
     mf.refuse("post_training", f"--task {task}")
-    if task == "grpo":
-        for flag, bad in (("grpo_group_size", args.grpo_group_size < 2), ("grpo_iterations", args.grpo_iterations < 1),
+    if task in ("grpo", "ppo"):
+        ppo = task == "ppo"
+        for flag, bad in (("grpo_group_size", args.grpo_group_size < (1 if ppo else 2)),
+                          ("grpo_iterations", args.grpo_iterations < 1),
                           ("grpo_clip_eps", not args.grpo_clip_eps > 0), ("grpo_kl_beta", not args.grpo_kl_beta >= 0),
                           ("rollout_max_new_tokens", not 1 <= args.rollout_max_new_tokens < args.seq_length),
                           ("rollout_temperature", not args.rollout_temperature >= 0),
-                          ("rollout_top_p", not 0 < args.rollout_top_p <= 1)):
+                          ("rollout_top_p", not 0 < args.rollout_top_p <= 1),
+                          ("ppo_kl_coef", not args.ppo_kl_coef >= 0), ("ppo_gamma", not 0 < args.ppo_gamma <= 1),
+                          ("ppo_lambda", not 0 <= args.ppo_lambda <= 1), ("ppo_vf_coef", not args.ppo_vf_coef >= 0),
+                          ("ppo_cliprange_value", not args.ppo_cliprange_value > 0)):
             if bad:
                 raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} is out of range (group size "
-                                  ">= 2, iterations >= 1, clip > 0, beta >= 0, 1 <= new tokens < --seq-length, "
-                                  "temperature >= 0, top-p in (0, 1])")
+                                  f">= {1 if ppo else 2}, iterations >= 1, clip > 0, beta >= 0, 1 <= new tokens < "
+                                  "--seq-length, temperature >= 0, top-p in (0, 1]; PPO: kl coef >= 0, gamma in "
+                                  "(0, 1], lambda in [0, 1], vf coef >= 0, cliprange value > 0)")
+        if ppo and args.grpo_loss_average != "token":
+            raise ConfigError(f"--grpo-loss-average={args.grpo_loss_average} with --task ppo: PPO's loss averages "
+                              "over completion tokens (token)")
     if cp > 1:
         raise ConfigError(f"--task {task} with --context-parallel-size={cp}: a task's per-sequence log-probs and "
                           "the reward model's last token are not gathered over cp ranks")
@@ -848,13 +866,15 @@ def check_args(args, world: int) -> Args:
     step_rows = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:  # Megatron's default: one micro-batch per data-parallel rank
         args.global_batch_size = step_rows
-    group = args.grpo_group_size if args.task == "grpo" else 1  # GRPO: a global batch of prompts, G rows each
+    rl_task = args.task in ("grpo", "ppo")
+    group = args.grpo_group_size if rl_task else 1  # GRPO, PPO: a global batch of prompts, G rows each
     if (args.global_batch_size * group) % step_rows or args.global_batch_size % args.data_parallel_size:
         raise ConfigError(f"--global-batch-size={args.global_batch_size}" + (f" x --grpo-group-size={group}" if
                           group > 1 else "") + f" is not divisible by --micro-batch-size x data-parallel size = "
                           f"{args.micro_batch_size} x {args.data_parallel_size} = {step_rows}")
-    if group > 1 and args.rampup_batch_size:
-        raise ConfigError("--rampup-batch-size with --task grpo: the ramp counts prompts, not rows (not supported)")
+    if rl_task and args.rampup_batch_size:
+        raise ConfigError(f"--rampup-batch-size with --task {args.task}: the ramp counts prompts, not rows (not "
+                          "supported)")
     args.num_micro_batches = args.global_batch_size * group // step_rows  # after the ramp-up, if any
     if vp > 1 and args.num_micro_batches % pp:
         raise ConfigError(f"interleaved pipelining needs the number of micro-batches {args.num_micro_batches} "

@@ -589,8 +589,9 @@ def _last_stage_values(model, out):
 
 def run_model(model, mb, sides, eod=None, value=False):
     """The model on the sequences `sides` ((token row, mask row) pairs) of micro-batch mb [b, R, s+1], stacked
-    [(k b), s]. Last stage: (per-token losses [k, b, s], or values with the value head; the loss masks [k, b, s]);
-    an inner stage: its output hidden states (the schedule sends them). eod: SFT packing, block-causal attention."""
+    [(k b), s]. Last stage: (per-token losses [k, b, s], or values with the value head; the loss masks [k, b, s];
+    a third, the values [k, b, s], where a value head sits beside the output); an inner stage: its output hidden
+    states (the schedule sends them). eod: SFT packing, block-causal attention."""
     tokens = rearrange(mb[:, [t for t, _ in sides]], "b k t -> (k b) t")  # [(k b), s+1]
     inp, kw = tokens[:, :-1], {}
     if eod is not None:  # packed samples: positions restart and attention stays inside each (data.py)
@@ -598,10 +599,14 @@ def run_model(model, mb, sides, eod=None, value=False):
     out = model(inp, **kw) if value else model(inp, tokens[:, 1:], **kw)
     if not model.post_process:
         return out
+    out, beside = out if isinstance(out, tuple) else (out, None)  # a value head beside the output (rl.add_critic)
     out = _last_stage_values(model, out) if value else out
     out = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out  # losses in >= float32
     mask = rearrange(mb[:, [m for _, m in sides], 1:], "b k s -> k b s").to(out.dtype)
-    return rearrange(out, "(k b) s -> k b s", k=len(sides)), mask
+    res = rearrange(out, "(k b) s -> k b s", k=len(sides)), mask
+    if beside is None:
+        return res
+    return *res, rearrange(_last_stage_values(model, beside).to(out.dtype), "(k b) s -> k b s", k=len(sides))
 
 
 def last_token_values(values, mask):
@@ -667,20 +672,24 @@ class Task:
 
     @torch.no_grad()
     def forward_only(self, chunks, micro, sides, g: int, adapters_off: bool = False, per_token: bool = False,
-                     value: bool = False):
+                     values: bool = False, rewards: bool = False):
         """Sequence log-probs [g, k] of `sides` under `chunks` (forward-only schedule, eval mode), filled on the last
-        stage at each sample's META[1] (zeros elsewhere); per_token: each token's log-prob [g, k, s] instead; value:
-        a reward model's value at each sequence's last token [g, k] (chunks with the value head)."""
+        stage at each sample's META[1] (zeros elsewhere); per_token: each token's log-prob [g, k, s] instead;
+        values (per_token, a value head beside the output): (log-probs, the per-token values [g, k, s]); rewards (a
+        reward model: chunks whose value head took the output's seat): each sequence's last-token value [g, k]."""
         out = torch.zeros(g, len(sides), *([micro[0].shape[-1] - 1] if per_token else []), dtype=torch.float64,
                           device=self.device)
+        vals = torch.zeros_like(out) if values else None
 
         def step(model, mb):
             with self.autocast(), lora.disabled(model) if adapters_off else contextlib.nullcontext():
-                res = run_model(model, mb, sides, value=value)
+                res = run_model(model, mb, sides, value=rewards)
             if not model.post_process:
                 return res
-            logps = last_token_values(*res) if value else -res[0] if per_token else sequence_logps(*res)  # [k, b(, s)]
+            logps = last_token_values(*res) if rewards else -res[0] if per_token else sequence_logps(*res)  # [k, b(, s)]
             out[mb[:, META, 1]] = rearrange(logps, "k b ... -> b k ...").double()
+            if values:
+                vals[mb[:, META, 1]] = rearrange(res[2], "k b s -> b k s").double()
             return torch.zeros((), device=self.device)
         was = [c.training for c in chunks]
         for c in chunks:
@@ -691,7 +700,7 @@ class Task:
         finally:
             for c, w in zip(chunks, was):
                 c.train(w)
-        return out
+        return (out, vals) if values else out
 
     # ---- the policy's pass: the schedule's loss_func
     def policy_step(self, model, mb, split="train"):

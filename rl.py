@@ -1,7 +1,8 @@
-"""rl.py — online reinforcement learning on the parallel backend: GRPO, its rollouts drawn from serve.py's engine.
+"""rl.py — online reinforcement learning on the parallel backend: GRPO and PPO, their rollouts drawn from serve.py's
+engine.
 
-Offline tasks (posttrain.py) learn from fixed records; GRPO learns from what the policy itself writes. Each global
-batch holds P prompts; before the policy's pass, Task.prepare, on every rank:
+Offline tasks (posttrain.py) learn from fixed records; GRPO and PPO learn from what the policy itself writes. Each
+global batch holds P prompts; before the policy's pass, Task.prepare, on every rank:
   1. gathers the policy's current weights into a one-process replica (TP shards all-gathered, pipeline stages' and
      expert-parallel ranks' parameters exchanged): in memory, never through disk, so rollouts see this step's weights;
   2. samples G completions of each of this DP rank's prompts with serve.Engine on the replica (continuous batching
@@ -23,7 +24,28 @@ the GRPO trainers of ms-swift and NeMo-RL on Megatron-core (rollouts from an inf
 trainer's weights each step). Papers: Shao et al. 2024, "DeepSeekMath" (GRPO); Schulman 2020, "Approximating KL
 divergence" (k3); Yu et al. 2025, "DAPO" (token-level averaging).
 
+PPO (--task ppo; InstructGPT's RLHF) adds a critic: a value head beside the output on the policy's last stage (one
+trunk: its final hidden states -> Linear h -> 1, posttrain.ValueHead, saved as `value_head.weight`; add_critic). Steps
+1-3 are GRPO's (G = --grpo-group-size completions per prompt, 1 allowed; the batch counted in prompts); then
+  4. one forward-only pass of the policy gives the rollout's log-probs `old` and values V_old per completion token, and
+     the frozen reference (LoRA: adapters off) its log-probs `ref` (none when --ppo-kl-coef is 0);
+  5. per-token rewards r_t = -kl_coef * (old_t - ref_t), plus the completion's score at its last token; GAE
+     (--ppo-gamma, --ppo-lambda) over each completion's tokens: delta_t = r_t + gamma V_{t+1} - V_t (0 after the last
+     token), A_t = delta_t + gamma lambda A_{t+1}, returns R_t = A_t + V_t; the advantages then whitened over EVERY
+     completion token of the global batch (mean and Bessel variance summed over DP ranks, TRL's masked_whiten: always).
+The policy's pass minimises, per completion token, summed / the global count of completion tokens:
+     ratio = exp(logp - old)     pg = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)     (eps: --grpo-clip-eps)
+     vf = 1/2 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)                      (c: --ppo-cliprange-value)
+     loss = pg + vf_coef * vf                                                            (--ppo-vf-coef)
+no KL term in the loss (it is in the rewards); --grpo-iterations mu steps per batch of rollouts, old and V_old kept.
+Mirrors TRL's trl/trainer/ppo_trainer.py (per-token KL rewards, GAE, whitening, clipped value loss) and OpenRLHF's
+PPO. Papers: Ouyang et al. 2022, "Training language models to follow instructions" (InstructGPT); Stiennon et al.
+2020, "Learning to summarize from human feedback"; Schulman et al. 2016, "High-dimensional continuous control using
+generalized advantage estimation" (GAE), 2017, "Proximal policy optimization algorithms"; Huang et al. 2024, "The N+
+implementation details of RLHF with PPO".
+
 Run:    make train ARGS="--task grpo --pretrained-checkpoint runs/gpt-sft"
+        make train ARGS="--task ppo --pretrained-checkpoint runs/gpt-sft"
         .venv/bin/python rl.py --eval runs/gpt-grpo          # greedy reward and exact answers on the held-out prompts
         .venv/bin/python -m pytest -q tests/test_rl.py
 
@@ -45,7 +67,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from einops import rearrange
 
 import checkpoint
 import contract
@@ -57,7 +78,7 @@ import serve
 from config import ConfigError
 from data import DataError
 
-TASKS = ("grpo",)
+TASKS = ("grpo", "ppo")
 META = posttrain.META
 # A prompt sample [3, s+1]: row 0 the chat-rendered prompt right-padded with eod; row 1 zeros (its completion's mask
 # once rolled out); META: [prompt length, index in the global batch, record index]. A rollout has the same rows.
@@ -165,7 +186,7 @@ def build_task_datasets(args, tok):
                     except json.JSONDecodeError as e:
                         raise DataError(f"{path}:{i + 1}: not JSON ({e.msg})") from None
                     if not isinstance(r, dict) or not isinstance(r.get("prompt"), str):
-                        raise DataError(f"{path}:{i + 1}: a --task grpo record needs a string 'prompt'")
+                        raise DataError(f"{path}:{i + 1}: a --task {args.task} record needs a string 'prompt'")
                     records.append({**r, "_where": f"{path}:{i + 1}"})
     else:  # the shipped prompts: their own held-out part, whatever --split says
         train = arithmetic_records()
@@ -197,9 +218,10 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 
 def grpo_token_losses(logp, old, ref, adv, clip_eps: float, beta: float):
     """Per-token GRPO losses [b, s] from log-probs of the sampled tokens logp, old [b, s], ref [b, s] or None (beta 0),
-    and advantages adv [b]; also the k3 KL [b, s] and where the ratio was clipped [b, s] (for the metrics)."""
+    and advantages adv [b] (PPO: [b, s], one per token); also the k3 KL [b, s] and where the ratio was clipped [b, s]
+    (for the metrics). PPO's policy loss is this at beta 0."""
     ratio = torch.exp(logp - old)
-    a = adv[:, None]
+    a = adv[:, None] if adv.dim() == 1 else adv
     surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
     kl = torch.exp(ref - logp) - (ref - logp) - 1 if ref is not None else torch.zeros_like(logp)
     clipped = (ratio * a != surrogate).to(logp.dtype)
@@ -211,6 +233,72 @@ def average(losses, mask, mode: str):
     if mode == "token":
         return (losses * mask).sum()
     return ((losses * mask).sum(-1) / mask.sum(-1).clamp_min(1)).sum()
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalized advantage estimation over each completion's tokens: per-token rewards, values and the 0/1 completion
+    mask [n, s] -> (advantages, returns) [n, s], 0 off the completion. delta_t = r_t + gamma V_{t+1} - V_t (V after
+    the last token: 0), A_t = delta_t + gamma lambda A_{t+1}, R_t = A_t + V_t. One column at a time, as TRL."""
+    adv = torch.zeros_like(values)
+    next_v = next_a = torch.zeros_like(values[:, 0])  # [n]
+    for t in reversed(range(values.shape[1])):
+        adv[:, t] = (rewards[:, t] + gamma * next_v - values[:, t] + gamma * lam * next_a) * mask[:, t]
+        next_v, next_a = values[:, t] * mask[:, t], adv[:, t]
+    return adv, (adv + values) * mask
+
+
+def whiten(x, mask, group):
+    """x [n, s] whitened over the completion tokens (mask [n, s]) of every rank of `group` (a collective; None: this
+    rank's alone): (x - mean) / sqrt(var + 1e-8), var with Bessel's correction (TRL's masked_whiten; a lone token's
+    n - 1 taken as 1); 0 off the mask."""
+    total = P.all_reduce(torch.stack([(x * mask).sum(), mask.sum()]), group)  # [sum, count]
+    mean = total[0] / total[1]
+    var = P.all_reduce(((x - mean) ** 2 * mask).sum().reshape(1), group)[0] / (total[1] - 1).clamp_min(1)
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def ppo_advantages(scores, old, ref, values, mask, kl_coef: float, gamma: float, lam: float, group=None):
+    """InstructGPT's per-token rewards, r_t = -kl_coef (old_t - ref_t) plus the completion's score at its last token,
+    through GAE -> (advantages whitened over `group`'s completion tokens, returns) [n, s]. scores [n]; the rollout's
+    log-probs old, the reference's ref (None: kl_coef 0), its values V_old and the completion mask, [n, s] each."""
+    rewards = -kl_coef * (old - ref) * mask if ref is not None else torch.zeros_like(values)
+    last = mask.shape[-1] - 1 - mask.flip(-1).argmax(-1)  # [n] each completion's last token
+    rewards[torch.arange(len(rewards), device=rewards.device), last] += scores.to(rewards)
+    adv, returns = gae(rewards, values, mask, gamma, lam)
+    return whiten(adv, mask, group), returns
+
+
+def value_losses(values, old_values, returns, clip: float):
+    """Per-token clipped value losses [b, s] (TRL's vf loss): 1/2 max((V - R)^2, (clip(V, V_old +- clip) - R)^2); also
+    where the clipped term is the larger [b, s] (the metric vf_clip_fraction)."""
+    clipped = torch.clamp(values, old_values - clip, old_values + clip)
+    plain, far = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(plain, far), (far > plain).to(values.dtype)
+
+
+def add_critic(model):
+    """PPO's value head beside the policy's output on its last stage (one trunk, as InstructGPT's policy-and-value
+    model): posttrain.ValueHead (`value_head.weight`, added to the base), and the stage returns (its usual output,
+    values [s(/tp), b, 1]); posttrain.run_model hands both on. The rollout replica and the reference go without it."""
+    model.value_head = posttrain.ValueHead(model.config, model.grid, next(model.parameters()).device)
+    output = model.postprocess
+    model.postprocess = lambda x, labels=None: (output(x, labels), model.value_head(x))
+    return model
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One batch of rollouts on this rank, kept for its --grpo-iterations steps: the micro-batches [b, 3, s+1], the
+    global count of loss units, and per completion of the global batch (at its META[1]; this rank's filled):
+    advantages ([g] GRPO, [g, s] PPO), the reference's and the rollout policy's log-probs [g, s] (None where not
+    needed), and PPO's returns and rollout-time values [g, s]."""
+    micro: list
+    count: int
+    adv: torch.Tensor
+    ref: torch.Tensor | None
+    old: torch.Tensor | None
+    returns: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------- the rollout replica
@@ -230,8 +318,11 @@ def full_weights(chunks, grid) -> dict:
 
 
 class Task(posttrain.Task):
-    """GRPO on this rank's model chunks: prepare() rolls out, scores and keeps the log-probs; policy_step is the loss."""
-    METRICS = {"grpo": ["reward", "reward_std", "completion_length", "kl", "clip_fraction", "rollout_seconds"]}
+    """GRPO or PPO on this rank's model chunks: prepare() rolls out, scores and keeps the log-probs (PPO: values and
+    advantages too); policy_step is the loss. PPO's kl is k1 (old - ref) per completion token at rollout time."""
+    METRICS = {"grpo": ["reward", "reward_std", "completion_length", "kl", "clip_fraction", "rollout_seconds"],
+               "ppo": ["reward", "reward_std", "completion_length", "kl", "clip_fraction", "value_loss",
+                       "vf_clip_fraction", "returns", "values", "rollout_seconds"]}
 
     def __init__(self, args, chunks, grid, shape, dtype, eod, device="cpu", autocast=None, ref_chunks=None,
                  corpus=None, iteration: int = 0):
@@ -251,7 +342,8 @@ class Task(posttrain.Task):
         self.reward_model = RewardModel(args.reward_model) if args.reward_model and not frozen.reward else None
         # the iteration seeds the rollouts: a resumed run (iteration = where it resumes) draws what it would have
         self.iteration, self.rollouts, self.replica = iteration, {}, None
-        self.ref_chunks = self.ref_chunks if args.grpo_kl_beta > 0 else None
+        self.kl = args.ppo_kl_coef if self.kind == "ppo" else args.grpo_kl_beta
+        self.ref_chunks = self.ref_chunks if self.kl > 0 else None
 
     def sync_replica(self):
         """The one-process replica (built once, LoRA adapters as the policy's) with the policy's current weights."""
@@ -260,7 +352,8 @@ class Task(posttrain.Task):
             self.replica = type(c)(dataclasses.replace(c.config, sequence_parallel=False)).to(self.device)
             if self.lora:
                 lora.apply_lora(self.replica, self.a.lora_target_modules, self.a.lora_rank, self.a.lora_alpha, 0.0)
-        P.load_full_state_dict(self.replica, full_weights(self.chunks, self.grid), None)
+        weights = {k: v for k, v in full_weights(self.chunks, self.grid).items() if not k.startswith("value_head.")}
+        P.load_full_state_dict(self.replica, weights, None)
         return self.replica.eval()
 
     def rollout(self, prompts, split):
@@ -298,50 +391,70 @@ class Task(posttrain.Task):
         return out, rewards.view(len(prompts), G)  # (a sharded reward model scores in prepare)
 
     def prepare(self, batch, split: str = "train"):
-        a, grid = self.a, self.grid
+        a, grid, dev = self.a, self.grid, self.device
         if batch.shape[1] != 3:
-            raise ValueError(f"--task grpo: prompt samples of 3 rows expected, got {batch.shape[1]}")
+            raise ValueError(f"--task {self.kind}: prompt samples of 3 rows expected, got {batch.shape[1]}")
         g = batch.shape[0] * a.grpo_group_size  # completions in the global batch
         if split != "train" or split not in self.rollouts or self.iteration % a.grpo_iterations == 0:
             start = time.perf_counter()
             mine, rewards = self.rollout(batch.chunk(grid.dp_size)[grid.dp.rank], split)
             mine[:, META, 1] = torch.arange(len(mine)) + grid.dp.rank * len(mine)  # the index in the global batch
-            micro = list(mine.to(self.device).split(a.micro_batch_size))
+            idx, mask = mine[:, META, 1].to(dev), mine[:, MASK, 1:].to(dev, torch.float64)  # [n]; [n, s]
+            micro = list(mine.to(dev).split(a.micro_batch_size))
             if self.reward_chunks is not None:  # each completion's value on the last stage (zeros elsewhere: unused)
-                values = self.forward_only(self.reward_chunks, micro, (posttrain.CHOSEN,), g, value=True)
-                rewards = values[mine[:, META, 1].to(self.device), 0].cpu().view_as(rewards)
-            adv = torch.zeros(g, dtype=torch.float64)
-            adv[mine[:, META, 1]] = group_advantages(rewards).flatten()
+                scores = self.forward_only(self.reward_chunks, micro, (posttrain.CHOSEN,), g, rewards=True)
+                rewards = scores[idx, 0].cpu().view_as(rewards)
             count = mine[:, MASK, 1:].sum() if a.grpo_loss_average == "token" else torch.tensor(len(mine))
-            count = int(P.all_reduce(count.reshape(1).to(self.device), grid.dp)[0])
-            token_logps = lambda chunks, adapters_off=False: rearrange(self.forward_only(  # [g, s], last stage
-                chunks, micro, (posttrain.CHOSEN,), g, adapters_off, per_token=True), "g 1 s -> g s")
+            count = int(P.all_reduce(count.reshape(1).to(dev), grid.dp)[0])
+
+            def token_logps(chunks, adapters_off=False, values=False):  # [g, s] (and values [g, s]), last stage
+                out = self.forward_only(chunks, micro, (posttrain.CHOSEN,), g, adapters_off, True, values)
+                return tuple(x[:, 0] for x in out) if values else out[:, 0]
             ref = token_logps(self.ref_chunks, self.lora) if self.ref_chunks is not None else None
-            old = token_logps(self.chunks) if a.grpo_iterations > 1 and split == "train" else None
-            self.rollouts[split] = (micro, adv, ref, old, count)
+            if self.kind == "ppo":  # the rollout policy's log-probs (KL reward, ratio) and values (GAE, clipping)
+                old, values = token_logps(self.chunks, values=True)
+                adv, returns = torch.zeros_like(old), torch.zeros_like(old)
+                adv[idx], returns[idx] = ppo_advantages(rewards.flatten(), old[idx], ref[idx] if ref is not None else
+                                                        None, values[idx], mask, self.kl, a.ppo_gamma, a.ppo_lambda,
+                                                        grid.dp)
+                self.rollouts[split] = Rollouts(micro, count, adv, ref, old, returns, values)
+                if self.chunks[-1].post_process:
+                    on = mask.bool()
+                    kl = {"kl": (old - ref)[idx][on]} if ref is not None else {}
+                    self.record(split, returns=returns[idx][on], values=values[idx][on], **kl)
+            else:
+                adv = torch.zeros(g, dtype=torch.float64, device=dev)
+                adv[idx] = group_advantages(rewards).flatten().to(dev)
+                old = token_logps(self.chunks) if a.grpo_iterations > 1 and split == "train" else None
+                self.rollouts[split] = Rollouts(micro, count, adv, ref, old)
             if self.chunks[-1].post_process:
-                lengths = mine[:, MASK].sum(-1).double()
-                self.record(split, reward=rewards.flatten(), reward_std=rewards.std(-1), completion_length=lengths,
-                            rollout_seconds=torch.tensor([time.perf_counter() - start]))
+                std = {"reward_std": rewards.std(-1)} if rewards.shape[1] > 1 else {}  # (PPO's G may be 1)
+                self.record(split, reward=rewards.flatten(), completion_length=mine[:, MASK].sum(-1).double(),
+                            rollout_seconds=torch.tensor([time.perf_counter() - start]), **std)
         if split == "train":
             self.iteration += 1
-        micro, _, _, _, count = self.rollouts[split]
-        t, b, h = self.shape
-        return micro, lambda model, mb: self.policy_step(model, mb, split), count, (t, b, h)
+        ro = self.rollouts[split]
+        return ro.micro, lambda model, mb: self.policy_step(model, mb, split), ro.count, self.shape
 
     def policy_step(self, model, mb, split="train"):
         res = posttrain.run_model(model, mb, (posttrain.CHOSEN,))
         if not model.post_process:
             return res
-        _, adv, ref, old, _ = self.rollouts[split]
+        a, ro = self.a, self.rollouts[split]
         logp, mask, idx = -res[0][0], res[1][0], mb[:, META, 1]  # [b, s] each; [b]
+        on, old = mask.bool(), ro.old[idx].to(logp.dtype) if ro.old is not None else logp.detach()
+        if self.kind == "ppo":
+            values = res[2][0]  # [b, s]
+            pg, _, clipped = grpo_token_losses(logp, old, None, ro.adv[idx].to(logp.dtype), a.grpo_clip_eps, 0.0)
+            vf, vf_clipped = value_losses(values, ro.values[idx].to(values.dtype), ro.returns[idx].to(values.dtype),
+                                          a.ppo_cliprange_value)
+            self.record(split, clip_fraction=clipped[on], value_loss=vf[on].detach(), vf_clip_fraction=vf_clipped[on])
+            return ((pg + a.ppo_vf_coef * vf) * mask).sum()
         losses, kl, clipped = grpo_token_losses(
-            logp, old[idx].to(logp.dtype) if old is not None else logp.detach(),
-            ref[idx].to(logp.dtype) if ref is not None else None, adv[idx].to(logp.dtype), self.a.grpo_clip_eps,
-            self.a.grpo_kl_beta)
-        on = mask.bool()
+            logp, old, ro.ref[idx].to(logp.dtype) if ro.ref is not None else None, ro.adv[idx].to(logp.dtype),
+            a.grpo_clip_eps, a.grpo_kl_beta)
         self.record(split, kl=kl[on].detach(), clip_fraction=clipped[on])
-        return average(losses, mask, self.a.grpo_loss_average)
+        return average(losses, mask, a.grpo_loss_average)
 
 
 @dataclasses.dataclass
@@ -352,9 +465,14 @@ class Frozen:
 
 
 def setup_task(args, start, chunks, build, mesh):
-    """The frozen reference for the KL term (posttrain.setup_task's, as DPO's; none when --grpo-kl-beta is 0) and a
-    --reward-model of the policy's architecture sharded like it (reward_chunks), as Frozen; its pointer for meta.json."""
-    ref, pointer = posttrain.setup_task(args, start, chunks, build, mesh, reference=args.grpo_kl_beta > 0)
+    """PPO: the value head on the last stage (add_critic). The frozen reference for the KL term (posttrain.setup_task's,
+    as DPO's; none when --grpo-kl-beta (GRPO) or --ppo-kl-coef (PPO) is 0) and a --reward-model of the policy's
+    architecture sharded like it (reward_chunks), as Frozen; the reference's pointer for meta.json."""
+    for c in chunks if args.task == "ppo" else []:
+        if c.post_process:
+            add_critic(c)
+    kl = args.ppo_kl_coef if args.task == "ppo" else args.grpo_kl_beta
+    ref, pointer = posttrain.setup_task(args, start, chunks, build, mesh, reference=kl > 0)
     return Frozen(ref, reward_chunks(args, build, mesh) if args.reward_model else None), pointer
 
 

@@ -68,11 +68,11 @@ class Args(argparse.Namespace):
 
 
 # --task's own defaults where pretraining's do not suit, below a model file's TRAIN_DEFAULTS and the command's own
-# flags. Online RL starts from an SFT'd model: a learning rate 30x below pretraining's, a short run, groups of 8
-# completions of 16 prompts a step, short rows (the shipped task's chat-rendered prompts are 18 tokens, its answers
-# 1-2 tokens and eod), one held-out batch every 20 steps (bench/README.md "Online RL (GRPO)" measured these).
-ONLINE_RL = dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=5, train_iters=60, grpo_group_size=8, global_batch_size=16,
-                 micro_batch_size=32, seq_length=32, rollout_max_new_tokens=8, log_interval=5, eval_interval=20,
+# flags. Online RL starts from an SFT'd model: a learning rate 10x below pretraining's, a short run, groups of 8
+# completions of 16 prompts a step, short rows (the shipped task's chat-rendered prompts are at most 34 tokens, its
+# answers a few tokens and eod), one held-out batch every 20 steps (bench/README.md "Online RL" measured these).
+ONLINE_RL = dict(lr=3e-4, min_lr=3e-5, lr_warmup_iters=3, train_iters=60, grpo_group_size=8, global_batch_size=16,
+                 micro_batch_size=32, seq_length=48, rollout_max_new_tokens=8, log_interval=5, eval_interval=20,
                  eval_iters=1)
 TASK_DEFAULTS = {"grpo": ONLINE_RL, "ppo": ONLINE_RL}
 

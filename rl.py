@@ -55,12 +55,15 @@ Dimension glossary
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import importlib.util
 import json
 import random
-import re
+import sysconfig
 import time
 from pathlib import Path
 
@@ -86,29 +89,59 @@ TOKENS, MASK = 0, 1
 
 
 # ---------------------------------------------------------------------------------------------- prompts and rewards
-def arithmetic_records(held_out: bool = False) -> list[dict]:
-    """The shipped verifiable task: {"prompt": "a + b", "answer": "a+b"} for a, b < 20, checkable with the stdlib;
-    the 40 pairs with a + 2b divisible by 10 are held out (the validation prompts), the other 360 train."""
-    pairs = [(a, b) for a in range(20) for b in range(20) if ((a + 2 * b) % 10 == 0) == held_out]
-    random.Random(0).shuffle(pairs)
-    return [{"prompt": f"{a} + {b}", "answer": str(a + b)} for a, b in pairs]
+@functools.lru_cache(maxsize=2)
+def bracket_records(held_out: bool = False) -> tuple[dict, ...]:
+    """The shipped verifiable task, a small code task the stdlib checks: close the brackets of a line of Python.
+    From the stdlib's own sources (data.default_corpus_files), every distinct single-line statement of 8-40 characters,
+    without quotes, that parses and ends in closing brackets: the prompt is the line without that closing run, the
+    answer is the run ("print(len(x" -> "))"). Balanced over the answers, as 77 % of such lines end in one ")": up to
+    120 each of ")", "]", "))", "}", "])" and the rest together (720 prompts). Held out: the lines of a fifth of the
+    modules (by a hash of the file's path in the stdlib), up to 20 of each (118 prompts), so what carries over to them
+    is bracket structure, not remembered lines."""
+    root, picked, seen = Path(sysconfig.get_paths()["stdlib"]), {}, set()
+    for f in data.default_corpus_files():
+        name = Path(f).relative_to(root).as_posix()
+        if (int(hashlib.md5(name.encode()).hexdigest(), 16) % 5 == 0) != held_out:
+            continue
+        for line in (Path(f).read_text(encoding="utf-8", errors="replace").splitlines()):
+            s = line.strip()
+            if not 8 <= len(s) <= 40 or s[-1] not in ")]}" or s in seen or s[0] in "#@" or '"' in s or "'" in s:
+                continue
+            seen.add(s)
+            try:
+                ast.parse(s)
+            except SyntaxError:
+                continue
+            cut = len(s.rstrip(")]}"))
+            if 0 < cut and not s[cut - 1].isspace():
+                answer = s[cut:]
+                picked.setdefault(answer if answer in (")", "]", "))", "}", "])") else "other", []).append(
+                    {"prompt": s[:cut], "answer": answer})
+    n, out = (20 if held_out else 120), []
+    for kind in sorted(picked):
+        random.Random(kind).shuffle(picked[kind])
+        out += picked[kind][:n]
+    random.Random(1).shuffle(out)
+    return tuple(out)
 
 
-def arithmetic_reward(prompt: str, completion: str, record: dict) -> float:
-    """1 if the completion's first integer is the record's answer (DeepSeekMath's rule-based accuracy); a wrong number
-    earns partial credit, 0.5 · max(0, 1 - |error| / 10), so a small model that is rarely exact still sees which of
-    its group's answers were closer; no number: 0."""
-    m = re.search(r"-?\d+", completion)
-    if m is None:
+def closes_brackets(prompt: str, completion: str, record: dict) -> float:
+    """1 if the completion's first line is the record's answer, or any other text after which the prompt parses (a
+    verifiable reward: ast.parse decides); else 0."""
+    c = completion.strip().split("\n")[0]
+    if c == record["answer"]:
+        return 1.0
+    try:
+        ast.parse(prompt + c)
+    except (SyntaxError, ValueError):
         return 0.0
-    error = abs(int(m.group()) - int(record["answer"]))
-    return 1.0 if error == 0 else 0.5 * max(0.0, 1 - error / 10)
+    return float(bool(c))
 
 
 def load_reward_function(spec: str | None):
     """--reward-function FILE.py:NAME -> the function NAME(prompt, completion, record) -> float of that file."""
     if spec is None:
-        return arithmetic_reward
+        return closes_brackets
     path, _, name = spec.rpartition(":")
     if not path or not Path(path).is_file():
         raise ConfigError(f"--reward-function {spec}: expected FILE.py:NAME with an existing FILE")
@@ -174,7 +207,7 @@ class PromptDataset(posttrain.TaskDataset):
 
 def build_task_datasets(args, tok):
     """(train, valid or None) PromptDatasets: --data-path's JSON lines ({"prompt": ..., anything the reward function
-    reads}) or the arithmetic records, each prompt a user turn of the chat template (posttrain.chat_prompt_ids), split
+    reads}) or the shipped bracket records, each prompt a user turn of the chat template (posttrain.chat_prompt_ids), split
     by --split's validation fraction."""
     if args.data_path:
         records = []
@@ -189,8 +222,8 @@ def build_task_datasets(args, tok):
                         raise DataError(f"{path}:{i + 1}: a --task {args.task} record needs a string 'prompt'")
                     records.append({**r, "_where": f"{path}:{i + 1}"})
     else:  # the shipped prompts: their own held-out part, whatever --split says
-        train = arithmetic_records()
-        records = [{**r, "_where": f"arithmetic record {i}"} for i, r in enumerate(train + arithmetic_records(True))]
+        train = bracket_records()
+        records = [{**r, "_where": f"bracket record {i}"} for i, r in enumerate(train + bracket_records(True))]
     eod, s, room = data.special_ids(tok)["eod"], args.seq_length, args.seq_length - args.rollout_max_new_tokens
     samples = np.full((len(records), 3, s + 1), eod, dtype=np.int64)
     samples[:, MASK] = 0
@@ -477,37 +510,42 @@ def setup_task(args, start, chunks, build, mesh):
 
 
 @torch.no_grad()
-def evaluate(load, max_new_tokens: int = 8) -> tuple[float, float]:
-    """(mean reward, exact accuracy) of a saved run's greedy answers to the shipped task's 40 held-out prompts."""
+def evaluate(load, samples: int = 8, max_new_tokens: int = 8) -> tuple[float, float]:
+    """A saved run's mean reward on the shipped task's held-out prompts: (greedy, sampled) — its greedy answers, and
+    `samples` answers of each at temperature 1 (the rollouts' distribution, the one GRPO and PPO optimise), seeded."""
     run = checkpoint.load_model(load)
-    eod = data.special_ids(run.tok)["eod"]
-    records = arithmetic_records(held_out=True)
-    engine = serve.Engine(run.model, len(records) * -(-run.args.seq_length // 16), 16, len(records))
-    ids = [engine.add_request(posttrain.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], run.tok),
-                              serve.SamplingParams(max_tokens=max_new_tokens, temperature=0, stop=(eod,)))
-           for r in records]
-    out = engine.run()
-    texts = [run.tok.decode([t for t in out[i] if t != eod]) for i in ids]
-    rewards = [arithmetic_reward(r["prompt"], x, r) for r, x in zip(records, texts)]
-    return sum(rewards) / len(rewards), sum(x == 1.0 for x in rewards) / len(rewards)
+    eod, records = data.special_ids(run.tok)["eod"], bracket_records(held_out=True)
+    prompts = [posttrain.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], run.tok) for r in records]
+    out = []
+    for temperature, k in ((0.0, 1), (1.0, samples)):
+        engine = serve.Engine(run.model, k * len(records) * (-(-run.args.seq_length // 16) + 1), 16, k * len(records))
+        ids = [(r, engine.add_request(ids, serve.SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
+                                                                seed=1000 * i + j, stop=(eod,))))
+               for i, (r, ids) in enumerate(zip(records, prompts)) for j in range(k)]
+        texts = engine.run()
+        rewards = [closes_brackets(r["prompt"], run.tok.decode([t for t in texts[rid] if t != eod]), r)
+                   for r, rid in ids]
+        out.append(sum(rewards) / len(rewards))
+    return out[0], out[1]
 
 
 def main(argv=None) -> int:
     """`python rl.py --sft-out FILE`: the shipped prompts' training part with their answers as SFT records
-    ({"prompt", "response"}), to teach a model the task's format before GRPO (the held-out prompts left out).
-    `python rl.py --eval RUN`: a run's greedy accuracy on the 40 held-out prompts."""
+    ({"prompt", "response"}), to teach a model the task's format before GRPO or PPO (the held-out prompts left out).
+    `python rl.py --eval RUN`: a run's held-out reward, greedy and sampled."""
     import argparse
-    p = argparse.ArgumentParser(description="The shipped arithmetic task: its SFT records, or a run's accuracy.")
+    p = argparse.ArgumentParser(description="The shipped bracket task: its SFT records, or a run's held-out reward.")
     p.add_argument("--sft-out", help="the JSON-lines file to write the training prompts' SFT records to")
-    p.add_argument("--eval", metavar="RUN", help="print a saved run's greedy accuracy on the held-out prompts")
+    p.add_argument("--eval", metavar="RUN", help="print a saved run's reward on the held-out prompts")
     a = p.parse_args(argv)
     if a.sft_out:
         Path(a.sft_out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.sft_out).write_text("".join(json.dumps({"prompt": r["prompt"], "response": r["answer"]}) + "\n"
-                                           for r in arithmetic_records()))
+                                           for r in bracket_records()))
     if a.eval:
-        reward, exact = evaluate(a.eval)
-        print(f"{a.eval}: held-out reward {reward:.3f}, exact answers {exact:.3f} (40 prompts, greedy)")
+        greedy, sampled = evaluate(a.eval)
+        print(f"{a.eval}: held-out reward {greedy:.3f} greedy, {sampled:.3f} sampled (temperature 1, 8 each; "
+              f"{len(bracket_records(True))} prompts)")
     if not (a.sft_out or a.eval):
         p.error("give --sft-out FILE or --eval RUN")
     return 0

@@ -89,21 +89,13 @@ TOKENS, MASK = 0, 1
 
 
 # ---------------------------------------------------------------------------------------------- prompts and rewards
-@functools.lru_cache(maxsize=2)
-def bracket_records(held_out: bool = False) -> tuple[dict, ...]:
-    """The shipped verifiable task, a small code task the stdlib checks: close the brackets of a line of Python.
-    From the stdlib's own sources (data.default_corpus_files), every distinct single-line statement of 8-40 characters,
-    without quotes, that parses and ends in closing brackets: the prompt is the line without that closing run, the
-    answer is the run ("print(len(x" -> "))"). Balanced over the answers, as 77 % of such lines end in one ")": up to
-    120 each of ")", "]", "))", "}", "])" and the rest together (720 prompts). Held out: the lines of a fifth of the
-    modules (by a hash of the file's path in the stdlib), up to 20 of each (118 prompts), so what carries over to them
-    is bracket structure, not remembered lines."""
-    root, picked, seen = Path(sysconfig.get_paths()["stdlib"]), {}, set()
+@functools.lru_cache(maxsize=1)
+def _bracket_lines() -> dict:
+    """{held out?: {answer kind: [records]}} over the stdlib's files, each distinct line in the split of its first file."""
+    root, picked, seen = Path(sysconfig.get_paths()["stdlib"]), {False: {}, True: {}}, set()
     for f in data.default_corpus_files():
-        name = Path(f).relative_to(root).as_posix()
-        if (int(hashlib.md5(name.encode()).hexdigest(), 16) % 5 == 0) != held_out:
-            continue
-        for line in (Path(f).read_text(encoding="utf-8", errors="replace").splitlines()):
+        held = int(hashlib.md5(Path(f).relative_to(root).as_posix().encode()).hexdigest(), 16) % 5 == 0
+        for line in Path(f).read_text(encoding="utf-8", errors="replace").splitlines():
             s = line.strip()
             if not 8 <= len(s) <= 40 or s[-1] not in ")]}" or s in seen or s[0] in "#@" or '"' in s or "'" in s:
                 continue
@@ -115,14 +107,24 @@ def bracket_records(held_out: bool = False) -> tuple[dict, ...]:
             cut = len(s.rstrip(")]}"))
             if 0 < cut and not s[cut - 1].isspace():
                 answer = s[cut:]
-                picked.setdefault(answer if answer in (")", "]", "))", "}", "])") else "other", []).append(
+                picked[held].setdefault(answer if answer in (")", "]", "))", "}", "])") else "other", []).append(
                     {"prompt": s[:cut], "answer": answer})
-    n, out = (20 if held_out else 120), []
+    return picked
+
+
+def bracket_records(held_out: bool = False) -> list[dict]:
+    """The shipped verifiable task, a small code task the stdlib checks: close the brackets of a line of Python.
+    From the stdlib's own sources (data.default_corpus_files), every distinct single-line statement of 8-40 characters,
+    without quotes, that parses and ends in closing brackets: the prompt is the line without that closing run, the
+    answer is the run ("print(len(x" -> "))"). Balanced over the answers, as 77 % of such lines end in one ")": up to
+    120 each of ")", "]", "))", "}", "])" and the rest together (720 prompts). Held out: the lines of a fifth of the
+    modules (by a hash of the file's path in the stdlib), up to 20 of each (120 prompts), so what carries over to them
+    is bracket structure, not remembered lines."""
+    picked, n, out = _bracket_lines()[held_out], (20 if held_out else 120), []
     for kind in sorted(picked):
-        random.Random(kind).shuffle(picked[kind])
-        out += picked[kind][:n]
+        out += random.Random(kind).sample(picked[kind], min(n, len(picked[kind])))
     random.Random(1).shuffle(out)
-    return tuple(out)
+    return out
 
 
 def closes_brackets(prompt: str, completion: str, record: dict) -> float:

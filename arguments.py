@@ -371,7 +371,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--rollout-temperature", type=float, default=1.0, help="GRPO, PPO: the rollouts' sampling temperature")
     a("--rollout-top-p", type=float, default=1.0, help="GRPO, PPO: the rollouts' nucleus (1: off)")
     a("--reward-function", help="GRPO, PPO: FILE.py:NAME, NAME(prompt, completion, record) -> float (default: rl.py's "
-      "arithmetic check of the shipped prompts)")
+      "bracket check of the shipped prompts)")
     a("--reward-model", help="GRPO, PPO: a reward model's run (--task rm) scores the completions instead")
     # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
     a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")

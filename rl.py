@@ -8,7 +8,7 @@ global batch holds P prompts; before the policy's pass, Task.prepare, on every r
   2. samples G completions of each of this DP rank's prompts with serve.Engine on the replica (continuous batching
      over a paged KV cache; completion j of the prompt of record i seeded by (--seed, iteration, i, j), so every
      layout draws the same completions);
-  3. scores each with the reward function (--reward-function FILE:NAME; by default the shipped arithmetic check) or
+  3. scores each with the reward function (--reward-function FILE:NAME; by default the shipped bracket check) or
      a reward model trained by --task rm (--reward-model RUN: sharded like the policy, in a forward-only pass of the
      policy's schedule, when it has the policy's architecture; else whole in every process);
   4. group-normalises the rewards into advantages: A = (r - mean of its group) / (std of its group + 1e-4);
@@ -65,6 +65,7 @@ import json
 import random
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -101,8 +102,10 @@ def _bracket_lines() -> dict:
                 continue
             seen.add(s)
             try:
-                ast.parse(s)
-            except SyntaxError:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ast.parse(s)
+            except (SyntaxError, ValueError):
                 continue
             cut = len(s.rstrip(")]}"))
             if 0 < cut and not s[cut - 1].isspace():
@@ -134,7 +137,9 @@ def closes_brackets(prompt: str, completion: str, record: dict) -> float:
     if c == record["answer"]:
         return 1.0
     try:
-        ast.parse(prompt + c)
+        with warnings.catch_warnings():  # ("1abc": a SyntaxWarning on stderr before its SyntaxError)
+            warnings.simplefilter("ignore")
+            ast.parse(prompt + c)
     except (SyntaxError, ValueError):
         return 0.0
     return float(bool(c))

@@ -2,7 +2,7 @@
 
 A reward function takes (prompt, completion, record): the prompt's text, the completion's text (its closing
 end-of-document token left out), and the record of the prompt's JSON line (every key but "prompt" too), and returns a
-float. The default, rl.arithmetic_reward, checks the answer of the shipped "a + b" prompts.
+float. The default, rl.closes_brackets, checks the shipped prompts' answers (close a line of Python's brackets).
 
 Run:    make train ARGS="--task grpo --reward-function examples/rewards.py:digits --pretrained-checkpoint runs/gpt-sft"
 """

@@ -44,9 +44,8 @@ PPO. Papers: Ouyang et al. 2022, "Training language models to follow instruction
 generalized advantage estimation" (GAE), 2017, "Proximal policy optimization algorithms"; Huang et al. 2024, "The N+
 implementation details of RLHF with PPO".
 
-Run:    make train ARGS="--task grpo --pretrained-checkpoint runs/gpt-sft"
-        make train ARGS="--task ppo --pretrained-checkpoint runs/gpt-sft"
-        .venv/bin/python rl.py --eval runs/gpt-grpo          # greedy reward and exact answers on the held-out prompts
+Run:    make train ARGS="--task ppo --pretrained-checkpoint runs/gpt-sft"      # (--task grpo: README's chain)
+        .venv/bin/python rl.py --eval runs/gpt-ppo           # held-out reward, greedy and sampled
         .venv/bin/python -m pytest -q tests/test_rl.py
 
 Dimension glossary

@@ -6,7 +6,7 @@ What "at a tiny size" changes, and nothing else:
   - train.py (directly, through torchrun, through `make train` / `make bench`'s ARGS, or a --config file): TINY's
     flags appended, which argparse lets win over earlier ones: 2 iterations, a 2-layer model of hidden size 64 (each
     model's own small shape), short sequences, one evaluation batch (LLaVA: a global batch of 2, not its default
-    run's 32). A pretraining run whose command names no --data-path reads SMALL_CORPUS (40 small Python files)
+    run's 32; online RL: 2 prompts of 2 completions a step, not its defaults' 16 of 8). A pretraining run whose command names no --data-path reads SMALL_CORPUS (40 small Python files)
     instead of the default corpus (the stdlib: ~25 s to tokenize); for a post-training task whose command names no
     --data-path, "the stdlib" is EXAMPLE_FILES (a few stdlib modules, tests/test_posttrain_data.py's): its example
     records (posttrain.example_records) are their functions', not the whole stdlib's (~20 s to parse, then ~10 s per
@@ -53,6 +53,7 @@ from test_train import SNIPPET
 import arguments
 import data
 import harness
+import rl
 import tools
 import train
 
@@ -163,6 +164,8 @@ def tiny_train(argv: list[str], work: Path) -> list[str]:
         extra += ["--num-layers", str(len(args.moe_layer_freq))]
     if args.task != "pretrain":
         extra += TASK_SEQ
+    if args.task in rl.TASKS:  # online RL: 2 prompts a step, 2 completions each (its defaults: 16 x 8)
+        extra += ["--global-batch-size", "2", "--grpo-group-size", "2"]
     elif args.data_path is None:
         extra += ["--data-path", str(work / "small_corpus")]
     if args.save and args.load != args.save and not args.finetune:  # a run that starts afresh in --save

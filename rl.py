@@ -516,11 +516,12 @@ def setup_task(args, start, chunks, build, mesh):
 
 
 @torch.no_grad()
-def evaluate(load, samples: int = 8, max_new_tokens: int = 8) -> tuple[float, float]:
-    """A saved run's mean reward on the shipped task's held-out prompts: (greedy, sampled) — its greedy answers, and
-    `samples` answers of each at temperature 1 (the rollouts' distribution, the one GRPO and PPO optimise), seeded."""
+def evaluate(load, samples: int = 8, max_new_tokens: int = 8, prompts: int | None = None) -> tuple[float, float]:
+    """A saved run's mean reward on the shipped task's held-out prompts (the first `prompts` of them; all: None):
+    (greedy, sampled) — its greedy answers, and `samples` answers of each at temperature 1 (the rollouts'
+    distribution, the one GRPO and PPO optimise), seeded."""
     run = checkpoint.load_model(load)
-    eod, records = data.special_ids(run.tok)["eod"], bracket_records(held_out=True)
+    eod, records = data.special_ids(run.tok)["eod"], bracket_records(held_out=True)[:prompts]
     prompts = [posttrain.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], run.tok) for r in records]
     out = []
     for temperature, k in ((0.0, 1), (1.0, samples)):
@@ -543,15 +544,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="The shipped bracket task: its SFT records, or a run's held-out reward.")
     p.add_argument("--sft-out", help="the JSON-lines file to write the training prompts' SFT records to")
     p.add_argument("--eval", metavar="RUN", help="print a saved run's reward on the held-out prompts")
+    p.add_argument("--samples", type=int, default=8, help="--eval: sampled answers per prompt (temperature 1)")
+    p.add_argument("--prompts", type=int, default=None, help="--eval: only the first N held-out prompts")
     a = p.parse_args(argv)
+    if a.samples < 1 or (a.prompts is not None and a.prompts < 1):
+        p.error(f"--samples={a.samples} and --prompts={a.prompts} must be >= 1")
     if a.sft_out:
         Path(a.sft_out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.sft_out).write_text("".join(json.dumps({"prompt": r["prompt"], "response": r["answer"]}) + "\n"
                                            for r in bracket_records()))
     if a.eval:
-        greedy, sampled = evaluate(a.eval)
-        print(f"{a.eval}: held-out reward {greedy:.3f} greedy, {sampled:.3f} sampled (temperature 1, 8 each; "
-              f"{len(bracket_records(True))} prompts)")
+        greedy, sampled = evaluate(a.eval, a.samples, prompts=a.prompts)
+        print(f"{a.eval}: held-out reward {greedy:.3f} greedy, {sampled:.3f} sampled (temperature 1, {a.samples} each; "
+              f"{len(bracket_records(True)[:a.prompts])} prompts)")
     if not (a.sft_out or a.eval):
         p.error("give --sft-out FILE or --eval RUN")
     return 0

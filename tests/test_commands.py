@@ -6,14 +6,16 @@ What "at a tiny size" changes, and nothing else:
   - train.py (directly, through torchrun, through `make train` / `make bench`'s ARGS, or a --config file): TINY's
     flags appended, which argparse lets win over earlier ones: 2 iterations, a 2-layer model of hidden size 64 (each
     model's own small shape), short sequences, one evaluation batch (LLaVA: a global batch of 2, not its default
-    run's 32; online RL: 2 prompts of 2 completions a step, not its defaults' 16 of 8). A pretraining run whose command names no --data-path reads SMALL_CORPUS (40 small Python files)
-    instead of the default corpus (the stdlib: ~25 s to tokenize); for a post-training task whose command names no
-    --data-path, "the stdlib" is EXAMPLE_FILES (a few stdlib modules, tests/test_posttrain_data.py's): its example
-    records (posttrain.example_records) are their functions', not the whole stdlib's (~20 s to parse, then ~10 s per
-    task to tokenize them all), and so is its tokenizer's corpus when it starts from no checkpoint.
-  - tools.py sample: at most 4 new tokens; tools.py import-megatron: the model's tiny shape appended (its flags are
-    train.py's model flags); tools.py import-hf: a tiny Qwen2 folder where the command names one that does not exist;
-    data.py preprocess: SMALL_CORPUS when the command names no --input.
+    run's 32; online RL: 2 prompts of 2 completions a step, not its defaults' 16 of 8). A pretraining run whose
+    command names no --data-path reads SMALL_CORPUS (40 small Python files) instead of the default corpus (the
+    stdlib: ~25 s to tokenize); for a post-training task whose command names no --data-path, "the stdlib" is
+    EXAMPLE_FILES (a few stdlib modules, tests/test_posttrain_data.py's): its example records
+    (posttrain.example_records) are their functions', not the whole stdlib's (~20 s to parse, then ~10 s per task to
+    tokenize them all), and so is its tokenizer's corpus when it starts from no checkpoint.
+  - tools.py sample: at most 4 new tokens; rl.py --eval: 8 held-out prompts, 1 sample each; tools.py
+    import-megatron: the model's tiny shape appended (its flags are train.py's model flags); tools.py import-hf: a
+    tiny Qwen2 folder where the command names one that does not exist; data.py preprocess: SMALL_CORPUS when the
+    command names no --input.
   - server.py (`make serve`): started on a free port, asked one completion over HTTP, stopped by SIGTERM; on several
     ranks its arguments are parsed only (COMMANDS=all runs it; tests/test_server.py serves at TP 2).
   - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
@@ -164,10 +166,10 @@ def tiny_train(argv: list[str], work: Path) -> list[str]:
         extra += ["--num-layers", str(len(args.moe_layer_freq))]
     if args.task != "pretrain":
         extra += TASK_SEQ
-    if args.task in rl.TASKS:  # online RL: 2 prompts a step, 2 completions each (its defaults: 16 x 8)
-        extra += ["--global-batch-size", "2", "--grpo-group-size", "2"]
     elif args.data_path is None:
         extra += ["--data-path", str(work / "small_corpus")]
+    if args.task in rl.TASKS:  # online RL: 2 prompts a step, 2 completions each (its defaults: 16 x 8)
+        extra += ["--global-batch-size", "2", "--grpo-group-size", "2"]
     if args.save and args.load != args.save and not args.finetune:  # a run that starts afresh in --save
         shutil.rmtree(work / args.save, ignore_errors=True)
     return argv + extra
@@ -240,10 +242,9 @@ def run_python(words: list[str], work: Path):
         return
     if script == "server.py":
         return run_server(argv, work)
-    if script == "rl.py":  # its SFT records of the shipped task
-        import rl
+    if script == "rl.py":  # its SFT records of the shipped task, or a run's held-out reward (8 prompts, 1 sample)
         with inside(work):
-            assert rl.main(argv) == 0
+            assert rl.main(argv + (["--prompts", "8", "--samples", "1"] if "--eval" in argv else [])) == 0
         return
     if script == "data.py":
         if argv[:1] == ["preprocess"] and "--input" not in argv:

@@ -180,6 +180,13 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--adam-beta1", type=float, default=0.9)
     a("--adam-beta2", type=float, default=0.95)
     a("--adam-eps", type=float, default=1e-8)
+    a("--optimizer", default="adam", choices=["adam", "muon"],
+      help="muon: Muon for the hidden matrices, AdamW for embeddings, output layer, norms and biases")
+    a("--muon-momentum", type=float, default=0.95)
+    a("--muon-use-nesterov", action=argparse.BooleanOptionalAction, default=True)
+    a("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations per step")
+    a("--muon-matched-adamw-rms", type=float, default=0.2,
+      help="the update's scale: this x sqrt(max(rows, cols)) x --lr (0.2 matches AdamW's update RMS)")
     a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip; 0 = off")
     a("--bf16", action="store_true", help="bfloat16 autocast (fp32 master weights)")
     a("--fp16", action="store_true", help="float16 autocast with dynamic loss scaling")
@@ -854,6 +861,12 @@ def check_args(args, world: int) -> Args:
     vars(args).update(megatron_flags(args))
     check_long_context_args(args)
     args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
+    if args.optimizer == "muon" and (args.use_ddp or args.expert_tensor_parallel_size not in (None, 1)):
+        raise ConfigError("--optimizer muon orthogonalizes whole matrices: not with --use-distributed-optimizer, "
+                          "--overlap-grad-reduce or --expert-tensor-parallel-size > 1")
+    if args.optimizer == "muon" and args.task != "pretrain":
+        raise ConfigError(f"--optimizer muon is for pretraining (its matrices are the hidden layers'), not --task "
+                          f"{args.task}")
     if args.use_ddp and args.fp16:
         raise ConfigError("--fp16 with --use-distributed-optimizer/--overlap-grad-reduce is not supported; use --bf16")
     cp = args.context_parallel_size

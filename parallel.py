@@ -5,41 +5,43 @@ section's fence; the last section runs to the end of the file), its title, and t
 names them (Megatron-LM's; Transformer Engine's where Megatron takes the piece from TE). tests/test_repo.py checks the
 table; after an edit to this file, refresh its line numbers: .venv/bin/python tests/test_repo.py --fix-parallel-contents
   §    lines      section                                         mirrors
-  1    73-180     Grid                                            megatron/core/parallel_state.py
-  2    181-367    Mappings                                        megatron/core/tensor_parallel/mappings.py
-  3    368-442    Initialization                                  megatron/core/tensor_parallel/layers.py
-  4    443-594    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
+  1    75-182     Grid                                            megatron/core/parallel_state.py
+  2    183-369    Mappings                                        megatron/core/tensor_parallel/mappings.py
+  3    370-444    Initialization                                  megatron/core/tensor_parallel/layers.py
+  4    445-596    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
                                                                   megatron/core/tensor_parallel/cross_entropy.py
-  5    595-658    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
-  6    659-773    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
-  7    774-813    Schedules                                       megatron/core/pipeline_parallel/schedules.py
-  8    814-1003   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+  5    597-660    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
+  6    661-775    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
+  7    776-815    Schedules                                       megatron/core/pipeline_parallel/schedules.py
+  8    816-1005   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
                                                                   megatron/core/pipeline_parallel/p2p_communication.py
-  9    1004-1304  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+  9    1006-1306  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1305-1449  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1307-1451  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1450-1653  Mixture of Experts: experts, dispatchers, the layer
+  10b  1452-1655  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1654-1882  FP8                                             megatron/core/fp8_utils.py
+  11   1656-1884  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1883-2144  Context parallelism                             megatron/core/utils.py
+  12   1885-2148  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
+  13   2149-2213  Muon                                            megatron/core/optimizer/muon.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
-`transformer/moe/` and `fp8_utils.py`.
+`transformer/moe/`, `fp8_utils.py` and `optimizer/muon.py`.
 Papers: Shoeybi et al. 2019, "Megatron-LM" (tensor parallelism, the f and g operators);
         Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence parallelism);
         Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters" (1F1B, interleaving);
         Rajbhandari et al. 2020, "ZeRO"; Fedus et al. 2021, "Switch Transformers"; Micikevicius et al. 2022, "FP8";
-        Liu et al. 2023, "Ring Attention"; Jacobs et al. 2023, "DeepSpeed Ulysses" (context parallelism).
+        Liu et al. 2023, "Ring Attention"; Jacobs et al. 2023, "DeepSpeed Ulysses" (context parallelism);
+        Jordan et al. 2024, "Muon"; Liu et al. 2025, "Muon is Scalable for LLM Training".
 
 Run its tests:  make test   (or: .venv/bin/python -m pytest -q tests/test_tensor_parallel.py tests/test_pipeline.py ...)
 
@@ -2142,3 +2144,70 @@ def context_parallel_attention(grid: Grid, comm_type: str):
         acc = torch.promote_types(q.dtype, torch.float32)
         return impl(grid.cp, q.to(acc), k.to(acc), v.to(acc), mask, causal, scale).to(q.dtype)
     return attend
+
+
+# ============================================================================================================
+# 13. Muon — mirrors megatron/core/optimizer/muon.py (Megatron-LM's newer releases: its tensor-parallel wrapper)
+# and the papers: Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks"; Liu et al. 2025,
+# "Muon is Scalable for LLM Training" (the update's scale). train.py's --optimizer muon.
+# ============================================================================================================
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Muon's quintic: the steepest slope at zero that still converges
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Muon's orthogonalization of an update g = U·S·Vᵀ: U·f(S/‖g‖_F)·Vᵀ with f the quintic a·s + b·s³ + c·s⁵ applied
+    `steps` times (each singular value lands in ~[0.7, 1.2], not exactly 1: far cheaper than an SVD and as good).
+    In g's dtype (float32 at the least: torch.optim.Muon's bfloat16 is slow on CPUs)."""
+    a, b, c = NS_COEFFICIENTS
+    tall = g.shape[0] > g.shape[1]
+    x = g.mT if tall else g  # [m, n] with m <= n: the Gram matrix x·xᵀ [m, m] is the small one
+    x = x / (x.norm() + eps)
+    for _ in range(steps):
+        gram = x @ x.mT  # [m, m]
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+def muon_eligible(p: nn.Parameter) -> bool:
+    """Muon's parameters: the hidden matrices (2-D, not the embedding or output layer); AdamW keeps the rest."""
+    return p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+
+
+class Muon(Optimizer):
+    """Muon for the `muon_eligible` matrices, the plain Optimizer's AdamW for the rest; the same interface.
+
+    Each step, per matrix with gradient G: momentum buffer B = μ·B + G; the update G + μ·B (Nesterov) or B is
+    orthogonalized whole — `newton_schulz` on the all-gather of its TP shards, then this rank's shard, so any layout
+    steps as one process does (Megatron's "blockwise" mode, each shard alone, is another optimizer: the tests show
+    it); then p ← p·(1 − lr·wd) − lr·scale·√max(rows, cols)·O. scale 0.2 is Moonshot's rule: the update's RMS
+    matches AdamW's, so --lr, its schedule and --weight-decay carry over. The checkpoint keeps AdamW's layout:
+    exp_avg holds B, exp_avg_sq stays zero. Not with the distributed optimizer (its DP slices cut matrices apart)."""
+
+    def __init__(self, chunks, grid: Grid | None, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2, **adam):
+        super().__init__(chunks, grid, **adam)
+        self.momentum, self.nesterov, self.ns_steps, self.scale = momentum, nesterov, ns_steps, scale
+        self.weight_decay = adam.get("weight_decay", 0.01)
+        self.matrices = [p for p in self.params if muon_eligible(p)]
+        for g in self.adam.param_groups:  # AdamW steps the rest (its state stays: the checkpoint's layout)
+            g["params"] = [p for p in g["params"] if not muon_eligible(p)]
+
+    def zero_grad(self, num_micro_batches: int = 1):
+        super().zero_grad(num_micro_batches)
+        for p in self.matrices:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.matrices:
+            st, g = self.adam.state[p], p.grad
+            buf = st["exp_avg"].mul_(self.momentum).add_(g)
+            update = g + self.momentum * buf if self.nesterov else buf
+            full = gather_full(update, p, self.grid)  # [rows, cols], whole (the all-gather over TP)
+            o = newton_schulz(full.to(torch.promote_types(full.dtype, torch.float32)), self.ns_steps).to(p.dtype)
+            if getattr(p, "tensor_model_parallel", False) and tp_of(self.grid) is not None:
+                o = shard(o, p.partition_dim, p.partition_stride, self.grid.tp.rank, self.grid.tp.size)
+            st["step"] += 1
+            p.mul_(1 - self.lr * self.weight_decay)
+            p.add_(o, alpha=-self.lr * self.scale * max(full.shape) ** 0.5)
+        super().step()  # AdamW on the rest, then the modules' post-step hooks

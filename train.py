@@ -99,9 +99,10 @@ class LossScaler:
 
 
 def make_optimizer(chunks, grid, args):
-    """AdamW, no weight decay on biases and norm weights: parallel.Optimizer (whole parameters, the plain DP sum), or
-    with --use-distributed-optimizer / --overlap-grad-reduce parallel.DistributedOptimizer over parallel.DDP's
-    bucketed gradients (the same AdamW, its state sharded over DP). One interface: the loop never asks which."""
+    """AdamW (--optimizer muon: Muon for the hidden matrices), no weight decay on biases and norm weights:
+    parallel.Optimizer (whole parameters, the plain DP sum), or with --use-distributed-optimizer /
+    --overlap-grad-reduce parallel.DistributedOptimizer over parallel.DDP's bucketed gradients (the same AdamW, its
+    state sharded over DP). One interface: the loop never asks which."""
     adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
                 decoupled_lr=args.decoupled_lr)
     if args.use_ddp:  # (--decoupled-lr: those parameters in buckets of their own, each bucket stepping at one lr)
@@ -110,6 +111,9 @@ def make_optimizer(chunks, grid, args):
         ddp = P.DDP(chunks, grid, bucket_size=args.ddp_bucket_size, overlap=args.overlap_grad_reduce,
                     distributed_optimizer=args.use_distributed_optimizer, own_bucket=own)
         return P.DistributedOptimizer(ddp, **adam)
+    if args.optimizer == "muon":
+        return P.Muon(chunks, grid, momentum=args.muon_momentum, nesterov=args.muon_use_nesterov,
+                      ns_steps=args.muon_num_ns_steps, scale=args.muon_matched_adamw_rms, **adam)
     return P.Optimizer(chunks, grid, **adam)
 
 

@@ -166,10 +166,10 @@ def test_mamba_trains_and_its_segmented_checkpoint_reshards(corpus, cache, tmp_p
     assert tools.main(["sample", "--load", str(one), "--prompt", "def ", "--max-new-tokens", "4"]).startswith("def ")
 
 
-@pytest.mark.parametrize("fp8", [[], ["--fp8"]], ids=["fp32", "fp8-delayed"])
+@pytest.mark.parametrize("fp8", [[], ["--fp8"], ["--optimizer", "muon"]], ids=["fp32", "fp8-delayed", "muon"])
 def test_resume_equals_uninterrupted_with_dropout(corpus, cache, tmp_path, fp8):
-    """Bit-equal losses, grad norms and validation after a resume: the RNG streams and (with --fp8) the delayed
-    recipe's amax histories and scales are part of the checkpoint."""
+    """Bit-equal losses, grad norms and validation after a resume: the RNG streams, (with --fp8) the delayed
+    recipe's amax histories and scales, and (--optimizer muon) Muon's momentum buffers are part of the checkpoint."""
     drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", *fp8]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     train.main(tiny(corpus, cache, straight, *drop))

@@ -1,0 +1,123 @@
+"""Muon (`--optimizer muon`, parallel.Muon): the Newton-Schulz orthogonalization against its definition
+on the singular values, one step against the formula, and every layout against the single process.
+
+Tolerances: float64 throughout. The orthogonalization against the SVD: 1e-10 relative (the SVD's own rounding). The
+layouts: 1e-10 relative, as the AdamW layouts (tests/test_data_parallel.py): reduction order only, since each rank
+orthogonalizes the whole matrix (its TP shards all-gathered) and keeps its own shard.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_data_parallel import CLIP, LLAMA, OPT, merge
+
+import arguments
+import gpt
+import parallel as P
+from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err
+
+MUON = dict(momentum=0.95, nesterov=True, ns_steps=5, scale=0.2)
+
+
+def quintic_on_singular_values(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The oracle: g = U·S·Vᵀ (SVD), each singular value s/‖g‖_F through a·s + b·s³ + c·s⁵ `steps` times."""
+    a, b, c = P.NS_COEFFICIENTS
+    u, s, vt = torch.linalg.svd(g, full_matrices=False)
+    s = s / g.norm()
+    for _ in range(steps):
+        s = a * s + b * s**3 + c * s**5
+    return u @ torch.diag(s) @ vt
+
+
+@pytest.mark.parametrize("shape", [(24, 8), (8, 24), (16, 16)])
+def test_newton_schulz_is_the_quintic_on_the_singular_values(shape):
+    g = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = P.newton_schulz(g, steps=5, eps=0.0)
+    assert rel_err(got, quintic_on_singular_values(g, 5)) < 1e-10
+    # negative control: one iteration fewer is another matrix
+    assert rel_err(got, quintic_on_singular_values(g, 4)) > 1e-2
+    s = torch.linalg.svdvals(got)
+    assert 0.6 < s.min() and s.max() < 1.3  # roughly orthogonal: what Muon is for
+
+
+def test_one_step_is_the_formula():
+    """A single process's first step: Muon's matrices follow p·(1 - lr·wd) - lr·0.2·√max(r, c)·NS(G + μ·G); the
+    embedding (tied output) and the norms follow torch's AdamW."""
+    cfg = dict(LLAMA, share_embeddings_and_output_weights=True)
+    model = gpt.Model(gpt.Config(**cfg))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt = P.Muon(model, None, **MUON, **OPT)
+    batch = make_batch(cfg["vocab_size"], 4, 8, 5)
+    opt.zero_grad()
+    (model(batch[:, :-1], labels=batch[:, 1:]).mean()).backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    opt.step()
+    lr, wd, mu = OPT["lr"], OPT["weight_decay"], MUON["momentum"]
+    muon_names = [k for k, p in model.named_parameters() if P.muon_eligible(p)]
+    assert muon_names and all("embedding" not in k for k in muon_names)
+    assert {k.split(".")[-2] for k in muon_names} == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    for k, p in model.named_parameters():
+        if k in muon_names:
+            g = grads[k]
+            want = before[k] * (1 - lr * wd) - lr * 0.2 * max(g.shape) ** 0.5 * P.newton_schulz(g + mu * g)
+        else:  # AdamW's first step: m/√v = sign(g) (bias-corrected), decay on matrices only
+            want = before[k] * (1 - lr * wd * (p.dim() > 1)) - lr * grads[k] / (grads[k].abs() + OPT["eps"])
+        assert rel_err(p.detach(), want) < 1e-10, k
+
+
+def muon_case(rank, n, tp, pp, sp, blockwise=False, b=8, s=8, steps=3, M=2):
+    """n ranks at tp x pp x dp, the plain optimizer with Muon, train.py's loop (clipped_steps). blockwise: the
+    negative control, each rank orthogonalizing its own shard alone (no all-gather)."""
+    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
+    c = gpt.Config(**LLAMA, sequence_parallel=sp)
+    chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid, 1)
+    opt = P.Muon(chunks, grid, **MUON, **OPT)
+    batch = make_batch(LLAMA["vocab_size"], b, s, 11)
+    micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
+    shape = (s // tp if sp and tp > 1 else s, micro[0].shape[0], c.hidden_size)
+    if blockwise:  # the optimizer's step without the grid: no all-gather, each shard orthogonalized as it is
+        step = opt.step
+
+        def alone():  # (AdamW's parameters have no TP collective in their step either)
+            opt.grid = None
+            step()
+            opt.grid = grid
+        opt.step = alone
+    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), shape, c.params_dtype, CLIP, steps,
+                        lambda _: dict(grads={m.global_name(k): P.gather_full(p.grad, p, grid).clone()
+                                              for m in chunks for k, p in m.named_parameters()}))
+    params = {m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()}
+    return dict(out, params=params)
+
+
+def reference(b=8, s=8, steps=3, M=2):
+    model = gpt.Model(gpt.Config(**LLAMA))
+    opt = P.Muon(model, None, **MUON, **OPT)
+    batch = make_batch(LLAMA["vocab_size"], b, s, 11)
+    return reference_steps(model, opt, list(batch.chunk(M)), batch[:, 1:].numel(), CLIP, steps)
+
+
+@pytest.mark.parametrize("n,tp,pp,sp", [(2, 2, 1, True), (4, 2, 1, True), (4, 1, 2, False), (2, 1, 1, False)],
+                         ids=["tp2-sp", "tp2-sp-dp2", "pp2-dp2", "dp2"])
+def test_muon_in_any_layout_equals_single_process(pool, n, tp, pp, sp):
+    got, ref = merge(pool.run(muon_case, n, tp=tp, pp=pp, sp=sp)), reference(M=2 * n // (tp * pp))
+    assert_same(got, ref, rtol=1e-10, what=f"muon n={n} tp={tp} pp={pp}")
+    assert rel_err(got["norms"], ref["norms"]) < 1e-10
+
+
+def test_orthogonalizing_each_tp_shard_alone_is_not_the_single_process(pool):
+    """The negative control: Megatron's 'blockwise' shortcut (each TP rank orthogonalizes its shard) is another
+    optimizer; the all-gather is what makes TP exact."""
+    got, ref = merge(pool.run(muon_case, 2, tp=2, pp=1, sp=True, blockwise=True)), reference()
+    with pytest.raises(AssertionError, match="linear_"):
+        assert_same(got, ref, rtol=1e-10, what="blockwise")
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--use-distributed-optimizer"], "--optimizer muon orthogonalizes whole matrices"),
+    (["--overlap-grad-reduce"], "--optimizer muon orthogonalizes whole matrices"),
+    (["--task", "sft"], "--optimizer muon is for pretraining"),
+])
+def test_muon_refuses_what_it_does_not_do(flags, error):
+    with pytest.raises(arguments.ConfigError, match=error):
+        arguments.check_args(arguments.parse_args(["--optimizer", "muon", *flags]), world=1)

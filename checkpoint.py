@@ -442,6 +442,10 @@ def check_same_model(args, start: Start, mf: ModelFile, vocab_size: int):
         if diff:
             raise ConfigError(f"{what}: the checkpoint's model differs: "
                               + ", ".join(f"{k}={a} in the checkpoint, {b} now" for k, (a, b) in diff.items()))
+        was = saved.get("optimizer", "adam")  # (saved before --optimizer existed: AdamW)
+        if c is start.resume and not args.no_load_optim and was != args.optimizer:
+            raise ConfigError(f"{what}: its optimizer state is --optimizer {was}'s, not {args.optimizer}'s; "
+                              f"--no-load-optim starts a fresh optimizer from its weights")
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -181,7 +181,8 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--adam-beta2", type=float, default=0.95)
     a("--adam-eps", type=float, default=1e-8)
     a("--optimizer", default="adam", choices=["adam", "muon"],
-      help="muon: Muon for the hidden matrices, AdamW for embeddings, output layer, norms and biases")
+      help="muon: Muon for the hidden matrices, AdamW for embeddings, output layer, norms and biases. The default is "
+           "the model file's for pretraining whole weights, adam for adapters (--lora-rank) and post-training tasks")
     a("--muon-momentum", type=float, default=0.95)
     a("--muon-use-nesterov", action=argparse.BooleanOptionalAction, default=True)
     a("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations per step")
@@ -402,13 +403,15 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")
     argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)
     check_one_spelling(p, argv)
-    unset = argparse.Namespace(**dict.fromkeys(SCHEDULE_DEFAULTS, UNSET))  # argparse leaves them if not given
+    unset = argparse.Namespace(**dict.fromkeys(SCHEDULE_DEFAULTS + ("optimizer",), UNSET))  # left if not given
     got = vars(p.parse_known_args(argv, unset)[0] if known_only else p.parse_args(argv, unset))
     sample_based = got["train_samples"] is not None
     other = {"train_iters": None if sample_based else p.get_default("train_iters"),
              "lr_warmup_iters": 0 if sample_based or got["lr_warmup_fraction"] is not None or got["lr"] is not UNSET
              else p.get_default("lr_warmup_iters"),
-             "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0}
+             "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0,
+             "optimizer": p.get_default("optimizer") if got["task"] == "pretrain" and got["lora_rank"] is None
+             else "adam"}
     return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()})
 
 
@@ -416,7 +419,8 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
 # and 30) only where a command asks for nothing else. A sample-based command (--train-samples) or a warmup fraction
 # (--lr-warmup-fraction) leaves them at Megatron's defaults (None, 0), so Megatron's rules
 # (scheduler.check_schedule_args) refuse only what a command itself mixes. Likewise --min-lr and the warmup: the
-# default run's 3e-4 and 30 beside its --lr, Megatron's 0.0 and 0 beside a command's own --lr.
+# default run's 3e-4 and 30 beside its --lr, Megatron's 0.0 and 0 beside a command's own --lr. And --optimizer: the
+# model file's (gpt: muon) where whole weights are pretrained, adam where adapters or a post-training task train.
 SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr")
 UNSET = "(not given)"
 
@@ -861,12 +865,9 @@ def check_args(args, world: int) -> Args:
     vars(args).update(megatron_flags(args))
     check_long_context_args(args)
     args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
-    if args.optimizer == "muon" and (args.use_ddp or args.expert_tensor_parallel_size not in (None, 1)):
-        raise ConfigError("--optimizer muon orthogonalizes whole matrices: not with --use-distributed-optimizer, "
-                          "--overlap-grad-reduce or --expert-tensor-parallel-size > 1")
-    if args.optimizer == "muon" and args.task != "pretrain":
-        raise ConfigError(f"--optimizer muon is for pretraining (its matrices are the hidden layers'), not --task "
-                          f"{args.task}")
+    if args.optimizer == "muon" and (args.task != "pretrain" or args.lora_rank is not None):
+        raise ConfigError("--optimizer muon is for pretraining whole weights (the hidden layers' matrices), not "
+                          + (f"--task {args.task}" if args.task != "pretrain" else "LoRA's adapters (--lora-rank)"))
     if args.use_ddp and args.fp16:
         raise ConfigError("--fp16 with --use-distributed-optimizer/--overlap-grad-reduce is not supported; use --bf16")
     cp = args.context_parallel_size

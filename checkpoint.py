@@ -445,7 +445,8 @@ def check_same_model(args, start: Start, mf: ModelFile, vocab_size: int):
         was = saved.get("optimizer", "adam")  # (saved before --optimizer existed: AdamW)
         if c is start.resume and not args.no_load_optim and was != args.optimizer:
             raise ConfigError(f"{what}: its optimizer state is --optimizer {was}'s, not {args.optimizer}'s; "
-                              f"--no-load-optim starts a fresh optimizer from its weights")
+                              f"--optimizer {was} continues it, --no-load-optim starts a fresh optimizer from its "
+                              "weights")
 
 
 # ---------------------------------------------------------------------------------------------- loading

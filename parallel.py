@@ -31,7 +31,7 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
                                                                   transformer_engine/pytorch/fp8.py
   12   1885-2148  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2149-2213  Muon                                            megatron/core/optimizer/muon.py
+  13   2149-2268  Muon                                            megatron/core/optimizer/muon.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -1238,23 +1238,24 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self):
         self.step_count += 1
-        (b1, b2), t, dlr = self.betas, self.step_count, self.decoupled_lr
-        for s, m, ea, eas, mask, b in zip(self.slices, self.master, self.exp_avg, self.exp_avg_sq, self.wd_mask,
-                                          self.ddp.buckets):
-            g, lr = self.ddp.grad_buffer[s], dlr if b.decoupled and dlr is not None else self.lr  # (--decoupled-lr)
-            m.mul_(1 - lr * self.wd * mask)  # decoupled weight decay
-            ea.lerp_(g, 1 - b1)
-            eas.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (eas.sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps)
-            m.addcdiv_(ea, denom, value=-lr / (1 - b1 ** t))
+        for i, (s, m, b) in enumerate(zip(self.slices, self.master, self.ddp.buckets)):
+            self.update(i, self.decoupled_lr if b.decoupled and self.decoupled_lr is not None else self.lr)
+            if m.data_ptr() != self.ddp.param_buffer[s].data_ptr():  # bf16 params: from their fp32 master weights
+                self.ddp.param_buffer[s].copy_(m)
             if self.ddp.distopt and b.group.size > 1:
-                self.ddp.param_buffer[s].copy_(m)
-                _log("all_gather", b.group, self.ddp.param_buffer[b.start:b.end])
-                all_gather_single(self.ddp.param_buffer[b.start:b.end], self.ddp.param_buffer[s].clone(),
-                                  group=b.group.pg)
-            elif m.data_ptr() != self.ddp.param_buffer[s].data_ptr():
-                self.ddp.param_buffer[s].copy_(m)
+                full = self.ddp.param_buffer[b.start:b.end]
+                _log("all_gather", b.group, full)
+                all_gather_single(full, self.ddp.param_buffer[s].clone(), group=b.group.pg)
         after_step(self.ddp.chunks)  # the modules' post-step hooks (MoE: the expert bias)
+
+    def update(self, i: int, lr: float):
+        """AdamW on slice i: its master weights and moments, from its summed gradient."""
+        (b1, b2), t = self.betas, self.step_count
+        g, m, ea, eas = self.ddp.grad_buffer[self.slices[i]], self.master[i], self.exp_avg[i], self.exp_avg_sq[i]
+        m.mul_(1 - lr * self.wd * self.wd_mask[i])  # decoupled weight decay
+        ea.lerp_(g, 1 - b1)
+        eas.mul_(b2).addcmul_(g, g, value=1 - b2)
+        m.addcdiv_(ea, (eas.sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps), value=-lr / (1 - b1 ** t))
 
     def zero_grad(self, num_micro_batches: int = 1):
         self.ddp.zero_grad(num_micro_batches)
@@ -1269,11 +1270,10 @@ class DistributedOptimizer:
         for moments in (self.exp_avg, self.exp_avg_sq):
             full = torch.zeros_like(self.ddp.grad_buffer)
             for s, m, b in zip(self.slices, moments, self.ddp.buckets):
+                full[s] = m
                 if self.ddp.distopt and b.group.size > 1:
                     _log("all_gather", b.group, full[b.start:b.end])
-                    all_gather_single(full[b.start:b.end], m.clone(), group=b.group.pg)
-                else:
-                    full[s] = m
+                    all_gather_single(full[b.start:b.end], full[s].clone(), group=b.group.pg)
             bufs.append(full)
         self._full, out = bufs, {}
         for b in self.ddp.buckets:
@@ -2173,20 +2173,29 @@ def muon_eligible(p: nn.Parameter) -> bool:
     return p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
 
 
+def orthogonalized(update: torch.Tensor, p: nn.Parameter, grid: Grid | None, steps: int, scale: float):
+    """scale·√max(rows, cols)·O for matrix p's `update` (this rank's TP shard): O = `newton_schulz` of the whole
+    matrix — its TP shards all-gathered (`gather_full`) — then this rank's shard of it, so any layout steps as one
+    process does (Megatron's "blockwise" mode, each shard alone, is another optimizer: the tests show it)."""
+    full = gather_full(update, p, grid)  # [rows, cols], whole (the all-gather over TP)
+    o = newton_schulz(full.to(torch.promote_types(full.dtype, torch.float32)), steps).to(update.dtype)
+    if getattr(p, "tensor_model_parallel", False) and tp_of(grid) is not None:
+        o = shard(o, p.partition_dim, p.partition_stride, grid.tp.rank, grid.tp.size)
+    return o * (scale * max(full.shape) ** 0.5)
+
+
 class Muon(Optimizer):
     """Muon for the `muon_eligible` matrices, the plain Optimizer's AdamW for the rest; the same interface.
 
     Each step, per matrix with gradient G: momentum buffer B = μ·B + G; the update G + μ·B (Nesterov) or B is
-    orthogonalized whole — `newton_schulz` on the all-gather of its TP shards, then this rank's shard, so any layout
-    steps as one process does (Megatron's "blockwise" mode, each shard alone, is another optimizer: the tests show
-    it); then p ← p·(1 − lr·wd) − lr·scale·√max(rows, cols)·O. scale 0.2 is Moonshot's rule: the update's RMS
-    matches AdamW's, so --lr, its schedule and --weight-decay carry over. The checkpoint keeps AdamW's layout:
-    exp_avg holds B, exp_avg_sq stays zero. Not with the distributed optimizer (its DP slices cut matrices apart)."""
+    `orthogonalized` whole; then p ← p·(1 − lr·wd) − lr·scale·√max(rows, cols)·O. scale 0.2 is Moonshot's rule: the
+    update's RMS matches AdamW's, so --lr, its schedule and --weight-decay carry over. The checkpoint keeps AdamW's
+    layout: exp_avg holds B, exp_avg_sq stays zero."""
 
     def __init__(self, chunks, grid: Grid | None, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2, **adam):
         super().__init__(chunks, grid, **adam)
         self.momentum, self.nesterov, self.ns_steps, self.scale = momentum, nesterov, ns_steps, scale
-        self.weight_decay = adam.get("weight_decay", 0.01)
+        self.weight_decay = self.adam.param_groups[0]["weight_decay"]  # (the decaying group's; matrices all decay)
         self.matrices = [p for p in self.params if muon_eligible(p)]
         for g in self.adam.param_groups:  # AdamW steps the rest (its state stays: the checkpoint's layout)
             g["params"] = [p for p in g["params"] if not muon_eligible(p)]
@@ -2203,11 +2212,57 @@ class Muon(Optimizer):
             st, g = self.adam.state[p], p.grad
             buf = st["exp_avg"].mul_(self.momentum).add_(g)
             update = g + self.momentum * buf if self.nesterov else buf
-            full = gather_full(update, p, self.grid)  # [rows, cols], whole (the all-gather over TP)
-            o = newton_schulz(full.to(torch.promote_types(full.dtype, torch.float32)), self.ns_steps).to(p.dtype)
-            if getattr(p, "tensor_model_parallel", False) and tp_of(self.grid) is not None:
-                o = shard(o, p.partition_dim, p.partition_stride, self.grid.tp.rank, self.grid.tp.size)
             st["step"] += 1
             p.mul_(1 - self.lr * self.weight_decay)
-            p.add_(o, alpha=-self.lr * self.scale * max(full.shape) ** 0.5)
+            p.add_(orthogonalized(update, p, self.grid, self.ns_steps, self.scale), alpha=-self.lr)
         super().step()  # AdamW on the rest, then the modules' post-step hooks
+
+
+class DistributedMuon(DistributedOptimizer):
+    """Muon over DDP's flat buffers (--use-distributed-optimizer, --overlap-grad-reduce): the same arithmetic as Muon,
+    element for element. The momentum is elementwise, so it lives on this rank's DP slice like Adam's moments; the
+    update is not, so each bucket's update slices are all-gathered over its group, every matrix in it is
+    `orthogonalized` whole, and this rank keeps its slice. Every rank of the group orthogonalizes every matrix of the
+    bucket (Megatron's layer-wise distributed optimizer gives each matrix to one rank instead: less compute, more
+    bookkeeping). AdamW, as DistributedOptimizer, for everything else."""
+
+    def __init__(self, ddp: DDP, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2, **adam):
+        super().__init__(ddp, **adam)
+        self.momentum, self.nesterov, self.ns_steps, self.scale = momentum, nesterov, ns_steps, scale
+        mask = torch.zeros_like(ddp.grad_buffer, dtype=torch.bool)  # True on Muon's elements
+        for b in ddp.buckets:
+            o = b.start
+            for p in b.params:
+                mask[o:o + p.numel()] = muon_eligible(p)
+                o += p.numel()
+        self.muon_mask = [mask[s] for s in self.slices]
+
+    def update(self, i: int, lr: float):
+        b, muon = self.ddp.buckets[i], self.muon_mask[i]
+        if not any(muon_eligible(p) for p in b.params):  # (the same answer on every rank of the bucket's group)
+            return super().update(i, lr)
+        g, m, ea = self.ddp.grad_buffer[self.slices[i]], self.master[i], self.exp_avg[i]
+        buf = torch.where(muon, ea * self.momentum + g, ea)  # B = μ·B + G on Muon's elements
+        u = torch.where(muon, g + self.momentum * buf if self.nesterov else buf, 0)
+        o, before = self.orthogonalized_slice(i, u), m[muon]
+        super().update(i, lr)  # AdamW on every element; Muon's are set right here:
+        ea[muon], self.exp_avg_sq[i][muon] = buf[muon], 0
+        m[muon] = before * (1 - lr * self.wd) - lr * o[muon]
+
+    def orthogonalized_slice(self, i: int, u: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of bucket i's orthogonalized update (zero off Muon's elements), from its slice u."""
+        b, s = self.ddp.buckets[i], self.slices[i]
+        whole = torch.zeros(b.end - b.start, dtype=u.dtype, device=u.device)  # [bucket]: every rank's slice
+        if self.ddp.distopt and b.group.size > 1:
+            _log("all_gather", b.group, whole)
+            all_gather_single(whole, u.contiguous(), group=b.group.pg)
+        else:
+            whole.copy_(u)  # (this rank's slice is the whole bucket)
+        out, o = torch.zeros_like(whole), 0
+        for p in b.params:
+            if muon_eligible(p):
+                n = p.numel()
+                out[o:o + n] = orthogonalized(whole[o:o + n].view_as(p), p, self.ddp.grid, self.ns_steps,
+                                              self.scale).flatten()
+            o += p.numel()
+        return out[s.start - b.start:s.stop - b.start]

@@ -99,21 +99,24 @@ class LossScaler:
 
 
 def make_optimizer(chunks, grid, args):
-    """AdamW (--optimizer muon: Muon for the hidden matrices), no weight decay on biases and norm weights:
-    parallel.Optimizer (whole parameters, the plain DP sum), or with --use-distributed-optimizer /
-    --overlap-grad-reduce parallel.DistributedOptimizer over parallel.DDP's bucketed gradients (the same AdamW, its
-    state sharded over DP). One interface: the loop never asks which."""
+    """AdamW without weight decay on biases and norm weights (--optimizer muon: Muon for the hidden matrices, AdamW for
+    the rest): parallel.Optimizer / Muon (whole parameters, the plain DP sum), or with --use-distributed-optimizer /
+    --overlap-grad-reduce parallel.DistributedOptimizer / DistributedMuon over parallel.DDP's bucketed gradients (the
+    same arithmetic, the state sharded over DP). One interface: the loop never asks which."""
     adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
                 decoupled_lr=args.decoupled_lr)
+    muon = dict(momentum=args.muon_momentum, nesterov=args.muon_use_nesterov, ns_steps=args.muon_num_ns_steps,
+                scale=args.muon_matched_adamw_rms)
     if args.use_ddp:  # (--decoupled-lr: those parameters in buckets of their own, each bucket stepping at one lr)
         own = (lambda p: getattr(p, "is_embedding_or_output_parameter", False)) if args.decoupled_lr is not None \
             else (lambda p: False)
         ddp = P.DDP(chunks, grid, bucket_size=args.ddp_bucket_size, overlap=args.overlap_grad_reduce,
                     distributed_optimizer=args.use_distributed_optimizer, own_bucket=own)
+        if args.optimizer == "muon":
+            return P.DistributedMuon(ddp, **muon, **adam)
         return P.DistributedOptimizer(ddp, **adam)
     if args.optimizer == "muon":
-        return P.Muon(chunks, grid, momentum=args.muon_momentum, nesterov=args.muon_use_nesterov,
-                      ns_steps=args.muon_num_ns_steps, scale=args.muon_matched_adamw_rms, **adam)
+        return P.Muon(chunks, grid, **muon, **adam)
     return P.Optimizer(chunks, grid, **adam)
 
 

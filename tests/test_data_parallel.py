@@ -53,9 +53,9 @@ def dp_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, overlap, b=8, s=8, steps=3
 def full_grads(chunks, ddp, grid):
     """Every parameter's whole gradient: all-gather the DP slices (distributed optimizer), then the TP shards."""
     buf = ddp.grad_buffer.clone()
-    if ddp.distopt and ddp.dp.size > 1:
-        for bk in ddp.buckets:
-            P.all_gather_single(buf[bk.start:bk.end], ddp.grad_buffer[ddp.owned(bk)].clone(), group=ddp.dp.pg)
+    for bk in ddp.buckets:
+        if ddp.distopt and bk.group.size > 1:  # (an expert bucket's group is expert_dp)
+            P.all_gather_single(buf[bk.start:bk.end], ddp.grad_buffer[ddp.owned(bk)].clone(), group=bk.group.pg)
     out, starts = {}, {}
     for bk in ddp.buckets:
         o = bk.start

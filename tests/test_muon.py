@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_data_parallel import CLIP, LLAMA, OPT, merge
+from test_data_parallel import CLIP, LLAMA, OPT, full_grads, merge
+from test_moe import MOE
 
 import arguments
 import gpt
@@ -65,14 +66,16 @@ def test_one_step_is_the_formula():
         assert rel_err(p.detach(), want) < 1e-10, k
 
 
-def muon_case(rank, n, tp, pp, sp, blockwise=False, b=8, s=8, steps=3, M=2):
-    """n ranks at tp x pp x dp, the plain optimizer with Muon, train.py's loop (clipped_steps). blockwise: the
-    negative control, each rank orthogonalizing its own shard alone (no all-gather)."""
-    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
-    c = gpt.Config(**LLAMA, sequence_parallel=sp)
+def muon_case(rank, n, tp, pp, sp, cfg=LLAMA, ep=1, etp=None, ddp=None, blockwise=False, b=8, s=8, steps=3, M=2):
+    """n ranks at tp x pp x dp (x ep), train.py's loop (clipped_steps) with Muon: parallel.Muon on whole parameters,
+    or with ddp ("overlap": DDP's all-reduced buckets; "distopt": its DP slices) parallel.DistributedMuon. blockwise:
+    the negative control, each rank orthogonalizing its own shard alone (no all-gather)."""
+    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp), ep=ep, etp=etp)
+    c = gpt.Config(**cfg, sequence_parallel=sp)
     chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid, 1)
-    opt = P.Muon(chunks, grid, **MUON, **OPT)
-    batch = make_batch(LLAMA["vocab_size"], b, s, 11)
+    buffers = ddp and P.DDP(chunks, grid, bucket_size=3000, overlap=True, distributed_optimizer=ddp == "distopt")
+    opt = P.DistributedMuon(buffers, **MUON, **OPT) if buffers else P.Muon(chunks, grid, **MUON, **OPT)
+    batch = make_batch(cfg["vocab_size"], b, s, 11)
     micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
     shape = (s // tp if sp and tp > 1 else s, micro[0].shape[0], c.hidden_size)
     if blockwise:  # the optimizer's step without the grid: no all-gather, each shard orthogonalized as it is
@@ -83,26 +86,49 @@ def muon_case(rank, n, tp, pp, sp, blockwise=False, b=8, s=8, steps=3, M=2):
             step()
             opt.grid = grid
         opt.step = alone
-    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), shape, c.params_dtype, CLIP, steps,
-                        lambda _: dict(grads={m.global_name(k): P.gather_full(p.grad, p, grid).clone()
-                                              for m in chunks for k, p in m.named_parameters()}))
-    params = {m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()}
+    grads = (lambda _: dict(grads=full_grads(chunks, buffers, grid))) if buffers else \
+        (lambda _: dict(grads={m.global_name(k): P.gather_full(p.grad, p, grid).clone()
+                               for m in chunks for k, p in m.named_parameters()}))
+    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), shape, c.params_dtype, CLIP, steps, grads)
+    params = {m.global_name(k): P.gather_full(p.data, p, grid) for m in chunks for k, p in m.named_parameters()
+              if not k == "output_layer.weight" or not c.share_embeddings_and_output_weights}
     return dict(out, params=params)
 
 
-def reference(b=8, s=8, steps=3, M=2):
-    model = gpt.Model(gpt.Config(**LLAMA))
+def reference(cfg=LLAMA, b=8, s=8, steps=3, M=2):
+    model = gpt.Model(gpt.Config(**cfg))
     opt = P.Muon(model, None, **MUON, **OPT)
-    batch = make_batch(LLAMA["vocab_size"], b, s, 11)
+    batch = make_batch(cfg["vocab_size"], b, s, 11)
     return reference_steps(model, opt, list(batch.chunk(M)), batch[:, 1:].numel(), CLIP, steps)
 
 
-@pytest.mark.parametrize("n,tp,pp,sp", [(2, 2, 1, True), (4, 2, 1, True), (4, 1, 2, False), (2, 1, 1, False)],
-                         ids=["tp2-sp", "tp2-sp-dp2", "pp2-dp2", "dp2"])
-def test_muon_in_any_layout_equals_single_process(pool, n, tp, pp, sp):
-    got, ref = merge(pool.run(muon_case, n, tp=tp, pp=pp, sp=sp)), reference(M=2 * n // (tp * pp))
-    assert_same(got, ref, rtol=1e-10, what=f"muon n={n} tp={tp} pp={pp}")
+LAYOUTS = {  # name: (ranks, tp, pp, sp, ddp); dp = ranks / (tp·pp)
+    "tp2-sp": (2, 2, 1, True, None), "tp2-sp-dp2": (4, 2, 1, True, None), "pp2-dp2": (4, 1, 2, False, None),
+    "dp2": (2, 1, 1, False, None), "dp2-overlap": (2, 1, 1, False, "overlap"),
+    "tp2-sp-dp2-distopt": (4, 2, 1, True, "distopt"), "pp2-dp2-distopt": (4, 1, 2, False, "distopt"),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_muon_in_any_layout_equals_single_process(pool, name):
+    n, tp, pp, sp, ddp = LAYOUTS[name]
+    got, ref = merge(pool.run(muon_case, n, tp=tp, pp=pp, sp=sp, ddp=ddp)), reference(M=2 * n // (tp * pp))
+    assert_same(got, ref, rtol=1e-10, what=f"muon {name}")
     assert rel_err(got["norms"], ref["norms"]) < 1e-10
+
+
+MOE_LAYOUTS = {  # name: (tp, ep, etp, sp, ddp) on 4 ranks; experts' matrices are Muon's too, the router's as well
+    "ep2-edp2-distopt": (1, 2, 1, False, "distopt"), "tp2-sp-ep2-etp2": (2, 2, 2, True, None),
+    "tp2-ep2-etp1-distopt": (2, 2, 1, False, "distopt"),
+}
+
+
+@pytest.mark.parametrize("name", MOE_LAYOUTS)
+def test_muon_with_experts_equals_single_process(pool, name):
+    tp, ep, etp, sp, ddp = MOE_LAYOUTS[name]
+    got = merge(pool.run(muon_case, 4, tp=tp, pp=1, sp=sp, cfg=MOE, ep=ep, etp=etp, ddp=ddp))
+    ref = reference(cfg=MOE, M=2 * 4 // tp)
+    assert_same(got, ref, rtol=1e-10, what=f"muon {name}")
 
 
 def test_orthogonalizing_each_tp_shard_alone_is_not_the_single_process(pool):
@@ -114,10 +140,21 @@ def test_orthogonalizing_each_tp_shard_alone_is_not_the_single_process(pool):
 
 
 @pytest.mark.parametrize("flags, error", [
-    (["--use-distributed-optimizer"], "--optimizer muon orthogonalizes whole matrices"),
-    (["--overlap-grad-reduce"], "--optimizer muon orthogonalizes whole matrices"),
-    (["--task", "sft"], "--optimizer muon is for pretraining"),
+    (["--task", "sft"], "--optimizer muon is for pretraining whole weights .*not --task sft"),
+    (["--lora-rank", "4", "--pretrained-checkpoint", "BASE"], "not LoRA's adapters"),
 ])
 def test_muon_refuses_what_it_does_not_do(flags, error):
     with pytest.raises(arguments.ConfigError, match=error):
         arguments.check_args(arguments.parse_args(["--optimizer", "muon", *flags]), world=1)
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], "muon"),  # gpt's pretraining default (gpt.TRAIN_DEFAULTS)
+    (["--use-distributed-optimizer"], "muon"),
+    (["--task", "dpo"], "adam"), (["--task", "grpo"], "adam"),  # post-training: AdamW unless told otherwise
+    (["--lora-rank", "4", "--pretrained-checkpoint", "BASE"], "adam"),
+    (["--model", "bert"], "adam"),  # a model file without its own default: the flag's
+    (["--optimizer", "adam"], "adam"),
+])
+def test_the_default_optimizer(flags, want):
+    assert arguments.parse_args(flags).optimizer == want

@@ -1,10 +1,11 @@
 """Stop + resume with the distributed optimizer (ZeRO-1) equals the uninterrupted run, exactly.
 
-torchrun DP=2 with --use-distributed-optimizer (small overlapped buckets, so each rank holds slices of several
-buckets; dropout on, so the per-rank RNG streams matter too): a run stopped at iteration 3 (--exit-interval) and
-resumed (--load) logs the same losses, grad norms and validation losses as the run that never stopped, and its final
-checkpoint holds the same parameters, Adam moments and steps, and RNG states. Tolerance: none (bit-equal): the
-resumed run repeats the same operations on the same values; what a checkpoint fails to restore (the optimizer's
+torchrun DP=2 with --use-distributed-optimizer (gpt's default optimizer, Muon for the hidden matrices and AdamW for
+the rest: parallel.DistributedMuon, its state sliced like AdamW's; small overlapped buckets, so each rank holds slices
+of several buckets; dropout on, so the per-rank RNG streams matter too): a run stopped at iteration 3
+(--exit-interval) and resumed (--load) logs the same losses, grad norms and validation losses as the run that never
+stopped, and its final checkpoint holds the same parameters, moments and steps, and RNG states. Tolerance: none
+(bit-equal): the resumed run repeats the same operations on the same values; what a checkpoint fails to restore (the optimizer's
 slices, checkpoint.load_checkpoint -> DistributedOptimizer.load_full_state) changes the next update.
 The helpers are test_train.py's (imported, so the two files build their runs alike).
 """
@@ -45,8 +46,8 @@ def test_distributed_optimizer_resume_equals_uninterrupted(corpus, tmp_path):
     # the final checkpoints: parameters, Adam moments and steps, every rank's RNG streams
     want, got = checkpoint_tensors(straight / "iter_0000006"), checkpoint_tensors(stopped / "iter_0000006")
     assert sorted(got) == sorted(want)
-    moments = [k for k in want if k.startswith("optimizer.") and ".exp_avg" in k]
-    assert moments and all(want[k].abs().max() > 0 for k in moments), "the checkpoint holds no Adam moments"
+    moments = [k for k in want if k.startswith("optimizer.") and k.endswith(".exp_avg")]  # (Muon's: its momentum)
+    assert moments and all(want[k].abs().max() > 0 for k in moments), "the checkpoint holds no moments"
     for k in want:
         assert torch.equal(got[k], want[k]), (f"final checkpoint {k}: resumed run differs by "
                                               f"{(got[k].double() - want[k].double()).abs().max():.3e}")

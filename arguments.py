@@ -395,23 +395,28 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     mf = model_file(model)  # the model file: its own flags, then its defaults for everyone's
     position.choices = list(mf.Config.POSITION_EMBEDDING_TYPES)
     mf.add_arguments(p.add_argument_group(f"--model {model}'s own flags ({model}.py)"))
+    adam_lr = {k: p.get_default(k) for k in ("lr", "min_lr")}  # train.py's own: AdamW's on the default shape
     p.set_defaults(**mf.TRAIN_DEFAULTS)
-    task = p.parse_known_args((config_argv(p, config, known=True) if config else []) + list(argv))[0].task
-    p.set_defaults(**TASK_DEFAULTS.get(task, {}))
+    pre = p.parse_known_args((config_argv(p, config, known=True) if config else []) + list(argv),
+                             argparse.Namespace(optimizer=UNSET))[0]
+    task, optimizer = pre.task, pre.optimizer
+    if optimizer is UNSET:  # the model file's for pretraining whole weights; adapters and post-training: AdamW
+        optimizer = p.get_default("optimizer") if task == "pretrain" and pre.lora_rank is None else "adam"
+    if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # a model file's lr suits the optimizer it names
+        p.set_defaults(**adam_lr)
+    p.set_defaults(**TASK_DEFAULTS.get(task, {}), optimizer=optimizer)
     dests = {act.dest for act in p._actions}
     p.set_defaults(**{k: v for k, v in (saved or {}).items() if k in dests})
     a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")
     argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)
     check_one_spelling(p, argv)
-    unset = argparse.Namespace(**dict.fromkeys(SCHEDULE_DEFAULTS + ("optimizer",), UNSET))  # left if not given
+    unset = argparse.Namespace(**dict.fromkeys(SCHEDULE_DEFAULTS, UNSET))  # argparse leaves them if not given
     got = vars(p.parse_known_args(argv, unset)[0] if known_only else p.parse_args(argv, unset))
     sample_based = got["train_samples"] is not None
     other = {"train_iters": None if sample_based else p.get_default("train_iters"),
              "lr_warmup_iters": 0 if sample_based or got["lr_warmup_fraction"] is not None or got["lr"] is not UNSET
              else p.get_default("lr_warmup_iters"),
-             "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0,
-             "optimizer": p.get_default("optimizer") if got["task"] == "pretrain" and got["lora_rank"] is None
-             else "adam"}
+             "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0}
     return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()})
 
 
@@ -420,7 +425,8 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
 # (--lr-warmup-fraction) leaves them at Megatron's defaults (None, 0), so Megatron's rules
 # (scheduler.check_schedule_args) refuse only what a command itself mixes. Likewise --min-lr and the warmup: the
 # default run's 3e-4 and 30 beside its --lr, Megatron's 0.0 and 0 beside a command's own --lr. And --optimizer: the
-# model file's (gpt: muon) where whole weights are pretrained, adam where adapters or a post-training task train.
+# model file's (gpt: muon) where whole weights are pretrained, adam where adapters or a post-training task train; a
+# model file's --lr and --min-lr go with the optimizer it names (gpt: muon), train.py's (AdamW's) with another.
 SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr")
 UNSET = "(not given)"
 

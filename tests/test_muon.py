@@ -148,13 +148,21 @@ def test_muon_refuses_what_it_does_not_do(flags, error):
         arguments.check_args(arguments.parse_args(["--optimizer", "muon", *flags]), world=1)
 
 
+MUON_LR = (gpt.TRAIN_DEFAULTS["lr"], gpt.TRAIN_DEFAULTS["min_lr"])  # gpt's, for its Muon
+ADAM_LR = (3e-3, 3e-4)  # train.py's own
+
+
 @pytest.mark.parametrize("flags, want", [
-    ([], "muon"),  # gpt's pretraining default (gpt.TRAIN_DEFAULTS)
-    (["--use-distributed-optimizer"], "muon"),
-    (["--task", "dpo"], "adam"), (["--task", "grpo"], "adam"),  # post-training: AdamW unless told otherwise
-    (["--lora-rank", "4", "--pretrained-checkpoint", "BASE"], "adam"),
-    (["--model", "bert"], "adam"),  # a model file without its own default: the flag's
-    (["--optimizer", "adam"], "adam"),
+    ([], ("muon", *MUON_LR)),  # gpt's pretraining default (gpt.TRAIN_DEFAULTS), with the learning rates it names
+    (["--use-distributed-optimizer"], ("muon", *MUON_LR)),
+    (["--optimizer", "adam"], ("adam", *ADAM_LR)),  # another optimizer: train.py's learning rates, not gpt's
+    (["--task", "dpo"], ("adam", *ADAM_LR)),  # post-training: AdamW unless told otherwise
+    (["--task", "grpo"], ("adam", 3e-4, 3e-5)),  # (with the task's own learning rates)
+    (["--lora-rank", "4", "--pretrained-checkpoint", "BASE"], ("adam", *ADAM_LR)),
+    (["--model", "bert"], ("adam", 2.5e-4, 2.5e-5)),  # a model file without its own optimizer: the flag's, its lr
+    (["--model", "bert", "--optimizer", "muon"], ("muon", 2.5e-4, 2.5e-5)),
+    (["--optimizer", "adam", "--lr", "1e-3"], ("adam", 1e-3, 0.0)),  # a command's own --lr: Megatron's min-lr
 ])
-def test_the_default_optimizer(flags, want):
-    assert arguments.parse_args(flags).optimizer == want
+def test_the_default_optimizer_and_its_learning_rates(flags, want):
+    args = arguments.parse_args(flags)
+    assert (args.optimizer, args.lr, args.min_lr) == want

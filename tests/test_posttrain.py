@@ -564,17 +564,18 @@ def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
 
 
 def test_a_task_has_its_own_defaults_below_the_command_and_above_the_model_file():
-    """--task grpo takes arguments.ONLINE_RL where pretraining's defaults would not suit (lr 3e-3, 650 iterations, rows
-    of 128); a flag the command gives wins, with Megatron's rules beside a command's own --lr (min-lr 0, no warmup);
-    another task keeps the model file's defaults. Negative control: without the table the pretraining defaults come."""
+    """--task grpo takes arguments.ONLINE_RL where pretraining's defaults would not suit (lr 9e-3 for gpt's Muon, 3e-3
+    for AdamW, 650 iterations, rows of 128); a flag the command gives wins, with Megatron's rules beside a command's
+    own --lr (min-lr 0, no warmup); another task keeps pretraining's defaults for its optimizer (AdamW: train.py's lr).
+    Negative control: without the table the pretraining defaults come."""
     pre = arguments.parse_args([])
     grpo = arguments.parse_args(["--task", "grpo"])
     for k, v in arguments.ONLINE_RL.items():
         assert getattr(grpo, k) == v, (k, getattr(grpo, k), v)
-    assert (pre.lr, pre.train_iters, pre.seq_length) == (3e-3, 650, 128)  # the model file's and the parser's own
-    assert arguments.parse_args(["--task", "sft"]).lr == pre.lr
+    assert (pre.lr, pre.train_iters, pre.seq_length) == (9e-3, 650, 128)  # the model file's and the parser's own
+    assert arguments.parse_args(["--task", "sft"]).lr == 3e-3  # a post-training task steps with AdamW: its lr
     own = arguments.parse_args(["--task", "grpo", "--lr", "3e-4", "--seq-length", "64"])
     assert (own.lr, own.min_lr, own.lr_warmup_iters, own.seq_length, own.train_iters) == (3e-4, 0.0, 0, 64, 60)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(arguments, "TASK_DEFAULTS", {})
-        assert arguments.parse_args(["--task", "grpo"]).lr == pre.lr
+        assert arguments.parse_args(["--task", "grpo"]).lr == 3e-3

@@ -403,7 +403,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     if optimizer is UNSET:  # the model file's for pretraining whole weights; adapters and post-training: AdamW
         optimizer = p.get_default("optimizer") if task == "pretrain" and pre.lora_rank is None else "adam"
     if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # a model file's lr suits the optimizer it names
-        p.set_defaults(**adam_lr)
+        p.set_defaults(**{**adam_lr, **mf.OPTIMIZER_DEFAULTS.get(optimizer, {})})
     p.set_defaults(**TASK_DEFAULTS.get(task, {}), optimizer=optimizer)
     dests = {act.dest for act in p._actions}
     p.set_defaults(**{k: v for k, v in (saved or {}).items() if k in dests})
@@ -426,7 +426,8 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
 # (scheduler.check_schedule_args) refuse only what a command itself mixes. Likewise --min-lr and the warmup: the
 # default run's 3e-4 and 30 beside its --lr, Megatron's 0.0 and 0 beside a command's own --lr. And --optimizer: the
 # model file's (gpt: muon) where whole weights are pretrained, adam where adapters or a post-training task train; a
-# model file's --lr and --min-lr go with the optimizer it names (gpt: muon), train.py's (AdamW's) with another.
+# model file's --lr and --min-lr go with the optimizer it names (gpt: muon); another optimizer takes the model file's
+# OPTIMIZER_DEFAULTS for it (bert: AdamW's own rates), else train.py's (AdamW's on the default shape).
 SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr")
 UNSET = "(not given)"
 

@@ -74,10 +74,12 @@ class ModelFile:
     Model: type
     # flags: add_arguments(parser) adds the model's own flags (Megatron's extra_args_provider); ARCH_FLAGS names those
     # of them that shape the weights (a checkpoint must match them, checkpoint.check_same_model); TRAIN_DEFAULTS are
-    # its defaults for train.py's flags (its default run)
+    # its defaults for train.py's flags (its default run); OPTIMIZER_DEFAULTS {optimizer: defaults} those that replace
+    # them where another --optimizer than the one TRAIN_DEFAULTS names runs (its learning rates: else train.py's)
     add_arguments: Callable = no_arguments
     ARCH_FLAGS: tuple = ()
     TRAIN_DEFAULTS: dict = dataclasses.field(default_factory=dict)
+    OPTIMIZER_DEFAULTS: dict = dataclasses.field(default_factory=dict)
     # config_fields(args, tok) -> Config fields the model file derives from its flags and the tokenizer (tok None:
     # not known yet), beside those arguments.model_config copies by name
     config_fields: Callable = lambda args, tok: {}

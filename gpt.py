@@ -120,6 +120,9 @@ class Model(nn.Module):
             (self.embedding.word_embeddings if pre_process else self.output_layer).weight.shared_embedding = True
         for p in self.embedding_and_output_weights():  # as Megatron's LanguageModule: --decoupled-lr's parameters
             p.is_embedding_or_output_parameter = True
+        for m in self.modules():  # the other lookup tables (positions, token types, relative-position buckets) are
+            if isinstance(m, nn.Embedding):  # no hidden layer either: AdamW's under --optimizer muon
+                m.weight.hidden_matrix = False
         self.init_params()
 
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:

@@ -2169,8 +2169,10 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
 
 
 def muon_eligible(p: nn.Parameter) -> bool:
-    """Muon's parameters: the hidden matrices (2-D, not the embedding or output layer); AdamW keeps the rest."""
-    return p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+    """Muon's parameters: the hidden matrices — 2-D, not the word embedding or output layer (Megatron's rule) nor
+    another lookup table or classifier head (`hidden_matrix` False: Jordan et al.'s rule); AdamW keeps the rest."""
+    return p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False) and \
+        getattr(p, "hidden_matrix", True)
 
 
 def orthogonalized(update: torch.Tensor, p: nn.Parameter, grid: Grid | None, steps: int, scale: float):

@@ -33,24 +33,32 @@ def named_full(model, grid, grads=False) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_steps(model, grid, batch, steps: int = 2, lr: float = 1e-3, loss_fn=None, eps: float = 1e-8):
-    """`steps` AdamW steps on `batch`; the loss is sum over tokens / number of tokens (DESIGN.md §2)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=eps, foreach=False)
+def train_steps(model, grid, batch, steps: int = 2, lr: float = 1e-3, loss_fn=None, eps: float = 1e-8, muon=False):
+    """`steps` AdamW steps on `batch` (muon: parallel.Muon's steps, AdamW's settings for the rest); the loss is sum
+    over tokens / number of tokens (DESIGN.md §2)."""
+    opt = muon_optimizer(model, grid, lr, eps) if muon else \
+        torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=eps, foreach=False)
     losses, grads = [], None
     for step in range(steps):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         if loss_fn is None:
             per_token = model(batch[:, :-1], labels=batch[:, 1:])  # [b, s]
             loss = per_token.sum() / per_token.numel()
         else:
             loss = loss_fn(model, batch)
         loss.backward()
-        P.finalize_grads(model, grid)
+        P.finalize_grads(model, grid)  # (parallel.Muon's finish_grad_sync, done here for either optimizer)
         losses.append(loss.detach().clone())
         if step == 0:
             grads = named_full(model, grid, grads=True)
         opt.step()
     return dict(losses=torch.stack(losses), grads=grads, params=named_full(model, grid))
+
+
+def muon_optimizer(chunks, grid, lr: float = 1e-3, eps: float = 1e-8) -> P.Muon:
+    """parallel.Muon with train.py's Muon defaults, and train_steps' AdamW settings for what Muon does not take."""
+    return P.Muon(chunks, grid, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2, lr=lr, betas=(0.9, 0.95),
+                  eps=eps, weight_decay=0.1)
 
 
 def forward_step(model, mb):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import bert
 import parallel as P
-from equivalence import assert_same
+from equivalence import assert_same, muon_optimizer
 
 SPECIAL = {"eod": 0, "pad": 1, "cls": 2, "sep": 3, "mask": 4}
 
@@ -87,12 +87,13 @@ def test_from_hf_needs_the_post_ln_residual():
 
 
 # --------------------------------------------------------------------------------------- 2. layouts
-def train_bert(grid, cfg, sp, M, batch, steps=2):
-    """`steps` AdamW steps on the global batch [B, 6, s] cut into DP shards and M micro-batches per rank."""
+def train_bert(grid, cfg, sp, M, batch, steps=2, muon=False):
+    """`steps` AdamW steps (muon: parallel.Muon's) on the global batch [B, 6, s] cut into DP shards and M
+    micro-batches per rank."""
     c = bert.Config(**cfg, sequence_parallel=sp)
     chunks = P.build_chunks(lambda pre, post, off, n: bert.Model(c, grid, pre, post, off, n), c.num_layers, grid)
-    opt = torch.optim.AdamW([p for m in chunks for p in m.parameters()], lr=1e-3, betas=(0.9, 0.95),
-                            weight_decay=0.1, foreach=False)
+    opt = muon_optimizer(chunks, grid) if muon else torch.optim.AdamW(
+        [p for m in chunks for p in m.parameters()], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     num_masked, num_seqs = bert.num_masked_tokens(batch), batch.shape[0]
     dp, d = (grid.dp_size, grid.dp.rank) if grid is not None else (1, 0)
     micro = list(batch.chunk(dp)[d].chunk(M))
@@ -101,7 +102,7 @@ def train_bert(grid, cfg, sp, M, batch, steps=2):
     step_fn = lambda model, mb: bert.loss_func(model, mb, num_masked, num_seqs)  # noqa: E731
     losses, grads = [], None
     for step in range(steps):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         loss = P.forward_backward(chunks, micro, step_fn, num_masked, grid, shape, c.params_dtype)
         P.finalize_grads(chunks, grid)
         loss = torch.as_tensor(loss, dtype=torch.float64).reshape(1)
@@ -125,9 +126,9 @@ def named(chunks, grid, grads):
     return out
 
 
-def layout_case(rank, n, cfg, tp, pp, sp, M, batch):
+def layout_case(rank, n, cfg, tp, pp, sp, M, batch, muon=False):
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
-    rec = train_bert(grid, cfg, sp, M, batch)
+    rec = train_bert(grid, cfg, sp, M, batch, muon=muon)
     return rec if grid.tp.rank == 0 and grid.dp.rank == 0 else None
 
 
@@ -146,10 +147,10 @@ CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=
            params_dtype=torch.float64, seed=3)
 
 
-def check_layout(pool, cfg, tp, pp, dp, sp, M, b, s, seed=0):
+def check_layout(pool, cfg, tp, pp, dp, sp, M, b, s, seed=0, muon=False):
     batch = make_batch(cfg["vocab_size"], b, s, seed, cfg.get("add_binary_head", True))
-    got = merge(pool.run(layout_case, tp * pp * dp, cfg=cfg, tp=tp, pp=pp, sp=sp, M=M, batch=batch))
-    ref = train_bert(None, cfg, False, 1, batch)
+    got = merge(pool.run(layout_case, tp * pp * dp, cfg=cfg, tp=tp, pp=pp, sp=sp, M=M, batch=batch, muon=muon))
+    ref = train_bert(None, cfg, False, 1, batch, muon=muon)
     return assert_same(got, ref, rtol=1e-10, what=f"tp={tp} pp={pp} dp={dp} sp={sp} M={M} {cfg}")
 
 
@@ -161,6 +162,14 @@ LAYOUTS = [(4, 1, 1), (2, 1, 2), (2, 2, 1), (1, 2, 2), (1, 1, 4)]
                                          (2, 2, 1, False), (2, 2, 1, True), (1, 2, 2, False), (1, 1, 4, False)])
 def test_layouts_equal_single_process_float64(pool, tp, pp, dp, sp):
     check_layout(pool, CFG, tp, pp, dp, sp, M=2, b=4 * dp, s=8)
+
+
+@pytest.mark.parametrize("tp,pp,dp,sp", [(2, 2, 1, True), (2, 1, 2, True)])
+def test_muon_equals_single_process_float64(pool, tp, pp, dp, sp):
+    """--optimizer muon (parallel.Muon) with BERT's heads: the pooler's and LM head's dense matrices are Muon's;
+    the binary head (a classifier) and the position and token-type tables stay AdamW's, as the word embedding."""
+    cfg = dict(CFG, position_embedding_type="learned_absolute")
+    check_layout(pool, cfg, tp, pp, dp, sp, M=2, b=4 * dp, s=8, muon=True)
 
 
 @given(st.sampled_from(LAYOUTS), st.booleans(),

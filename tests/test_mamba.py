@@ -109,7 +109,7 @@ def test_recurrent_step_equals_parallel_forward(pattern, pos):
 
 
 # --------------------------------------------------------------------------------------- 4. TP / SP / DP
-def mamba_case(rank, n, cfg, tp, dp, sp, b, s, plain_in_proj=False):
+def mamba_case(rank, n, cfg, tp, dp, sp, b, s, plain_in_proj=False, muon=False):
     grid = P.Grid(tp=tp, dp=dp)
     model = mamba.Model(mamba.Config(**cfg, sequence_parallel=sp), grid)
     if plain_in_proj:  # negative control: shard in_proj as one block (rank r: rows r·E/tp..), not per segment
@@ -124,7 +124,7 @@ def mamba_case(rank, n, cfg, tp, dp, sp, b, s, plain_in_proj=False):
         P.set_num_tokens(model, batch[:, 1:].numel())  # MoE aux losses follow the same rule (the schedules do this)
         return model(local[:, :-1], labels=local[:, 1:]).sum() / batch[:, 1:].numel()
 
-    rec = train_steps(model, grid, batch, loss_fn=loss_fn)
+    rec = train_steps(model, grid, batch, loss_fn=loss_fn, muon=muon)
     return rec if grid.tp.rank == 0 else None
 
 
@@ -135,8 +135,8 @@ def run_layout(pool, cfg, tp, dp, sp, b, s, **kw):
     return dict(recs[0], losses=sum(r["losses"] for r in recs))  # each DP rank holds its share of the loss
 
 
-def reference(cfg, b, s):
-    return train_steps(mamba.Model(mamba.Config(**cfg)), None, make_batch(cfg["vocab_size"], b, s, seed=7))
+def reference(cfg, b, s, muon=False):
+    return train_steps(mamba.Model(mamba.Config(**cfg)), None, make_batch(cfg["vocab_size"], b, s, seed=7), muon=muon)
 
 
 @st.composite
@@ -180,6 +180,15 @@ def test_in_proj_must_be_sharded_per_segment(pool):
     assert_same(run_layout(pool, cfg, 2, 1, False, 2, 8), ref, rtol=1e-10)
     with pytest.raises(AssertionError, match="worst relative error"):
         assert_same(run_layout(pool, cfg, 2, 1, False, 2, 8, plain_in_proj=True), ref, rtol=1e-10)
+
+
+@pytest.mark.parametrize("tp,dp,sp", [(2, 1, True), (2, 2, False)])
+def test_muon_equals_single_process_float64(pool, tp, dp, sp):
+    """--optimizer muon (parallel.Muon): each TP rank orthogonalizes the whole in_proj, its per-segment shards
+    all-gathered, and keeps its own segments' rows; conv1d (3-D), A_log, D and dt_bias stay AdamW's."""
+    cfg = dict(TINY, hybrid_layer_pattern="M*-", mamba_num_groups=2, seed=4)
+    assert_same(run_layout(pool, cfg, tp, dp, sp, 2 * dp, 8, muon=True), reference(cfg, 2 * dp, 8, muon=True),
+                rtol=1e-10, what=f"muon tp={tp} dp={dp} sp={sp}")
 
 
 def mamba_pp_case(rank, n, cfg, tp, pp, sp, b, s, M):

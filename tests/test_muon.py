@@ -159,10 +159,33 @@ ADAM_LR = (3e-3, 3e-4)  # train.py's own
     (["--task", "dpo"], ("adam", *ADAM_LR)),  # post-training: AdamW unless told otherwise
     (["--task", "grpo"], ("adam", 3e-4, 3e-5)),  # (with the task's own learning rates)
     (["--lora-rank", "4", "--pretrained-checkpoint", "BASE"], ("adam", *ADAM_LR)),
-    (["--model", "bert"], ("adam", 2.5e-4, 2.5e-5)),  # a model file without its own optimizer: the flag's, its lr
-    (["--model", "bert", "--optimizer", "muon"], ("muon", 2.5e-4, 2.5e-5)),
+    (["--model", "bert"], ("muon", 5e-3, 5e-4)),  # bert's own rates for Muon,
+    (["--model", "bert", "--optimizer", "adam"], ("adam", 2.5e-4, 2.5e-5)),  # and for AdamW (bert.OPTIMIZER_DEFAULTS)
+    (["--model", "t5", "--optimizer", "adam"], ("adam", *ADAM_LR)),  # none declared: train.py's
+    (["--model", "retro"], ("adam", *ADAM_LR)),  # a model file without an optimizer of its own: the flag's
+    (["--model", "retro", "--optimizer", "muon"], ("muon", *ADAM_LR)),
     (["--optimizer", "adam", "--lr", "1e-3"], ("adam", 1e-3, 0.0)),  # a command's own --lr: Megatron's min-lr
 ])
 def test_the_default_optimizer_and_its_learning_rates(flags, want):
     args = arguments.parse_args(flags)
     assert (args.optimizer, args.lr, args.min_lr) == want
+
+
+@pytest.mark.parametrize("model", ["gpt", "bert", "t5", "mamba", "retro", "llava"])
+def test_muon_takes_the_hidden_matrices_and_nothing_else(model):
+    """Muon's matrices in each model file's default model (learned positions where it has them): every 2-D weight
+    but the word embedding and output layer (Megatron's is_embedding_or_output_parameter), the other lookup tables
+    (positions, token types, T5's relative-position buckets) and BERT's binary classifier."""
+    import contract
+    mf = contract.model_file(model)
+    flags = ["--model", model] + (["--position-embedding-type", "learned_absolute"] if model in ("gpt", "bert") else [])
+    args = arguments.check_args(arguments.parse_args(flags), world=1)
+    net = mf.Model(arguments.model_config(mf, args, 512))
+    muon = {k for k, p in net.named_parameters() if P.muon_eligible(p)}
+    matrices = {k for k, p in net.named_parameters() if p.dim() == 2}
+    lookups_and_heads = {k for k in matrices if any(
+        t in k for t in ("embedding", "relative_attention_bias", "binary_head", "output_layer"))}
+    assert lookups_and_heads and muon == matrices - lookups_and_heads, sorted(muon ^ (matrices - lookups_and_heads))
+    assert {"embedding.position_embeddings.weight"} <= lookups_and_heads if model in ("gpt", "bert") else True
+    if model == "bert":  # (the negative control: these are matrices the rule must keep)
+        assert {k for k in muon if "pooler" in k or "lm_head" in k} == {"pooler.dense.weight", "lm_head.dense.weight"}

@@ -135,14 +135,14 @@ def make_t5_batch(b, seed, raw=20, se=20, sd=8):
                               decoder_seq_length=sd)
 
 
-def t5_case(rank, n, cfg, tp, sp, b, seed):
+def t5_case(rank, n, cfg, tp, sp, b, seed, muon=False):
     grid = P.Grid(tp=tp, dp=n // tp) if n > 1 else None
     model = t5.Model(t5.Config(**cfg, sequence_parallel=sp), grid)
     batch = make_t5_batch(b, seed)
     count = batch["loss_mask"].sum()  # the global number of target tokens (DESIGN.md §2)
     dp, r = (grid.dp_size, grid.dp.rank) if grid is not None else (1, 0)
     mine = {k: v.chunk(dp)[r] for k, v in batch.items()}
-    rec = train_steps(model, grid, mine, loss_fn=lambda m, bt: t5.t5_loss(m, bt) / count)
+    rec = train_steps(model, grid, mine, loss_fn=lambda m, bt: t5.t5_loss(m, bt) / count, muon=muon)
     return rec if grid is None or grid.tp.rank == 0 else None
 
 
@@ -191,6 +191,17 @@ def test_t5_sequence_parallel_equals_single_process_float64(pool, tp, cfg):
     ref = t5_case(0, 1, cfg, 1, False, 8, seed=5)
     res = [r for r in pool.run(t5_case, 4, cfg=cfg, tp=tp, sp=True, b=8, seed=5) if r is not None]
     assert_same(dict(res[0], losses=sum(r["losses"] for r in res)), ref, rtol=1e-10, what=f"tp={tp} sp")
+
+
+@pytest.mark.parametrize("tp,cfg", [
+    (2, PINNED), (4, dict(PINNED, normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True))],
+    ids=["tp2-dp2-sp", "tp4-sp"])
+def test_muon_equals_single_process_float64(pool, tp, cfg):
+    """--optimizer muon (parallel.Muon): the encoder's and decoder's matrices (self- and cross-attention) each
+    orthogonalized whole across TP; the relative-position tables (a lookup, sharded by heads) stay AdamW's."""
+    ref = t5_case(0, 1, cfg, 1, False, 8, seed=6, muon=True)
+    res = [r for r in pool.run(t5_case, 4, cfg=cfg, tp=tp, sp=True, b=8, seed=6, muon=True) if r is not None]
+    assert_same(dict(res[0], losses=sum(r["losses"] for r in res)), ref, rtol=1e-10, what=f"muon tp={tp}")
 
 
 MOE_T5 = dict(PINNED, num_layers=3, encoder_num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,

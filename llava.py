@@ -379,9 +379,12 @@ def config_fields(args, tok) -> dict:
     return {} if i is None else {"image_token_index": i}
 
 
+# `make train MODEL=llava`: Muon for the hidden matrices at 3x AdamW's 2e-3 (bench/README.md "Levers for the other
+# default runs" measured both); --optimizer adam takes AdamW's own rates
 TRAIN_DEFAULTS = dict(seq_length=36, num_layers=2, hidden_size=128, num_attention_heads=4, drop_vision_class_token=True,
-                      micro_batch_size=32, global_batch_size=32, train_iters=600, lr=2e-3, min_lr=2e-4,
-                      eval_interval=100, eval_iters=4)
+                      micro_batch_size=32, global_batch_size=32, train_iters=600, optimizer="muon", lr=6e-3,
+                      min_lr=6e-4, eval_interval=100, eval_iters=4)
+OPTIMIZER_DEFAULTS = dict(adam=dict(lr=2e-3, min_lr=2e-4))
 
 
 def ascii_image(img) -> str:

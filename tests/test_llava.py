@@ -110,7 +110,7 @@ def small_batch(b, seed, cls, s=12):
     return ids, torch.randn(b, 3, 8, 8, generator=g, dtype=torch.float64)
 
 
-def llava_case(rank, n, cfg, tp, sp, b, seed, gather_bug=False):
+def llava_case(rank, n, cfg, tp, sp, b, seed, gather_bug=False, muon=False):
     grid = P.Grid(tp=tp, dp=n // tp) if n > 1 else None
     model = llava.Model(llava.Config(**cfg, sequence_parallel=sp), grid)
     start = {k: v.clone() for k, v in model.named_parameters()}
@@ -122,7 +122,7 @@ def llava_case(rank, n, cfg, tp, sp, b, seed, gather_bug=False):
         P.gather_from_sp = lambda x, g, tp_output_grad=True: real(x, g, True)
     try:
         rec = train_steps(model, grid, (ids.chunk(dp)[r], px.chunk(dp)[r]),
-                          loss_fn=lambda m, bt: m(bt[0][:, :-1], bt[1], labels=bt[0][:, 1:]).sum() / count)
+                          loss_fn=lambda m, bt: m(bt[0][:, :-1], bt[1], labels=bt[0][:, 1:]).sum() / count, muon=muon)
     finally:
         P.gather_from_sp = real
     rec["frozen"] = {model.global_name(k): (p.grad is None, torch.equal(p.detach(), start[k]))
@@ -132,7 +132,7 @@ def llava_case(rank, n, cfg, tp, sp, b, seed, gather_bug=False):
 
 def run_layout(pool, cfg, tp, sp, b=4, seed=3, **kw):
     """(the layout's record, DP ranks' losses summed; the single process's record)."""
-    ref = llava_case(0, 1, cfg, 1, False, b, seed)
+    ref = llava_case(0, 1, cfg, 1, False, b, seed, muon=kw.get("muon", False))
     res = [r for r in pool.run(llava_case, 4, cfg=cfg, tp=tp, sp=sp, b=b, seed=seed, **kw) if r is not None]
     return dict(res[0], losses=sum(r["losses"] for r in res)), ref
 
@@ -173,6 +173,16 @@ def test_llava_sequence_parallel_equals_single_process_float64(pool, tp, freeze)
     cfg = dict(SMALL, num_query_groups=4, **{freeze: True})
     got, ref = run_layout(pool, cfg, tp, sp=True)
     assert_same(got, ref, rtol=1e-10, what=f"tp={tp} sp {freeze}")
+    check_frozen(got, ref, cfg)
+
+
+@pytest.mark.parametrize("tp,freeze", [(2, "freeze_vision_model"), (4, None)])
+def test_muon_equals_single_process_float64(pool, tp, freeze):
+    """--optimizer muon (parallel.Muon): the ViT's, projector's and LM's hidden matrices orthogonalized whole across
+    TP; the ViT's position table, class token and patch convolution stay AdamW's; a frozen tower is in neither."""
+    cfg = dict(SMALL, num_query_groups=4, **({freeze: True} if freeze else {}))
+    got, ref = run_layout(pool, cfg, tp, sp=True, muon=True)
+    assert_same(got, ref, rtol=1e-10, what=f"muon tp={tp} sp {freeze}")
     check_frozen(got, ref, cfg)
 
 

@@ -382,7 +382,7 @@ def test_parallel_sections_stay_short():
 # "untested" (not refused, no test), or "—" (not supported). A feature maps to the Config.UNSUPPORTED key that
 # refuses it, or to the hook a model file has or not (None: nothing refuses it, so no model may show "—").
 FEATURES = {"TP": None, "SP": None, "PP": "pipeline_parallel", "VPP": "pipeline_parallel", "DP": None, "ZeRO-1": None,
-            "CP": "context_parallel", "EP/MoE": None, "FP8": None, "post-training tasks": "post_training",
+            "CP": "context_parallel", "EP/MoE": None, "FP8": None, "Muon": None, "post-training tasks": "post_training",
             "generation (sample)": "sample", "HF in (from_hf)": "from_hf", "HF out (export)": "export",
             "HF folders (import-hf)": "hf_folders"}
 HOOKS = {"sample": "sample", "export": "to_hf"}  # the ModelFile hook behind a feature (from_hf: the module's function)

@@ -89,14 +89,14 @@ def _loss_fn(dp_rank, dp, global_tokens):
     return f
 
 
-def layout_case(rank, n, tp, sp, num_layers, b=4, s=8, break_sp=False):
+def layout_case(rank, n, tp, sp, num_layers, b=4, s=8, break_sp=False, muon=False):
     grid = P.Grid(tp=tp, dp=n // tp)
     gather = P.gather_from_sp
     if break_sp:  # negative control: the CCA's sequence all-gather reduce-scatters its grad (counts it tp times)
         P.gather_from_sp = lambda x, g, tp_output_grad=True: gather(x, g, True)
     try:
         model = retro.Model(retro.Config(**dict(CFG, num_layers=num_layers), sequence_parallel=sp), grid)
-        rec = train_steps(model, grid, batch(b, s, 5), loss_fn=_loss_fn(grid.dp.rank, grid.dp_size, b * s))
+        rec = train_steps(model, grid, batch(b, s, 5), loss_fn=_loss_fn(grid.dp.rank, grid.dp_size, b * s), muon=muon)
     finally:
         P.gather_from_sp = gather
     rec["losses"] = P.all_reduce(rec["losses"], grid.dp)  # each DP rank summed its rows' share of the loss
@@ -104,9 +104,9 @@ def layout_case(rank, n, tp, sp, num_layers, b=4, s=8, break_sp=False):
 
 
 @functools.cache
-def _reference(num_layers, b=4, s=8):
+def _reference(num_layers, b=4, s=8, muon=False):
     model = retro.Model(retro.Config(**dict(CFG, num_layers=num_layers)))
-    return train_steps(model, None, batch(b, s, 5), loss_fn=_loss_fn(0, 1, b * s))
+    return train_steps(model, None, batch(b, s, 5), loss_fn=_loss_fn(0, 1, b * s), muon=muon)
 
 
 @pytest.mark.parametrize("tp,sp,num_layers", [(1, False, 6), (2, True, 6), (2, False, 9), (4, True, 9)])
@@ -115,6 +115,14 @@ def test_layouts_equal_single_process(pool, tp, sp, num_layers):
     got = pool.run(layout_case, 4, tp=tp, sp=sp, num_layers=num_layers)[0]
     err = assert_same(got, _reference(num_layers), 1e-10, f"tp={tp} dp={4 // tp} sp={sp} L={num_layers}")
     print(f"retro tp={tp} dp={4 // tp} sp={sp} L={num_layers}: worst relative error {err:.1e}")
+
+
+@pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])
+def test_muon_equals_single_process(pool, tp, sp):
+    """--optimizer muon (parallel.Muon): the decoder's, the CCA's and the neighbour encoder's matrices orthogonalized
+    whole across TP (their shards all-gathered), each rank keeping its own; the rest AdamW's."""
+    got = pool.run(layout_case, 4, tp=tp, sp=sp, num_layers=9, muon=True)[0]
+    assert_same(got, _reference(9, muon=True), 1e-10, f"muon tp={tp} dp={4 // tp} sp={sp}")
 
 
 def test_negative_control_wrong_sp_gather_fails(pool):

@@ -337,7 +337,8 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int = 0, temperature:
            ) -> str:
     """tools.py sample for BERT (a masked LM: it fills blanks, it does not continue text): every <mask> in the prompt
     (one appended if it has none) replaced by the model's prediction — the most likely token at temperature 0, else
-    one sampled (top-k) — as pretraining saw it: [CLS] prompt [SEP]. max_new_tokens is not used."""
+    one sampled (top-k) — as pretraining saw it: [CLS] prompt [SEP]; never a special token (it would print as
+    nothing). max_new_tokens is not used."""
     sp = data.special_ids(tok)
     ids = tok.encode(prompt, add_special_tokens=False).ids  # "<mask>" in the text is the mask token
     if sp["mask"] not in ids:
@@ -346,7 +347,9 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int = 0, temperature:
     logits, _ = model.eval()(ids)  # [1, s, V]
     at = (ids[0] == sp["mask"]).nonzero()[:, 0]
     filled = ids[0].clone()
-    filled[at] = gpt.sample_next(logits[0, at], temperature, top_k)[:, 0]
+    specials = [sp[r] for r in data.ROLES] + sp["sentinels"]
+    filled[at] = gpt.sample_next(logits[0, at].index_fill(-1, torch.tensor(specials), -torch.inf), temperature,
+                                 top_k)[:, 0]
     shown = [f"[{tok.decode([int(t)])}]" if i in at else tok.decode([int(t)]) for i, t in enumerate(filled[1:-1], 1)]
     return "".join(shown)
 

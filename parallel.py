@@ -31,7 +31,7 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
                                                                   transformer_engine/pytorch/fp8.py
   12   1885-2148  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2149-2268  Muon                                            megatron/core/optimizer/muon.py
+  13   2149-2270  Muon                                            megatron/core/optimizer/muon.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,

@@ -18,7 +18,7 @@ if [ ! -f .devdata/stdlib.jsonl ]; then
   mkdir -p .devdata/cache
   $PY -c "import json, data; [print(json.dumps({'text': d})) for d in data.load_documents(None)]" > .devdata/stdlib.jsonl
 fi
-D="--data-path .devdata/stdlib.jsonl --data-cache-dir .devdata/cache"
+D="--data-path .devdata/stdlib.jsonl --data-cache-dir .devdata/cache --optimizer adam"  # AdamW: the default then
 R=$OUT/runs; mkdir -p $R; i=0; pids=()
 run() { local name=$1; shift; local c="$((2*i)),$((2*i+1))"; i=$((i+1))
   ( s=$SECONDS; timeout 300 taskset -c $c $PY train.py $D --save $R/$name "$@" > $R/$name.log 2>&1
@@ -30,8 +30,8 @@ run gpt_moe --model gpt --train-iters 500 --num-experts 4 --moe-router-topk 2
 run bert_default $B --lr 1e-3 --min-lr 1e-4
 run bert_lr3e-3 $B --lr 3e-3 --min-lr 3e-4
 run bert_2000 $B --lr 1e-3 --min-lr 1e-4 --train-iters 2000
-run t5 --model t5
-run mamba --model mamba --mamba-num-groups 1
+run t5 --model t5 --train-iters 500
+run mamba --model mamba --mamba-num-groups 1 --train-iters 500
 timeout 280 $PY -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py tests/test_fp8.py > $OUT/pytest.txt 2>&1
 wait "${pids[@]}"  # not a bare `wait`: that would also wait for process substitutions
 cat $R/rc.txt; grep -h "validation loss" $R/*.log | tail -20

@@ -163,8 +163,7 @@ ADAM_LR = (3e-3, 3e-4)  # train.py's own
     (["--model", "bert", "--optimizer", "adam"], ("adam", 2.5e-4, 2.5e-5)),  # and for AdamW (bert.OPTIMIZER_DEFAULTS)
     (["--model", "t5", "--optimizer", "adam"], ("adam", *ADAM_LR)),  # none declared: train.py's
     (["--model", "llava", "--optimizer", "adam"], ("adam", 2e-3, 2e-4)),
-    (["--model", "retro"], ("adam", *ADAM_LR)),  # a model file without an optimizer of its own: the flag's
-    (["--model", "retro", "--optimizer", "muon"], ("muon", *ADAM_LR)),
+    (["--model", "retro"], ("muon", 9e-3, 9e-4)),
     (["--optimizer", "adam", "--lr", "1e-3"], ("adam", 1e-3, 0.0)),  # a command's own --lr: Megatron's min-lr
 ])
 def test_the_default_optimizer_and_its_learning_rates(flags, want):

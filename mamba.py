@@ -48,9 +48,8 @@ class DefaultPattern(str):
     layers at attention ratio 1/7 and MLP ratio 3/7."""
 
 
-# `make train MODEL=mamba` (train.py reads these as its flag defaults): a small hybrid, 3 Mamba + 1 attention +
-# 3 MLP layers; 350 iterations fit the 8-minute budget on 2 CPU cores with Muon for the hidden matrices at 3x AdamW's
-# rate (bench/README.md "Levers for the other default runs" measured both).
+# `make train MODEL=mamba`: a small hybrid, 3 Mamba + 1 attention + 3 MLP layers; Muon at 3x AdamW's rate, 350
+# iterations in 8 minutes (bench/README.md, "Levers for the other default runs")
 TRAIN_DEFAULTS = dict(hybrid_layer_pattern=DefaultPattern("M-M*-M-"), num_layers=7, hidden_size=256,
                       num_attention_heads=8, mamba_num_groups=8, mamba_head_dim=32, mamba_state_dim=32, mamba_chunk_size=64,
                       position_embedding_type="none", normalization="RMSNorm", train_iters=350, optimizer="muon",

@@ -53,10 +53,10 @@ train: $(STAMP)
 sample: $(STAMP)
 	$(PY) tools.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)
 
-# An OpenAI-compatible HTTP server for the run in RUN (server.py; port 8000 unless ARGS="--port N"; NPROC=2 TP=2 serves
+# An OpenAI-compatible HTTP server for the run in RUN (serving/server.py; port 8000 unless ARGS="--port N"; NPROC=2 TP=2 serves
 # it at TP 2); Ctrl-C or SIGTERM stops it after the requests in flight are answered
 serve: $(STAMP)
-	$(LAUNCH) server.py --load $(RUN) --tensor-model-parallel-size $(TP) $(ARGS)
+	$(LAUNCH) tools.py serve --load $(RUN) --tensor-model-parallel-size $(TP) $(ARGS)
 
 # Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs
 # Hugging Face transformers (GPT-2, Llama, BERT, T5, Mamba-2 rows, each in a fresh process), fp32 (bench/bench_hf.py;

@@ -27,14 +27,14 @@ import torch
 import yaml
 
 import data
-import hf
-import lora
 import scheduler
 from config import ConfigError  # noqa: F401 (re-exported: the error every flag check raises)
 from contract import default_model, model_file, model_files
+from interop import hf
+from posttraining import lora
 
 TASKS = ("pretrain", "sft", "dpo", "kto", "rm", "grpo", "ppo")  # --task: pretraining, a post-training task
-# (posttrain.py), or online RL (rl.py)
+# (posttraining/recipes.py), or online RL (posttraining/rl.py)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -339,7 +339,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--recompute-method", default=None, choices=["uniform", "block"],
       help="full only: uniform = chunks of --recompute-num-layers layers; block = the first N layers of each stage")
     a("--recompute-num-layers", type=int, default=None)
-    # post-training (lora.py, checkpoint.py): LoRA adapters on a frozen model; weights-only loading (--finetune)
+    # post-training (posttraining/lora.py, checkpoint.py): LoRA adapters on a frozen model; weights-only loading (--finetune)
     a("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on the frozen model (default: off)")
     a("--lora-alpha", type=float, default=None, help="LoRA scale = alpha / rank (default: alpha = rank)")
     a("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
@@ -348,11 +348,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
                                               "iteration 0, a fresh optimizer and RNG (continued pretraining, SFT, LoRA)")
     a("--pretrained-checkpoint", default=None, help="the run to start from (weights only) while --load has no checkpoint "
       "(a Hugging Face folder: `tools.py import-hf` it first)")
-    a("--hf-architecture", type=json.loads, default=None, help=argparse.SUPPRESS)  # set by a checkpoint only (hf.py)
-    # post-training tasks (posttrain.py): supervised fine-tuning, preference optimization, reward models
+    a("--hf-architecture", type=json.loads, default=None, help=argparse.SUPPRESS)  # set by a checkpoint only (interop/hf.py)
+    # post-training tasks (posttraining/recipes.py): supervised fine-tuning, preference optimization, reward models
     a("--task", default="pretrain", choices=TASKS, help="sft: response tokens only; dpo / kto: against a frozen "
       "reference model (the starting weights); rm: a reward model (a value head, Bradley-Terry loss on pairs); "
-      "grpo / ppo: online RL on the policy's own samples (rl.py; ppo adds a value head beside the output)")
+      "grpo / ppo: online RL on the policy's own samples (posttraining/rl.py; ppo adds a value head beside the output)")
     a("--dpo-beta", type=float, default=0.1, help="DPO: the KL penalty's strength beta")
     a("--dpo-label-smoothing", type=float, default=0.0, help="cDPO: the assumed fraction of flipped preferences")
     a("--kto-beta", type=float, default=0.1, help="KTO: beta")
@@ -759,7 +759,7 @@ def megatron_flags(args) -> dict:
 
 
 def check_task_args(args, mf):
-    """A post-training task (posttrain.py) runs on the decoders' next-token path: what it does not cover."""
+    """A post-training task (posttraining/recipes.py) runs on the decoders' next-token path: what it does not cover."""
     task, cp = args.task, args.context_parallel_size
     if args.packing and task != "sft":
         raise ConfigError(f"--packing packs SFT samples: it needs --task sft (it is {task})")
@@ -967,11 +967,11 @@ ARCH_FLAGS += ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head
 ARCH_FLAGS += ["moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",  # MoE routing
                "moe_router_enable_expert_bias"]
 ARCH_FLAGS += ["kv_channels", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "qk_layernorm"]  # Megatron's
-ARCH_FLAGS += ["hf_architecture"]  # a model imported from a Hugging Face folder: its config.json and tensors (hf.py)
+ARCH_FLAGS += ["hf_architecture"]  # a model imported from a Hugging Face folder: its config.json and tensors (interop/hf.py)
 
 
 def flags_of(c, mf) -> dict:
-    """{flag: value} saying what the Config `c` of an imported model says (hf.py), where a carried flag (ARCH_FLAGS)
+    """{flag: value} saying what the Config `c` of an imported model says (interop/hf.py), where a carried flag (ARCH_FLAGS)
     spells it and its value is not what the defaults already give: what the import records, so a run's printed flags
     show the model's shape."""
     defaults = vars(parse_args(["--model", mf.name]))
@@ -1012,7 +1012,7 @@ def model_config(mf, args, vocab_size: int | None = None, tok=None):
               **({"vocab_size": vocab_size} if vocab_size is not None else {}), **mf.config_fields(args, tok))
     try:
         c = mf.Config(**{k: v for k, v in kw.items() if k in fields})
-        if getattr(args, "hf_architecture", None):  # a model imported from a Hugging Face folder (hf.py)
+        if getattr(args, "hf_architecture", None):  # a model imported from a Hugging Face folder (interop/hf.py)
             c = _imported_config(mf, c, args)
         tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
         c.check_layout(tp, pp, ep)

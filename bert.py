@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import convert
 import data
 import gpt
 import metrics
 import parallel as P
 import transformer
+from interop import convert
 
 
 @dataclass
@@ -367,8 +367,8 @@ def mlm_accuracy(model, batch) -> tuple[int, int]:
     return int((logits.argmax(-1)[m] == labels[m]).sum()), int(m.sum())
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
-HF_CONVERTERS = {"bert": convert.bert_from_hf}  # model_type -> converter (hf.py)
+# ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
+HF_CONVERTERS = {"bert": convert.bert_from_hf}  # model_type -> converter (interop/hf.py)
 
 
 def from_hf(hf, grid=None, dtype=None) -> Model:

@@ -34,11 +34,11 @@ import torch.distributed.checkpoint as dcp
 
 import arguments
 import data
-import hf
-import lora
 import parallel as P
 from arguments import Args, ConfigError, model_config, parse_args
 from contract import ModelFile, model_file
+from interop import hf
+from posttraining import lora
 
 
 class Checkpoint(NamedTuple):
@@ -51,8 +51,8 @@ ADDED = "added_to_base"  # p.added_to_base = True: a parameter a run adds on top
 
 
 def added_to_base(p) -> bool:
-    """A parameter a run adds on top of its base model (LoRA adapters, lora.py; a reward model's value head,
-    posttrain.py): a base checkpoint need not hold it, and a run on a frozen base (LoRA) saves only these."""
+    """A parameter a run adds on top of its base model (LoRA adapters, posttraining/lora.py; a reward model's value head,
+    posttraining/recipes.py): a base checkpoint need not hold it, and a run on a frozen base (LoRA) saves only these."""
     return getattr(p, ADDED, False)
 
 
@@ -517,10 +517,10 @@ class Loaded(NamedTuple):
 
 def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: int = 1, ep: int = 1) -> Loaded:
     """A saved run for inference: in one process (TP = PP = 1; tools.py and Retro's BERT chunk embedder read runs so),
-    or on a world of tp x ep ranks (server.py: the checkpoint, saved at any layout, read as this rank's TP shard, the
+    or on a world of tp x ep ranks (serving/server.py: the checkpoint, saved at any layout, read as this rank's TP shard, the
     experts split over ep ranks that all hold the same tokens; no sequence parallelism, one pipeline stage). A LoRA
     run: its base model with the adapters, merged into the weights (lora.merge) unless merge=False. `extend(model)`:
-    what the run added on top of the model before it was saved (posttrain.add_value_head for a reward model), so that
+    what the run added on top of the model before it was saved (recipes.add_value_head for a reward model), so that
     it loads too."""
     ckpt = find_checkpoint(load_dir, step, flag)
     if ckpt is None:

@@ -50,7 +50,7 @@ class Config:
     ffn_hidden_size: int | None = None  # None = 4·h
     vocab_size: int = 8192
     make_vocab_size_divisible_by: int = 128
-    mask_vocab_padding: bool = False  # the padded rows out of the loss's softmax: a Hugging Face model's loss (hf.py)
+    mask_vocab_padding: bool = False  # the padded rows out of the loss's softmax: a Hugging Face model's loss (interop/hf.py)
     max_position_embeddings: int = 1024
     position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope" | "yarn" | "none"
     rotary_base: float = 10000.0

@@ -2,7 +2,7 @@
 reads it (every hook with its default).
 
 `--model NAME` imports NAME.py — a model file of this repository, or your own anywhere on the Python path — and the
-infrastructure (arguments.py, checkpoint.py, train.py, tools.py, posttrain.py) asks it everything through the
+infrastructure (arguments.py, checkpoint.py, train.py, tools.py, posttraining/recipes.py) asks it everything through the
 ModelFile this returns: its flags, its samples, its loss recipe, its FLOPs, whether it samples or exports, what it
 does not support and why. None of them names a model (tests/test_repo.py checks it), so a new model touches its own
 file and its tests, nothing else. A file of its own because every piece of the infrastructure asks these questions
@@ -107,7 +107,7 @@ class ModelFile:
     sample_ids: Callable | None = None
     to_hf: Callable | None = None
     # HF_CONVERTERS: {Hugging Face model_type: converter(hf, Config, dtype) -> (Config, full state dict)} — the
-    # folders tools.py import-hf reads as this model (hf.py)
+    # folders tools.py import-hf reads as this model (interop/hf.py)
     HF_CONVERTERS: dict = dataclasses.field(default_factory=dict)
     # HF_LAYOUTS: {model_type: {"renames": [(regex, replacement)], "experts": (gate, up, down), "copies": [(regex,
     # [source names])]}} — how the folder stores what a live `transformers` model holds otherwise (hf.memory_state),

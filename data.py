@@ -147,7 +147,7 @@ class Roles:
     cls, a Hugging Face folder's eos_token is eod). Kept on the tokenizer (`tok.roles`, read by roles_of) and saved
     beside its tokenizer.json (save_tokenizer), so a resumed run, tools.py and an export find the same roles. A Hugging
     Face folder's chat template rides along (chat_template, chat_tokens): post-training renders its conversations with
-    it (posttrain.encode_chat), tools.py sample --chat prompts with it and export writes it back."""
+    it (recipes.encode_chat), tools.py sample --chat prompts with it and export writes it back."""
     tokenizer_type: str | None = None  # the --tokenizer-type that made the tokenizer (None: ours)
     eod: str = SPECIAL_TOKENS[0]
     pad: str = SPECIAL_TOKENS[1]
@@ -155,7 +155,7 @@ class Roles:
     sep: str = SPECIAL_TOKENS[3]
     mask: str = SPECIAL_TOKENS[4]
     add_special_tokens: bool = False  # documents: encoded with the post-processor (Megatron's HuggingFaceTokenizer)
-    fixed: bool = False  # an imported model's own tokenizer (hf.py): nothing is added to it, it has no sentinels
+    fixed: bool = False  # an imported model's own tokenizer (interop/hf.py): nothing is added to it, it has no sentinels
     chat_template: str | None = None  # a Hugging Face folder's own chat template (Jinja; render_chat_template)
     chat_tokens: dict = dataclasses.field(default_factory=dict)  # with it, the folder's named special tokens
     # ({"bos_token": "<s>", "eos_token": "</s>", ...}, as transformers' special_tokens_map): the template's variables
@@ -270,7 +270,7 @@ REFUSED_TOKENIZERS = {
     "MultimodalTokenizer": "the multimodal prompt formats (transformers' chat templates for images) are not "
                            "implemented; the image model here uses its own captions and tokenizer",
     "NullMultimodalTokenizer": "the multimodal prompt formats are not implemented",
-    "SFTTokenizer": "--task sft has its own chat template (posttrain.CHAT_TEMPLATE) on the run's tokenizer, or a "
+    "SFTTokenizer": "--task sft has its own chat template (recipes.CHAT_TEMPLATE) on the run's tokenizer, or a "
                     "HuggingFaceTokenizer folder's own chat template",
 }
 TOKENIZER_FILES = {  # what each type reads (check_args: the flags it needs)
@@ -387,7 +387,7 @@ def folder_tokenizer(folder) -> Tokenizer:
 
 # ----------------------------------------------------------------------------- a tokenizer folder's chat template
 # transformers' apply_chat_template (utils/chat_template_utils.py, tokenization_utils_base.py), which post-training
-# (posttrain.encode_chat), tools.py sample --chat and export follow byte for byte: the template is Jinja in a sandbox
+# (recipes.encode_chat), tools.py sample --chat and export follow byte for byte: the template is Jinja in a sandbox
 # with trim_blocks and lstrip_blocks (a tag's own line break and leading blanks render nothing), the loopcontrols
 # extension, a tojson filter that does not escape HTML, raise_exception and strftime_now; it sees messages,
 # tools=None, documents=None, add_generation_prompt and the folder's named special tokens (bos_token, eos_token, ...);
@@ -950,7 +950,7 @@ class MockDocuments:
 class Corpus:
     """What build_data finds and makes, passed on (args stay as parsed): the tokenizer, the model's vocabulary size
     (--vocab-size, else the tokenizer's), its end-of-document id (Megatron's tokenizer.eod), and the train, valid and
-    test datasets (None for a post-training task, which makes its own samples: posttrain.py; test: None without a test
+    test datasets (None for a post-training task, which makes its own samples: posttraining/recipes.py; test: None without a test
     part in --split)."""
     tokenizer: Tokenizer
     vocab_size: int

@@ -22,11 +22,11 @@ import torch
 from einops import rearrange
 from torch import nn
 
-import convert
 import data
 import deepseek
 import parallel as P
 from config import Config
+from interop import convert
 from rope import rope_for
 from transformer import Attention, Decoder, InferenceContext
 
@@ -171,7 +171,7 @@ class Model(nn.Module):
         c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)
         s = input_ids.shape[1]
         if c.position_embedding_type == "learned_absolute" and position_ids is not None:  # the table's rows read
-            if int(position_ids.max()) >= c.max_position_embeddings:  # (serve.py packs many requests in one row)
+            if int(position_ids.max()) >= c.max_position_embeddings:  # (serving/engine.py packs many requests in one row)
                 raise ValueError(f"position {int(position_ids.max())} >= max_position_embeddings="
                                  f"{c.max_position_embeddings}")
         elif c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
@@ -191,7 +191,7 @@ class Model(nn.Module):
     def forward(self, input_ids, labels=None, position_ids=None, mask=None, inference_context=None):
         """position_ids [b, s] / mask bool [b, 1, s, s] (True = attend): packed documents (data.Packing), else 0..s-1
         and causal. inference_context (transformer.InferenceContext): the KV cache; input_ids are the positions
-        after the cached ones. serve.py's paged cache passes all three: many requests' tokens packed in one row, their
+        after the cached ones. serving/engine.py's paged cache passes all three: many requests' tokens packed in one row, their
         positions, and a mask [1, 1, s, keys] over the keys its `append` returns."""
         self.check_input(input_ids, position_ids=position_ids)
         s, dev = input_ids.shape[1], input_ids.device
@@ -299,7 +299,7 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
     return tok.decode(ids + sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, generate))
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
+# ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
 to_hf = convert.gpt_to_hf  # tools.py export: a GPT-2, Llama or Mixtral directory (anything else refused by name)
 
 
@@ -308,10 +308,10 @@ HF_CONVERTERS = {"gpt2": convert.gpt_from_hf, "llama": convert.gpt_from_hf, "mis
                  "mixtral": convert.mixtral_from_hf, "qwen2": convert.qwen2_from_hf, "qwen3": convert.qwen3_from_hf,
                  "qwen2_moe": convert.qwen2_moe_from_hf, "qwen3_moe": convert.qwen3_moe_from_hf,
                  "deepseek_v3": convert.deepseek_from_hf}
-HF_LAYOUTS = {"mixtral": {"renames": [(r"\.block_sparse_moe\.", ".mlp.")], "experts": ("w1", "w3", "w2")},  # hf.py
+HF_LAYOUTS = {"mixtral": {"renames": [(r"\.block_sparse_moe\.", ".mlp.")], "experts": ("w1", "w3", "w2")},  # interop/hf.py
               **{t: {"experts": ("gate_proj", "up_proj", "down_proj")} for t in ("qwen2_moe", "qwen3_moe", "deepseek_v3")}}
 HF_LAYOUTS["deepseek_v3"]["copies"] = [(r"model\.layers\.\d+\.embed_tokens\.weight", ["model.embed_tokens.weight"]),
-                                       (r"model\.layers\.\d+\.shared_head\.head\.weight",  # MTP's (convert.py)
+                                       (r"model\.layers\.\d+\.shared_head\.head\.weight",  # MTP's (interop/convert.py)
                                         ["lm_head.weight", "model.embed_tokens.weight"])]
 
 

@@ -37,12 +37,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-import convert
 import data
 import gpt
-import hf
 import parallel as P
 import transformer
+from interop import convert, hf
 
 IMAGE_TOKEN = "<extra_id_99>"  # the placeholder: our tokenizers have no <image>, so the last T5 sentinel serves
 
@@ -195,7 +194,7 @@ class Model(gpt.Model):
 
     def embed(self, input_ids, images, position_ids):
         """gpt.Embedding with the image rows spliced in: ids, positions [b, s], images [k, n_img, h] -> [s(/tp), b, h].
-        Each row holds one image's tokens (k = b), or serve.py's packed row (b = 1) those of its k prefills' images."""
+        Each row holds one image's tokens (k = b), or serving/engine.py's packed row (b = 1) those of its k prefills' images."""
         c, e, b = self.config, self.embedding, input_ids.shape[0]
         is_image = input_ids == c.image_token_index  # [b, s]
         k, counts = 0 if images is None else images.shape[0], is_image.sum(1)
@@ -212,7 +211,7 @@ class Model(gpt.Model):
         return P.dropout(x, c.hidden_dropout, self.training, self.rng, sharded=c.sequence_parallel)
 
     def forward(self, input_ids, pixel_values=None, labels=None, position_ids=None, mask=None, inference_context=None):
-        """position_ids, mask, inference_context: as gpt.Model.forward's (a KV cache; serve.py's packed rows, whose
+        """position_ids, mask, inference_context: as gpt.Model.forward's (a KV cache; serving/engine.py's packed rows, whose
         pixel_values [k, 3, H, W] are the images of the row's prefills in order, None when it has no image token)."""
         self.check_input(input_ids, position_ids=position_ids)
         s, t = input_ids.shape[1], inference_context.sequence_len_offset if inference_context is not None else 0
@@ -371,7 +370,7 @@ ARCH_FLAGS = ("img_h", "img_w", "patch_dim", "vision_num_layers", "vision_hidden
 
 def config_fields(args, tok) -> dict:
     """The image token's id: the run's tokenizer's IMAGE_TOKEN, or an imported folder's config.json image_token_id
-    (hf.py), which its tokenizer must hold (its <image>). tok None (not known yet): the Config's default."""
+    (interop/hf.py), which its tokenizer must hold (its <image>). tok None (not known yet): the Config's default."""
     arch = getattr(args, "hf_architecture", None)
     i = hf.config_view(arch["config"]).image_token_id if arch else tok and tok.token_to_id(IMAGE_TOKEN)
     if tok is not None and (i is None or tok.id_to_token(i) is None):
@@ -413,9 +412,9 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
     return f"{ascii_image(img)}\nscene {index}: {truth.strip()}\nthe model: {said.strip()}"
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
-HF_CONVERTERS = {"llava": convert.llava_from_hf}  # model_type -> converter (hf.py)
-HF_LAYOUTS = {"llava": {"renames": [(r"^language_model\.lm_head\.", "lm_head."),  # stored -> live names (hf.py)
+# ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
+HF_CONVERTERS = {"llava": convert.llava_from_hf}  # model_type -> converter (interop/hf.py)
+HF_LAYOUTS = {"llava": {"renames": [(r"^language_model\.lm_head\.", "lm_head."),  # stored -> live names (interop/hf.py)
                                     (r"^language_model\.model\.", "model.language_model."),
                                     (r"^vision_tower\.", "model.vision_tower."),
                                     (r"^multi_modal_projector\.", "model.multi_modal_projector.")]}}

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-import convert
 import gpt
 import parallel as P
 import transformer
 from config import ConfigError
+from interop import convert
 
 SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}  # and "|": a pipeline-stage boundary
 
@@ -371,7 +371,7 @@ class MambaMixer(nn.Module):
 
     def forward(self, hidden, inference_context=None):  # [s(/tp), b, h] -> [s(/tp), b, h]
         """inference_context (decoding, serving): its `recurrent` runs `mix` from each sequence's held state and
-        keeps the state after (transformer.InferenceContext: one state per batch row; serve.py: one per request)."""
+        keeps the state after (transformer.InferenceContext: one state per batch row; serving/engine.py: one per request)."""
         z, xBC, dt = self.split(rearrange(self.in_proj(hidden), "s b e -> b s e"))  # all-gathers s under SP
         chunked = self.c.mamba_scan == "chunked" and xBC.shape[1] > 1  # one position: the recurrence's step
         mix = functools.partial(self.mix, scan=ssd_chunked if chunked else ssd_sequential)
@@ -511,8 +511,8 @@ def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperatu
     return gpt.sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, generate=generate, stop=stop)
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
-HF_CONVERTERS = {"mamba2": convert.mamba_from_hf}  # model_type -> converter (hf.py)
+# ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
+HF_CONVERTERS = {"mamba2": convert.mamba_from_hf}  # model_type -> converter (interop/hf.py)
 
 
 def from_hf(hf, grid=None, dtype=None) -> Model:

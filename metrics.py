@@ -156,7 +156,7 @@ class Logger:
         elif "test_loss" in rec:  # once, when training has ended (a --split with a test part)
             self.bar.write(f"iteration {rec['iteration']}: test loss {rec['test_loss']:.4f}")
         else:
-            more = {k: f"{rec[k]:.3g}" for k in ("tflops", "mfu", "reward", "kl") if k in rec}  # (reward, kl: rl.py)
+            more = {k: f"{rec[k]:.3g}" for k in ("tflops", "mfu", "reward", "kl") if k in rec}  # (reward, kl: posttraining/rl.py)
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
                                  tok_s=f"{rec['tokens_per_s']:.0f}", **more)
 

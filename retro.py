@@ -42,12 +42,12 @@ from einops import rearrange, repeat
 from torch import nn
 from tqdm import tqdm
 
-import convert
 import data
 import gpt
 import parallel as P
 import retrieval
 import transformer
+from interop import convert
 
 
 @dataclass

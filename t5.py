@@ -33,13 +33,13 @@ import torch
 from einops import rearrange
 from torch import nn
 
-import convert
 import data
 import gpt
 import metrics
 import parallel as P
 import transformer
 from config import ConfigError
+from interop import convert
 
 
 @dataclass
@@ -442,7 +442,7 @@ def flops(c: Config, B: int, se: int, sd: int | None = None) -> float:
     return 3 * 2 * B * (se * (enc + cross_kv) + sd * dec)
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints (convert.py)
+# ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     """A Model with the weights of a Megatron-core T5Model, from its full state dict. Names and layouts are
     Megatron's (cross-attention linear_kv per head [k; v], relative_attention_bias [B, n]); its second names for
@@ -453,7 +453,7 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     return convert.load(Model(config, grid), full)
 
 
-HF_CONVERTERS = {"t5": convert.t5_from_hf}  # model_type -> converter (hf.py)
+HF_CONVERTERS = {"t5": convert.t5_from_hf}  # model_type -> converter (interop/hf.py)
 
 
 def from_hf(hf, grid=None, dtype=None) -> Model:

@@ -14,7 +14,7 @@ file of its own so that train.py is only the training loop. Each command loads t
     python tools.py import-megatron --load runs/gpt-mcore --save runs/gpt-from-mcore --model gpt \
         --tokenizer-file runs/gpt/tokenizer.json    # a Megatron-core checkpoint as a run (architecture flags: see below)
 
-sample --chat: --prompt is one user turn of the chat template the SFT task trains on (posttrain.py section 1), then
+sample --chat: --prompt is one user turn of the chat template the SFT task trains on (posttraining/recipes.py section 1), then
 the assistant's header, `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized piece by piece as SFT's samples are; the
 model answers until the end-of-document token, and only the answer is printed. A causal language model's (its model
 file's sample_ids, contract.py); anything else is refused.
@@ -53,12 +53,10 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import convert
 import data
-import hf
-import lora
-import posttrain
 from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args
+from interop import convert, hf
+from posttraining import lora, recipes
 
 
 def refuse_reward_model(run, load):
@@ -99,11 +97,11 @@ def sample(a):
 
 def chat_answer(run, prompt: str, max_new_tokens: int, **opts) -> list[int]:
     """sample --chat: the token ids of the model's answer to `prompt` as one user turn of the training chat template
-    (posttrain.chat_prompt_ids: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized as SFT's samples were; a Hugging
+    (recipes.chat_prompt_ids: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized as SFT's samples were; a Hugging
     Face tokenizer folder's own template with add_generation_prompt), up to and including the token that ends an
     assistant turn (data.chat_stop_ids: the end-of-document token, or the template's end-of-turn token), or
     max_new_tokens of them."""
-    ids = posttrain.chat_prompt_ids([{"role": "user", "content": prompt}], run.tok)
+    ids = recipes.chat_prompt_ids([{"role": "user", "content": prompt}], run.tok)
     return run.model_file.sample_ids(run.model.eval(), run.tok, ids, max_new_tokens, **opts,
                                      stop=data.chat_stop_ids(run.tok))
 
@@ -115,7 +113,7 @@ def merge(a):
 def export(a):
     """A Hugging Face model directory of the run (a LoRA run: merged), which transformers loads offline and serves:
     config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the training chat template as Jinja
-    (posttrain.chat_template_jinja, or the run's tokenizer folder's own template), generation_config.json; eos is our
+    (recipes.chat_template_jinja, or the run's tokenizer folder's own template), generation_config.json; eos is our
     end-of-document token (convert.save_hf). A
     setting Hugging Face's class cannot express is refused by name."""
     if a.hf_out is None and a.peft_out is None:
@@ -126,7 +124,7 @@ def export(a):
         return a.peft_out
     run = checkpoint.load_model(a.load)
     refuse_reward_model(run, a.load)
-    if run.args.hf_architecture:  # imported from a Hugging Face folder: that folder's layout again (hf.py)
+    if run.args.hf_architecture:  # imported from a Hugging Face folder: that folder's layout again (interop/hf.py)
         out, left = hf.export_folder(run.args.hf_architecture, run.model.state_dict(), run.tok, a.hf_out,
                                      getattr(torch, a.dtype) if a.dtype else None)
         if left:
@@ -136,7 +134,7 @@ def export(a):
         raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
                                   + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
     return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
-                           chat_template=data.roles_of(run.tok).chat_template or posttrain.chat_template_jinja())
+                           chat_template=data.roles_of(run.tok).chat_template or recipes.chat_template_jinja())
 
 
 def import_hf(path, save_dir, dtype=torch.float32):
@@ -217,19 +215,23 @@ def export_peft(a):
 def score(a):
     """A reward model's (--task rm) reward of each record of an SFT file ({"prompt", "response"} or {"messages"}), one
     per line, in file order. One process, the whole model."""
-    run = checkpoint.load_model(a.load, extend=posttrain.add_value_head)
+    run = checkpoint.load_model(a.load, extend=recipes.add_value_head)
     if run.args.task != "rm":
         raise ConfigError(f"--load {a.load} is a --task {run.args.task} run, not a reward model (--task rm)")
     eod, rewards = data.special_ids(run.tok)["eod"], []
     model = run.model.eval()
-    for record in posttrain.load_records(a.data_path, "sft"):
-        smp = posttrain.make_sample(record, "sft", run.tok, run.args.seq_length, eod, record["_where"])
+    for record in recipes.load_records(a.data_path, "sft"):
+        smp = recipes.make_sample(record, "sft", run.tok, run.args.seq_length, eod, record["_where"])
         with torch.no_grad():
-            out = posttrain.run_model(model, torch.from_numpy(smp)[None], (posttrain.CHOSEN,), value=True)
-            values = posttrain.last_token_values(*out)
+            out = recipes.run_model(model, torch.from_numpy(smp)[None], (recipes.CHOSEN,), value=True)
+            values = recipes.last_token_values(*out)
         rewards.append(float(values[0, 0]))
         print(f"{rewards[-1]:.6f}", flush=True)
     return rewards
+
+
+APPS = {"serve": "an OpenAI-compatible HTTP server for a run (serving/server.py; torchrun it for TP > 1)",
+        "rl": "the shipped RL task: --sft-out FILE writes its SFT records, --eval RUN a run's held-out reward"}
 
 
 def parse(argv):
@@ -257,7 +259,7 @@ def parse(argv):
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="of the written weights (default: an imported model's dtype in its folder, else the run's)")
     e.set_defaults(run=export)
-    i = sub.add_parser("import-hf", help="a local Hugging Face folder as a checkpoint any run starts from (hf.py)")
+    i = sub.add_parser("import-hf", help="a local Hugging Face folder as a checkpoint any run starts from (interop/hf.py)")
     i.add_argument("--hf", required=True, help="the folder: config.json, *.safetensors, tokenizer.json")
     i.add_argument("--save", required=True, help="an empty directory for the checkpoint")
     i.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="of the imported weights")
@@ -277,6 +279,8 @@ def parse(argv):
     c.add_argument("--load", required=True, help="the reward model's run")
     c.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
     c.set_defaults(run=score)
+    for name, what in APPS.items():  # their own parsers take the rest of the line (tools.py serve --help)
+        sub.add_parser(name, help=what, add_help=False)
     a, rest = p.parse_known_args(argv)
     if a.command != "import-megatron" and rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -286,6 +290,12 @@ def parse(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv and argv[0] == "serve":
+            from serving import server
+            return server.main(argv[1:])
+        if argv and argv[0] == "rl":
+            from posttraining import rl
+            return rl.main(argv[1:])
         a, model_flags = parse(argv)
         return a.run(a, model_flags) if a.command == "import-megatron" else a.run(a)
     except (ConfigError, data.DataError, convert.ExportError, convert.MegatronDistError,
@@ -295,4 +305,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

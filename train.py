@@ -6,7 +6,7 @@ loop you can read. Read it top to bottom: `setup` builds everything a run is mad
 loop, `train_step` one iteration, `evaluate` the validation pass. The flags live in arguments.py
 (megatron/training/arguments.py), a model file's hooks in contract.py, checkpoints in checkpoint.py
 (checkpointing.py), the optimizers (plain and distributed, one interface) in parallel.py section 9, the post-training
-tasks in posttrain.py; tools.py samples, merges, exports and scores a saved run.
+tasks in posttraining/recipes.py; tools.py samples, merges, exports and scores a saved run.
 
     make train MODEL=gpt                                       # the default run below: ~7.5 min on 2 CPU cores
     python train.py --save runs/gpt                            # the same, without make
@@ -38,15 +38,13 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-import convert
 import data
-import lora
 import parallel as P
-import posttrain
-import rl
 from arguments import Args, ConfigError, brief, check_args, model_config, notes, parse_args, print_args, transformer_impl
 from contract import ModelFile, model_file
+from interop import convert
 from metrics import Logger, Profiler, module_losses, throughput
+from posttraining import lora, recipes, rl
 from scheduler import batch_size, learning_rate
 
 
@@ -154,7 +152,7 @@ class Run:
     optimizer: object  # parallel.Optimizer or DistributedOptimizer
     scaler: LossScaler
     fp8: object  # parallel.fp8_enable's scaling state, or None
-    task: posttrain.Task | None  # a post-training task's recipe, reference passes and metrics; None: pretraining
+    task: recipes.Task | None  # a post-training task's recipe, reference passes and metrics; None: pretraining
     reference_base: dict | None  # dpo, kto: the checkpoint of the frozen reference model (checkpoint.pointer_to)
     p2p_shape: tuple  # [s/cp(/tp), b, h]: what pipeline stages send each other
     autocast: Callable  # bf16/fp16 autocast, or a no-op
@@ -191,8 +189,8 @@ def setup(args) -> Run:
     mf = model_file(args.model)
     start = checkpoint.plan_start(args)  # verified checkpoints; refuses a missing --load, an overwrite
     corpus = data.build_data(args, mf.dataset, start.tokenizer_file, start.vocab_size, samples=args.task == "pretrain")
-    tasks = rl if args.task in rl.TASKS else posttrain  # online RL (rl.py) or an offline task (posttrain.py)
-    if args.task != "pretrain":  # post-training: the task's samples (posttrain.py section 1, rl.py's prompts)
+    tasks = rl if args.task in rl.TASKS else recipes  # online RL (rl.py) or an offline task (recipes.py)
+    if args.task != "pretrain":  # post-training: the task's samples (recipes.py section 1, rl.py's prompts)
         train_ds, valid_ds = tasks.build_task_datasets(args, corpus.tokenizer)
         corpus = dataclasses.replace(corpus, train=train_ds, valid=valid_ds)
     config = model_config(mf, args, corpus.vocab_size, corpus.tokenizer)
@@ -220,7 +218,7 @@ def setup(args) -> Run:
     build = lambda: P.build_chunks(make, config.num_layers, grid, args.virtual_pipeline_model_parallel_size,
                                    stages=config.stage_layers)
     chunks = build()
-    for c in chunks if args.lora_rank else []:  # LoRA: the model frozen, adapters on its linears (lora.py)
+    for c in chunks if args.lora_rank else []:  # LoRA: the model frozen, adapters on its linears (posttraining/lora.py)
         lora.apply_lora(c, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
     ref_chunks, reference_base = tasks.setup_task(args, start, chunks, build, mesh)  # value head, reference
     model = torch.nn.ModuleList(chunks)
@@ -237,7 +235,7 @@ def setup(args) -> Run:
                  config.hidden_size)
     amp = torch.bfloat16 if args.bf16 else torch.float16
     autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16)
-    task = None if args.task == "pretrain" else tasks.Task(  # post-training (posttrain.py section 2, rl.py)
+    task = None if args.task == "pretrain" else tasks.Task(  # post-training (recipes.py section 2, rl.py)
         args, chunks, grid, p2p_shape, config.params_dtype, corpus.eod, device, autocast, ref_chunks, corpus=corpus,
         iteration=first)
     if rank == 0:
@@ -292,7 +290,7 @@ def load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank) -> Progr
 def prepare(run: Run, batch, split="train"):
     """One global batch -> (this DP rank's micro-batches, loss_func(model, mb) -> the SUM of its losses, the global
     count that divides it, the pipeline's p2p shape): the model file's batch_recipe, or a post-training task's
-    (posttrain.Task: the reference model's passes run here; a pair is 2 sequences in the p2p shape's batch dim)."""
+    (recipes.Task: the reference model's passes run here; a pair is 2 sequences in the p2p shape's batch dim)."""
     if run.task is not None:
         return run.task.prepare(batch, split)
     recipe, count = run.mf.batch_recipe(batch, run.args, run.corpus)
@@ -471,7 +469,7 @@ def agree_to_stop(t0: float, minutes: float | None, signals: ExitSignals) -> tup
 def batch_work(run: Run, samples: int) -> tuple[int, float]:
     """(tokens, Megatron's model FLOPs) of a global batch of `samples` samples: the sequences the model trains on (a
     pair is 2; a reference model's forward passes are not counted) times --seq-length."""
-    seqs = samples * posttrain.SEQUENCES.get(run.args.task, 1)
+    seqs = samples * recipes.SEQUENCES.get(run.args.task, 1)
     return seqs * run.args.seq_length, run.mf.flops(run.config, seqs, run.args.seq_length)
 
 

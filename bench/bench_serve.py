@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import arguments  # noqa: E402
 import checkpoint  # noqa: E402
 import contract  # noqa: E402
-import serve  # noqa: E402
+from serving import engine as serve  # noqa: E402
 
 
 def parse_args(argv=None):

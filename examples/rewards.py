@@ -1,4 +1,4 @@
-"""Example reward functions for `--task grpo --reward-function examples/rewards.py:NAME` (rl.py).
+"""Example reward functions for `--task grpo --reward-function examples/rewards.py:NAME` (posttraining/rl.py).
 
 A reward function takes (prompt, completion, record): the prompt's text, the completion's text (its closing
 end-of-document token left out), and the record of the prompt's JSON line (every key but "prompt" too), and returns a

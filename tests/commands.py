@@ -93,7 +93,8 @@ def documented() -> list[Command]:
     out = [c for name in MARKDOWN for c in from_markdown(ROOT / name)]
     out += from_comments(ROOT / "Makefile")
     out += [c for p in sorted(ROOT.glob("examples/*.yaml")) for c in from_comments(p)]
-    out += [c for p in [*sorted(ROOT.glob("*.py")), *sorted(ROOT.glob("bench/*.py"))] for c in from_docstrings(p)]
+    packages = [p for p in sorted(ROOT.glob("*/*.py")) if p.parent.name not in ("tests", "bench")]
+    out += [c for p in [*packages, *sorted(ROOT.glob("*.py")), *sorted(ROOT.glob("bench/*.py"))] for c in from_docstrings(p)]
     return out
 
 

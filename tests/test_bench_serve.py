@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import serve
+from serving import engine as serve
 
 TINY = ["--block-size", "4", "--new-tokens", "4", "--prompt-len", "3", "9", "--device", "cpu", "--model-args",
         "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --vocab-size 128"]

@@ -1,5 +1,5 @@
 """A Hugging Face tokenizer folder's own chat template (data.py: folder_chat_template, render_chat_template,
-apply_chat_template, chat_stop_ids; posttrain.py: template_ids, encode_chat, chat_prompt_ids) against transformers'
+apply_chat_template, chat_stop_ids; posttraining/recipes.py: template_ids, encode_chat, chat_prompt_ids) against transformers'
 `AutoTokenizer.from_pretrained(folder).apply_chat_template`, on real-world templates written here as data: Llama 3
 Instruct's, Qwen2.5's ChatML with its default system prompt, Mistral's [INST], Zephyr's (an eos after every turn, no
 generation tags), and Llama 3's with {% generation %} tags (as assistant-only-loss recipes write it).
@@ -12,7 +12,7 @@ generation tags), and Llama 3's with {% generation %} tags (as assistant-only-lo
     tokens through transformers' own char_to_token);
   - negative controls: trim_blocks off, or the template without its bos_token variable, renders other text; encoding
     with the post-processor (add_special_tokens) gives other ids; a mask without the end-of-turn token differs;
-  - a DPO and an SFT file built through posttrain.build_task_datasets on data.megatron_tokenizer(--tokenizer-type
+  - a DPO and an SFT file built through recipes.build_task_datasets on data.megatron_tokenizer(--tokenizer-type
     HuggingFaceTokenizer) give transformers' ids; without --data-path, example_records counts each candidate through
     the template exactly (the longest drops out at a tighter --seq-length, nothing else); --packing takes only samples
     that end with their only eod; the template survives save_tokenizer and a reload; export's tokenizer_config renders
@@ -34,10 +34,10 @@ import numpy as np
 import pytest
 import torch
 
-import convert
 import data
 import gpt
-import posttrain as PT
+from interop import convert
+from posttraining import recipes as PT
 
 transformers = pytest.importorskip("transformers")
 jinja2 = pytest.importorskip("jinja2")

@@ -10,13 +10,13 @@ What "at a tiny size" changes, and nothing else:
     command names no --data-path reads SMALL_CORPUS (40 small Python files) instead of the default corpus (the
     stdlib: ~25 s to tokenize); for a post-training task whose command names no --data-path, "the stdlib" is
     EXAMPLE_FILES (a few stdlib modules, tests/test_posttrain_data.py's): its example records
-    (posttrain.example_records) are their functions', not the whole stdlib's (~20 s to parse, then ~10 s per task to
+    (recipes.example_records) are their functions', not the whole stdlib's (~20 s to parse, then ~10 s per task to
     tokenize them all), and so is its tokenizer's corpus when it starts from no checkpoint.
-  - tools.py sample: at most 4 new tokens; rl.py --eval: 8 held-out prompts, 1 sample each; tools.py
+  - tools.py sample: at most 4 new tokens; tools.py rl --eval: 8 held-out prompts, 1 sample each; tools.py
     import-megatron: the model's tiny shape appended (its flags are train.py's model flags); tools.py import-hf: a
     tiny Qwen2 folder where the command names one that does not exist; data.py preprocess: SMALL_CORPUS when the
     command names no --input.
-  - server.py (`make serve`): started on a free port, asked one completion over HTTP, stopped by SIGTERM; on several
+  - tools.py serve (`make serve`): started on a free port, asked one completion over HTTP, stopped by SIGTERM; on several
     ranks its arguments are parsed only (COMMANDS=all runs it; tests/test_server.py serves at TP 2).
   - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
     starts processes of its own (ranks, or one per row), tens of seconds even at that size, so `make test` parses
@@ -55,9 +55,9 @@ from test_train import SNIPPET
 import arguments
 import data
 import harness
-import rl
 import tools
 import train
+from posttraining import rl
 
 FULL = os.environ.get("COMMANDS") == "all"  # also run the bench scripts (see the module docstring)
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
@@ -225,6 +225,12 @@ def run_python(words: list[str], work: Path):
     script, argv = words[0], words[1:]
     if script == "train.py":
         return run_train(argv, work)
+    if script == "tools.py" and argv[:1] == ["serve"]:
+        return run_server(argv[1:], work)
+    if script == "tools.py" and argv[:1] == ["rl"]:  # the shipped task's SFT records, or a run's held-out reward
+        with inside(work):  # (8 prompts, 1 sample)
+            assert tools.main(argv + (["--prompts", "8", "--samples", "1"] if "--eval" in argv else [])) == 0
+        return
     if script == "tools.py":
         if argv[:1] == ["sample"]:
             argv = argv + ["--max-new-tokens", "4"]
@@ -239,12 +245,6 @@ def run_python(words: list[str], work: Path):
             argv = argv + TINY[argv[argv.index("--model") + 1] if "--model" in argv else "gpt"]
         with inside(work):
             tools.main(argv)
-        return
-    if script == "server.py":
-        return run_server(argv, work)
-    if script == "rl.py":  # its SFT records of the shipped task, or a run's held-out reward (8 prompts, 1 sample)
-        with inside(work):
-            assert rl.main(argv + (["--prompts", "8", "--samples", "1"] if "--eval" in argv else [])) == 0
         return
     if script == "data.py":
         if argv[:1] == ["preprocess"] and "--input" not in argv:
@@ -264,23 +264,23 @@ def run_python(words: list[str], work: Path):
 
 
 def run_server(argv: list[str], work: Path, nproc: int = 1):
-    """server.py: started in `work` on a free port, one completion asked over HTTP, stopped by SIGTERM (exit 0). At
+    """tools.py serve: started in `work` on a free port, one completion asked over HTTP, stopped by SIGTERM (exit 0). At
     TP > 1 only its arguments are parsed unless COMMANDS=all (tests/test_server.py serves at TP 2 itself)."""
     import signal
     import socket
     import time
     import urllib.request
 
-    import server
+    from serving import server
     a = server.parse_args(argv)
     if nproc > 1 and not FULL:
-        raise Skipped(f"server.py on {nproc} ranks: its arguments parsed (tests/test_server.py serves at TP 2)")
+        raise Skipped(f"tools.py serve on {nproc} ranks: its arguments parsed (tests/test_server.py serves at TP 2)")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     argv = [w for i, w in enumerate(argv) if w != "--port" and argv[i - 1:i] != ["--port"]] + ["--port", port]
     launch = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [PY]
-    proc = subprocess.Popen([*launch, str(ROOT / "server.py"), *argv], cwd=work, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*launch, str(ROOT / "tools.py"), "serve", *argv], cwd=work, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         body = json.dumps({"model": a.served_model_name or Path(a.load).name, "prompt": "def", "max_tokens": 2})
@@ -313,8 +313,8 @@ def run_torchrun(words: list[str], work: Path):
     p.add_argument("--master-port", "--master_port")
     p.add_argument("script")
     launcher, argv = p.parse_known_args(words)
-    if launcher.script == "server.py":
-        return run_server(argv, work, launcher.nproc_per_node)
+    if launcher.script == "tools.py" and argv[:1] == ["serve"]:
+        return run_server(argv[1:], work, launcher.nproc_per_node)
     assert launcher.script == "train.py", launcher.script
     if launcher.nnodes != "1":  # a multi-node command: its flags, checked for the world it names
         world = int(launcher.nnodes) * launcher.nproc_per_node

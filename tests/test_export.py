@@ -17,9 +17,9 @@ import torch
 import transformers
 
 import contract
-import convert
 import gpt
 from equivalence import make_batch, rel_err
+from interop import convert
 
 SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=1000, max_position_embeddings=64,
              hidden_dropout=0.0, attention_dropout=0.0)

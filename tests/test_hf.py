@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-import convert
 import gpt
 import parallel as P
 from equivalence import make_batch, rel_err
+from interop import convert
 
 
 def hf_gpt2():

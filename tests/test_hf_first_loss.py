@@ -20,11 +20,11 @@ from test_llava import hf_llava
 from test_t5 import hf_t5
 
 import checkpoint
-import convert
 import data
 import harness
 import llava
 import tools
+from interop import convert
 
 
 # ---------------------------------------------------------------------------------------------- LLaVA from a folder

@@ -1,4 +1,4 @@
-"""Hugging Face folders in and out (hf.py), for every family of the gpt, bert, t5, mamba and llava model files: a
+"""Hugging Face folders in and out (interop/hf.py), for every family of the gpt, bert, t5, mamba and llava model files: a
 folder as `save_pretrained` writes it (sharded safetensors included) converts to what the live `transformers` model
 converts to (whose logits the converters' own tests compare), export is the identity on every stored tensor, a run
 starts from an imported folder at TP 2 + SP, PP 2 and DP 2 with the Hugging Face model's loss on its first batch,
@@ -26,8 +26,8 @@ from test_t5 import hf_t5
 import checkpoint
 import data
 import harness
-import hf
 import tools
+from interop import hf
 
 FAMILIES = {"gpt2": hf_gpt2, "llama": lambda: hf_llama(groups=2), "bert": hf_bert, "t5": hf_t5,
             "mamba2": lambda: hf_mamba2(2, 4), "llava": hf_llava, "deepseek_v3": hf_deepseek,

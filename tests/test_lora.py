@@ -1,4 +1,4 @@
-"""LoRA (lora.py) against the single process, the merge, --finetune / --pretrained-checkpoint, and --config.
+"""LoRA (posttraining/lora.py) against the single process, the merge, --finetune / --pretrained-checkpoint, and --config.
 
   - the tensor-parallel adapter layer (column / row parallel, with and without sequence parallelism) equals the
     one-process oracle lora.reference: output and the gradients of x, A, B;
@@ -24,12 +24,12 @@ import transformers
 
 import checkpoint
 import gpt
-import lora
 import parallel as P
 import tools
 import train
 import transformer
 from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err
+from posttraining import lora
 
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=211,
            max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)

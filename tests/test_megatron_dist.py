@@ -39,12 +39,12 @@ from test_train import SNIPPET
 
 import arguments
 import checkpoint
-import convert
 import data
 import tools
 import train
 from equivalence import rel_err
 from harness import _free_port
+from interop import convert
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-10  # float64: the same weights, only the order of reductions differs (measured ~1e-15)

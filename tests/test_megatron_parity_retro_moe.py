@@ -77,11 +77,11 @@ from test_megatron_parity import (
     seeded_full_state,
 )
 
-import convert
 import gpt
 import parallel as P
 import retro
 from equivalence import named_full
+from interop import convert
 
 
 @contextlib.contextmanager

@@ -33,11 +33,11 @@ from test_pipeline import merge, pipeline_case, train_pipelined
 from test_train import assert_close, cache, corpus, metrics, tiny, torchrun  # noqa: F401 (fixtures)
 
 import arguments
-import convert
 import deepseek
 import gpt
 import parallel as P
 from equivalence import assert_same, make_batch, named_full, rel_err
+from interop import convert
 
 
 # --------------------------------------------------------------------------------------- 1. Hugging Face

@@ -1,4 +1,4 @@
-"""Post-training tasks (posttrain.py section 2): the losses against float64 hand-written formulas, and every task
+"""Post-training tasks (posttraining/recipes.py section 2): the losses against float64 hand-written formulas, and every task
 under every parallel layout against the single process.
 
   - each loss (SFT's masked token sum, DPO with cDPO smoothing, KTO, the reward model's Bradley-Terry) equals a
@@ -14,7 +14,7 @@ under every parallel layout against the single process.
   - negative controls: DPO divided by the micro-batch's pairs, the reference model = the current policy, and KTO's z0
     over one DP rank's samples each fail the comparison ("worst relative error");
   - one-line errors through train.py, and (once the task datasets exist) a torchrun DPO run at TP 2.
-Samples are built by hand here, in the SAMPLE FORMAT (posttrain.py section 1): tokens right-padded with eod, 0/1 mask
+Samples are built by hand here, in the SAMPLE FORMAT (posttraining/recipes.py section 1): tokens right-padded with eod, 0/1 mask
 rows (1 = a response token, the closing eod included), the META row last.
 """
 from __future__ import annotations
@@ -30,12 +30,11 @@ from hypothesis import strategies as st
 import arguments
 import checkpoint
 import gpt
-import lora
 import parallel as P
-import posttrain
 import tools
 import train
 from equivalence import assert_same
+from posttraining import lora, recipes
 
 EOD, V, S = 0, 211, 8  # the eod id, vocabulary, --seq-length of the layout tests
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=V,
@@ -63,12 +62,12 @@ def _close(got, want, what):
 
 def test_sft_loss_sums_the_masked_tokens():
     losses, mask = _rand(3, 7).abs().requires_grad_(), (_rand(3, 7, seed=1) > 0).double()
-    posttrain.sft_loss(losses, mask).backward()
+    recipes.sft_loss(losses, mask).backward()
     losses, grad = losses.detach(), losses.grad
     want = sum(float(losses[i, t]) for i in range(3) for t in range(7) if mask[i, t])
-    _close(posttrain.sft_loss(losses, mask).detach(), want, "sft loss")
+    _close(recipes.sft_loss(losses, mask).detach(), want, "sft loss")
     _close(grad, mask, "sft gradient")  # d/d loss_t = mask_t
-    _close(posttrain.sequence_logps(losses, mask).detach(),
+    _close(recipes.sequence_logps(losses, mask).detach(),
            [-sum(float(losses[i, t]) for t in range(7) if mask[i, t]) for i in range(3)], "sequence log-probs")
 
 
@@ -76,7 +75,7 @@ def test_sft_loss_sums_the_masked_tokens():
 def test_dpo_loss_is_the_formula(eps):
     beta, (pc, pr, rc, rr) = 0.3, (_rand(6, seed=i) * 3 for i in range(4))
     pc.requires_grad_(), pr.requires_grad_()
-    loss = posttrain.dpo_loss(pc, pr, rc, rr, beta, eps)
+    loss = recipes.dpo_loss(pc, pr, rc, rr, beta, eps)
     loss.sum().backward()
     want, dpc, (c, r, a, b) = [], [], (x.detach().tolist() for x in (pc, pr, rc, rr))
     for i in range(6):
@@ -91,7 +90,7 @@ def test_dpo_loss_is_the_formula(eps):
 def test_kto_loss_is_the_formula():
     beta, z0, wd, wu = 0.4, 0.25, 1.3, 0.7
     pi, ref, label = _rand(8, seed=5).requires_grad_(), _rand(8, seed=6), torch.tensor([1, 0] * 4)
-    loss = posttrain.kto_loss(pi, ref, torch.tensor(z0, dtype=torch.float64), label, beta, wd, wu)
+    loss = recipes.kto_loss(pi, ref, torch.tensor(z0, dtype=torch.float64), label, beta, wd, wu)
     loss.sum().backward()
     want, grad = [], []
     for i in range(8):
@@ -110,7 +109,7 @@ def test_kto_loss_is_the_formula():
 
 def test_rm_loss_is_bradley_terry():
     vc, vr = _rand(5, seed=7).requires_grad_(), _rand(5, seed=8).requires_grad_()
-    loss = posttrain.rm_loss(vc, vr)
+    loss = recipes.rm_loss(vc, vr)
     loss.sum().backward()
     d = [a - b for a, b in zip(vc.tolist(), vr.tolist())]
     _close(loss.detach(), [-math.log(_sig(x)) for x in d], "rm loss")
@@ -122,7 +121,7 @@ def test_last_token_values_read_the_last_response_token():
     values = torch.arange(2 * 3 * 6, dtype=torch.float64).view(2, 3, 6)
     mask = torch.zeros(2, 3, 6)
     mask[0, 0, 2:4] = mask[0, 1, 5] = mask[0, 2, 0:6] = mask[1, :, 1] = 1
-    assert posttrain.last_token_values(values, mask).tolist() == [[3, 11, 17], [19, 25, 31]]
+    assert recipes.last_token_values(values, mask).tolist() == [[3, 11, 17], [19, 25, 31]]
 
 
 # --------------------------------------------------------------------------------------- 2. samples by hand
@@ -159,7 +158,7 @@ def make_task_batch(task, n, s=S, seed=0, packing=False):
 
 
 def test_hand_built_samples_follow_the_format():
-    for task, rows in posttrain.ROWS.items():
+    for task, rows in recipes.ROWS.items():
         b = make_task_batch(task, 4, packing=task == "sft")
         assert b.shape == (4, rows, S + 1)
         for k in range(0, rows - 1, 2):  # every masked token is a real one, and each response ends with its eod
@@ -177,7 +176,7 @@ RECIPE_CFG = dict(CFG, num_layers=2, make_vocab_size_divisible_by=1)
 
 
 def recipe_unit_losses(task, policy, ref, batch):
-    """What train.py gets from the task for `batch` [g, R, s+1] on one process: posttrain.Task(...).prepare(batch),
+    """What train.py gets from the task for `batch` [g, R, s+1] on one process: recipes.Task(...).prepare(batch),
     then the recipe (Task.policy_step) on each micro-batch. With --micro-batch-size 1 each micro-batch is one sample,
     so the recipe's sum is that sample's loss: [g] float64. The only place this test builds a Task (its arguments:
     train.py's flags as a Namespace, the model chunks, the grid, the p2p shape, the dtype, the eod id, the reference
@@ -185,7 +184,7 @@ def recipe_unit_losses(task, policy, ref, batch):
     args = argparse.Namespace(task=task, packing=False, micro_batch_size=1, global_batch_size=len(batch),
                               lora_rank=None, **RECIPE_FLAGS)
     c = policy.config
-    t = posttrain.Task(args, [policy], P.Grid(), (S, 1, c.hidden_size), c.params_dtype, EOD,
+    t = recipes.Task(args, [policy], P.Grid(), (S, 1, c.hidden_size), c.params_dtype, EOD,
                        ref_chunks=None if ref is None else [ref])
     micro, recipe, count, _ = t.prepare(batch.clone())
     assert count == len(batch) == len(micro)
@@ -215,7 +214,7 @@ def _recipe_models(task):
     on make_task_batch's seed 11, KTO's z0 ≈ 0.096 > 0, not clamped)."""
     policy = gpt.Model(gpt.Config(**RECIPE_CFG, seed=2))
     if task == "rm":
-        posttrain.add_value_head(policy)
+        recipes.add_value_head(policy)
     ref = gpt.Model(gpt.Config(**RECIPE_CFG, seed=1)).requires_grad_(False) if task in ("dpo", "kto") else None
     return policy, ref
 
@@ -296,7 +295,7 @@ MAMBA = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_si
 
 
 def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, steps=2, control=None, model="gpt"):
-    """`steps` steps of `task` on this rank's chunks, as train.py runs them (posttrain.Task.prepare, then the schedule).
+    """`steps` steps of `task` on this rank's chunks, as train.py runs them (recipes.Task.prepare, then the schedule).
     opt: None = parallel.Optimizer, False = bucketed DDP, True = the distributed optimizer."""
     import mamba
 
@@ -310,7 +309,7 @@ def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, ste
     if task == "rm":
         for m in chunks:
             if m.post_process:
-                posttrain.add_value_head(m)
+                recipes.add_value_head(m)
     ref = None
     if task in ("dpo", "kto") and not use_lora:
         ref = [m.requires_grad_(False) for m in P.build_chunks(make, c.num_layers, grid, vp)]
@@ -324,7 +323,7 @@ def task_case(rank, n, task, packing, use_lora, tp, pp, vp, sp, opt, M, g=8, ste
     mbs = g // (grid.dp_size * M)
     args = argparse.Namespace(task=task, packing=packing, micro_batch_size=mbs, global_batch_size=g,
                               lora_rank=4 if use_lora else None, **HYPER)
-    t = posttrain.Task(args, chunks, grid, (S // tp if sp else S, mbs, c.hidden_size), c.params_dtype, EOD, ref_chunks=ref)
+    t = recipes.Task(args, chunks, grid, (S // tp if sp else S, mbs, c.hidden_size), c.params_dtype, EOD, ref_chunks=ref)
     if control == "z0_of_one_dp_rank":  # the DP all-reduce forgotten: the mean over this rank's samples only
         t.reference_point = lambda diff, n_all: (P.all_reduce(diff.sum().reshape(1), grid.pp)
                                                  / (n_all // grid.dp_size)).clamp_min(0)[0]
@@ -506,7 +505,7 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
 
     task, use_lora = task.split("-")[0], task.endswith("-lora")
 
-    monkeypatch.setattr(posttrain, "build_task_datasets", raising=False,
+    monkeypatch.setattr(recipes, "build_task_datasets", raising=False,
                         value=lambda args, tok: (HandBuilt(args.task, 12, args.seq_length, 0),
                                                  HandBuilt(args.task, 4, args.seq_length, 1)))
     flags = ["--task", task, "--pretrained-checkpoint", str(base_run), "--seq-length", "32", "--eval-iters", "1",
@@ -525,8 +524,8 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
         again = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["loss"] for r in recs if "loss" in r] == [r["loss"] for r in again if "loss" in r]
     if task == "rm":
-        model, args, _, _, _ = checkpoint.load_model(whole, extend=posttrain.add_value_head)
-        fresh = posttrain.add_value_head(gpt.Model(model.config))
+        model, args, _, _, _ = checkpoint.load_model(whole, extend=recipes.add_value_head)
+        fresh = recipes.add_value_head(gpt.Model(model.config))
         assert not torch.equal(model.value_head.weight, fresh.value_head.weight)  # the trained head, loaded
         assert (args.lora_rank is None) and not any(".lora." in k for k, _ in model.named_parameters())  # merged
         with pytest.raises(SystemExit):
@@ -535,7 +534,7 @@ def test_train_py_runs_each_task(base_run, tmp_path, monkeypatch, task):
 
 def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
     """`make train NPROC=2 TP=2 ARGS="--task dpo"` in small, on generated example data: float32, 1e-5 relative
-    (reduction order only). The example records (posttrain.example_records) are those of test_posttrain_data's few
+    (reduction order only). The example records (recipes.example_records) are those of test_posttrain_data's few
     stdlib modules, with a tokenizer trained on them, given as --data-path and --tokenizer-file: the whole stdlib's
     would add ~25 s (parsing it, and training the default 8192-token BPE on it) and prove nothing more here."""
     import json
@@ -550,7 +549,7 @@ def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
                 if "loss" in r}
     tok = data.get_tokenizer([open(f, encoding="utf-8").read() for f in FILES], None, vocab_size=1024)
     tok.save(str(tmp_path / "tokenizer.json"))
-    records = posttrain.example_records("dpo", tok, 128, seed=1234, files=FILES)
+    records = recipes.example_records("dpo", tok, 128, seed=1234, files=FILES)
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n"
                                                   for r in records))
     flags = ["--task", "dpo", "--data-path", str(tmp_path / "pairs.jsonl"), "--tokenizer-file",

@@ -1,4 +1,4 @@
-"""posttrain.py section 1, the task data: chat template, records, samples (the SAMPLE FORMAT), SFT packing, the
+"""posttraining/recipes.py section 1, the task data: chat template, records, samples (the SAMPLE FORMAT), SFT packing, the
 epoch-shuffled TaskDataset, the generated example records and build_task_datasets.
 
   - the chat template renders the module docstring's 2-turn example exactly, and the loss mask covers exactly the
@@ -26,8 +26,8 @@ import torch
 
 import data
 import gpt
-import posttrain as PT
 from equivalence import rel_err
+from posttraining import recipes as PT
 
 MODULES = ("textwrap", "shlex", "colorsys", "bisect", "heapq", "fnmatch", "posixpath", "genericpath", "ntpath",
            "calendar", "_pydecimal", "fractions", "datetime", "ipaddress", "inspect")  # ~530 documented functions

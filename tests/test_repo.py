@@ -24,19 +24,30 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. The infrastructure reaches the model files only through importlib (contract.model_file), at run time.
-LAYERS = ["parallel", "lora", "metrics", "data", "config", "scheduler", "contract", "hf", "arguments", "checkpoint", "rope",
-          "convert", "transformer", "deepseek", "gpt", "bert", "t5", "mamba", "llava", "retrieval", "retro", "posttrain",
-          "serve", "rl", "tools", "train", "server"]
+LAYERS = ["parallel", "posttraining.lora", "metrics", "data", "config", "scheduler", "contract", "interop.hf", "arguments",
+          "checkpoint", "rope", "interop.convert", "transformer", "deepseek", "gpt", "bert", "t5", "mamba", "llava",
+          "retrieval", "retro", "posttraining.recipes", "serving.engine", "posttraining.rl", "train", "serving.server",
+          "tools"]
+
+
+PACKAGES = ("interop", "posttraining", "serving")
+
+
+def module_paths() -> dict[str, Path]:
+    """{module: file} for the top level and its packages ("posttraining.lora")."""
+    top = {p.stem: p for p in ROOT.glob("*.py")}
+    return top | {f"{pkg}.{p.stem}": p for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
 
 
 def project_imports(source: str, modules) -> set[str]:
-    """The project modules a file imports anywhere in it (inside functions too)."""
+    """The project modules a file imports anywhere in it (inside functions too): `import a.b`, `from a import b`
+    and `from a.b import c` name the module a.b when it is one, else a."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names} | {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module.split(".")[0])
+            found |= {node.module, node.module.split(".")[0]} | {f"{node.module}.{a.name}" for a in node.names}
     return found & set(modules)
 
 
@@ -48,16 +59,16 @@ def upward_imports(sources: dict[str, str]) -> list[str]:
 
 
 def test_imports_flow_one_way():
-    files = {p.stem for p in ROOT.glob("*.py")}
-    assert files == set(LAYERS), f"top-level modules {sorted(files ^ set(LAYERS))} are missing from LAYERS or the repo"
-    sources = {m: (ROOT / f"{m}.py").read_text() for m in LAYERS}
+    paths = module_paths()
+    assert set(paths) == set(LAYERS), f"modules {sorted(set(paths) ^ set(LAYERS))} are missing from LAYERS or the repo"
+    sources = {m: paths[m].read_text() for m in LAYERS}
     assert upward_imports(sources) == []
 
 
 def test_upward_import_is_caught():
-    """Negative control: a function-level import of a model file in convert.py is an upward import."""
-    sources = {"convert": "def f():\n    import gpt\n", "gpt": "import convert\n"}
-    assert upward_imports(sources) == ["convert imports gpt"]
+    """Negative control: a function-level import of a model file in interop/convert.py is an upward import."""
+    sources = {"interop.convert": "def f():\n    import gpt\n", "gpt": "from interop import convert\n"}
+    assert upward_imports(sources) == ["interop.convert imports gpt"]
 
 
 # A sibling folder of the checkout, a lower-case design doc, a tracker number ("[Ii]ssue" "#N"): spelled in
@@ -88,8 +99,9 @@ def test_outside_citation_is_caught():
 # ---------------------------------------------------------------------------------------------- no model names
 # The infrastructure asks a model file (contract.py) and never names one: no import of a model file, no model's name
 # in a string it uses (docstrings and comments may name examples) or in an identifier (a `_`-separated word of it).
-INFRASTRUCTURE = ["parallel", "lora", "metrics", "data", "config", "scheduler", "contract", "hf", "arguments", "checkpoint",
-                  "retrieval", "posttrain", "serve", "rl", "tools", "train", "server"]
+INFRASTRUCTURE = ["parallel", "posttraining.lora", "metrics", "data", "config", "scheduler", "contract", "interop.hf",
+                  "arguments", "checkpoint", "retrieval", "posttraining.recipes", "serving.engine", "posttraining.rl",
+                  "tools", "train", "serving.server"]
 
 
 def model_names_in(source: str, models) -> list[str]:
@@ -119,7 +131,7 @@ def test_the_infrastructure_never_names_a_model():
     import contract
     models = contract.model_files()
     assert {"gpt", "bert", "t5", "retro", "mamba", "llava"} <= set(models)
-    bad = {m: model_names_in((ROOT / f"{m}.py").read_text(), models) for m in INFRASTRUCTURE}
+    bad = {m: model_names_in(module_paths()[m].read_text(), models) for m in INFRASTRUCTURE}
     assert not {m: v for m, v in bad.items() if v}
 
 
@@ -153,7 +165,7 @@ def test_nothing_assigns_to_args_after_check_args():
     """Statically: no module writes args.X (check_args fills the derived flags on its own copy); at run time: the
     Args check_args returns refuse any assignment (every test that trains goes through them)."""
     import arguments
-    bad = {p.name: assignments_to_args(p.read_text()) for p in sorted(ROOT.glob("*.py"))}
+    bad = {p.name: assignments_to_args(p.read_text()) for p in sorted(module_paths().values())}
     assert not {k: v for k, v in bad.items() if v}
     args = arguments.check_args(arguments.parse_args(["--vocab-size", "512"]), 1)
     with pytest.raises(AttributeError, match=r"read-only after check_args \(args.vocab_size = 1000\)"):
@@ -414,7 +426,7 @@ def why_unsupported(model: str, feature_key: str | None) -> str | None:
         return why
     if feature_key == "from_hf":
         return None if hasattr(importlib.import_module(model), "from_hf") else "no from_hf"
-    if feature_key == "hf_folders":  # a folder in (tools.py import-hf) and back out (export by tracing): hf.py
+    if feature_key == "hf_folders":  # a folder in (tools.py import-hf) and back out (export by tracing): interop/hf.py
         return None if mf.HF_CONVERTERS else "no HF_CONVERTERS"
     if feature_key in HOOKS and getattr(mf, HOOKS[feature_key]) is None:
         return f"no {HOOKS[feature_key]} hook"

@@ -1,4 +1,4 @@
-"""GRPO and PPO (rl.py): the losses against written-out formulas, the recipe against plain forwards, every layout
+"""GRPO and PPO (posttraining/rl.py): the losses against written-out formulas, the recipe against plain forwards, every layout
 against the single process, and the shipped task through train.py.
 
   - grpo_token_losses + average (token and sequence averaging) equal a per-element float64 formula written with
@@ -14,7 +14,7 @@ against the single process, and the shipped task through train.py.
   - TP 2 + SP, PP 2, DP 2 with the distributed optimizer, and LoRA at TP 2 + SP equal the single process: the
     rollouts (the replica of gathered weights draws the same tokens), the losses of 2 steps, every gradient after the
     first backward and every parameter after 2 AdamW steps, float64, 1e-10 relative (reduction order; measured ~1e-15);
-  - `train.py --task grpo` runs on the shipped bracket prompts, logs reward, KL and clip fraction, and `rl.py --eval`
+  - `train.py --task grpo` runs on the shipped bracket prompts, logs reward, KL and clip fraction, and `tools.py rl --eval`
     scores it; elsewhere the prompts are short "a + b" ones (prompts.jsonl), so the rows stay short;
   - a reward model of the policy's architecture is sharded like it: at TP 2 + SP and PP 2 its rewards are the one
     process's and the whole model's;
@@ -59,12 +59,10 @@ import checkpoint
 import data
 import gpt
 import harness
-import lora
 import parallel as P
-import posttrain
-import rl
 import train
 from equivalence import assert_same
+from posttraining import lora, recipes, rl
 
 S, NEW, G = 40, 6, 2  # --seq-length (the "a + b" prompts are 30 tokens in this BPE), new tokens, group size
 SHIPPED_S = 72  # (the shipped bracket prompts are up to 63 tokens in this BPE)
@@ -304,7 +302,7 @@ def _rl_case(rank, n, tok_file, tp, pp, sp, opt, M, task, g, steps, control, use
             rewards = torch.tensor([reward("", x, {}) for x in texts_of(torch.cat(ro.micro), tok)], dtype=torch.float64)
             ro.adv = rl.group_advantages(rewards.reshape(1, -1)).flatten()
         if control == "old_recomputed" and step == 1:  # the old log-probs of the policy after the first update
-            ro.old = t.forward_only(chunks, ro.micro, (posttrain.CHOSEN,), g * G, per_token=True)[:, 0]
+            ro.old = t.forward_only(chunks, ro.micro, (recipes.CHOSEN,), g * G, per_token=True)[:, 0]
         seen.append(dict(rows=torch.cat(ro.micro).clone(), count=count))
         loss = P.forward_backward(chunks, micro, recipe, count, grid, shape, c.params_dtype)
         optimizer.finish_grad_sync()
@@ -467,7 +465,7 @@ def test_train_py_runs_grpo_on_the_shipped_task(tok_file, tmp_path):
     records = [__import__("json").loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
     logged = {k for r in records for k in r}
     assert LOGGED[task] <= logged, LOGGED[task] - logged
-    greedy, sampled = rl.evaluate(save, samples=2)  # rl.py --eval: the held-out prompts, greedy and sampled
+    greedy, sampled = rl.evaluate(save, samples=2)  # tools.py rl --eval: the held-out prompts, greedy and sampled
     assert 0 <= greedy <= 1 and 0 <= sampled <= 1, (greedy, sampled)
 
 
@@ -531,8 +529,8 @@ def test_a_reward_model_is_sharded_like_the_policy(tok_file, tmp_path, monkeypat
                         ("pp2", ["--pipeline-model-parallel-size", "2"])):
         monkeypatch.undo()
         torch.testing.assert_close(rewards(name, extra, n=2), one, rtol=1e-5, atol=0, msg=name)
-    early = posttrain.last_token_values
-    monkeypatch.setattr(posttrain, "last_token_values", lambda v, m: early(v, m.roll(-1, -1)))
+    early = recipes.last_token_values
+    monkeypatch.setattr(recipes, "last_token_values", lambda v, m: early(v, m.roll(-1, -1)))
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         torch.testing.assert_close(rewards("early"), one, rtol=1e-5, atol=0)
 
@@ -595,4 +593,4 @@ def test_a_resumed_rl_run_repeats_the_uninterrupted_one(tok_file, tmp_path, task
     if task == "ppo":  # (PPO's run through train.py: its metrics logged; GRPO's: the test above, with evaluation)
         keys = {k for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines() for k in json.loads(x)}
         assert LOGGED["ppo"] | {"val_reward", "val_value_loss"} <= keys, LOGGED["ppo"] - keys
-        assert checkpoint.load_model(tmp_path / "whole").model is not None  # (as rl.py --eval: without its value head)
+        assert checkpoint.load_model(tmp_path / "whole").model is not None  # (as tools.py rl --eval: without its value head)

@@ -1,4 +1,4 @@
-"""serve.py's engine (the paged KV cache and continuous batching) against gpt.generate, the sequential oracle.
+"""serving/engine.py's engine (the paged KV cache and continuous batching) against gpt.generate, the sequential oracle.
 
   - greedy: every request of a continuously batched run — random prompt lengths, random arrival steps, different
     max_tokens and a stop id, so requests join and leave at different steps — is the token sequence
@@ -42,8 +42,8 @@ from test_kv_cache import GPT, HYBRID, LLAMA, MLA
 import gpt
 import llava
 import mamba
-import serve
 from equivalence import rel_err
+from serving import engine as serve
 
 CONTEXT = 24  # the configs' max_position_embeddings
 

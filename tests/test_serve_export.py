@@ -4,7 +4,7 @@ iterations) on short chat records, exported and loaded back offline with transfo
 
   - the special tokens: eos (config.json, generation_config.json, the tokenizer) is our end-of-document token, pad is
     <pad>, bos is the eod token too (convert.hf_token_ids says why), and the tokenizer adds none of them to a text;
-  - the chat template: `apply_chat_template(messages, tokenize=False)` is exactly the text of posttrain.render_chat's
+  - the chat template: `apply_chat_template(messages, tokenize=False)` is exactly the text of recipes.render_chat's
     pieces, for several conversations, with and without add_generation_prompt; a template without the "\\n" after a
     user's content is caught by the same comparison (negative control);
   - `apply_chat_template([user turn], add_generation_prompt=True)` gives the token ids --chat feeds the model;
@@ -13,7 +13,7 @@ iterations) on short chat records, exported and loaded back offline with transfo
   - --chat is refused in one line for a model that cannot sample (BERT) and for a reward model;
   - a GPT-2 directory gets the same files (its longest input is n_positions, Llama's max_position_embeddings).
 
-Where the two tokenizations differ. Training (posttrain._encode) tokenizes the template piece by piece: the header
+Where the two tokenizations differ. Training (recipes._encode) tokenizes the template piece by piece: the header
 "<|user|>\\n", then the content with its "\\n", then "<|assistant|>\\n"; transformers renders the whole string, then
 tokenizes it once. The byte-level BPE's pre-tokenizer splits text into words and runs of whitespace before merging,
 so the two agree when a piece boundary is also a word boundary, which is the case for a content without leading or
@@ -40,14 +40,14 @@ import transformers
 from test_train import SNIPPET
 
 import checkpoint
-import convert
 import data
 import gpt
 import mamba
-import posttrain
 import tools
 import train
 from equivalence import rel_err
+from interop import convert
+from posttraining import recipes
 
 SYSTEM, USER, ANSWER = ({"role": r, "content": c} for r, c in [("system", "You add."), ("user", "3 + 4"),
                                                                ("assistant", "7")])
@@ -117,8 +117,8 @@ def template_mismatches(tok, chat_template=None) -> list[str]:
     bad = []
     for name, messages in CONVERSATIONS.items():
         for prompt in (False, True):
-            want = "".join(text for text, _ in posttrain.render_chat(messages))
-            want += posttrain.CHAT_TEMPLATE["assistant"] if prompt else ""
+            want = "".join(text for text, _ in recipes.render_chat(messages))
+            want += recipes.CHAT_TEMPLATE["assistant"] if prompt else ""
             got = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                           add_generation_prompt=prompt)
             if got != want:
@@ -128,7 +128,7 @@ def template_mismatches(tok, chat_template=None) -> list[str]:
 
 def test_the_chat_template_renders_as_training_does(hf):
     tok, _ = hf
-    assert tok.chat_template == posttrain.chat_template_jinja()
+    assert tok.chat_template == recipes.chat_template_jinja()
     assert template_mismatches(tok) == []
     with pytest.raises(Exception, match="unknown role tool"):  # render_chat knows no other roles either
         tok.apply_chat_template([{"role": "tool", "content": "7"}], tokenize=False)
@@ -136,7 +136,7 @@ def test_the_chat_template_renders_as_training_does(hf):
 
 def test_negative_control_a_template_without_the_newline_after_the_user_is_caught(hf):
     tok, _ = hf
-    broken = posttrain.chat_template_jinja(dict(posttrain.CHAT_TEMPLATE, end=""))
+    broken = recipes.chat_template_jinja(dict(recipes.CHAT_TEMPLATE, end=""))
     bad = template_mismatches(tok, broken)
     assert len(bad) == 2 * len(CONVERSATIONS), bad  # every conversation has a system or user turn
     assert bad[0] == (r"system, user, assistant (add_generation_prompt=False): transformers "
@@ -150,7 +150,7 @@ def test_the_generation_prompt_is_the_chat_prompt_our_training_tokenizes(runs, h
 
     def both(content, **kw):
         messages = [{"role": "user", "content": content}]
-        return (posttrain.chat_prompt_ids(messages, ours),
+        return (recipes.chat_prompt_ids(messages, ours),
                 tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **kw))
     for content in [*PROMPTS, "def f(a):\n    return a\n", "x = {'a': 1}"]:  # no leading or trailing whitespace
         a, b = both(content)
@@ -228,7 +228,7 @@ def test_the_other_causal_lm_answers_a_chat_prompt_through_its_recurrent_step(ru
     model = mamba.Model(mamba.Config(hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=384,
                                      max_position_embeddings=48, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
                                      mamba_chunk_size=4, init_method_std=0.5, hybrid_layer_pattern="M*-")).eval()
-    ids = posttrain.chat_prompt_ids([USER], tok)
+    ids = recipes.chat_prompt_ids([USER], tok)
     got = mamba.sample_ids(model, tok, ids, 8, temperature=0)
     ref = gpt.generate(model, torch.tensor([ids]), 8, temperature=0, eod=data.special_ids(tok)["eod"], use_cache=False)
     assert got == ref[0, len(ids):].tolist() and len(got) == 8
@@ -242,7 +242,7 @@ def test_a_gpt2_directory_gets_the_same_serving_files(runs, tmp_path):
     tok = data.get_tokenizer(None, None, tokenizer_file=str(runs / "tokenizer.json"))
     model = gpt.Model(gpt.Config(**dict(GPT2, vocab_size=384)))
     convert.save_hf(tmp_path, *convert.gpt_to_hf(model.config, model.state_dict()), tok,
-                    chat_template=posttrain.chat_template_jinja())
+                    chat_template=recipes.chat_template_jinja())
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["eos_token_id"] == data.special_ids(tok)["eod"]
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)

@@ -1,4 +1,4 @@
-"""server.py driven over HTTP by the official `openai` client, as a user's program would, on one process and at TP 2.
+"""serving/server.py driven over HTTP by the official `openai` client, as a user's program would, on one process and at TP 2.
 
   - greedy completions and chat completions are the tokens gpt.generate gives each prompt alone (the sequential
     oracle, on the saved run loaded in one process), decoded; eight clients at once (continuous batching through HTTP)
@@ -34,9 +34,9 @@ from test_train import SNIPPET
 import checkpoint
 import data
 import gpt
-import posttrain
-import serve
 from arguments import parse_args
+from posttraining import recipes
+from serving import engine as serve
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
@@ -96,11 +96,11 @@ def free_port() -> int:
 
 
 class Server:
-    """server.py (or torchrun of it) in a subprocess, up once /health answers."""
+    """serving/server.py (or torchrun of it) in a subprocess, up once /health answers."""
 
     def __init__(self, run, world=1, *extra):
         self.port = free_port()
-        argv = ["server.py", "--load", str(run), "--port", str(self.port), *extra]
+        argv = ["tools.py", "serve", "--load", str(run), "--port", str(self.port), *extra]
         if world > 1:
             argv = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *argv,
                     "--tensor-model-parallel-size", str(world)]
@@ -172,10 +172,10 @@ def test_chat_uses_the_runs_template(server, oracle):
     answer, tok = oracle
     messages = [{"role": "system", "content": "You add."}, {"role": "user", "content": "3 + 4"}]
     r = server.client.chat.completions.create(model="run", messages=messages, max_tokens=MAX, temperature=0)
-    want = answer(posttrain.chat_prompt_ids(messages, tok), data.chat_stop_ids(tok))
+    want = answer(recipes.chat_prompt_ids(messages, tok), data.chat_stop_ids(tok))
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == want
     assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
-    assert r.usage.prompt_tokens == len(posttrain.chat_prompt_ids(messages, tok))
+    assert r.usage.prompt_tokens == len(recipes.chat_prompt_ids(messages, tok))
 
 
 def test_streaming_joins_into_the_same_text(server):
@@ -271,7 +271,7 @@ def loop_case(rank, n, run, tp, ep):
     """server.Loop on n = tp x ep warm ranks, no HTTP: rank 0 submits half the prompts, the rest once the first answer
     has its first token (so they join a running batch), and "stop" once every answer has ended. Rank 0 returns
     [(text, finish reason)] in PROMPTS' order."""
-    import server
+    from serving import server
     loaded = checkpoint.load_model(run, tp=tp, ep=ep)
     loop = server.Loop(serve.Engine(loaded.model, 64, 8, 4), loaded.tok, n, rank)
     eod, got = data.special_ids(loaded.tok)["eod"], {}

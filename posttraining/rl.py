@@ -1,7 +1,7 @@
-"""rl.py — online reinforcement learning on the parallel backend: GRPO and PPO, their rollouts drawn from serve.py's
-engine.
+"""posttraining/rl.py — online reinforcement learning on the parallel backend: GRPO and PPO, their rollouts drawn from
+serving/engine.py's engine.
 
-Offline tasks (posttrain.py) learn from fixed records; GRPO and PPO learn from what the policy itself writes. Each
+Offline tasks (posttraining/recipes.py) learn from fixed records; GRPO and PPO learn from what the policy itself writes. Each
 global batch holds P prompts; before the policy's pass, Task.prepare, on every rank:
   1. gathers the policy's current weights into a one-process replica (TP shards all-gathered, pipeline stages' and
      expert-parallel ranks' parameters exchanged): in memory, never through disk, so rollouts see this step's weights;
@@ -25,7 +25,7 @@ trainer's weights each step). Papers: Shao et al. 2024, "DeepSeekMath" (GRPO); S
 divergence" (k3); Yu et al. 2025, "DAPO" (token-level averaging).
 
 PPO (--task ppo; InstructGPT's RLHF) adds a critic: a value head beside the output on the policy's last stage (one
-trunk: its final hidden states -> Linear h -> 1, posttrain.ValueHead, saved as `value_head.weight`; add_critic). Steps
+trunk: its final hidden states -> Linear h -> 1, recipes.ValueHead, saved as `value_head.weight`; add_critic). Steps
 1-3 are GRPO's (G = --grpo-group-size completions per prompt, 1 allowed; the batch counted in prompts); then
   4. one forward-only pass of the policy gives the rollout's log-probs `old` and values V_old per completion token, and
      the frozen reference (LoRA: adapters off) its log-probs `ref` (none when --ppo-kl-coef is 0);
@@ -45,7 +45,7 @@ generalized advantage estimation" (GAE), 2017, "Proximal policy optimization alg
 implementation details of RLHF with PPO".
 
 Run:    make train ARGS="--task ppo --pretrained-checkpoint runs/gpt-sft"      # (--task grpo: README's chain)
-        .venv/bin/python rl.py --eval runs/gpt-ppo           # held-out reward, greedy and sampled
+        .venv/bin/python tools.py rl --eval runs/gpt-ppo           # held-out reward, greedy and sampled
         .venv/bin/python -m pytest -q tests/test_rl.py
 
 Dimension glossary
@@ -74,15 +74,14 @@ import torch.distributed as dist
 import checkpoint
 import contract
 import data
-import lora
 import parallel as P
-import posttrain
-import serve
 from config import ConfigError
 from data import DataError
+from posttraining import lora, recipes
+from serving import engine as serve
 
 TASKS = ("grpo", "ppo")
-META = posttrain.META
+META = recipes.META
 # A prompt sample [3, s+1]: row 0 the chat-rendered prompt right-padded with eod; row 1 zeros (its completion's mask
 # once rolled out); META: [prompt length, index in the global batch, record index]. A rollout has the same rows.
 TOKENS, MASK = 0, 1
@@ -183,7 +182,7 @@ def reward_chunks(args, build, mesh):
     chunks = build()
     for c in chunks:
         if c.post_process:
-            posttrain.add_value_head(c)
+            recipes.add_value_head(c)
     checkpoint.load_weights(ckpt, chunks, mesh)
     return [c.requires_grad_(False).eval() for c in chunks]
 
@@ -191,19 +190,19 @@ def reward_chunks(args, build, mesh):
 class RewardModel:
     """--reward-model RUN of another architecture than the policy's (or a LoRA one): the whole model in every process,
     scoring each rollout as it was trained: its value where it reads the completion's last token
-    (posttrain.last_token_values)."""
+    (recipes.last_token_values)."""
 
     def __init__(self, load):
         reward_checkpoint(load)
-        self.model = checkpoint.load_model(load, flag="--reward-model", extend=posttrain.add_value_head).model.eval()
+        self.model = checkpoint.load_model(load, flag="--reward-model", extend=recipes.add_value_head).model.eval()
 
     @torch.no_grad()
     def __call__(self, rows):
         """Rollouts [n, 3, s+1] -> rewards [n]."""
-        return posttrain.last_token_values(*posttrain.run_model(self.model, rows, (posttrain.CHOSEN,), value=True))[0]
+        return recipes.last_token_values(*recipes.run_model(self.model, rows, (recipes.CHOSEN,), value=True))[0]
 
 
-class PromptDataset(posttrain.TaskDataset):
+class PromptDataset(recipes.TaskDataset):
     """Prompt samples [N, 3, s+1] (shuffled per epoch) and the records they came from (the reward function's)."""
 
     def __init__(self, samples, seed, records):
@@ -213,7 +212,7 @@ class PromptDataset(posttrain.TaskDataset):
 
 def build_task_datasets(args, tok):
     """(train, valid or None) PromptDatasets: --data-path's JSON lines ({"prompt": ..., anything the reward function
-    reads}) or the shipped bracket records, each prompt a user turn of the chat template (posttrain.chat_prompt_ids), split
+    reads}) or the shipped bracket records, each prompt a user turn of the chat template (recipes.chat_prompt_ids), split
     by --split's validation fraction."""
     if args.data_path:
         records = []
@@ -234,7 +233,7 @@ def build_task_datasets(args, tok):
     samples = np.full((len(records), 3, s + 1), eod, dtype=np.int64)
     samples[:, MASK] = 0
     for i, r in enumerate(records):
-        ids = posttrain.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], tok)
+        ids = recipes.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], tok)
         if len(ids) > room:
             raise DataError(f"{r['_where']}: the prompt is {len(ids)} tokens; with --rollout-max-new-tokens="
                             f"{args.rollout_max_new_tokens} at most {room} fit --seq-length {s}")
@@ -317,9 +316,9 @@ def value_losses(values, old_values, returns, clip: float):
 
 def add_critic(model):
     """PPO's value head beside the policy's output on its last stage (one trunk, as InstructGPT's policy-and-value
-    model): posttrain.ValueHead (`value_head.weight`, added to the base), and the stage returns (its usual output,
-    values [s(/tp), b, 1]); posttrain.run_model hands both on. The rollout replica and the reference go without it."""
-    model.value_head = posttrain.ValueHead(model.config, model.grid, next(model.parameters()).device)
+    model): recipes.ValueHead (`value_head.weight`, added to the base), and the stage returns (its usual output,
+    values [s(/tp), b, 1]); recipes.run_model hands both on. The rollout replica and the reference go without it."""
+    model.value_head = recipes.ValueHead(model.config, model.grid, next(model.parameters()).device)
     output = model.postprocess
     model.postprocess = lambda x, labels=None: (output(x, labels), model.value_head(x))
     return model
@@ -356,7 +355,7 @@ def full_weights(chunks, grid) -> dict:
     return mine
 
 
-class Task(posttrain.Task):
+class Task(recipes.Task):
     """GRPO or PPO on this rank's model chunks: prepare() rolls out, scores and keeps the log-probs (PPO: values and
     advantages too); policy_step is the loss. PPO's kl is k1 (old - ref) per completion token at rollout time."""
     METRICS = {"grpo": ["reward", "reward_std", "completion_length", "kl", "clip_fraction", "rollout_seconds"],
@@ -441,13 +440,13 @@ class Task(posttrain.Task):
             idx, mask = mine[:, META, 1].to(dev), mine[:, MASK, 1:].to(dev, torch.float64)  # [n]; [n, s]
             micro = list(mine.to(dev).split(a.micro_batch_size))
             if self.reward_chunks is not None:  # each completion's value on the last stage (zeros elsewhere: unused)
-                scores = self.forward_only(self.reward_chunks, micro, (posttrain.CHOSEN,), g, rewards=True)
+                scores = self.forward_only(self.reward_chunks, micro, (recipes.CHOSEN,), g, rewards=True)
                 rewards = scores[idx, 0].cpu().view_as(rewards)
             count = mine[:, MASK, 1:].sum() if a.grpo_loss_average == "token" else torch.tensor(len(mine))
             count = int(P.all_reduce(count.reshape(1).to(dev), grid.dp)[0])
 
             def token_logps(chunks, adapters_off=False, values=False):  # [g, s] (and values [g, s]), last stage
-                out = self.forward_only(chunks, micro, (posttrain.CHOSEN,), g, adapters_off, True, values)
+                out = self.forward_only(chunks, micro, (recipes.CHOSEN,), g, adapters_off, True, values)
                 return tuple(x[:, 0] for x in out) if values else out[:, 0]
             ref = token_logps(self.ref_chunks, self.lora) if self.ref_chunks is not None else None
             if self.kind == "ppo":  # the rollout policy's log-probs (KL reward, ratio) and values (GAE, clipping)
@@ -476,7 +475,7 @@ class Task(posttrain.Task):
         return ro.micro, lambda model, mb: self.policy_step(model, mb, split), ro.count, self.shape
 
     def policy_step(self, model, mb, split="train"):
-        res = posttrain.run_model(model, mb, (posttrain.CHOSEN,))
+        res = recipes.run_model(model, mb, (recipes.CHOSEN,))
         if not model.post_process:
             return res
         a, ro = self.a, self.rollouts[split]
@@ -504,14 +503,14 @@ class Frozen:
 
 
 def setup_task(args, start, chunks, build, mesh):
-    """PPO: the value head on the last stage (add_critic). The frozen reference for the KL term (posttrain.setup_task's,
+    """PPO: the value head on the last stage (add_critic). The frozen reference for the KL term (recipes.setup_task's,
     as DPO's; none when --grpo-kl-beta (GRPO) or --ppo-kl-coef (PPO) is 0) and a --reward-model of the policy's
     architecture sharded like it (reward_chunks), as Frozen; the reference's pointer for meta.json."""
     for c in chunks if args.task == "ppo" else []:
         if c.post_process:
             add_critic(c)
     kl = args.ppo_kl_coef if args.task == "ppo" else args.grpo_kl_beta
-    ref, pointer = posttrain.setup_task(args, start, chunks, build, mesh, reference=kl > 0)
+    ref, pointer = recipes.setup_task(args, start, chunks, build, mesh, reference=kl > 0)
     return Frozen(ref, reward_chunks(args, build, mesh) if args.reward_model else None), pointer
 
 
@@ -522,7 +521,7 @@ def evaluate(load, samples: int = 8, max_new_tokens: int = 8, prompts: int | Non
     distribution, the one GRPO and PPO optimise), seeded."""
     run = checkpoint.load_model(load)
     eod, records = data.special_ids(run.tok)["eod"], bracket_records(held_out=True)[:prompts]
-    prompts = [posttrain.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], run.tok) for r in records]
+    prompts = [recipes.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], run.tok) for r in records]
     out = []
     for temperature, k in ((0.0, 1), (1.0, samples)):
         engine = serve.Engine(run.model, k * len(records) * (-(-run.args.seq_length // 16) + 1), 16, k * len(records))
@@ -537,9 +536,9 @@ def evaluate(load, samples: int = 8, max_new_tokens: int = 8, prompts: int | Non
 
 
 def main(argv=None) -> int:
-    """`python rl.py --sft-out FILE`: the shipped prompts' training part with their answers as SFT records
+    """`python tools.py rl --sft-out FILE`: the shipped prompts' training part with their answers as SFT records
     ({"prompt", "response"}), to teach a model the task's format before GRPO or PPO (the held-out prompts left out).
-    `python rl.py --eval RUN`: a run's held-out reward, greedy and sampled."""
+    `python tools.py rl --eval RUN`: a run's held-out reward, greedy and sampled."""
     import argparse
     p = argparse.ArgumentParser(description="The shipped bracket task: its SFT records, or a run's held-out reward.")
     p.add_argument("--sft-out", help="the JSON-lines file to write the training prompts' SFT records to")

@@ -1,4 +1,4 @@
-"""convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
+"""interop/convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
 Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
 
 It imports no model file (only parallel.py, rope.py for YaRN's mscale and data.py for the special tokens), and returns
@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import data
-import hf
 import parallel as P
+from interop import hf
 from rope import yarn_mscale
 
 

@@ -1,4 +1,4 @@
-"""posttrain.py — post-training tasks on the parallel backend: SFT, DPO, KTO, reward models: their datasets, chat
+"""posttraining/recipes.py — post-training tasks on the parallel backend: SFT, DPO, KTO, reward models: their datasets, chat
 template, losses, the reference model and the reward model's value head.
 
 Mirrors, in Megatron-LM, megatron/training (the finetune flow, --finetune / --pretrained-checkpoint); NeMo-Aligner
@@ -88,9 +88,9 @@ from torch import nn
 
 import checkpoint
 import data
-import lora
 import parallel as P
 from data import DataError
+from posttraining import lora
 
 # ==== 1. Task data: JSON-lines records, chat template, samples, example data, datasets
 
@@ -794,7 +794,7 @@ def setup_task(args, start, chunks, build, mesh, reference: bool | None = None):
         for c in chunks:
             if c.post_process:
                 add_value_head(c)
-    if not (args.task in ("dpo", "kto") if reference is None else reference):  # (rl.py: GRPO's KL term)
+    if not (args.task in ("dpo", "kto") if reference is None else reference):  # (posttraining/rl.py: GRPO's KL term)
         return None, None
     if start.resume is not None:  # resuming: the reference the run started with
         pointer = start.resume.meta["args"].get("reference_base")

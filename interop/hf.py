@@ -1,4 +1,4 @@
-"""hf.py — Hugging Face model folders in and out: a local folder (config.json, *.safetensors, tokenizer files) becomes
+"""interop/hf.py — Hugging Face model folders in and out: a local folder (config.json, *.safetensors, tokenizer files) becomes
 a checkpoint of ours that any run starts from, and a run goes back out as a folder `transformers` loads and serves.
 
     tools.py import-hf --hf DIR --save RUN     DIR: a local Hugging Face folder (nothing is downloaded)
@@ -7,7 +7,7 @@ a checkpoint of ours that any run starts from, and a run goes back out as a fold
 
 This is Megatron-Bridge's flow (AutoBridge.import_ckpt, then training from the Megatron checkpoint, then export) and
 ms-swift's (`swift export --to_mcore`, `megatron sft --load`, `--to_hf`). A file of its own because it joins four
-others and belongs to none: the folder's bytes (safetensors, read lazily), convert.py's per-family converters, the
+others and belongs to none: the folder's bytes (safetensors, read lazily), interop/convert.py's per-family converters, the
 model file that declares them (contract.ModelFile.HF_CONVERTERS), and checkpoint.py's format.
 
 How it works
@@ -16,7 +16,7 @@ How it works
               the folder a state dict whose tensors are read on access (real), made empty (meta: shapes only) or
               numbered (ids); `memory_state` renames and stacks it into the layout `transformers` holds in memory
               (its conversion_mapping: Mixtral's and the Qwen-MoE family's per-expert tensors stacked, LLaVA's
-              prefixes), which is the layout convert.py's converters read, so one converter serves a folder and a
+              prefixes), which is the layout interop/convert.py's converters read, so one converter serves a folder and a
               live `transformers` model (the tests' oracle) alike.
   import      (tools.py import_hf) the converter turns the whole state into our full state dict once, in one process;
               the checkpoint it writes is sharded DCP, so every training rank later reads only its own slices, at any

@@ -1,10 +1,10 @@
-"""server.py — an OpenAI-compatible HTTP server over serve.py's engine, on one process or a tensor-parallel world.
+"""serving/server.py — an OpenAI-compatible HTTP server over engine.py, on one process or a tensor-parallel world.
 
 `/v1/completions` and `/v1/chat/completions` (the run's chat template), streamed as server-sent events when asked,
 `/v1/models` and `/health`: what vLLM's and Megatron's servers answer, so the official `openai` client, curl or any
 OpenAI-speaking tool talks to a run of this repository. A bad request (an unknown model, a prompt longer than the
 context, a negative max_tokens, malformed JSON) gets a 400 in OpenAI's error shape and the server goes on.
-A file of its own because it is the only asynchronous code here: serve.py's engine is synchronous torch, and a
+A file of its own because it is the only asynchronous code here: serving/engine.py's engine is synchronous torch, and a
 reader of the engine should not have to read HTTP. Mirrors Megatron-LM's `megatron/core/inference/text_generation_server`
 (a Flask server over the engine, rank 0 answering while every rank runs the model) and vLLM's
 `vllm/entrypoints/openai/api_server.py` (the same routes and shapes).
@@ -47,9 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import checkpoint
 import data
-import posttrain
-import serve
 from config import ConfigError
+from posttraining import recipes
+from serving import engine as serve
 
 
 # ---------------------------------------------------------------------------------------------- the engine loop
@@ -349,7 +349,7 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
         try:
-            prompt = posttrain.chat_prompt_ids([m.model_dump() for m in body.messages], tok)
+            prompt = recipes.chat_prompt_ids([m.model_dump() for m in body.messages], tok)
         except ValueError as e:  # special-token text in a message
             raise OpenAIError(str(e), "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -360,7 +360,7 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
 
 # ---------------------------------------------------------------------------------------------- the command
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Serve a saved run behind an OpenAI-compatible HTTP API (server.py).")
+    p = argparse.ArgumentParser(description="Serve a saved run behind an OpenAI-compatible HTTP API (serving/server.py).")
     p.add_argument("--load", required=True, help="the run to serve (a directory train.py saved into)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)

@@ -1,4 +1,4 @@
-"""lora.py — LoRA: low-rank adapters on the frozen tensor-parallel linears, trained alone, then merged into the weights.
+"""posttraining/lora.py — LoRA: low-rank adapters on the frozen tensor-parallel linears, trained alone, then merged.
 
 Mirrors Megatron-Bridge's megatron/bridge/peft/lora.py (LoRA(target_modules=["linear_qkv", "linear_proj",
 "linear_fc1", "linear_fc2"], dim, alpha, dropout) on a frozen Megatron model) and the split of Hugging Face PEFT's
@@ -99,7 +99,7 @@ def _add_adapter(module, inputs, output):  # forward hook of an adapted linear: 
 @contextlib.contextmanager
 def disabled(model: nn.Module):
     """`with disabled(model):` the model without its adapters — the frozen base model, bit for bit (DPO's and KTO's
-    reference model in a LoRA run, posttrain.py, as TRL's `disable_adapter()` with PEFT)."""
+    reference model in a LoRA run, posttraining/recipes.py, as TRL's `disable_adapter()` with PEFT)."""
     adapters = [m for m in model.modules() if isinstance(m, LoRA)]
     for a in adapters:
         a.enabled = False

@@ -1,4 +1,4 @@
-"""serve.py — the inference engine for serving: a paged KV cache and continuous batching of many requests.
+"""serving/engine.py — the inference engine for serving: a paged KV cache and continuous batching of many requests.
 
 What gpt.generate does for one batch of equal prompts that start and stop together, this does for a stream of
 requests that arrive at any step, each with its own prompt length, sampling settings and stopping point. Each

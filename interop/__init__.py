@@ -1,0 +1,2 @@
+"""interop — other people's formats: Hugging Face folders and models (hf.py, convert.py), Megatron-core checkpoints
+(convert.py). Nothing here teaches how Megatron trains; it lets the teaching core read and write what others use."""

@@ -28,8 +28,12 @@ import yaml
 
 import data
 import scheduler
-from config import ConfigError  # noqa: F401 (re-exported: the error every flag check raises)
-from contract import default_model, model_file, model_files
+from config import (
+    ConfigError,  # noqa: F401 (re-exported: the error every flag check raises)
+    default_model,
+    model_file,
+    model_files,
+)
 from interop import hf
 from posttraining import lora
 
@@ -88,7 +92,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a = p.add_argument
     a("--config", default=None, help="a YAML file {flag name: value} (examples/); flags on the command line override it")
     a("--model", default=(saved or {}).get("model") or default_model(),
-      help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py on the Python path (contract.py)")
+      help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py on the Python path (config.py)")
     # model (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters)
     a("--num-layers", type=int, default=4)
     a("--hidden-size", type=int, default=256)
@@ -318,7 +322,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--decoupled-min-lr", type=float, default=None, help="their schedule's minimum (default: --min-lr)")
     a("--spec", nargs="*", default=None, help="a model file's own Megatron spec (its MEGATRON_SPECS) is accepted; "
       "any other is refused: the model file builds its layers (--model)")
-    # long context (rope.py, transformer.py): position scaling and activation recomputation. Defaults None = the
+    # long context (transformer.py): position scaling and activation recomputation. Defaults None = the
     # Config's (as a run saved before these flags existed has them), so checkpoint.ARCH_FLAGS compares them as equal
     a("--rotary-percent", type=float, default=None, help="rotate this fraction of each head's dims (default 1.0)")
     a("--rotary-seq-len-interpolation-factor", dest="seq_len_interpolation_factor", type=float, default=None,
@@ -641,7 +645,7 @@ FALLBACKS = {
                            "own default; the flag is deprecated there)"),
     "--no-masked-softmax-fusion": (lambda a: not a.masked_softmax_fusion, "there is no fused scale-mask-softmax "
                                    "kernel here to turn off (scaled_dot_product_attention runs)"),
-    "--no-rope-fusion": (lambda a: not a.apply_rope_fusion, "RoPE is plain torch ops here (rope.py), never fused"),
+    "--no-rope-fusion": (lambda a: not a.apply_rope_fusion, "RoPE is plain torch ops here (transformer.py), never fused"),
     "--cross-entropy-loss-fusion": (lambda a: a.cross_entropy_loss_fusion, "the vocab-parallel cross-entropy runs as "
                                     "torch ops (parallel.vocab_parallel_cross_entropy), the same arithmetic"),
     "--attention-softmax-in-fp32": (lambda a: a.attention_softmax_in_fp32, "the softmax runs inside "

@@ -36,7 +36,7 @@ import arguments
 import data
 import parallel as P
 from arguments import Args, ConfigError, model_config, parse_args
-from contract import ModelFile, model_file
+from config import ModelFile, model_file
 from interop import hf
 from posttraining import lora
 

@@ -27,8 +27,7 @@ from einops import rearrange
 from torch import nn
 
 import parallel as P
-from rope import apply_rope, yarn_mscale
-from transformer import Norm, TransformerLayer
+from transformer import Norm, TransformerLayer, apply_rope, yarn_mscale
 
 
 # ---------------------------------------------------------------------------------------------- multi-latent attention

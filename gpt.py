@@ -1,7 +1,7 @@
 """gpt.py — the reference decoder-only transformer (GPT-2 and Llama families), tensor- and sequence-parallel.
 
 Mirrors Megatron-LM's `megatron/core/models/gpt/gpt_model.py` and `models/common/embeddings/` (its layers, from
-`transformer/`, are transformer.py's; its rotary angles rope.py's; DeepSeek-V3's multi-latent attention and
+`transformer/`, are transformer.py's; its rotary angles too; DeepSeek-V3's multi-latent attention and
 multi-token prediction deepseek.py's), with Megatron's parameter names and layouts, so a Megatron-core checkpoint
 loads by name. gpt.Model is the skeleton bert.py, t5.py, retro.py and mamba.py extend (their
 models override its seams): Config (config.py's), the embedding, the stack of layers, the output layer, generation.
@@ -27,10 +27,9 @@ import deepseek
 import parallel as P
 from config import Config
 from interop import convert
-from rope import rope_for
-from transformer import Attention, Decoder, InferenceContext
+from transformer import Attention, Decoder, InferenceContext, rope_for
 
-# The model-file contract (contract.py): gpt.py supports every feature (config.Config.UNSUPPORTED is empty) and
+# The model-file contract (config.py): gpt.py supports every feature (config.Config.UNSUPPORTED is empty) and
 # takes the default hooks but these. `make train MODEL=gpt`: up to 650 iterations of 16 x 128 tokens in the 8-minute
 # budget on 2 CPU cores, Muon for the hidden matrices at 3x train.py's (AdamW's) learning rate: bench/README.md
 # "Levers for the gpt default run" measured both against AdamW. train.py's other defaults are this model's
@@ -162,7 +161,7 @@ class Model(nn.Module):
         return name
 
     def rope(self, s, device):
-        """(cos, sin) [s, 1, 1, r] of the position embedding (scaled as the config says: rope.py), or None. MLA
+        """(cos, sin) [s, 1, 1, r] of the position embedding (scaled as the config says: transformer.py), or None. MLA
         rotates only its decoupled RoPE part, qk_pos_emb_head_dim dims."""
         c = self.config
         return rope_for(c, s, device, d=c.qk_pos_emb_head_dim if c.multi_latent_attention else None)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 def flops(c, batch: int, seq: int) -> float:
     """Model FLOPs of one training iteration (forward + backward) on `batch` sequences of `seq` tokens: Megatron's
     transformer_flops (num_floating_point_operations, megatron/training/training.py: GPT, GQA, SwiGLU, MoE top-k +
-    shared expert, multi-latent attention, MTP). The default of the model-file contract (contract.py): a model file
+    shared expert, multi-latent attention, MTP). The default of the model-file contract (config.py): a model file
     with other layers declares its own `flops` from the pieces below (bert.py, t5.py: ours, DESIGN.md §6; mamba.py:
     Megatron's hybrid count). Retro and LLaVA take this count of their decoder (Retro's encoder and chunked
     cross-attention, LLaVA's ViT and projector are not counted: a floor)."""

@@ -3,7 +3,7 @@ Megatron-core, score text with a reward model; and a Megatron-core checkpoint ma
 
 Mirrors Megatron-LM's tools/ (tools/run_text_generation_server.py's generation, tools/checkpoint/ conversion). A
 file of its own so that train.py is only the training loop. Each command loads the run in one process
-(checkpoint.load_model: whatever layout it was saved at) and asks its model file (contract.py) what it can do.
+(checkpoint.load_model: whatever layout it was saved at) and asks its model file (config.py) what it can do.
 
     python tools.py sample --load runs/gpt --prompt "def "      # generated text (make sample)
     python tools.py sample --load runs/gpt-sft --chat --prompt "Add 2 and 3."    # an SFT model's answer
@@ -17,7 +17,7 @@ file of its own so that train.py is only the training loop. Each command loads t
 sample --chat: --prompt is one user turn of the chat template the SFT task trains on (posttraining/recipes.py section 1), then
 the assistant's header, `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized piece by piece as SFT's samples are; the
 model answers until the end-of-document token, and only the answer is printed. A causal language model's (its model
-file's sample_ids, contract.py); anything else is refused.
+file's sample_ids, config.py); anything else is refused.
 export writes what serving needs: the weights and config.json, the tokenizer with its special tokens (eos = the
 end-of-document token), generation_config.json, and the same chat template as Jinja, so that
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` renders the text --chat feeds the model

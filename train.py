@@ -4,7 +4,7 @@ Mirrors Megatron-LM's megatron/training/training.py (pretrain, train_step: gradi
 optimizer step, evaluation) and optimizer/grad_scaler.py (dynamic loss scaling). Like nanoGPT's train.py: one flat
 loop you can read. Read it top to bottom: `setup` builds everything a run is made of into one `Run`, `train` is the
 loop, `train_step` one iteration, `evaluate` the validation pass. The flags live in arguments.py
-(megatron/training/arguments.py), a model file's hooks in contract.py, checkpoints in checkpoint.py
+(megatron/training/arguments.py), a model file's hooks in config.py, checkpoints in checkpoint.py
 (checkpointing.py), the optimizers (plain and distributed, one interface) in parallel.py section 9, the post-training
 tasks in posttraining/recipes.py; tools.py samples, merges, exports and scores a saved run.
 
@@ -41,7 +41,7 @@ import checkpoint
 import data
 import parallel as P
 from arguments import Args, ConfigError, brief, check_args, model_config, notes, parse_args, print_args, transformer_impl
-from contract import ModelFile, model_file
+from config import ModelFile, model_file
 from interop import convert
 from metrics import Logger, Profiler, module_losses, throughput
 from posttraining import lora, recipes, rl
@@ -139,7 +139,7 @@ class Progress:
 class Run:
     """A training run, built complete by setup(); the loop reads it (and steps its optimizer)."""
     args: Args  # the flags, read-only
-    mf: ModelFile  # the model file's hooks (contract.py)
+    mf: ModelFile  # the model file's hooks (config.py)
     start: checkpoint.Start  # what the run resumes, or the weights it starts from
     corpus: data.Corpus  # tokenizer, vocabulary, datasets
     config: object  # the model's Config

@@ -27,13 +27,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import arguments  # noqa: E402
-import contract  # noqa: E402
+import config  # noqa: E402
 import gpt  # noqa: E402
 
 
 def build(max_len: int):
     args = arguments.parse_args(["--vocab-size", "8192", "--max-position-embeddings", str(max_len)])
-    return gpt.Model(arguments.model_config(contract.model_file("gpt"), args)).eval()
+    return gpt.Model(arguments.model_config(config.model_file("gpt"), args)).eval()
 
 
 @torch.no_grad()

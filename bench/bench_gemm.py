@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import arguments  # noqa: E402
-import contract  # noqa: E402
+import config  # noqa: E402
 import metrics  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def config_of(model_args: list[str]):
     """(the model's Config, micro-batch, sequence length, micro-batches per iteration) from train.py's flags: the
     default GPT unless --model-args say otherwise. The vocabulary is --vocab-size, else train.py's BPE default 8192."""
     args = arguments.check_args(arguments.parse_args(model_args), 1)
-    c = arguments.model_config(contract.model_file(args.model), args, args.vocab_size or 8192)
+    c = arguments.model_config(config.model_file(args.model), args, args.vocab_size or 8192)
     if args.model != "gpt" or c.num_experts or c.multi_latent_attention or c.mtp_num_layers:
         raise SystemExit(f"bench_gemm.py: error: --model-args {' '.join(model_args)!r}: only a dense GPT without MLA "
                          "or MTP is listed (model_gemms)")

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import arguments  # noqa: E402
 import checkpoint  # noqa: E402
-import contract  # noqa: E402
+import config  # noqa: E402
 from serving import engine as serve  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def build(a, max_len: int):
     else:
         args = arguments.parse_args(["--vocab-size", "8192", *shlex.split(a.model_args),
                                      "--max-position-embeddings", str(max_len)])
-        model = contract.model_file(args.model).Model(arguments.model_config(contract.model_file(args.model), args))
+        model = config.model_file(args.model).Model(arguments.model_config(config.model_file(args.model), args))
     return model.to(a.device).eval()
 
 

@@ -1,7 +1,7 @@
 """interop/convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
 Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
 
-It imports no model file (only parallel.py, rope.py for YaRN's mscale and data.py for the special tokens), and returns
+It imports no model file (only parallel.py, transformer.py for YaRN's mscale and data.py for the special tokens), and returns
 plain data: a Hugging Face converter takes the HF model and the model file's Config class (for derived values such as
 padded_vocab_size and num_query_groups) and returns (Config, full state dict); `megatron_state` takes the state dict
 and our config. Each model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with
@@ -53,7 +53,7 @@ from einops import rearrange
 import data
 import parallel as P
 from interop import hf
-from rope import yarn_mscale
+from transformer import yarn_mscale
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face: GPT-2, Llama
@@ -247,7 +247,7 @@ _ROPE_KEYS = {"default": set(), "linear": {"factor"},
 
 
 def _rope_fields(hc) -> dict:
-    """HF Llama's rope_parameters (transformers 5; `rope_scaling` before) -> our Config's position fields (rope.py).
+    """HF Llama's rope_parameters (transformers 5; `rope_scaling` before) -> our Config's position fields (transformer.py).
     Maps "default", "linear" (-> seq_len_interpolation_factor), "llama3" (-> rope_scaling*) and "yarn" (-> yarn_*,
     position_embedding_type "yarn"); refuses any other rope_type (dynamic, longrope, ...) and any key it does not
     know, naming it: ignoring one would silently change the logits."""

@@ -52,8 +52,7 @@ from typing import NamedTuple
 import torch
 
 import data
-from config import ConfigError
-from contract import model_file, model_files
+from config import ConfigError, model_file, model_files
 
 INDEX = "model.safetensors.index.json"
 SERVING_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-import contract
+import config
 import data
 import parallel as P
 from config import ConfigError
@@ -175,7 +175,7 @@ def reward_chunks(args, build, mesh):
     last stage), frozen, its weights read through DCP whatever layout saved them. Otherwise None: RewardModel reads it
     whole in every process."""
     ckpt = reward_checkpoint(args.reward_model)
-    saved, flags = ckpt.meta["args"], checkpoint.ARCH_FLAGS + list(contract.model_file(args.model).ARCH_FLAGS)
+    saved, flags = ckpt.meta["args"], checkpoint.ARCH_FLAGS + list(config.model_file(args.model).ARCH_FLAGS)
     if "lora_base" in ckpt.meta or saved.get("model") != args.model or any(saved.get(k) != vars(args).get(k)
                                                                             for k in flags):
         return None

@@ -1,4 +1,4 @@
-"""The model-file contract (contract.py): a model file declares what it is, and one function reads it.
+"""The model-file contract (config.py): a model file declares what it is, and one function reads it.
 
   - every model file of the repository resolves, with its own hooks where it has them and the defaults elsewhere;
   - a toy seventh model (tests/toy_model.py: GPT with ScaleNorm) trains, resumes, refuses a changed architecture flag,
@@ -14,7 +14,7 @@ import test_train
 from test_train import ROOT, assert_close, metrics, tiny, torchrun
 
 import arguments
-import contract
+import config as contract
 import gpt
 import metrics as M
 import tools
@@ -51,7 +51,7 @@ def test_what_is_not_a_model_file_is_refused_in_one_line(name, expect):
         contract.model_file(name)
     assert str(e.value).startswith(expect) and "\n" not in str(e.value)
     if name == "data":
-        assert "is not a model file (it defines no class Config or Model; see contract.py)" in str(e.value)
+        assert "is not a model file (it defines no class Config or Model; see config.py)" in str(e.value)
 
 
 def toy(corpus, cache, run, *extra, iters=4):

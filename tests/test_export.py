@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-import contract
+import config as contract
 import gpt
 from equivalence import make_batch, rel_err
 from interop import convert

@@ -20,7 +20,7 @@ import torch
 from test_train import ROOT, SNIPPET, metrics, tiny
 
 import arguments
-import contract
+import config as contract
 import tools
 import train
 

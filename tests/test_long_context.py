@@ -1,4 +1,4 @@
-"""Long context: RoPE scalings (rope.py) against Hugging Face and Megatron, and activation recomputation
+"""Long context: RoPE scalings (transformer.py) against Hugging Face and Megatron, and activation recomputation
 (transformer.py) against the model without it.
 
 1. Scalings. gpt.from_hf of a random-weight LlamaForCausalLM with rope_parameters "linear", "llama3" and "yarn"
@@ -32,8 +32,8 @@ from test_pipeline import train_pipelined
 
 import gpt
 import parallel as P
-import rope
 import transformer
+import transformer as rope
 from equivalence import make_batch, named_full, train_steps
 
 # --------------------------------------------------------------------------------------- 1. scalings vs HF
@@ -275,7 +275,7 @@ def test_bad_long_context_flags_give_one_line(flags, expect):
 def test_long_context_flags_reach_the_config():
     import arguments
     import checkpoint
-    import contract
+    import config as contract
 
     a = arguments.parse_args(["--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4",
                               "--yarn-original-max-position-embeddings", "64", "--rotary-percent", "0.5",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from test_train import tiny
 
 import arguments
-import contract
+import config as contract
 import gpt
 import transformer
 from equivalence import clipped_steps, make_batch, reference_steps, rel_err

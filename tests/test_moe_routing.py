@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arguments
-import contract
+import config as contract
 import gpt
 import parallel as P
 from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err

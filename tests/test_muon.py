@@ -176,7 +176,7 @@ def test_muon_takes_the_hidden_matrices_and_nothing_else(model):
     """Muon's matrices in each model file's default model (learned positions where it has them): every 2-D weight
     but the word embedding and output layer (Megatron's is_embedding_or_output_parameter), the other lookup tables
     (positions, token types, T5's relative-position buckets) and BERT's binary classifier."""
-    import contract
+    import config as contract
     mf = contract.model_file(model)
     flags = ["--model", model] + (["--position-embedding-type", "learned_absolute"] if model in ("gpt", "bert") else [])
     args = arguments.check_args(arguments.parse_args(flags), world=1)

@@ -27,7 +27,7 @@ import torch
 from test_pipeline import _named, merge
 
 import arguments
-import contract
+import config as contract
 import data
 import gpt
 import parallel as P

@@ -24,8 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. The infrastructure reaches the model files only through importlib (contract.model_file), at run time.
-LAYERS = ["parallel", "posttraining.lora", "metrics", "data", "config", "scheduler", "contract", "interop.hf", "arguments",
-          "checkpoint", "rope", "interop.convert", "transformer", "deepseek", "gpt", "bert", "t5", "mamba", "llava",
+LAYERS = ["parallel", "posttraining.lora", "metrics", "data", "config", "scheduler", "interop.hf", "arguments",
+          "checkpoint", "transformer", "interop.convert", "deepseek", "gpt", "bert", "t5", "mamba", "llava",
           "retrieval", "retro", "posttraining.recipes", "serving.engine", "posttraining.rl", "train", "serving.server",
           "tools"]
 
@@ -97,9 +97,9 @@ def test_outside_citation_is_caught():
 
 
 # ---------------------------------------------------------------------------------------------- no model names
-# The infrastructure asks a model file (contract.py) and never names one: no import of a model file, no model's name
+# The infrastructure asks a model file (config.py) and never names one: no import of a model file, no model's name
 # in a string it uses (docstrings and comments may name examples) or in an identifier (a `_`-separated word of it).
-INFRASTRUCTURE = ["parallel", "posttraining.lora", "metrics", "data", "config", "scheduler", "contract", "interop.hf",
+INFRASTRUCTURE = ["parallel", "posttraining.lora", "metrics", "data", "config", "scheduler", "interop.hf",
                   "arguments", "checkpoint", "retrieval", "posttraining.recipes", "serving.engine", "posttraining.rl",
                   "tools", "train", "serving.server"]
 
@@ -128,7 +128,7 @@ def model_names_in(source: str, models) -> list[str]:
 
 
 def test_the_infrastructure_never_names_a_model():
-    import contract
+    import config as contract
     models = contract.model_files()
     assert {"gpt", "bert", "t5", "retro", "mamba", "llava"} <= set(models)
     bad = {m: model_names_in(module_paths()[m].read_text(), models) for m in INFRASTRUCTURE}
@@ -418,7 +418,7 @@ def why_unsupported(model: str, feature_key: str | None) -> str | None:
     """The reason the model does not support a feature: its Config.UNSUPPORTED entry, or the hook it lacks."""
     import importlib
 
-    import contract
+    import config as contract
     if feature_key is None:
         return None
     mf = contract.model_file(model)
@@ -465,7 +465,7 @@ def feature_table_problems(models: list[str], rows: dict[str, list[str]]) -> lis
 def test_readme_feature_table_is_true():
     """README.md's models x features table: every named test file exists and (but for gpt) mentions its model; every
     '—' is a feature the model file refuses (Config.UNSUPPORTED) or has no hook for; no other cell is one of those."""
-    import contract
+    import config as contract
     models, rows = feature_table((ROOT / "README.md").read_text())
     assert models == ["gpt", "bert", "t5", "retro", "mamba", "llava"] and set(models) == set(contract.model_files())
     assert feature_table_problems(models, rows) == []

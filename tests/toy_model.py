@@ -1,7 +1,7 @@
 """toy_model.py — a seventh model, added the way a fork adds one: gpt.py's GPT with ScaleNorm instead of LayerNorm or
 RMSNorm (Nguyen & Salazar 2019, "Transformers without Tears": g · √h · x / ‖x‖, one learned scalar g per norm).
 
-It proves the model-file contract (contract.py): this file and tests/test_contract.py are all it took, and no
+It proves the model-file contract (config.py): this file and tests/test_contract.py are all it took, and no
 infrastructure module names it. `--model toy_model` trains it when tests/ is on the Python path (the tests' is).
 It declares what it is like any model file: its Config (a field and what it does not support), its Model (gpt's
 skeleton, one seam overridden), its own flag and that the flag shapes the weights, and the hooks it takes from gpt.py.

@@ -6,7 +6,7 @@ top to bottom as the training loop, and `checkpoint.load_model` (tools.py, Retro
 from a run's saved flags with `model_config` without importing train.py.
 
 The flags here are the ones every model shares; a model file adds its own (its `add_arguments`, Megatron's
-extra_args_provider) and its defaults (`TRAIN_DEFAULTS`), read through contract.model_file. Everything is validated
+extra_args_provider) and its defaults (`TRAIN_DEFAULTS`), read through config.model_file. Everything is validated
 before any process group is made; a bad flag or combination raises ConfigError, which train.py prints as one line
 `train.py: error: ...`. check_args returns the flags read-only (Args): what a run finds later (the tokenizer's
 vocabulary, the checkpoint it starts from) is returned by whatever finds it and passed on, never written back here.

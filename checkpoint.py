@@ -309,7 +309,7 @@ def check_run_dirs(args):
 
 
 # The flags that shape the weights, which a resumed run and a run's base must share (a model file adds its own:
-# contract.ModelFile.ARCH_FLAGS). Recomputation, dropout, the layout and the like are not architecture.
+# config.ModelFile.ARCH_FLAGS). Recomputation, dropout, the layout and the like are not architecture.
 ARCH_FLAGS = arguments.ARCH_FLAGS  # the flags that shape the weights (arguments.py)
 
 # ---------------------------------------------------------------------------------------------- where a run starts

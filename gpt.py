@@ -34,7 +34,7 @@ from transformer import Attention, Decoder, InferenceContext, rope_for
 # budget on 2 CPU cores, Muon for the hidden matrices at 3x train.py's (AdamW's) learning rate: bench/README.md
 # "Levers for the gpt default run" measured both against AdamW. train.py's other defaults are this model's
 TRAIN_DEFAULTS = dict(train_iters=650, optimizer="muon", lr=9e-3, min_lr=9e-4)
-DEFAULT_MODEL = True  # train.py's --model default (contract.default_model)
+DEFAULT_MODEL = True  # train.py's --model default (config.default_model)
 # What a model built on gpt.py's skeleton but with its own stack cannot take from DeepSeek-V3's layers (deepseek.py)
 DEEPSEEK_UNSUPPORTED = dict.fromkeys(["multi_latent_attention", "multi_token_prediction"],
                                      "DeepSeek-V3's layers (deepseek.py) are built and tested for the GPT decoder only")

@@ -8,7 +8,7 @@ a checkpoint of ours that any run starts from, and a run goes back out as a fold
 This is Megatron-Bridge's flow (AutoBridge.import_ckpt, then training from the Megatron checkpoint, then export) and
 ms-swift's (`swift export --to_mcore`, `megatron sft --load`, `--to_hf`). A file of its own because it joins four
 others and belongs to none: the folder's bytes (safetensors, read lazily), interop/convert.py's per-family converters, the
-model file that declares them (contract.ModelFile.HF_CONVERTERS), and checkpoint.py's format.
+model file that declares them (config.ModelFile.HF_CONVERTERS), and checkpoint.py's format.
 
 How it works
   reading     read_folder lists every tensor of the folder (one model.safetensors, or the shards that
@@ -189,7 +189,7 @@ def without_copies(layout: dict, stored: Mapping) -> Lazy:
 
 def memory_state(layout: dict, stored: Mapping) -> Lazy:
     """The stored state dict in `transformers`' in-memory layout, by the rules a model file declares for its
-    model_type (contract.ModelFile.HF_LAYOUTS, transformers' conversion_mapping): "renames" [(regex, replacement)]
+    model_type (config.ModelFile.HF_LAYOUTS, transformers' conversion_mapping): "renames" [(regex, replacement)]
     (LLaVA's prefixes, Mixtral's block_sparse_moe), and with "experts" (gate, up, down names) each MoE layer's
     experts stacked as transformers 5 holds them:
     experts.{j}.{gate,up}.weight [f, h] -> experts.gate_up_proj [E, 2f, h] ([gate_j; up_j] per expert), and

@@ -8,30 +8,30 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
   1    75-182     Grid                                            megatron/core/parallel_state.py
   2    183-369    Mappings                                        megatron/core/tensor_parallel/mappings.py
   3    370-444    Initialization                                  megatron/core/tensor_parallel/layers.py
-  4    445-596    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
+  4    445-657    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
                                                                   megatron/core/tensor_parallel/cross_entropy.py
-  5    597-660    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
-  6    661-775    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
-  7    776-815    Schedules                                       megatron/core/pipeline_parallel/schedules.py
-  8    816-1005   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+  5    658-721    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
+  6    722-836    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
+  7    837-876    Schedules                                       megatron/core/pipeline_parallel/schedules.py
+  8    877-1066   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
                                                                   megatron/core/pipeline_parallel/p2p_communication.py
-  9    1006-1306  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+  9    1067-1367  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1307-1451  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1368-1512  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1452-1655  Mixture of Experts: experts, dispatchers, the layer
+  10b  1513-1716  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1656-1884  FP8                                             megatron/core/fp8_utils.py
+  11   1717-1945  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1885-2148  Context parallelism                             megatron/core/utils.py
+  12   1946-2209  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2149-2270  Muon                                            megatron/core/optimizer/muon.py
+  13   2210-2331  Muon                                            megatron/core/optimizer/muon.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -448,12 +448,70 @@ def init_params(module: nn.Module, seed: int, grid: Grid | None, rename=lambda n
 #   ColumnParallelLinear  Y = X·Aᵀ,  A split by rows (output features):   X ─f─> [X·A₁ᵀ | X·A₂ᵀ]   (no comm after)
 #   RowParallelLinear     Y = X·Aᵀ,  A split by columns (input features): [X₁ | X₂] -> X₁·A₁ᵀ + X₂·A₂ᵀ ─g─> Y
 #   Under sequence parallelism f becomes an all-gather of the sequence (gather_from_sp) and g a reduce-scatter
-#   (reduce_scatter_to_sp), so activations between the layers stay split along s.
+#   (reduce_scatter_to_sp), so activations between the layers stay split along s. The column-parallel linear then
+#   keeps only its input's sequence shard for backward and all-gathers it again there (_LinearWithSequenceGather).
 #   The local GEMM is a per-layer hook, `linear_impl(x, weight, bias) -> y`, F.linear by default; a layer whose
 #   GEMM runs another way (an FP8 GEMM, Transformer Engine's Linear) gets another callable there.
 # ============================================================================================================
+def _all_gather_async(x, g: Group):  # along dim 0: x [s/tp, ...] -> ([s, ...], the pending work)
+    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+    _log("all_gather", g, out)
+    return out, all_gather_single(out, x.contiguous(), group=g.pg, async_op=True)
+
+
+def _reduce_scatter_async(x, g: Group):  # along dim 0: x [s, ...] -> ([s/tp, ...], the pending work)
+    out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
+    _log("reduce_scatter", g, x)
+    return out, reduce_scatter_single(out, x.contiguous(), group=g.pg, async_op=True)
+
+
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """Y = g(X)·Wᵀ + b, a column-parallel linear under sequence parallelism, that keeps X's sequence shard for
+    backward, not the gathered g(X): Megatron's LinearWithGradAccumulationAndAsyncCommunication with
+    sequence_parallel (Korthikanti et al. 2022 §4.2.2: only the s/t shard is stored; g runs again in backward).
+    The plain (sequential) oracle is the layer's other path, `F.linear(gather_from_sp(X), W, b)` (save_shard False,
+    or any other linear_impl): the same collectives forward, the same GEMMs, the same numbers (tests compare them),
+    but autograd keeps g(X) [s, b, in] whole on every rank. Backward, in Megatron's order (async communication):
+        1. g again: all-gather the shard X [s/tp, b, in] -> [s, b, in], asynchronously   (only if W needs a grad)
+        2. dgrad  dX = dY·W  [s, b, in], partial sums, queued while the all-gather runs
+        3. wait for the all-gather
+        4. g's backward: reduce-scatter dX -> [s/tp, b, in], asynchronously
+        5. wgrad  dW = dYᵀ·g(X)  [out/tp, in] (and db = Σ dY [out/tp]) while the reduce-scatter runs
+        6. wait for the reduce-scatter
+    So an SP column-parallel linear moves one more all-gather per backward than the oracle (Megatron's too)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g):  # x [s/tp, b, in] this rank's shard, weight [out/tp, in], bias [out/tp]
+        total = _gather(x, g, 0)  # g: all-gather the sequence -> [s, b, in], freed when forward returns
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)  # the shard [s/tp, b, in] only
+        ctx.g, ctx.bias = g, bias is not None
+        return F.linear(total, weight, bias)  # [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx, dy):  # dy [s, b, out/tp]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if need_w:
+            total, gathering = _all_gather_async(x, ctx.g)  # 1. [s, b, in]
+        if need_x:
+            dx = dy.matmul(weight)  # 2. [s, b, in] partial sums
+        if need_w:
+            gathering.wait()  # 3.
+        if need_x:
+            dx, scattering = _reduce_scatter_async(dx, ctx.g)  # 4. [s/tp, b, in]
+        if need_w:
+            dw = dy.reshape(-1, dy.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))  # 5. [out/tp, in]
+        if need_b:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)  # [out/tp]
+        if need_x:
+            scattering.wait()  # 6.
+        return dx, dw, db, None
+
+
 class ColumnParallelLinear(nn.Module):
     """Linear layer with the weight [out/tp, in] split along the output dim; bias [out/tp] split too."""
+    save_shard = True  # under SP with F.linear: keep the input's sequence shard (False: the plain oracle path)
 
     def __init__(self, in_features, out_features, grid=None, bias=True, std=0.02, gather_output=False,
                  sequence_parallel=False, stride=1, dtype=None, skip_weight=False):
@@ -471,8 +529,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x, weight=None):  # x [s(/tp), b, in] -> [s, b, out/tp] ([s, b, out] with gather_output)
         w = weight if weight is not None else self.weight
-        x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        y = self.linear_impl(x, w, self.bias)  # [s, b, out/tp]
+        if self.sequence_parallel and self.tp is not None and self.save_shard and self.linear_impl is F.linear:
+            y = _LinearWithSequenceGather.apply(x, w, self.bias, self.tp)  # [s, b, out/tp]
+        else:  # the oracle; also any other GEMM (FP8, TE: they keep their own copy of g(X), FP8 in FP8's bytes)
+            x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
+            y = self.linear_impl(x, w, self.bias)  # [s, b, out/tp]
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 

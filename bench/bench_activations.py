@@ -72,15 +72,16 @@ def ours(t, sp, rc):
     if rc == "full":
         return 4 * sbh // (t if sp else 1)  # the layer input, kept by the checkpoint
     repl = 4 + 4 + 4 + 4  # the LayerNorm inputs (x, x + attn) and the two hidden-dropout masks: whole on every rank
-    gathered = 4 + 4  # the inputs of linear_qkv and linear_fc1 (under SP: all-gathered, and kept so)
+    inputs = 4 + 4  # the inputs of linear_qkv and linear_fc1 (under SP: their sequence shards, gathered again in
+    # backward, parallel.py's _LinearWithSequenceGather)
     shard = 12 + 4 + 4 + 4 + 16 + 16  # QKV output; q·scale and a contiguous kᵀ (math SDPA); proj input; GeLU in, out
     core = 3 * 4 * as2b  # softmax output, its dropout mask, the dropped probabilities (math SDPA, fp32)
     stats = 2 * 2 * 4 * sb  # the two LayerNorms' mean and rstd [s, b, 1]
     if rc == "selective":
         core, shard = 0, shard - 8  # the core keeps only its inputs q, k, v (views of the QKV output)
-    if sp:
-        return (repl + shard) * sbh // t + gathered * sbh + core // t + stats // t
-    return (repl + gathered) * sbh + shard * sbh // t + core // t + stats
+    if sp:  # every item split: s·b·h·(80/t) + 12·a·s²·b/t
+        return (repl + inputs + shard) * sbh // t + core // t + stats // t
+    return (repl + inputs) * sbh + shard * sbh // t + core // t + stats
 
 
 def paper(t, sp, rc):

@@ -5,7 +5,9 @@ One iteration = train.py's loop body: zero_grad, forward_backward, finish_grad_s
 all-reduce, the loss all-reduces, clip_grad_norm, step. The log is summed over all ranks: a collective over a group
 of n ranks appears n times, once per member. Bytes are those of the full tensor a collective works on (the
 convention of parallel.py section 2): an all-reduce of N bytes and its SP pair (reduce-scatter + all-gather) log N
-each, so TP and TP+SP have the same volume, as Korthikanti et al. 2022 §4.2.2 state.
+each, so TP and TP+SP have the same volume, as Korthikanti et al. 2022 §4.2.2 state — but for the all-gather
+that SP's column-parallel linears run again in backward, to keep only their input's sequence shard (the paper's
+§4.2.2 and Megatron do the same: memory bought with communication).
 """
 from __future__ import annotations
 
@@ -126,7 +128,12 @@ def expected(shape: dict, name: str) -> dict:
             add("reduce_scatter", "tp", W, 2 * Ls * M, A)  # forward ḡ: after linear_proj and linear_fc2
             add("reduce_scatter", "tp", W, 2 * Ls * M, A)  # backward of g
             add("all_gather", "tp", W, 2 * Ls * M, A)  # backward of ḡ
-            add("all_gather", "tp", stage, M, A)  # last stage: the output layer's g (forward) ...
+            # backward, g again: a column-parallel linear keeps only its input's sequence shard and all-gathers it
+            # again for its weight gradient (§4.2.2; Megatron's LinearWithGradAccumulationAndAsyncCommunication):
+            # one more all-gather of A per linear_qkv, linear_fc1 and output layer backward, the memory's price
+            add("all_gather", "tp", W, 2 * Ls * M, A)
+            add("all_gather", "tp", stage, M, A)  # last stage: the output layer's g (forward), again in backward ...
+            add("all_gather", "tp", stage, M, A)
             add("reduce_scatter", "tp", stage, M, A)  # ... and its backward
             add("all_gather", "tp", stage, M, A)  # first stage: backward of the embedding's scatter to the sequence
             # shards, or of its ḡ (learned position embeddings are added to the whole sequence, so there the embedding

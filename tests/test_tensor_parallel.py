@@ -7,6 +7,8 @@ near-zero gradient into a parameter error of up to lr/eps·δg — 1e5·δg with
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -305,7 +307,82 @@ def test_linear_impl_is_the_layers_gemm():
     assert not torch.allclose(got, ref)
 
 
-# --------------------------------------------------------------------------------------- 7. bad configurations
+# --------------------------------------------------------------------------------------- 7. SP: the shard kept
+def sp_linear_case(rank, n, oracle, frozen, x_grad):
+    """One SP column-parallel linear (with bias), forward + backward, by the shard-keeping Function or its oracle
+    (gather_from_sp, then F.linear): output, grads, the bytes autograd saved (parameters excluded), collectives."""
+    grid = P.Grid(tp=n)
+    lin = P.ColumnParallelLinear(8, 4 * n, grid, sequence_parallel=True, dtype=torch.float64)
+    P.init_params(lin, 3, grid)
+    lin.save_shard = not oracle
+    lin.weight.requires_grad_(not frozen)  # frozen: a LoRA base layer (no weight grad, so no gather in backward)
+    gen = torch.Generator().manual_seed(5 + rank)
+    x = torch.randn(3, 2, 8, generator=gen, dtype=torch.float64, requires_grad=x_grad)  # [s/tp, b, in]
+    dy = torch.randn(3 * n, 2, 4, generator=gen, dtype=torch.float64)  # [s, b, out/tp]
+    params, saved = {p.untyped_storage().data_ptr() for p in lin.parameters()}, {}
+
+    def pack(v):
+        if v.untyped_storage().data_ptr() not in params:
+            saved[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+        return v
+
+    with P.count_collectives() as log, torch.autograd.graph.saved_tensors_hooks(pack, lambda v: v):
+        y = lin(x)
+        y.backward(dy)
+    return y.detach(), x.grad, lin.weight.grad, lin.bias.grad, sum(saved.values()), [k for k, _, _ in log]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("frozen,x_grad", [(False, True), (True, True), (False, False)],
+                         ids=["trained", "frozen-weight", "input-without-grad"])
+def test_sp_column_linear_keeps_the_shard_and_equals_its_oracle(pool, tp, frozen, x_grad):
+    """Under SP a column-parallel linear saves its input's sequence shard [s/tp, b, in], not the gathered [s, b, in],
+    and all-gathers it again in backward (Megatron's LinearWithGradAccumulationAndAsyncCommunication): output and
+    grads bit-equal to the plain oracle's on every rank; one more all-gather, only where the weight takes a grad."""
+    fused = pool.run(sp_linear_case, tp, oracle=False, frozen=frozen, x_grad=x_grad)
+    plain = pool.run(sp_linear_case, tp, oracle=True, frozen=frozen, x_grad=x_grad)
+    for r, (a, b) in enumerate(zip(fused, plain)):
+        for name, u, v in zip(("output", "input grad", "weight grad", "bias grad"), a[:4], b[:4]):
+            assert (u is None) == (v is None) and (u is None or torch.equal(u, v)), f"{name} differs on rank {r}"
+        shard = 3 * 2 * 8 * 8  # [s/tp, b, in] float64
+        assert a[4] == (0 if frozen else shard) and b[4] == (0 if frozen else tp * shard), (a[4], b[4])
+        gather_again = ["all_gather"] if not frozen else []
+        scatter = ["reduce_scatter"] if x_grad else []
+        assert b[5] == ["all_gather"] + scatter and a[5] == ["all_gather"] + gather_again + scatter, (a[5], b[5])
+
+
+def activations_case(rank, n, rc, oracle):
+    """bench/bench_activations.py's measurement of one GPT layer under TP + SP, and its formula `ours`."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_activations", Path(__file__).parent.parent / "bench" /
+                                                  "bench_activations.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    P.ColumnParallelLinear.save_shard = not oracle  # (put back below: this worker lives on)
+    try:
+        return bench.measure(P.Grid(tp=n), n, True, rc, False), bench.ours(n, True, rc)
+    finally:
+        P.ColumnParallelLinear.save_shard = True
+
+
+def check_saved(got: int, want: int, what: str):
+    assert got == want, f"{what}: one layer saves {got:,} B for backward, the formula with the shard {want:,} B " \
+                        f"({got - want:+,} B)"
+
+
+@pytest.mark.parametrize("rc", ["off", "selective"])
+def test_sp_activation_memory_is_the_formula_with_the_shard(pool, rc):
+    """The bytes one GPT layer saves under TP=2 + SP equal bench_activations.ours(), where linear_qkv's and
+    linear_fc1's inputs count s/t each (bench/README.md's table). Negative control: the oracle path keeps the
+    gathered inputs, 8·s·b·h bytes whole instead of 8·s·b·h/2 — 4·s·b·h = 262,144 B more, named."""
+    check_saved(*pool.run(activations_case, 2, rc=rc, oracle=False)[0], f"tp=2 SP recompute {rc}")
+    got, want = pool.run(activations_case, 2, rc=rc, oracle=True)[0]
+    with pytest.raises(AssertionError, match=re.escape(f"the formula with the shard {want:,} B (+262,144 B)")):
+        check_saved(got, want, f"tp=2 SP recompute {rc}, the oracle path")
+
+
+# --------------------------------------------------------------------------------------- 8. bad configurations
 @pytest.mark.parametrize("kw,tp,msg", [
     (dict(num_attention_heads=6, num_query_groups=6, hidden_size=48), 4, "num_attention_heads=6 .* 4"),
     (dict(num_attention_heads=8, num_query_groups=2, hidden_size=64), 4, "num_query_groups=2 .* 4"),

@@ -5,7 +5,8 @@ wall time, waiting for the other rank included; an async one's wait()) and count
 audit (parallel.count_collectives: what each collective of this rank works on, the audit's convention). Megatron's
 counterparts: data parallelism and its gradient all-reduce; tensor parallelism (Shoeybi et al. 2019: two all-reduces
 per layer forward, two backward) and sequence parallelism (Korthikanti et al. 2022: all-gather + reduce-scatter
-instead, the same bytes).
+instead, the same bytes, plus the all-gather each column-parallel linear runs again in backward to keep only its
+input's sequence shard).
 
 What to learn on a 2-core CPU: one process uses both cores for every GEMM (2 threads); DP 2 and TP 2 give each rank
 one core (torchrun's one thread per rank; the row single_1t is one process on one thread, one such rank's compute
@@ -186,8 +187,9 @@ def main():
               f"{r['collective_s']:.3f} | {r['collective_s'] / r['step_s']:.1%} | {r['bytes'] / 1e6:.2f} | "
               f"{r['wire'] / 1e6:.2f} |")
     print("\naudit bytes: parallel.count_collectives's convention (an all-reduce of N bytes logs N; SP's all-gather "
-          "and reduce-scatter pair logs N each); sent: what a ring algorithm sends (WIRE), so TP 2 and TP 2 + SP "
-          "send the same. Collective time includes waiting for the slower rank.")
+          "and reduce-scatter pair logs N each); sent: what a ring algorithm sends (WIRE): TP 2 + SP sends TP 2's "
+          "bytes plus the column-parallel linears' second all-gather (in backward). Collective time includes "
+          "waiting for the slower rank.")
 
 
 if __name__ == "__main__":

@@ -8,30 +8,30 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
   1    75-182     Grid                                            megatron/core/parallel_state.py
   2    183-369    Mappings                                        megatron/core/tensor_parallel/mappings.py
   3    370-444    Initialization                                  megatron/core/tensor_parallel/layers.py
-  4    445-657    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
+  4    445-665    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
                                                                   megatron/core/tensor_parallel/cross_entropy.py
-  5    658-721    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
-  6    722-836    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
-  7    837-876    Schedules                                       megatron/core/pipeline_parallel/schedules.py
-  8    877-1066   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+  5    666-729    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
+  6    730-844    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
+  7    845-884    Schedules                                       megatron/core/pipeline_parallel/schedules.py
+  8    885-1074   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
                                                                   megatron/core/pipeline_parallel/p2p_communication.py
-  9    1067-1367  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+  9    1075-1375  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1368-1512  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1376-1520  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1513-1716  Mixture of Experts: experts, dispatchers, the layer
+  10b  1521-1724  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1717-1945  FP8                                             megatron/core/fp8_utils.py
+  11   1725-1953  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1946-2209  Context parallelism                             megatron/core/utils.py
+  12   1954-2217  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2210-2331  Muon                                            megatron/core/optimizer/muon.py
+  13   2218-2339  Muon                                            megatron/core/optimizer/muon.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -485,7 +485,15 @@ class _LinearWithSequenceGather(torch.autograd.Function):
         total = _gather(x, g, 0)  # g: all-gather the sequence -> [s, b, in], freed when forward returns
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)  # the shard [s/tp, b, in] only
         ctx.g, ctx.bias = g, bias is not None
-        return F.linear(total, weight, bias)  # [s, b, out/tp]
+        # F.linear's GEMM (addmm, or mm without a bias) written into a tensor of its own: F.linear's 3-d output is a
+        # view, and a custom Function's view may not be overwritten in place (the in-place cross-entropy does)
+        y = total.new_empty((*total.shape[:-1], weight.shape[0]))  # [s, b, out/tp]
+        x2, y2 = total.reshape(-1, total.shape[-1]), y.view(-1, y.shape[-1])  # [s·b, in], [s·b, out/tp]
+        if bias is None:
+            torch.mm(x2, weight.t(), out=y2)
+        else:
+            torch.addmm(bias, x2, weight.t(), out=y2)
+        return y
 
     @staticmethod
     def backward(ctx, dy):  # dy [s, b, out/tp]

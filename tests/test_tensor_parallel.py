@@ -327,7 +327,7 @@ def sp_linear_case(rank, n, oracle, frozen, x_grad):
         return v
 
     with P.count_collectives() as log, torch.autograd.graph.saved_tensors_hooks(pack, lambda v: v):
-        y = lin(x)
+        y = lin(x).mul_(2)  # an in-place consumer, as the in-place cross-entropy: the output must not be a view
         y.backward(dy)
     return y.detach(), x.grad, lin.weight.grad, lin.bias.grad, sum(saved.values()), [k for k, _, _ in log]
 
@@ -338,7 +338,8 @@ def sp_linear_case(rank, n, oracle, frozen, x_grad):
 def test_sp_column_linear_keeps_the_shard_and_equals_its_oracle(pool, tp, frozen, x_grad):
     """Under SP a column-parallel linear saves its input's sequence shard [s/tp, b, in], not the gathered [s, b, in],
     and all-gathers it again in backward (Megatron's LinearWithGradAccumulationAndAsyncCommunication): output and
-    grads bit-equal to the plain oracle's on every rank; one more all-gather, only where the weight takes a grad."""
+    grads bit-equal to the plain oracle's on every rank; one more all-gather, only where the weight takes a grad.
+    The output is overwritten in place before backward (autograd refuses that on a custom Function's view)."""
     fused = pool.run(sp_linear_case, tp, oracle=False, frozen=frozen, x_grad=x_grad)
     plain = pool.run(sp_linear_case, tp, oracle=True, frozen=frozen, x_grad=x_grad)
     for r, (a, b) in enumerate(zip(fused, plain)):

@@ -28,6 +28,7 @@ import yaml
 
 import data
 import scheduler
+from config import TASKS as TASK_MODULES
 from config import (
     ConfigError,  # noqa: F401 (re-exported: the error every flag check raises)
     default_model,
@@ -37,8 +38,8 @@ from config import (
 from interop import hf
 from posttraining import lora
 
-TASKS = ("pretrain", "sft", "dpo", "kto", "rm", "grpo", "ppo")  # --task: pretraining, a post-training task
-# (posttraining/recipes.py), or online RL (posttraining/rl.py)
+TASKS = ("pretrain", *TASK_MODULES)  # --task: pretraining, or a post-training task (config.TASKS: the module that runs
+# it, posttraining/recipes.py's offline tasks or posttraining/rl.py's online RL)
 
 
 class ArgumentParser(argparse.ArgumentParser):

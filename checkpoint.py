@@ -506,6 +506,45 @@ def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, f
     return meta["iteration"], same_layout
 
 
+def load_start(args, start: Start, chunks, optimizer, scaler, mesh, fp8, rank: int) -> tuple[int, int, int]:
+    """Load what a run starts from (plan_start): the base's weights (--finetune, --pretrained-checkpoint, a LoRA run's
+    frozen base), then the checkpoint it resumes. Returns where the run starts, as Megatron counts it and meta.json
+    records it: (iterations done, samples consumed, the learning-rate schedule's steps: the samples of the applied
+    steps; --no-load-optim starts the schedule again, as Megatron's scheduler state is the optimizer's)."""
+    if start.base is not None:  # model weights only: iteration 0, fresh optimizer and RNG (or a LoRA run's base)
+        load_weights(start.base, chunks, mesh)
+        if rank == 0:
+            print(f"model weights from {start.base.path}" + (" (frozen: LoRA adapters train)" if args.lora_rank else ""))
+    if start.resume is None:
+        if args.load and start.base is None and rank == 0:
+            print(f"a new run in {args.load}" if args.load == args.save else
+                  f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
+        if args.task != "pretrain" and start.base is None and rank == 0:
+            print(f"note: --task {args.task} starts from random weights (the seed's initialization); pass "
+                  "--pretrained-checkpoint DIR to start from a trained model", flush=True)
+        return 0, 0, 0
+    layout = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"]}
+    fp8_args = {k: getattr(args, k) for k in ["fp8", "fp8_format", "fp8_recipe", "fp8_amax_history_len"]}
+    first, rng_restored = load_checkpoint(start.resume, chunks, optimizer, scaler, mesh, layout,
+                                          fp8_args if fp8 is not None else None, load_optim=not args.no_load_optim,
+                                          load_rng=not args.no_load_rng)
+    if rank == 0:
+        print(f"resumed from {start.resume.path} at iteration {first}"
+              + (" (--no-load-optim: a fresh optimizer, loss scale and learning-rate schedule)" if args.no_load_optim
+                 else "") + ("" if rng_restored else " (--no-load-rng: RNG streams from the seed)" if args.no_load_rng
+                             else " (different layout: RNG streams not restored)"))
+    meta = start.resume.meta  # a checkpoint saved before these were recorded: a constant batch, no skipped step
+    consumed = meta.get("consumed_train_samples", first * meta["args"]["global_batch_size"])
+    return first, consumed, 0 if args.no_load_optim else meta.get("opt_param_scheduler", {}).get("num_steps", consumed)
+
+
+def add_adapters(chunks, args):
+    """A LoRA run's model (--lora-rank; without it nothing changes): adapters on the --lora-target-modules linears of
+    each of `chunks`, everything else frozen (posttraining/lora.py), as the run trains, saves and loads them."""
+    for c in chunks if args.lora_rank is not None else []:
+        lora.apply_lora(c, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
+
+
 class Loaded(NamedTuple):
     """A saved run rebuilt for inference (load_model)."""
     model: object  # the whole model (TP = PP = 1), or this rank's TP (and EP) shard of it; eval-ready
@@ -545,7 +584,7 @@ def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: 
     adapters = "lora_base" in ckpt.meta
     if adapters:
         load_weights(recorded_base(ckpt.meta["lora_base"], ckpt.path.parent, flag), [model], mesh)
-        lora.apply_lora(model, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
+        add_adapters([model], args)
     with _quiet_dcp():
         dcp.load({"model": checkpoint_state([model], None, mesh, only=added_to_base if adapters else None)["model"]},
                  checkpoint_id=str(ckpt.path))

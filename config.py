@@ -1,6 +1,6 @@
 """config.py — what a model is: the Config every model file shares (Megatron's TransformerConfig fields and their
-checks), and the model-file contract (what a model file declares, and `model_file(name)`, the one function that reads
-it, every hook with its default).
+checks), the model-file contract (what a model file declares, and `model_file(name)`, the one function that reads
+it, every hook with its default), and the task contract (TASKS: which module runs each --task).
 
 Config mirrors Megatron-LM's `megatron/core/transformer/transformer_config.py` (and MLATransformerConfig): Megatron's
 field names, derived fields filled in `__post_init__`, every invalid setting refused there with one line naming the
@@ -318,9 +318,10 @@ def next_token_loss(model, mb, pack=None):
     """The next-token recipe's loss: micro-batch [b, s+1] -> the SUM of its b·s next-token losses (a scalar). With
     `pack` (data.Packing: --reset-position-ids, --reset-attention-mask, --eod-mask-loss) documents packed in a row."""
     if pack is None:
-        return model(mb[:, :-1], mb[:, 1:]).float().sum()
+        out = model(mb[:, :-1], mb[:, 1:])  # [b, s] (an inner pipeline stage: its output [s, b, h], sent on as is)
+        return out.float().sum() if model.post_process else out
     mask, loss_mask, position_ids = pack(mb[:, :-1])
-    out = model(mb[:, :-1], mb[:, 1:], position_ids=position_ids, mask=mask)  # [b, s] (an inner stage: [s, b, h])
+    out = model(mb[:, :-1], mb[:, 1:], position_ids=position_ids, mask=mask)
     return (out * loss_mask).sum() if model.post_process else out  # the float32 mask: a sum in >= float32
 
 
@@ -360,7 +361,9 @@ class ModelFile:
     MEGATRON_SPECS: tuple = ()
     # data: dataset(source, doc_ids, args, tok, seed) -> its samples (ds[i]: a numpy row; data.global_batch stacks)
     dataset: Callable = token_windows
-    # the loss: batch_recipe(batch, args, corpus) -> (loss_func(model, mb) -> SUM of its losses, the global count)
+    # the loss: batch_recipe(batch, args, corpus) -> (loss_func(model, mb) -> SUM of its losses, the global count);
+    # on an inner pipeline stage (model.post_process False) loss_func returns the model's output as is (what the stage
+    # sends on): it computes nothing else there
     batch_recipe: Callable = next_token_recipe
     # evaluation: eval_counts(model, mb) -> {name: (hits, total)}, extra validation metrics (None: the loss only)
     eval_counts: Callable | None = None
@@ -394,6 +397,26 @@ class ModelFile:
 
 
 HOOKS = [f.name for f in dataclasses.fields(ModelFile) if f.name not in ("name", "Config", "Model")]
+
+
+# ---------------------------------------------------------------------------------------------- the task contract
+# --task NAME (other than pretrain): the module that runs it, named here only; train.py asks task_module(NAME) and
+# names none. A task module defines
+#   build_task_datasets(args, tok) -> (train, valid or None): the task's samples, in place of the corpus's windows
+#   setup_task(args, start, chunks, build, mesh) -> (frozen, pointer): what the task adds to this rank's model chunks
+#       before the optimizer is made (a value head; the frozen models beside the policy), and the reference model's
+#       checkpoint for meta.json ("reference_base"; None without one)
+#   Task(args, chunks, grid, shape, dtype, eod, device, autocast, frozen, corpus=, iteration=): per global batch,
+#       prepare(batch, split) -> (this DP rank's micro-batches, loss_func as batch_recipe's, the global count, the p2p
+#       shape); metrics(split, prefix) -> {name: mean} (a collective); `sequences`, the sequences per sample that the
+#       policy's pass trains on (tokens/s, FLOPs)
+TASKS = {"sft": "posttraining.recipes", "dpo": "posttraining.recipes", "kto": "posttraining.recipes",
+         "rm": "posttraining.recipes", "grpo": "posttraining.rl", "ppo": "posttraining.rl"}
+
+
+def task_module(task: str):
+    """--task's module (TASKS), imported; None for pretraining."""
+    return None if task == "pretrain" else importlib.import_module(TASKS[task])
 
 
 def model_files() -> list[str]:

@@ -1109,7 +1109,7 @@ def get_ltor_masks_and_position_ids(tokens, eod: int, reset_position_ids=False, 
 
 @dataclass(frozen=True)
 class Packing:
-    """The packed-document flags with the tokenizer's eod id, for the GPT recipe (train.py next_token_loss):
+    """The packed-document flags with the tokenizer's eod id, for the GPT recipe (config.next_token_loss):
     `pack(tokens)` -> (mask, loss_mask, position_ids); `num_loss_tokens(batch)` counts the loss tokens of a whole
     global batch [gbs, s+1] — the layout-free denominator of the loss rule (DESIGN.md §2)."""
     eod: int

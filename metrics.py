@@ -13,12 +13,16 @@ Run:    make train MODEL=gpt     (writes runs/gpt/metrics.jsonl, runs/gpt/tensor
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+import parallel as P
 
 
 # ---------------------------------------------------------------------------------------------- model FLOPs
@@ -121,6 +125,79 @@ def module_losses(model) -> dict:
         for k, v in d.items():
             total[k] = total.get(k, 0) + v
     return {k: float(v[0] / v[1]) for k, v in total.items() if v[1] > 0}
+
+
+# ---------------------------------------------------------------------------------------------- a run's records
+# train.py's loop hands its Run here: the log line of the steps since the last one, the closing line, and what a step
+# that cannot be applied reports.
+def batch_work(run, samples: int) -> tuple[int, float]:
+    """(tokens, Megatron's model FLOPs) of a global batch of `samples` samples: the sequences the model trains on (a
+    pair is 2: the task's `sequences`; a reference model's forward passes are not counted) times --seq-length."""
+    seqs = samples * (run.task.sequences if run.task is not None else 1)
+    return seqs * run.args.seq_length, run.mf.flops(run.config, seqs, run.args.seq_length)
+
+
+def training_log(run, n: int, window: dict, lr: float) -> dict:
+    """The metrics.jsonl line of the iterations since the last one (Megatron's training_log; a collective: every rank
+    calls it). `lr` is the rate Megatron logs: the schedule's after the last step (the next step's); tokens/s and FLOPs
+    count each step's own global batch; `consumed_samples` and (with a ramp-up) `global_batch_size`, the last step's,
+    as Megatron's. `window`: {steps: the train.Steps since the last line, t: when they started, moe_load}."""
+    a, steps = run.args, window["steps"]
+    dt = time.time() - window["t"]
+    finite = [s.loss for s in steps if math.isfinite(s.loss)]  # a skipped NaN step's loss is not averaged
+    work = [batch_work(run, s.samples) for s in steps]  # [(tokens, FLOPs)]
+    rec = dict(iteration=n, loss=sum(finite) / len(finite) if finite else float("nan"), lr=lr,
+               grad_norm=steps[-1].grad_norm, tokens_per_s=sum(t for t, _ in work) / dt,
+               skipped=sum(s.skipped for s in steps), consumed_samples=run.progress.consumed_samples)
+    if a.rampup_batch_size is not None:
+        rec["global_batch_size"] = steps[-1].samples
+    rec.update(throughput(sum(f for _, f in work), dt, a.world_size, run.device, a.bf16 or a.fp16))
+    if a.decoupled_lr is not None:
+        rec["decoupled_lr"] = run.optimizer.decoupled_lr
+    if a.fp16:
+        rec["loss_scale"] = run.scaler.scale
+    if window["moe_load"] is not None:
+        rec.update(P.moe_metrics(run.model, window["moe_load"]))
+    rec.update(module_losses(run.model))  # losses a module logs itself (MTP's per depth): every rank calls it
+    rec.update(run.task.metrics() if run.task is not None else {})  # dpo, kto, rm (a collective too)
+    return rec
+
+
+def say_done(run, n: int, secs: float, samples: int, signaled: str | None):
+    """Rank 0's closing lines, once the loop ended after iteration n: the iterations this process ran, its tokens/s
+    over the `samples` samples it consumed (evaluation and saving included), where the metrics are; and when a signal
+    stopped it, what was saved and how to resume."""
+    if run.rank != 0:
+        return
+    a, tokens = run.args, batch_work(run, samples)[0]
+    print(f"done: {max(0, n - run.first)} iterations in {secs:.0f} s ({tokens / secs:.0f} tokens/s with evaluation "
+          f"and saving); metrics, tensorboard/ and loss.png in {run.log.dir}"
+          + (f" (TensorBoard: {a.tensorboard_dir})" if a.tensorboard_dir else ""), flush=True)
+    if signaled:
+        print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
+              + ("" if a.load == a.save else f" with --load {a.save}") if a.save else
+              "no --save was given, so nothing is saved"), flush=True)
+
+
+def nonfinite(loss: float, grad_norm: float, overflow: bool, scaler) -> list[str]:
+    """What is wrong with a step, as phrases for the error line: a non-finite loss, a non-finite gradient norm (not
+    when fp16's scaler found the overflow and skips the step itself), fp16 stuck at its minimum scale."""
+    bad = [f"{k} is {v}" for k, v in (("the loss", loss), ("the gradient norm", grad_norm))
+           if not math.isfinite(v) and not (overflow and k == "the gradient norm")]
+    if scaler.enabled and scaler.stuck >= scaler.window:
+        bad.append(f"fp16: {scaler.stuck} steps in a row overflowed at --min-loss-scale={scaler.min} "
+                   f"(--loss-scale-window={scaler.window})")
+    return bad
+
+
+def first_nonfinite_grad(model, rank) -> str:
+    """', first non-finite gradient on this rank: NAME', or '' (local: no collective, so any rank may ask)."""
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", p.grad)  # DDP: the fp32 buffer view
+        if g is not None and not bool(torch.isfinite(g).all()):
+            name = name.split(".", 1)[1] if len(model) == 1 else f"chunk {name}"  # (the ModuleList's index)
+            return f" (first non-finite gradient on rank {rank}: {name})"
+    return ""
 
 
 class Logger:

@@ -5,33 +5,33 @@ section's fence; the last section runs to the end of the file), its title, and t
 names them (Megatron-LM's; Transformer Engine's where Megatron takes the piece from TE). tests/test_repo.py checks the
 table; after an edit to this file, refresh its line numbers: .venv/bin/python tests/test_repo.py --fix-parallel-contents
   §    lines      section                                         mirrors
-  1    75-182     Grid                                            megatron/core/parallel_state.py
-  2    183-369    Mappings                                        megatron/core/tensor_parallel/mappings.py
-  3    370-444    Initialization                                  megatron/core/tensor_parallel/layers.py
-  4    445-665    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
+  1    77-208     Grid                                            megatron/core/parallel_state.py
+  2    209-395    Mappings                                        megatron/core/tensor_parallel/mappings.py
+  3    396-470    Initialization                                  megatron/core/tensor_parallel/layers.py
+  4    471-691    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
                                                                   megatron/core/tensor_parallel/cross_entropy.py
-  5    666-729    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
-  6    730-844    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
-  7    845-884    Schedules                                       megatron/core/pipeline_parallel/schedules.py
-  8    885-1074   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+  5    692-755    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
+  6    756-870    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
+  7    871-910    Schedules                                       megatron/core/pipeline_parallel/schedules.py
+  8    911-1100   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
                                                                   megatron/core/pipeline_parallel/p2p_communication.py
-  9    1075-1375  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+  9    1101-1401  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1376-1520  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1402-1546  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1521-1724  Mixture of Experts: experts, dispatchers, the layer
+  10b  1547-1750  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1725-1953  FP8                                             megatron/core/fp8_utils.py
+  11   1751-1979  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1954-2217  Context parallelism                             megatron/core/utils.py
+  12   1980-2243  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2218-2339  Muon                                            megatron/core/optimizer/muon.py
+  13   2244-2365  Muon                                            megatron/core/optimizer/muon.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -59,8 +59,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import zlib
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -73,7 +75,8 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # ============================================================================================================
-# 1. Grid — mirrors megatron/core/parallel_state.py (initialize_model_parallel, order="tp-cp-ep-dp-pp")
+# 1. Grid — mirrors megatron/core/parallel_state.py (initialize_model_parallel, order="tp-cp-ep-dp-pp") and, for the
+#    process group it is made over, megatron/training/initialize.py (_initialize_distributed)
 # ============================================================================================================
 _GROUPS: dict[tuple[int, ...], object] = {}  # process groups are expensive: one per rank tuple, made once
 
@@ -178,6 +181,29 @@ class Grid:
 def tp_of(grid: Grid | None) -> Group | None:
     """The TP group, or None when there is nothing to communicate with."""
     return grid.tp if grid is not None and grid.tp.size > 1 else None
+
+
+def init_distributed(world: int, backend: str | None = None, minutes: int = 10) -> torch.device:
+    """This rank's device and, under torchrun (world > 1), the process group: NCCL on CUDA unless --distributed-backend
+    says gloo, gloo on CPU (nccl asked without CUDA: arguments.py said so once). One process uses every core it may
+    (taskset, cgroups). torchrun's environment says which rank this is (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if world == 1:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    else:
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group((backend or "nccl") if cuda else "gloo", timeout=timedelta(minutes=minutes))
+    return device
+
+
+def agree_on_error(error: str | None) -> str | None:
+    """The first error any rank found (`error` None: this rank found none), or None: every rank of the world calls it
+    at the same point, so a rank that failed alone stops the others there instead of leaving them in a collective."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, error)
+    return next((e for e in found if e is not None), None)
 
 
 # ============================================================================================================

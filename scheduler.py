@@ -1,16 +1,26 @@
-"""scheduler.py — how long a run trains, its learning rate at each step, and its global batch during a ramp-up.
+"""scheduler.py — how long a run trains, its learning rate at each step, its global batch during a ramp-up, fp16's
+loss scale, and what stops it sooner (a signal, --exit-duration-in-mins).
 
 Mirrors megatron/core/optimizer_param_scheduler.py (OptimizerParamScheduler.get_lr: warmup, then constant / linear /
 cosine / inverse-square-root / WSD decay, counted in samples of applied steps), megatron/core/
-num_microbatches_calculator.py (RampupBatchsizeNumMicroBatchesCalculator) and the schedule rules of Megatron's
-validate_args. Its own file because three places read it and none owns it: arguments.py checks the flags
-(check_schedule_args), train.py drives the optimizer with it, tests/test_schedules.py checks it against megatron-core.
+num_microbatches_calculator.py (RampupBatchsizeNumMicroBatchesCalculator), the schedule rules of Megatron's
+validate_args, megatron/core/optimizer/grad_scaler.py (the dynamic loss scale), and megatron/training/
+dist_signal_handler.py with training.py's exit checks (the stop all ranks agree on). Its own file because three
+places read it and none owns it: arguments.py checks the flags (check_schedule_args), train.py drives the optimizer
+and stops with it, tests/test_schedules.py checks it against megatron-core.
 
     python train.py --lr-decay-style WSD --lr-wsd-decay-iters 100 --save runs/wsd   # hold --lr, anneal at the end
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
 
 from config import ConfigError
 
@@ -77,6 +87,18 @@ def learning_rate(num_steps: int, args, peak: float | None = None, minimum: floa
                  "minus_sqrt": lambda: 1.0 - math.sqrt(r)}[args.lr_wsd_decay_style]()
     return low + coeff * (top - low)
 
+
+
+def set_learning_rates(optimizer, num_steps: int, args):
+    """The optimizer's learning rates for the next step (Megatron's OptimizerParamScheduler.step): learning_rate after
+    the schedule's `num_steps` (train.py's progress.lr_steps; a --no-load-optim run's start again from 0, as Megatron's
+    scheduler state is the optimizer's), and with --decoupled-lr the same schedule from --decoupled-lr to
+    --decoupled-min-lr (default --min-lr) for the word embedding and output layer (Megatron's
+    _update_min_and_max_lr_in_param_groups)."""
+    optimizer.lr = learning_rate(num_steps, args)
+    if args.decoupled_lr is not None:
+        low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        optimizer.decoupled_lr = learning_rate(num_steps, args, args.decoupled_lr, low)
 
 
 def check_schedule_args(args, interleaved: bool) -> tuple:
@@ -153,3 +175,69 @@ def check_rampup(args, interleaved: bool):
                               f"multiple of pp={pp}; the global batch of {b} samples (after {consumed} samples) has "
                               f"{b // rows}")
         consumed += b
+
+
+# ---------------------------------------------------------------------------------------------- the loss scale
+class LossScaler:
+    """fp16 dynamic loss scaling (megatron/core/optimizer/grad_scaler.py, hysteresis 1): backward runs on
+    loss x scale; a step whose grads hold inf/nan on any rank is skipped and halves the scale; `window` clean steps
+    in a row double it. With fp32/bf16 the scale is 1 and nothing is ever skipped. `stuck` counts the skipped steps
+    in a row taken at the minimum scale: halving can no longer help (the loop stops after `window` of them)."""
+
+    def __init__(self, args):
+        self.enabled, self.window, self.min = args.fp16, args.loss_scale_window, args.min_loss_scale
+        self.scale, self.clean, self.stuck = (args.initial_loss_scale if args.fp16 else 1.0), 0, 0
+
+    def unscale_and_check(self, params) -> bool:
+        """Divide the grads by the scale; True if any rank found inf/nan (then the step must be skipped)."""
+        if not self.enabled:
+            return False
+        bad = torch.zeros(1)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(1.0 / self.scale)
+                bad += (~torch.isfinite(p.grad)).any().float().cpu()
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        overflow = bool(bad.item() > 0)
+        if overflow:
+            self.stuck = self.stuck + 1 if self.scale <= self.min else 0
+            self.scale, self.clean = max(self.scale / 2, self.min), 0
+        else:
+            self.clean, self.stuck = self.clean + 1, 0
+            if self.clean % self.window == 0:
+                self.scale *= 2
+        return overflow
+
+
+# ---------------------------------------------------------------------------------------------- stopping sooner
+class ExitSignals:
+    """Megatron's --exit-signal-handler, on by default here: SIGINT (Ctrl-C) and SIGTERM (a scheduler's; torchrun
+    passes Ctrl-C and its own SIGTERM on to its ranks) only note the signal, so the step in flight finishes and the
+    loop stops, saves and says how to resume. The same signal arriving again within a second (a terminal's Ctrl-C
+    reaches torchrun's ranks both directly and through torchrun) is the same request; a later one stops at once."""
+
+    def __init__(self, enabled: bool):
+        self.signum, self.t, self.old = 0, 0.0, {}
+        if enabled and sys.platform != "win32":
+            with contextlib.suppress(ValueError):  # (not the main thread: no handlers; the loop runs as before)
+                self.old = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(self, signum, frame):
+        if self.signum and time.time() - self.t > 1.0:
+            raise KeyboardInterrupt  # a second request: stop now
+        self.signum, self.t = self.signum or signum, self.t or time.time()
+
+    def restore(self):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+def agree_to_stop(t0: float, minutes: float | None, signals: ExitSignals) -> tuple[bool, str | None]:
+    """(--exit-duration-in-mins passed, the name of a signal received), as every rank agrees: a MAX over ranks, so a
+    signal that reached one rank stops them all after the same step (a rank that stopped alone would leave the
+    others waiting in a collective; tests/test_signals.py signals one rank of two)."""
+    flags = torch.tensor([float(minutes is not None and time.time() - t0 > 60 * minutes), float(signals.signum)])
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0] > 0), signal.Signals(int(flags[1])).name if flags[1] > 0 else None

@@ -1,12 +1,12 @@
 """train.py — the training loop: data -> batches -> forward/backward -> optimizer step, evaluation, logging, saving.
 
 Mirrors Megatron-LM's megatron/training/training.py (pretrain, train_step: gradient accumulation, clipping, the
-optimizer step, evaluation) and optimizer/grad_scaler.py (dynamic loss scaling). Like nanoGPT's train.py: one flat
-loop you can read. Read it top to bottom: `setup` builds everything a run is made of into one `Run`, `train` is the
-loop, `train_step` one iteration, `evaluate` the validation pass. The flags live in arguments.py
-(megatron/training/arguments.py), a model file's hooks in config.py, checkpoints in checkpoint.py
-(checkpointing.py), the optimizers (plain and distributed, one interface) in parallel.py section 9, the post-training
-tasks in posttraining/recipes.py; tools.py samples, merges, exports and scores a saved run.
+optimizer step, evaluation). Like nanoGPT's train.py: one flat loop you can read. Read it top to bottom: `setup`
+builds everything a run is made of into one `Run`, `train` is the loop, `train_step` one iteration, `evaluate` the
+validation pass. The flags live in arguments.py (megatron/training/arguments.py), a model file's hooks and the --task
+modules (config.TASKS, posttraining/) in config.py, checkpoints in checkpoint.py (checkpointing.py), the optimizers
+(plain and distributed, one interface) in parallel.py section 9, the learning rate, loss scale and stop conditions in
+scheduler.py, the log lines in metrics.py; tools.py samples, merges, exports and scores a saved run.
 
     make train MODEL=gpt                                       # the default run below: ~7.5 min on 2 CPU cores
     python train.py --save runs/gpt                            # the same, without make
@@ -16,8 +16,8 @@ tasks in posttraining/recipes.py; tools.py samples, merges, exports and scores a
     python train.py --load runs/gpt --save runs/gpt --train-iters 2000   # resume (any TP layout)
 
 Everything is validated (flags, layout, data, tokenizer) before any process group is made, and bad input ends with
-one line `train.py: error: ...`. Data order depends only on (seed, samples consumed): each DP rank slices the same
-global batch.
+one line `train.py: error: ...` (under torchrun the ranks agree on it, and rank 0 says it). Data order depends only on
+(seed, samples consumed): each DP rank slices the same global batch.
 """
 from __future__ import annotations
 
@@ -25,13 +25,10 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
-import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,61 +38,14 @@ import checkpoint
 import data
 import parallel as P
 from arguments import Args, ConfigError, brief, check_args, model_config, notes, parse_args, print_args, transformer_impl
-from config import ModelFile, model_file
-from interop import convert
-from metrics import Logger, Profiler, module_losses, throughput
-from posttraining import lora, recipes, rl
-from scheduler import batch_size, learning_rate
+from config import ModelFile, model_file, task_module
+from metrics import Logger, Profiler, first_nonfinite_grad, nonfinite, say_done, training_log
+from scheduler import ExitSignals, LossScaler, agree_to_stop, batch_size, learning_rate, set_learning_rates
 
 
 # ============================================================================================================
-# 1. Optimizer pieces: the learning rates (scheduler.py's schedule), dynamic loss scaling (the optimizers: parallel.py
-#    section 9)
+# 1. The optimizer: parallel.py section 9's, as the flags ask (its learning rates: scheduler.set_learning_rates)
 # ============================================================================================================
-def set_learning_rates(run):
-    """The optimizer's learning rates for the next step: learning_rate at the schedule's steps so far
-    (run.progress.lr_steps; a --no-load-optim run's start again from 0, as Megatron's scheduler state is the
-    optimizer's), and with --decoupled-lr the same schedule from --decoupled-lr to --decoupled-min-lr (default
-    --min-lr) for the word embedding and output layer (Megatron's _update_min_and_max_lr_in_param_groups)."""
-    a, step = run.args, run.progress.lr_steps
-    run.optimizer.lr = learning_rate(step, a)
-    if a.decoupled_lr is not None:
-        low = a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr
-        run.optimizer.decoupled_lr = learning_rate(step, a, a.decoupled_lr, low)
-
-
-class LossScaler:
-    """fp16 dynamic loss scaling (megatron/core/optimizer/grad_scaler.py, hysteresis 1): backward runs on
-    loss x scale; a step whose grads hold inf/nan on any rank is skipped and halves the scale; `window` clean steps
-    in a row double it. With fp32/bf16 the scale is 1 and nothing is ever skipped. `stuck` counts the skipped steps
-    in a row taken at the minimum scale: halving can no longer help (the loop stops after `window` of them)."""
-
-    def __init__(self, args):
-        self.enabled, self.window, self.min = args.fp16, args.loss_scale_window, args.min_loss_scale
-        self.scale, self.clean, self.stuck = (args.initial_loss_scale if args.fp16 else 1.0), 0, 0
-
-    def unscale_and_check(self, params) -> bool:
-        """Divide the grads by the scale; True if any rank found inf/nan (then the step must be skipped)."""
-        if not self.enabled:
-            return False
-        bad = torch.zeros(1)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(1.0 / self.scale)
-                bad += (~torch.isfinite(p.grad)).any().float().cpu()
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        overflow = bool(bad.item() > 0)
-        if overflow:
-            self.stuck = self.stuck + 1 if self.scale <= self.min else 0
-            self.scale, self.clean = max(self.scale / 2, self.min), 0
-        else:
-            self.clean, self.stuck = self.clean + 1, 0
-            if self.clean % self.window == 0:
-                self.scale *= 2
-        return overflow
-
-
 def make_optimizer(chunks, grid, args):
     """AdamW without weight decay on biases and norm weights (--optimizer muon: Muon for the hidden matrices, AdamW for
     the rest): parallel.Optimizer / Muon (whole parameters, the plain DP sum), or with --use-distributed-optimizer /
@@ -152,7 +102,7 @@ class Run:
     optimizer: object  # parallel.Optimizer or DistributedOptimizer
     scaler: LossScaler
     fp8: object  # parallel.fp8_enable's scaling state, or None
-    task: recipes.Task | None  # a post-training task's recipe, reference passes and metrics; None: pretraining
+    task: object | None  # a post-training task's Task (config.py's task contract): its batches, metrics; None: pretraining
     reference_base: dict | None  # dpo, kto: the checkpoint of the frozen reference model (checkpoint.pointer_to)
     p2p_shape: tuple  # [s/cp(/tp), b, h]: what pipeline stages send each other
     autocast: Callable  # bf16/fp16 autocast, or a no-op
@@ -181,7 +131,8 @@ def keep_freed_memory():
 
 def setup(args) -> Run:
     """Validate everything, then make the process group, the grid, the model and its optimizer, and load what the run
-    starts from. Nothing above the marked line makes a process group: bad input fails on every rank alike, at once."""
+    starts from. Nothing above the marked line makes a process group: every rank checks the same input, and a rank
+    that failed there joins the agreement below it (main), so bad input stops every rank alike, at once."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = check_args(args, world)
     for line in notes(args) if int(os.environ.get("RANK", "0")) == 0 else []:  # Megatron flags: what runs instead
@@ -189,28 +140,23 @@ def setup(args) -> Run:
     mf = model_file(args.model)
     start = checkpoint.plan_start(args)  # verified checkpoints; refuses a missing --load, an overwrite
     corpus = data.build_data(args, mf.dataset, start.tokenizer_file, start.vocab_size, samples=args.task == "pretrain")
-    tasks = rl if args.task in rl.TASKS else recipes  # online RL (rl.py) or an offline task (recipes.py)
-    if args.task != "pretrain":  # post-training: the task's samples (recipes.py section 1, rl.py's prompts)
+    tasks = task_module(args.task)  # a post-training task's module (config.TASKS); None: pretraining
+    if tasks is not None:  # the task's samples (posttraining/recipes.py section 1, rl.py's prompts)
         train_ds, valid_ds = tasks.build_task_datasets(args, corpus.tokenizer)
         corpus = dataclasses.replace(corpus, train=train_ds, valid=valid_ds)
     config = model_config(mf, args, corpus.vocab_size, corpus.tokenizer)
     checkpoint.check_same_model(args, start, mf, corpus.vocab_size)
     # ---- nothing above made a process group; everything below may
     keep_freed_memory()
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    device = P.init_distributed(world, args.distributed_backend, args.distributed_timeout_minutes)
+    if world > 1 and (error := P.agree_on_error(None)) is not None:  # another rank failed above: stop with it
+        raise ConfigError(error)
     mesh, tp, pp, dp = None, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size
     cp = args.context_parallel_size
     if world > 1:
-        if cuda:
-            torch.cuda.set_device(device)
-        backend = (args.distributed_backend or "nccl") if cuda else "gloo"  # (nccl asked without CUDA: said once)
-        dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
         from torch.distributed.device_mesh import DeviceMesh
         mesh = DeviceMesh(device.type, torch.arange(world).view(pp, dp * cp, tp), mesh_dim_names=("pp", "dp_cp", "tp"))
         mesh = mesh["dp_cp", "tp"]  # this stage's ranks: shards over tp, replicated over dp x cp (the Grid's order)
-    else:
-        torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may use (taskset, cgroups)
     rank = dist.get_rank() if dist.is_initialized() else 0
     grid = P.Grid(tp=tp, pp=pp, dp=dp, cp=cp, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
     make = lambda pre, post, offset, n: mf.Model(  # this rank's pipeline stage (v chunks of it interleaved)
@@ -218,9 +164,9 @@ def setup(args) -> Run:
     build = lambda: P.build_chunks(make, config.num_layers, grid, args.virtual_pipeline_model_parallel_size,
                                    stages=config.stage_layers)
     chunks = build()
-    for c in chunks if args.lora_rank else []:  # LoRA: the model frozen, adapters on its linears (posttraining/lora.py)
-        lora.apply_lora(c, args.lora_target_modules, args.lora_rank, args.lora_alpha, args.lora_dropout)
-    ref_chunks, reference_base = tasks.setup_task(args, start, chunks, build, mesh)  # value head, reference
+    checkpoint.add_adapters(chunks, args)  # LoRA (--lora-rank): the model frozen, adapters on its linears
+    # a task's additions: a value head on the last stage, the frozen reference (and reward) models beside the policy
+    frozen, reference_base = tasks.setup_task(args, start, chunks, build, mesh) if tasks else (None, None)
     model = torch.nn.ModuleList(chunks)
     recipe = P.FP8Recipe(args.fp8_format or "hybrid", args.fp8_recipe, args.fp8_margin, args.fp8_amax_history_len,
                          args.fp8_amax_compute_algo)
@@ -228,15 +174,15 @@ def setup(args) -> Run:
     if fp8 is not None and args.num_experts and rank == 0:
         print("note: --fp8 covers the attention and MLP linears; the routed MoE experts keep the parameters' dtype")
     optimizer, scaler = make_optimizer(chunks, grid, args), LossScaler(args)
-    progress = load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank)
+    progress = Progress(*checkpoint.load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank))
     first = progress.iteration
     s_local = args.seq_length // cp  # [s/cp(/tp), b, h] between pipeline stages
     p2p_shape = (s_local // tp if config.sequence_parallel and tp > 1 else s_local, args.micro_batch_size,
                  config.hidden_size)
     amp = torch.bfloat16 if args.bf16 else torch.float16
     autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16)
-    task = None if args.task == "pretrain" else tasks.Task(  # post-training (recipes.py section 2, rl.py)
-        args, chunks, grid, p2p_shape, config.params_dtype, corpus.eod, device, autocast, ref_chunks, corpus=corpus,
+    task = None if tasks is None else tasks.Task(  # post-training (recipes.py section 2, rl.py)
+        args, chunks, grid, p2p_shape, config.params_dtype, corpus.eod, device, autocast, frozen, corpus=corpus,
         iteration=first)
     if rank == 0:
         print_args(args, f"rank 0 holds {sum(p.numel() for p in model.parameters()):,} parameters; {grid}; "
@@ -253,44 +199,13 @@ def setup(args) -> Run:
                reference_base, p2p_shape, autocast, first, progress, log)
 
 
-def load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank) -> Progress:
-    """Load what the run starts from (checkpoint.plan_start): the base's weights (--finetune, --pretrained-checkpoint,
-    a LoRA run's frozen base), then the checkpoint it resumes. Returns where the run starts (its Progress)."""
-    if start.base is not None:  # model weights only: iteration 0, fresh optimizer and RNG (or a LoRA run's base)
-        checkpoint.load_weights(start.base, chunks, mesh)
-        if rank == 0:
-            print(f"model weights from {start.base.path}" + (" (frozen: LoRA adapters train)" if args.lora_rank else ""))
-    if start.resume is None:
-        if args.load and start.base is None and rank == 0:
-            print(f"a new run in {args.load}" if args.load == args.save else
-                  f"WARNING: no checkpoint in --load {args.load}; starting from scratch")
-        if args.task != "pretrain" and start.base is None and rank == 0:
-            print(f"note: --task {args.task} starts from random weights (the seed's initialization); pass "
-                  "--pretrained-checkpoint DIR to start from a trained model", flush=True)
-        return Progress()
-    layout = {k: getattr(args, k) for k in ["world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"]}
-    fp8_args = {k: getattr(args, k) for k in ["fp8", "fp8_format", "fp8_recipe", "fp8_amax_history_len"]}
-    first, rng_restored = checkpoint.load_checkpoint(start.resume, chunks, optimizer, scaler, mesh, layout,
-                                                     fp8_args if fp8 is not None else None,
-                                                     load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
-    if rank == 0:
-        print(f"resumed from {start.resume.path} at iteration {first}"
-              + (" (--no-load-optim: a fresh optimizer, loss scale and learning-rate schedule)" if args.no_load_optim
-                 else "") + ("" if rng_restored else " (--no-load-rng: RNG streams from the seed)" if args.no_load_rng
-                             else " (different layout: RNG streams not restored)"))
-    meta = start.resume.meta  # a checkpoint saved before these were recorded: a constant batch, no skipped step
-    consumed = meta.get("consumed_train_samples", first * meta["args"]["global_batch_size"])
-    steps = 0 if args.no_load_optim else meta.get("opt_param_scheduler", {}).get("num_steps", consumed)
-    return Progress(first, consumed, steps)  # --no-load-optim: Megatron's scheduler starts again (its state is not read)
-
-
 # ============================================================================================================
 # 3. One iteration, and evaluation
 # ============================================================================================================
 def prepare(run: Run, batch, split="train"):
     """One global batch -> (this DP rank's micro-batches, loss_func(model, mb) -> the SUM of its losses, the global
     count that divides it, the pipeline's p2p shape): the model file's batch_recipe, or a post-training task's
-    (recipes.Task: the reference model's passes run here; a pair is 2 sequences in the p2p shape's batch dim)."""
+    (its Task: the reference model's passes run here; a pair is 2 sequences in the p2p shape's batch dim)."""
     if run.task is not None:
         return run.task.prepare(batch, split)
     recipe, count = run.mf.batch_recipe(batch, run.args, run.corpus)
@@ -299,44 +214,15 @@ def prepare(run: Run, batch, split="train"):
 
 
 def stage_step(model, mb, recipe, autocast=contextlib.nullcontext):
-    """The schedule's contract: the SUM of the micro-batch's token losses on the last stage; on any other
-    pipeline stage the stage's output hidden states. The recipe calls the model once; a forward hook catches an
-    inner stage's output (what the recipe then does with it is discarded)."""
+    """The schedule's contract: the SUM of the micro-batch's token losses on the last stage; on any other pipeline
+    stage the stage's output hidden states, which the recipe returns as the model gave them (config.py's batch_recipe
+    contract): an inner stage computes only what it sends on."""
     with autocast():
-        if model.post_process:
-            return recipe(model, mb)
-        out = []
-        hook = model.register_forward_hook(lambda m, i, o: out.append(o))
-        try:
-            recipe(model, mb)
-        finally:
-            hook.remove()
-        return out[0]
+        return recipe(model, mb)
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss or gradient): main prints it as one line and exits with 2."""
-
-
-def nonfinite(loss: float, grad_norm: float, overflow: bool, scaler: LossScaler) -> list[str]:
-    """What is wrong with a step, as phrases for the error line: a non-finite loss, a non-finite gradient norm (not
-    when fp16's scaler found the overflow and skips the step itself), fp16 stuck at its minimum scale."""
-    bad = [f"{k} is {v}" for k, v in (("the loss", loss), ("the gradient norm", grad_norm))
-           if not math.isfinite(v) and not (overflow and k == "the gradient norm")]
-    if scaler.enabled and scaler.stuck >= scaler.window:
-        bad.append(f"fp16: {scaler.stuck} steps in a row overflowed at --min-loss-scale={scaler.min} "
-                   f"(--loss-scale-window={scaler.window})")
-    return bad
-
-
-def first_nonfinite_grad(model, rank) -> str:
-    """', first non-finite gradient on this rank: NAME', or '' (local: no collective, so any rank may ask)."""
-    for name, p in model.named_parameters():
-        g = getattr(p, "main_grad", p.grad)  # DDP: the fp32 buffer view
-        if g is not None and not bool(torch.isfinite(g).all()):
-            name = name.split(".", 1)[1] if len(model) == 1 else f"chunk {name}"  # (the ModuleList's index)
-            return f" (first non-finite gradient on rank {rank}: {name})"
-    return ""
 
 
 @dataclasses.dataclass
@@ -358,7 +244,7 @@ def train_step(run: Run, it: int) -> Step:
     gbs = progress.batch_size(a)
     batch = data.global_batch(run.corpus.train, start=progress.consumed_samples, size=gbs)  # [gbs, s+1] (a task's:
     micro_batches, recipe, num_tokens, shape = prepare(run, batch)  # [gbs, R, s+1]); num_tokens: the global batch's
-    set_learning_rates(run)
+    set_learning_rates(run.optimizer, progress.lr_steps, a)
     run.optimizer.zero_grad(len(micro_batches))
     trace = [] if a.pipeline_trace and it == run.first else None
     # fp16: backward runs on loss x scale, as sum / (num_tokens / scale), so MoE aux losses are scaled too
@@ -435,44 +321,6 @@ def evaluate(run: Run, split: str = "valid") -> dict:
 # ============================================================================================================
 # 4. The loop
 # ============================================================================================================
-class ExitSignals:
-    """Megatron's --exit-signal-handler, on by default here: SIGINT (Ctrl-C) and SIGTERM (a scheduler's; torchrun
-    passes Ctrl-C and its own SIGTERM on to its ranks) only note the signal, so the step in flight finishes and the
-    loop stops, saves and says how to resume. The same signal arriving again within a second (a terminal's Ctrl-C
-    reaches torchrun's ranks both directly and through torchrun) is the same request; a later one stops at once."""
-
-    def __init__(self, enabled: bool):
-        self.signum, self.t, self.old = 0, 0.0, {}
-        if enabled and sys.platform != "win32":
-            with contextlib.suppress(ValueError):  # (not the main thread: no handlers; the loop runs as before)
-                self.old = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def handler(self, signum, frame):
-        if self.signum and time.time() - self.t > 1.0:
-            raise KeyboardInterrupt  # a second request: stop now
-        self.signum, self.t = self.signum or signum, self.t or time.time()
-
-    def restore(self):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-
-
-def agree_to_stop(t0: float, minutes: float | None, signals: ExitSignals) -> tuple[bool, str | None]:
-    """(--exit-duration-in-mins passed, the name of a signal received), as every rank agrees (a MAX over ranks: a rank
-    that decided alone would leave the others waiting in a collective)."""
-    flags = torch.tensor([float(minutes is not None and time.time() - t0 > 60 * minutes), float(signals.signum)])
-    if dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0] > 0), signal.Signals(int(flags[1])).name if flags[1] > 0 else None
-
-
-def batch_work(run: Run, samples: int) -> tuple[int, float]:
-    """(tokens, Megatron's model FLOPs) of a global batch of `samples` samples: the sequences the model trains on (a
-    pair is 2; a reference model's forward passes are not counted) times --seq-length."""
-    seqs = samples * recipes.SEQUENCES.get(run.args.task, 1)
-    return seqs * run.args.seq_length, run.mf.flops(run.config, seqs, run.args.seq_length)
-
-
 def train(args) -> Run:
     run = setup(args)
     a, log = run.args, run.log
@@ -489,16 +337,7 @@ def train(args) -> Run:
     if run.corpus.test is not None and a.eval_iters > 0 and n == a.train_iters and not signaled:
         log.log(dict(iteration=n, **evaluate(run, "test")))  # Megatron's test evaluation once training has ended
     log.close()
-    if run.rank == 0:
-        secs = time.time() - t0
-        done, tokens = max(0, n - run.first), batch_work(run, run.progress.consumed_samples - consumed)[0]
-        print(f"done: {done} iterations in {secs:.0f} s ({tokens / secs:.0f} "
-              f"tokens/s with evaluation and saving); metrics, tensorboard/ and loss.png in {log.dir}"
-              + (f" (TensorBoard: {a.tensorboard_dir})" if a.tensorboard_dir else ""), flush=True)
-    if signaled and run.rank == 0:
-        print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
-              + ("" if a.load == a.save else f" with --load {a.save}") if a.save else
-              "no --save was given, so nothing is saved"), flush=True)
+    say_done(run, n, time.time() - t0, run.progress.consumed_samples - consumed, signaled)
     return run
 
 
@@ -520,7 +359,7 @@ def loop(run: Run, t0: float, signals: ExitSignals):
         if run.rank == 0:
             log.bar.update(1)
         if n % a.log_interval == 0 or n == a.train_iters:
-            log.log(log_record(run, n, window))
+            log.log(training_log(run, n, window, learning_rate(run.progress.lr_steps, a)))
             window = dict(steps=[], t=time.time(), moe_load=None)
         stop = a.exit_interval is not None and n % a.exit_interval == 0
         late, signaled = agree_to_stop(t0, a.exit_duration_in_mins, signals)
@@ -548,32 +387,6 @@ def loop(run: Run, t0: float, signals: ExitSignals):
     return n, signaled
 
 
-def log_record(run: Run, n: int, window: dict) -> dict:
-    """The metrics.jsonl line of the iterations since the last one (a collective: every rank calls it). `lr` is the
-    rate Megatron logs: the schedule's after the last step (the next step's); tokens/s and FLOPs count each step's
-    own global batch; `consumed_samples` and (with a ramp-up) `global_batch_size`, the last step's, as Megatron's."""
-    a, steps = run.args, window["steps"]
-    dt = time.time() - window["t"]
-    finite = [s.loss for s in steps if math.isfinite(s.loss)]  # a skipped NaN step's loss is not averaged
-    work = [batch_work(run, s.samples) for s in steps]  # [(tokens, FLOPs)]
-    rec = dict(iteration=n, loss=sum(finite) / len(finite) if finite else float("nan"),
-               lr=learning_rate(run.progress.lr_steps, a), grad_norm=steps[-1].grad_norm,
-               tokens_per_s=sum(t for t, _ in work) / dt, skipped=sum(s.skipped for s in steps),
-               consumed_samples=run.progress.consumed_samples)
-    if a.rampup_batch_size is not None:
-        rec["global_batch_size"] = steps[-1].samples
-    rec.update(throughput(sum(f for _, f in work), dt, a.world_size, run.device, a.bf16 or a.fp16))
-    if a.decoupled_lr is not None:
-        rec["decoupled_lr"] = run.optimizer.decoupled_lr
-    if a.fp16:
-        rec["loss_scale"] = run.scaler.scale
-    if window["moe_load"] is not None:
-        rec.update(P.moe_metrics(run.model, window["moe_load"]))
-    rec.update(module_losses(run.model))  # losses a module logs itself (MTP's per depth): every rank calls it
-    rec.update(run.task.metrics() if run.task is not None else {})  # dpo, kto, rm (a collective too)
-    return rec
-
-
 def parse(argv):
     """The flags, with the model's shape taken from the checkpoint the run resumes or starts from unless given
     (checkpoint.saved_flags; Megatron's --use-checkpoint-args), said in one line."""
@@ -588,18 +401,34 @@ def parse(argv):
     return args
 
 
+# What main says in one line `train.py: error: ...` (exit 2): bad input (interop's ExportError and LoRA's LoRAError
+# are ConfigErrors), or a run that cannot go on
+ERRORS = (ConfigError, data.DataError, TrainingError)
+
+
+def report(error: Exception):
+    """Say `train.py: error: ...` once (rank 0) and exit 2 on every rank, without guessing at time: under torchrun the
+    ranks agree first. An error found before the process group exists (flags, layout, data: every rank checks the same
+    input) — the rank makes the group here and hands its error to the agreement that the ranks without one join in
+    setup; one found after it, every rank meets at once (the same flags; the non-finite check on values reduced over
+    ranks). A barrier then holds every rank until rank 0 has said it (torchrun stops the others when one exits)."""
+    message, world = str(error), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized() and "MASTER_ADDR" in os.environ:  # (no address: no one to agree with)
+        P.init_distributed(world)
+        message = P.agree_on_error(message)
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    raise SystemExit(2) from None
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if argv[:1] in (["sample"], ["merge"], ["export"], ["score"]):
-            raise ConfigError(f"train.py {argv[0]} is now tools.py {argv[0]} (the same flags)")
         train(parse(argv))
-    except (ConfigError, data.DataError, TrainingError, convert.ExportError, lora.LoRAError) as e:
-        if int(os.environ.get("RANK", "0")) != 0:  # torchrun: every rank finds the same error and rank 0 says it;
-            # when it exits, torchrun stops this rank (which takes seconds on a loaded machine). Still alive: rank 0
-            time.sleep(15)  # did not fail, so this one speaks
-        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except ERRORS as e:
+        report(e)
     except KeyboardInterrupt:  # before the loop (or a second Ctrl-C in it): nothing more is saved
         if int(os.environ.get("RANK", "0")) == 0:
             print("train.py: interrupted: stopped at once, nothing more saved (the loop, once running, finishes its "

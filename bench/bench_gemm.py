@@ -212,7 +212,7 @@ def parse_args(argv=None):
 def main():
     a = parse_args()
     model_args = shlex.split(a.model_args)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may use, as train.py
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may use, as train.py (parallel.init_distributed)
     c, b, s, M = config_of(model_args)
     gemms = model_gemms(c, b, s, M)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; model: {c.num_layers} layers, h "

@@ -103,7 +103,7 @@ def worker(out_dir: str, train_argv: list[str]):
         steps.append(dict(secs=time.perf_counter() - t0, collective_secs=clock["secs"], bytes=kinds))
         return out
     train.train_step = timed_step  # (train.loop looks it up at each call)
-    if os.environ.get("BENCH_SCALING_THREADS"):  # single_1t: train.setup's set_num_threads(cores) held to this
+    if os.environ.get("BENCH_SCALING_THREADS"):  # single_1t: parallel.init_distributed's set_num_threads(cores) held to this
         set_threads, n = torch.set_num_threads, int(os.environ["BENCH_SCALING_THREADS"])
         torch.set_num_threads = lambda _: set_threads(n)
     train.main(train_argv)

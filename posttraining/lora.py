@@ -48,11 +48,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import parallel as P
+from config import ConfigError
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's names of the attention/MLP linears
 
 
-class LoRAError(ValueError):
+class LoRAError(ConfigError):
     """A target this model cannot take an adapter on; the message names it (train.py prints one line)."""
 
 

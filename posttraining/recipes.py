@@ -637,7 +637,7 @@ class Task:
                  ref_chunks=None, corpus=None, iteration: int = 0):  # (rl.Task's: its prompts, its first step)
         self.a, self.kind, self.chunks, self.grid, self.eod = args, args.task, chunks, grid, eod
         self.shape, self.dtype, self.device, self.autocast = shape, dtype, device, autocast
-        self.lora = args.lora_rank is not None
+        self.lora, self.sequences = args.lora_rank is not None, SEQUENCES.get(self.kind, 1)  # (GRPO, PPO: a prompt)
         self.ref_chunks = chunks if self.lora else ref_chunks
         if self.kind in ("dpo", "kto") and self.ref_chunks is None:
             raise ValueError(f"--task {self.kind} needs a reference model (ref_chunks) or LoRA adapters")
@@ -659,9 +659,9 @@ class Task:
             self.z0 = self.reference_point(kl - self.ref[:, 1], batch.shape[0])
             if (not dist.is_initialized() or dist.get_rank() == 0):
                 self.record(split, kl=self.z0.reshape(1))
-        rows = SEQUENCES[self.kind]
         t, b, h = self.shape
-        return micro, functools.partial(self.policy_step, split=split), num_units(self.kind, batch), (t, b * rows, h)
+        return (micro, functools.partial(self.policy_step, split=split), num_units(self.kind, batch),
+                (t, b * self.sequences, h))
 
     def reference_point(self, diff, g: int):
         """KTO's z0 from this rank's (policy − reference) KL-row log-probs at their indices [g] (0 elsewhere)."""

@@ -445,18 +445,16 @@ def test_decoupled_lr_follows_the_schedule_from_its_own_peak_and_minimum():
     to --min-lr 1e-5; a schedule that starts again (--no-load-optim: progress.lr_steps 0) warms up from 0 again."""
     import types
 
-    import train
+    import scheduler
     args = checked(["--lr", "1e-3", "--min-lr", "1e-5", "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-4",
                     "--lr-warmup-iters", "2", "--train-iters", "10", "--lr-decay-style", "linear"])
-    run = types.SimpleNamespace(args=args, progress=types.SimpleNamespace(lr_steps=0),
-                                optimizer=types.SimpleNamespace(lr=None, decoupled_lr=None))
+    optimizer = types.SimpleNamespace(lr=None, decoupled_lr=None)
     want = {0: (0.0, 0.0), 1: (5e-4, 5e-3), 2: (1e-3, 1e-2), 6: (1e-5 + 0.5 * (1e-3 - 1e-5), 1e-4 + 0.5 * (1e-2 - 1e-4)),
             10: (1e-5, 1e-4)}
     for it, (lr, dlr) in want.items():
-        run.progress.lr_steps = it * args.global_batch_size
-        train.set_learning_rates(run)
-        assert run.optimizer.lr == pytest.approx(lr, rel=1e-12, abs=0) and \
-            run.optimizer.decoupled_lr == pytest.approx(dlr, rel=1e-12, abs=0)
+        scheduler.set_learning_rates(optimizer, it * args.global_batch_size, args)
+        assert optimizer.lr == pytest.approx(lr, rel=1e-12, abs=0) and \
+            optimizer.decoupled_lr == pytest.approx(dlr, rel=1e-12, abs=0)
 
 
 def test_manual_gc_and_profile(corpus, cache, tmp_path, monkeypatch):

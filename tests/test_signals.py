@@ -5,6 +5,7 @@ bit-exactly (the losses and gradient norms of the resumed iterations equal an un
   - one process: SIGINT sent to itself at a random iteration, through train.main;
   - under the real torchrun (the signal goes to torchrun, which passes it on to its ranks, as a terminal's Ctrl-C or
     a scheduler's SIGTERM does): SIGINT at TP 2, SIGTERM at DP 2, each at a random iteration;
+  - SIGTERM to one rank of two (a scheduler that signals a single process): both stop after the same step and save it;
   - a second Ctrl-C stops at once; --no-exit-signal-handler leaves the signal's default (KeyboardInterrupt).
 The runs that resume and the uninterrupted references use the warm ranks (harness.launch: torchrun's environment).
 """
@@ -16,12 +17,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import test_train
 from test_train import ROOT, metrics, tiny
 
+import harness
 import train
 
 corpus, cache = test_train.corpus, test_train.cache  # test_train's fixtures: the synthetic corpus, its token cache
@@ -118,3 +121,35 @@ def test_signal_to_torchrun_stops_every_rank_saves_and_resumes_bit_exactly(corpu
     test_train.torchrun(2, [*run_argv(corpus, cache, ref, *layout, "--log-interval", "1"), "--exit-interval",
                             str(n + 2)])
     same_steps(run, ref, after=n)
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(corpus, cache, tmp_path):
+    """The stop is agreed (scheduler.agree_to_stop: a MAX over the ranks), so SIGTERM to rank 1 alone of a DP=2 run (warm
+    ranks) stops both after the same iteration n: both save iter_n (each its own RNG file) and exit 0, and rank 0, never
+    signalled, says it. A rank that stopped alone would save while the other waits in the next step's collectives: the
+    run would hang and launch fail at its timeout (checked by hand with the all-reduce removed)."""
+    run, k, result = tmp_path / "run", 2, {}
+    argv = run_argv(corpus, cache, run, "--log-interval", "1")
+
+    def launch():
+        try:
+            result["out"] = harness.launch(2, argv, timeout=120)
+        except BaseException as e:  # noqa: BLE001 — handed to the test's thread
+            result["error"] = e
+    thread = threading.Thread(target=launch, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or k not in metrics(run)[0]:  # (rank 0 logs after each step)
+        assert thread.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.05)
+    os.kill(harness._LAUNCHERS[2].procs[1].pid, signal.SIGTERM)  # rank 1's process only
+    thread.join(timeout=150)
+    assert "out" in result, result
+    said = [line for line in result["out"][0].splitlines() if line.startswith("SIGTERM after iteration")]
+    assert len(said) == 1 and "SIGTERM" not in result["out"][1], result["out"]
+    n = int(said[0].split()[3].rstrip(":"))
+    assert n >= k and said[0].endswith(f"saved {run}/iter_{n:07d}; to resume, run the same command"), said
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == str(n)
+    assert [p.name for p in run.glob("iter_*")] == [f"iter_{n:07d}"]
+    assert all((run / f"iter_{n:07d}" / f"rng_rank{r}.pt").exists() for r in (0, 1))
+    assert max(metrics(run)[0]) == n

@@ -346,6 +346,48 @@ def test_t5_trains_and_samples_a_decoded_span(corpus, cache, tmp_path, capsys):
     assert text.startswith("def add_1(a, b):") and "--- decoded spans ---" in text
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_an_inner_pipeline_stage_computes_only_what_it_sends(packed):
+    """train.stage_step with the default recipe (config.next_token_recipe; packed: --reset-position-ids,
+    --reset-attention-mask, --eod-mask-loss) on an inner pipeline stage (post_process False) returns the very tensor
+    the stage's model returned, and no torch operation runs after the model (a TorchFunctionMode records them all).
+    Negative control: on a last stage the same recording shows the loss computed after the model."""
+    import types
+
+    from torch.overrides import TorchFunctionMode
+
+    import config
+
+    calls, hidden = [], torch.randn(7, 2, 8)
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    class Stage(torch.nn.Module):
+        def __init__(self, post_process):
+            super().__init__()
+            self.post_process = post_process
+
+        def forward(self, input_ids, labels, **kw):
+            calls.append("model")
+            return hidden if not self.post_process else torch.ones(input_ids.shape)  # [s, b, h] / per-token losses
+
+    flags = dict.fromkeys(["reset_position_ids", "reset_attention_mask", "eod_mask_loss"], packed)
+    batch = torch.randint(1, 50, (2, 8))
+    recipe, _ = config.next_token_recipe(batch, types.SimpleNamespace(**flags), types.SimpleNamespace(eod=0))
+    for last in (False, True):
+        calls.clear()
+        with Record():
+            out = train.stage_step(Stage(last), batch, recipe)
+        after = calls[calls.index("model") + 1:]
+        if not last:
+            assert out is hidden and after == [], after
+        else:
+            assert "sum" in after and out.dim() == 0, after
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_keep_freed_memory_reuses_large_blocks():
     """train.keep_freed_memory: a freed 64 MiB block (the default run's [s, b, V] logits) is reused, not given back

@@ -20,6 +20,7 @@ import difflib
 import importlib.util
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -71,29 +72,48 @@ class Args(argparse.Namespace):
         raise AttributeError(f"args are read-only after check_args (del args.{name})")
 
 
-# --task's own defaults where pretraining's do not suit, below a model file's TRAIN_DEFAULTS and the command's own
-# flags. Online RL starts from an SFT'd model: a learning rate 10x below pretraining's, a short run, groups of 8
-# completions of 16 prompts a step, short rows (the shipped task's chat-rendered prompts are at most 34 tokens, its
-# answers a few tokens and eod), one held-out batch every 20 steps (bench/README.md "Online RL" measured these).
+# --task's own defaults where pretraining's do not suit: above a model file's TRAIN_DEFAULTS, below the checkpoint's
+# flags and the command's own (resolve's layer 4). Online RL starts from an SFT'd model: a learning rate 10x below
+# pretraining's, a short run, groups of 8 completions of 16 prompts a step, short rows (the shipped task's
+# chat-rendered prompts are at most 34 tokens, its answers a few tokens and eod), one held-out batch every 20 steps
+# (bench/README.md "Online RL" measured these).
 ONLINE_RL = dict(lr=3e-4, min_lr=3e-5, lr_warmup_iters=3, train_iters=60, grpo_group_size=8, global_batch_size=16,
                  micro_batch_size=32, seq_length=48, rollout_max_new_tokens=8, log_interval=5, eval_interval=20,
                  eval_iters=1)
 TASK_DEFAULTS = {"grpo": ONLINE_RL, "ppo": ONLINE_RL}
 
 
-def parse_args(argv, saved: dict | None = None, known_only: bool = False):
-    """argv -> the flags (a plain Namespace; check_args validates them and makes them read-only). The model's own
-    flags and defaults come from its model file, so `--model X --help` lists them. `saved`: the flags of the checkpoint
-    the run starts from that shape the model (checkpoint.saved_flags), as defaults the command line may override.
-    known_only: ignore flags this parser does not know (a first pass, before the checkpoint names the model)."""
+GROUPS = ("model", "data", "training", "parallel", "checkpoint", "logging", "post-training", "compatibility")
+
+
+def parse_args(argv, saved=None, known_only: bool = False):
+    """argv -> the flags (a plain Namespace; check_args validates them and makes them read-only): the flags of every
+    group, then `resolve` gives each its value. The model's own flags and defaults come from its model file, so
+    `--model X --help` lists them. `saved`: the flags of the checkpoint the run starts from that shape the model, as
+    defaults the command line may override: a dict, or a function of the first pass's flags that finds them
+    (train.py's checkpoint.saved_flags; Megatron's --use-checkpoint-args). known_only: ignore flags this parser does
+    not know (a first pass, before the checkpoint names the model)."""
+    if callable(saved):
+        return resolve_with_checkpoint(argv, saved)
     p = ArgumentParser(prog="train.py", add_help=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Train a model (`make train` runs the defaults); tools.py samples, merges, exports "
                                    "and scores a saved run.")
-    a = p.add_argument
-    a("--config", default=None, help="a YAML file {flag name: value} (examples/); flags on the command line override it")
-    a("--model", default=(saved or {}).get("model") or default_model(),
-      help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py on the Python path (config.py)")
-    # model (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters)
+    p.add_argument("--config", default=None, help="a YAML file {flag name: value} (examples/); flags on the command "
+                   "line override it")
+    p.add_argument("--model", default=(saved or {}).get("model") or default_model(),
+                   help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py on the Python path "
+                        "(config.py)")
+    for name, add in zip(GROUPS, (model_flags, data_flags, training_flags, parallel_flags, checkpoint_flags,
+                                  logging_flags, posttraining_flags, compatibility_flags)):
+        add(p.add_argument_group(f"{name} flags"))
+    return resolve(p, argv, saved or {}, known_only)
+
+
+
+def model_flags(g):
+    """The model's shape (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters),
+    its positions' scaling, activation recomputation, DeepSeek-V3's layers."""
+    a = g.add_argument
     a("--num-layers", type=int, default=4)
     a("--hidden-size", type=int, default=256)
     a("--num-attention-heads", type=int, default=8)
@@ -105,7 +125,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--ffn-hidden-size", type=int, default=None, help="default 4h, or 8h/3 rounded up to 64 with --swiglu")
     a("--seq-length", type=int, default=128)
     a("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    position = a("--position-embedding-type", default="rope", help="one of the model's Config.POSITION_EMBEDDING_TYPES")
+    a("--position-embedding-type", default="rope", help="one of the model's Config.POSITION_EMBEDDING_TYPES")
     a("--no-position-embedding", dest="add_position_embedding", action="store_false",
       help="Megatron's older spelling; with a rotary --position-embedding-type nothing changes (there is no learned "
            "position table), otherwise it is refused, as Megatron refuses it")
@@ -123,6 +143,41 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--attention-dropout", type=float, default=0.0)
     a("--init-method-std", type=float, default=0.02)
     a("--make-vocab-size-divisible-by", type=int, default=128)
+    # long context (transformer.py): position scaling and activation recomputation. Defaults None = the
+    # Config's (as a run saved before these flags existed has them), so checkpoint.ARCH_FLAGS compares them as equal
+    a("--rotary-percent", type=float, default=None, help="rotate this fraction of each head's dims (default 1.0)")
+    a("--rotary-seq-len-interpolation-factor", dest="seq_len_interpolation_factor", type=float, default=None,
+      help="linear position interpolation: positions / factor")
+    a("--use-rope-scaling", dest="rope_scaling", action="store_true", default=None, help="Llama 3.x frequency scaling")
+    a("--rope-scaling-factor", type=float, default=None, help="Llama 3.x scaling factor (default 8)")
+    a("--rotary-scaling-factor", "--yarn-rotary-scaling-factor", dest="yarn_rotary_scaling_factor", type=float,
+      default=None, help="YaRN: context extension factor (default 1)")
+    a("--yarn-original-max-position-embeddings", type=int, default=None, help="YaRN: pre-training context (4096)")
+    a("--yarn-beta-fast", type=float, default=None, help="YaRN: ramp starts at dims turning this often (32)")
+    a("--yarn-beta-slow", type=float, default=None, help="YaRN: ramp ends at dims turning this often (1)")
+    a("--mscale", "--yarn-mscale", dest="yarn_mscale", type=float, default=None,
+      help="YaRN: attention concentration numerator (1)")
+    a("--mscale-all-dim", "--yarn-mscale-all-dim", dest="yarn_mscale_all_dim", type=float, default=None,
+      help="YaRN: attention concentration denominator (0)")
+    a("--recompute-granularity", default=None, choices=["full", "selective"],
+      help="full: whole layers; selective: the attention core softmax(QK^T)V")
+    a("--recompute-method", default=None, choices=["uniform", "block"],
+      help="full only: uniform = chunks of --recompute-num-layers layers; block = the first N layers of each stage")
+    a("--recompute-num-layers", type=int, default=None)
+    # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
+    a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
+    a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
+    a("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' shared latent dim")
+    a("--qk-head-dim", type=int, default=128, help="MLA: q/k head dim without position")
+    a("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: the decoupled RoPE dims (one key for all heads)")
+    a("--v-head-dim", type=int, default=128)
+    a("--mtp-num-layers", type=int, default=None, help="multi-token prediction depths on the last stage (default: off)")
+    a("--mtp-loss-scaling-factor", type=float, default=0.1, help="MTP: the loss enters backward as factor/D per depth")
+
+
+def data_flags(g):
+    """The data, its tokenizer and packed documents (data.py)."""
+    a = g.add_argument
     # data and tokenizer
     a("--data-path", nargs="+", default=None,
       help="a source (text file, directory, .jsonl, or a Megatron PREFIX of PREFIX.bin/.idx), several (each weighing "
@@ -154,6 +209,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--reset-attention-mask", action="store_true",
       help="a token attends only to its own document (block-causal mask)")
     a("--eod-mask-loss", action="store_true", help="no loss on the prediction made at an end-of-document token")
+
+
+def training_flags(g):
+    """The batch, the training length, the learning-rate schedule, the optimizer, precision, FP8, the seed."""
+    a = g.add_argument
     # training
     a("--micro-batch-size", type=int, default=16)
     a("--global-batch-size", type=int, default=None, help="default: --micro-batch-size x data-parallel size")
@@ -218,6 +278,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--fp8-param-gather", action="store_true", help="(accepted: parameters keep their dtype; FP8 casts are made in "
       "the GEMMs)")
     a("--seed", type=int, default=1234)
+
+
+def parallel_flags(g):
+    """Tensor, pipeline, data, context and expert parallelism, and MoE's router (parallel.py)."""
+    a = g.add_argument
     # parallelism
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
@@ -261,7 +326,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--moe-router-enable-expert-bias", action="store_true", default=None,  # None when off: as in older checkpoints
       help="aux-loss-free load balancing (sigmoid router)")
     a("--moe-router-bias-update-rate", type=float, default=1e-3, help="expert bias step after each optimizer step")
-    # checkpoints, evaluation, logging
+
+
+def checkpoint_flags(g):
+    """Where a run saves, what it loads and when it stops (checkpoint.py)."""
+    a = g.add_argument
     a("--save", default=None, help="run directory: checkpoints, metrics.jsonl, tensorboard/, loss.png")
     a("--load", default=None, help="resume from the latest checkpoint in this directory")
     a("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
@@ -271,11 +340,6 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--exit-duration-in-mins", type=float, default=None, help="save and exit after this many minutes of training")
     a("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
       help="on SIGINT (Ctrl-C) or SIGTERM: finish the step, save, say how to resume, exit (a second one: at once)")
-    a("--eval-interval", type=int, default=100)
-    a("--eval-iters", type=int, default=10)
-    a("--log-interval", type=int, default=10)
-    a("--tensorboard-dir", default=None, help="where TensorBoard's events go (default: the run directory's "
-                                              "tensorboard/)")
     a("--no-load-optim", action="store_true", help="resume a checkpoint's weights and iteration without its optimizer "
       "state: fresh Adam moments and loss scale, and the learning-rate schedule starts again (Megatron's)")
     a("--no-load-rng", action="store_true", help="resume without the checkpoint's RNG states (the seed's instead)")
@@ -284,6 +348,16 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
            "here; --no-use-checkpoint-args: the command line's only (they must match the checkpoint's)")
     a("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
       help="torch_dist (torch.distributed.checkpoint, checkpoint.py); the others are refused")
+
+
+def logging_flags(g):
+    """Evaluation, logging and profiling (metrics.py)."""
+    a = g.add_argument
+    a("--eval-interval", type=int, default=100)
+    a("--eval-iters", type=int, default=10)
+    a("--log-interval", type=int, default=10)
+    a("--tensorboard-dir", default=None, help="where TensorBoard's events go (default: the run directory's "
+                                              "tensorboard/)")
     a("--wandb-project", default="", help="refused: nothing leaves this machine (metrics.jsonl, TensorBoard)")
     a("--wandb-exp-name", default="", help="refused, as --wandb-project")
     a("--profile", action="store_true", help="torch.profiler over iterations [--profile-step-start, "
@@ -292,57 +366,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--profile-step-end", type=int, default=12)
     a("--profile-ranks", nargs="+", type=int, default=[0])
     a("--log-throughput", action="store_true", help="(accepted: tokens/s and tflops are always logged)")
-    # Megatron's runtime and compatibility flags: kernels, fusions and processes (FALLBACKS: what runs instead)
-    a("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
-      help="torch's scaled_dot_product_attention runs for each (it picks its own kernel)")
-    a("--use-flash-attn", action="store_true", help="(accepted: scaled_dot_product_attention runs)")
-    a("--recompute-activations", action="store_true", help="Megatron's --recompute-granularity selective")
-    a("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false", help="(accepted: no fused "
-      "softmax kernel here)")
-    a("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", help="(accepted: RoPE is torch ops here)")
-    a("--cross-entropy-loss-fusion", action="store_true", help="(accepted: the cross-entropy is torch ops here)")
-    a("--attention-softmax-in-fp32", action="store_true", help="(accepted: see FALLBACKS)")
-    a("--use-mcore-models", action="store_true", help="(accepted: this is Megatron-core's model code)")
-    a("--overlap-param-gather", action="store_true", help="(accepted with --use-distributed-optimizer and "
-      "--overlap-grad-reduce: the parameters are all-gathered at the end of the step)")
-    a("--grad-reduce-in-bf16", action="store_true", help="(accepted: gradients are reduced in fp32 here)")
-    a("--calculate-per-token-loss", action="store_true", help="(accepted: always the loss rule here, DESIGN.md §2)")
-    a("--distributed-backend", default=None, choices=["nccl", "gloo"],
-      help="default: nccl on CUDA, gloo on CPU (nccl on CPU: gloo runs)")
-    a("--distributed-timeout-minutes", type=int, default=10, help="the process group's timeout")
-    a("--manual-gc", action="store_true", help="Python's automatic garbage collection off: collect every "
-      "--manual-gc-interval iterations and around each evaluation")
-    a("--manual-gc-interval", type=int, default=0, help="with --manual-gc (0: not between training iterations)")
-    a("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
-      help="with --manual-gc: no collection around evaluation")
-    a("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
-      help="CUDA: torch.cuda.empty_cache() after each forward-backward (1) and also after each optimizer step (2)")
-    a("--decoupled-lr", type=float, default=None, help="the word embedding's and output layer's own learning rate "
-      "(their schedule peaks at it), default: --lr")
-    a("--decoupled-min-lr", type=float, default=None, help="their schedule's minimum (default: --min-lr)")
-    a("--spec", nargs="*", default=None, help="a model file's own Megatron spec (its MEGATRON_SPECS) is accepted; "
-      "any other is refused: the model file builds its layers (--model)")
-    # long context (transformer.py): position scaling and activation recomputation. Defaults None = the
-    # Config's (as a run saved before these flags existed has them), so checkpoint.ARCH_FLAGS compares them as equal
-    a("--rotary-percent", type=float, default=None, help="rotate this fraction of each head's dims (default 1.0)")
-    a("--rotary-seq-len-interpolation-factor", dest="seq_len_interpolation_factor", type=float, default=None,
-      help="linear position interpolation: positions / factor")
-    a("--use-rope-scaling", dest="rope_scaling", action="store_true", default=None, help="Llama 3.x frequency scaling")
-    a("--rope-scaling-factor", type=float, default=None, help="Llama 3.x scaling factor (default 8)")
-    a("--rotary-scaling-factor", "--yarn-rotary-scaling-factor", dest="yarn_rotary_scaling_factor", type=float,
-      default=None, help="YaRN: context extension factor (default 1)")
-    a("--yarn-original-max-position-embeddings", type=int, default=None, help="YaRN: pre-training context (4096)")
-    a("--yarn-beta-fast", type=float, default=None, help="YaRN: ramp starts at dims turning this often (32)")
-    a("--yarn-beta-slow", type=float, default=None, help="YaRN: ramp ends at dims turning this often (1)")
-    a("--mscale", "--yarn-mscale", dest="yarn_mscale", type=float, default=None,
-      help="YaRN: attention concentration numerator (1)")
-    a("--mscale-all-dim", "--yarn-mscale-all-dim", dest="yarn_mscale_all_dim", type=float, default=None,
-      help="YaRN: attention concentration denominator (0)")
-    a("--recompute-granularity", default=None, choices=["full", "selective"],
-      help="full: whole layers; selective: the attention core softmax(QK^T)V")
-    a("--recompute-method", default=None, choices=["uniform", "block"],
-      help="full only: uniform = chunks of --recompute-num-layers layers; block = the first N layers of each stage")
-    a("--recompute-num-layers", type=int, default=None)
+
+
+def posttraining_flags(g):
+    """LoRA, weights-only loading, the post-training tasks and online RL (posttraining/)."""
+    a = g.add_argument
     # post-training (posttraining/lora.py, checkpoint.py): LoRA adapters on a frozen model; weights-only loading (--finetune)
     a("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on the frozen model (default: off)")
     a("--lora-alpha", type=float, default=None, help="LoRA scale = alpha / rank (default: alpha = rank)")
@@ -385,34 +413,82 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--reward-function", help="GRPO, PPO: FILE.py:NAME, NAME(prompt, completion, record) -> float (default: rl.py's "
       "bracket check of the shipped prompts)")
     a("--reward-model", help="GRPO, PPO: a reward model's run (--task rm) scores the completions instead")
-    # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
-    a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
-    a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
-    a("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' shared latent dim")
-    a("--qk-head-dim", type=int, default=128, help="MLA: q/k head dim without position")
-    a("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: the decoupled RoPE dims (one key for all heads)")
-    a("--v-head-dim", type=int, default=128)
-    a("--mtp-num-layers", type=int, default=None, help="multi-token prediction depths on the last stage (default: off)")
-    a("--mtp-loss-scaling-factor", type=float, default=0.1, help="MTP: the loss enters backward as factor/D per depth")
-    config = p.parse_known_args(argv)[0].config  # --config: its flags first, so the command line overrides them
-    model = p.parse_known_args((config_argv(p, config, known=True) if config else []) + list(argv))[0].model
+
+
+def compatibility_flags(g):
+    """Megatron's runtime and compatibility flags: kernels, fusions and processes (FALLBACKS: what runs
+    instead)."""
+    a = g.add_argument
+    a("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
+      help="torch's scaled_dot_product_attention runs for each (it picks its own kernel)")
+    a("--use-flash-attn", action="store_true", help="(accepted: scaled_dot_product_attention runs)")
+    a("--recompute-activations", action="store_true", help="Megatron's --recompute-granularity selective")
+    a("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false", help="(accepted: no fused "
+      "softmax kernel here)")
+    a("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", help="(accepted: RoPE is torch ops here)")
+    a("--cross-entropy-loss-fusion", action="store_true", help="(accepted: the cross-entropy is torch ops here)")
+    a("--attention-softmax-in-fp32", action="store_true", help="(accepted: see FALLBACKS)")
+    a("--use-mcore-models", action="store_true", help="(accepted: this is Megatron-core's model code)")
+    a("--overlap-param-gather", action="store_true", help="(accepted with --use-distributed-optimizer and "
+      "--overlap-grad-reduce: the parameters are all-gathered at the end of the step)")
+    a("--grad-reduce-in-bf16", action="store_true", help="(accepted: gradients are reduced in fp32 here)")
+    a("--calculate-per-token-loss", action="store_true", help="(accepted: always the loss rule here, DESIGN.md §2)")
+    a("--distributed-backend", default=None, choices=["nccl", "gloo"],
+      help="default: nccl on CUDA, gloo on CPU (nccl on CPU: gloo runs)")
+    a("--distributed-timeout-minutes", type=int, default=10, help="the process group's timeout")
+    a("--manual-gc", action="store_true", help="Python's automatic garbage collection off: collect every "
+      "--manual-gc-interval iterations and around each evaluation")
+    a("--manual-gc-interval", type=int, default=0, help="with --manual-gc (0: not between training iterations)")
+    a("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+      help="with --manual-gc: no collection around evaluation")
+    a("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+      help="CUDA: torch.cuda.empty_cache() after each forward-backward (1) and also after each optimizer step (2)")
+    a("--decoupled-lr", type=float, default=None, help="the word embedding's and output layer's own learning rate "
+      "(their schedule peaks at it), default: --lr")
+    a("--decoupled-min-lr", type=float, default=None, help="their schedule's minimum (default: --min-lr)")
+    a("--spec", nargs="*", default=None, help="a model file's own Megatron spec (its MEGATRON_SPECS) is accepted; "
+      "any other is refused: the model file builds its layers (--model)")
+
+
+# ---------------------------------------------------------------------------------------------- where a value comes from
+# A flag's value comes from the first of these that sets it, the command line first (DESIGN.md §1 "Where a flag's
+# value comes from" has the table; tests/test_arguments.py pins each adjacent pair):
+#   7. the command line                        (argv)
+#   6. --config FILE's YAML                    (config_argv: its tokens go before argv, so argv overrides them)
+#   5. the checkpoint's saved flags            (checkpoint.saved_flags, through `saved`: the model's shape)
+#   4. --task's TASK_DEFAULTS                  (above)
+#   3. the model file's OPTIMIZER_DEFAULTS     (where --optimizer is not the one its TRAIN_DEFAULTS names: those, or
+#                                               train.py's own --lr / --min-lr)
+#   2. the model file's TRAIN_DEFAULTS         (its default run)
+#   1. the defaults registered here            (the *_flags groups)
+# --model itself: the command line, the YAML, the checkpoint's, else config.default_model(). Last, four schedule flags
+# (SCHEDULE_DEFAULTS, below) not given on the command line or in the YAML take layers 1-5's value or Megatron's,
+# depending on what the command did give.
+
+
+def resolve(p: argparse.ArgumentParser, argv: list[str], saved: dict, known_only: bool = False) -> argparse.Namespace:
+    """The one place the layers above are applied, lowest first, on the parser `p` of every group's flags."""
+    config = p.parse_known_args(argv)[0].config
+    yaml_known = config_argv(p, config, known=True) if config else []
+    model = p.parse_known_args(yaml_known + list(argv))[0].model
     mf = model_file(model)  # the model file: its own flags, then its defaults for everyone's
-    position.choices = list(mf.Config.POSITION_EMBEDDING_TYPES)
+    next(act for act in p._actions if act.dest == "position_embedding_type").choices = \
+        list(mf.Config.POSITION_EMBEDDING_TYPES)
     mf.add_arguments(p.add_argument_group(f"--model {model}'s own flags ({model}.py)"))
     adam_lr = {k: p.get_default(k) for k in ("lr", "min_lr")}  # train.py's own: AdamW's on the default shape
-    p.set_defaults(**mf.TRAIN_DEFAULTS)
-    pre = p.parse_known_args((config_argv(p, config, known=True) if config else []) + list(argv),
-                             argparse.Namespace(optimizer=UNSET))[0]
+    p.set_defaults(**mf.TRAIN_DEFAULTS)  # 2.
+    pre = p.parse_known_args(yaml_known + list(argv), argparse.Namespace(optimizer=UNSET))[0]
     task, optimizer = pre.task, pre.optimizer
     if optimizer is UNSET:  # the model file's for pretraining whole weights; adapters and post-training: AdamW
         optimizer = p.get_default("optimizer") if task == "pretrain" and pre.lora_rank is None else "adam"
-    if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # a model file's lr suits the optimizer it names
+    if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # 3. a model file's lr suits the optimizer it names
         p.set_defaults(**{**adam_lr, **mf.OPTIMIZER_DEFAULTS.get(optimizer, {})})
-    p.set_defaults(**TASK_DEFAULTS.get(task, {}), optimizer=optimizer)
+    p.set_defaults(**TASK_DEFAULTS.get(task, {}), optimizer=optimizer)  # 4.
     dests = {act.dest for act in p._actions}
-    p.set_defaults(**{k: v for k, v in (saved or {}).items() if k in dests})
-    a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")
-    argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)
+    p.set_defaults(**{k: v for k, v in saved.items() if k in dests})  # 5.
+    p.add_argument("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags "
+                   "too)")
+    argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)  # 6. and 7.
     check_one_spelling(p, argv)
     unset = argparse.Namespace(**dict.fromkeys(SCHEDULE_DEFAULTS, UNSET))  # argparse leaves them if not given
     got = vars(p.parse_known_args(argv, unset)[0] if known_only else p.parse_args(argv, unset))
@@ -422,6 +498,29 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
              else p.get_default("lr_warmup_iters"),
              "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0}
     return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()})
+
+
+def resolve_with_checkpoint(argv: list[str], find) -> argparse.Namespace:
+    """Layer 5 found from the command line: a first pass names the checkpoint (--load, --ckpt-step,
+    --pretrained-checkpoint), `find` (checkpoint.saved_flags) reads its flags that shape the model, and the flags are
+    parsed again with them. What the checkpoint set that the command line alone would not have is said in one line
+    (rank 0). --no-use-checkpoint-args: the command line's only."""
+    first = parse_args(argv, known_only=True)
+    saved = find(first) if first.use_checkpoint_args is not False else {}
+    args = parse_args(argv, saved)
+    plain = vars(first) if saved else {}
+    taken = {k: v for k, v in saved.items() if k in plain and plain[k] != v == getattr(args, k)}
+    if taken and int(os.environ.get("RANK", "0")) == 0:
+        print("from the checkpoint: " + ", ".join(f"--{k.replace('_', '-')} {brief(v)}" for k, v in taken.items()),
+              flush=True)
+    return args
+
+
+def run_flags(saved: dict, model: str | None = None) -> dict:
+    """A saved run's flags (a checkpoint's meta.json "args") over layers 1-4 of its model file: a flag the run saved
+    before it existed takes its default (checkpoint.load_model, check_same_model). `model`: when `saved` names none."""
+    return {**vars(parse_args(["--model", saved.get("model", model)])), **saved}
+
 
 
 # The default run is iteration-based: --train-iters and --lr-warmup-iters take its values (500 or the model file's,

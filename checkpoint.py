@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 import arguments
 import data
 import parallel as P
-from arguments import Args, ConfigError, model_config, parse_args
+from arguments import Args, ConfigError, model_config, run_flags
 from config import ModelFile, model_file
 from interop import hf
 from posttraining import lora
@@ -436,7 +436,7 @@ def check_same_model(args, start: Start, mf: ModelFile, vocab_size: int):
         flags = ARCH_FLAGS + list(mf.ARCH_FLAGS)
         flags += LORA_FLAGS if c is start.resume and (saved.get("lora_rank") or args.lora_rank) else []
         if any(k not in saved for k in flags):  # saved before the flag existed: it had the flag's default then
-            defaults = vars(parse_args(["--model", saved.get("model", args.model)]))
+            defaults = run_flags(saved, args.model)
             saved.update({k: defaults.get(k) for k in flags if k not in saved})
         diff = {k: (saved.get(k), now.get(k)) for k in flags if saved.get(k) != now.get(k)}
         if diff:
@@ -532,7 +532,7 @@ def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: 
               "expert_model_parallel_size": ep, "context_parallel_size": 1, "sequence_parallel": False}
     if saved.get("expert_tensor_parallel_size") not in (None, 1):
         layout["expert_tensor_parallel_size"] = tp  # experts split like the dense MLP at this TP (or whole at 1)
-    args = Args(**{**vars(parse_args(["--model", mf.name])), **saved, **layout})
+    args = Args(**{**run_flags(saved), **layout})
     tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
     grid = mesh = None
     if tp * ep > 1:

@@ -54,7 +54,7 @@ import torch
 
 import checkpoint
 import data
-from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args
+from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args, run_flags
 from interop import convert, hf
 from posttraining import lora, recipes
 
@@ -152,8 +152,8 @@ def import_hf(path, save_dir, dtype=torch.float32):
     if tok.get_vocab_size() > c.padded_vocab_size:
         raise ConfigError(f"{folder.path}: its tokenizer has {tok.get_vocab_size()} tokens, more than the model's "
                           f"{c.padded_vocab_size} embedding rows")
-    settings = {**vars(parse_args(["--model", mf.name])), **flags_of(c, mf), "hf_architecture": hf.arch_of(folder),
-                "vocab_size": c.vocab_size, "load": None, "save": str(out)}
+    settings = run_flags({"model": mf.name, **flags_of(c, mf), "hf_architecture": hf.arch_of(folder),
+                          "vocab_size": c.vocab_size, "load": None, "save": str(out)})
     built = model_config(mf, Args(**settings), c.vocab_size, tok)  # the Config a run on it builds: must be this one
     differ = [f.name for f in dataclasses.fields(c)
               if f.name not in hf.RUN_FIELDS and getattr(built, f.name) != getattr(c, f.name)]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import parallel as P
-from arguments import Args, ConfigError, brief, check_args, model_config, notes, parse_args, print_args, transformer_impl
+from arguments import Args, ConfigError, check_args, model_config, notes, parse_args, print_args, transformer_impl
 from config import ModelFile, model_file
 from interop import convert
 from metrics import Logger, Profiler, module_losses, throughput
@@ -576,16 +576,8 @@ def log_record(run: Run, n: int, window: dict) -> dict:
 
 def parse(argv):
     """The flags, with the model's shape taken from the checkpoint the run resumes or starts from unless given
-    (checkpoint.saved_flags; Megatron's --use-checkpoint-args), said in one line."""
-    first = parse_args(argv, known_only=True)
-    saved = checkpoint.saved_flags(first) if first.use_checkpoint_args is not False else {}  # (off: the command line)
-    args = parse_args(argv, saved)
-    plain = vars(parse_args(argv, known_only=True)) if saved else {}
-    taken = {k: v for k, v in saved.items() if k in plain and plain[k] != v == getattr(args, k)}
-    if taken and int(os.environ.get("RANK", "0")) == 0:
-        print("from the checkpoint: " + ", ".join(f"--{k.replace('_', '-')} {brief(v)}" for k, v in taken.items()),
-              flush=True)
-    return args
+    (checkpoint.saved_flags; Megatron's --use-checkpoint-args): arguments.resolve's layer 5."""
+    return parse_args(argv, saved=checkpoint.saved_flags)
 
 
 def main(argv=None):

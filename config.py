@@ -356,7 +356,7 @@ class ModelFile:
     # its own flags): arguments.check_args writes them into the checked flags, so a checkpoint records what ran
     derived_flags: Callable = lambda args: {}
     # MEGATRON_SPECS: Megatron's --spec values (module, function) whose layers the model file builds: --spec with one
-    # of them is accepted with a note, any other --spec is refused (arguments.FALLBACKS / REFUSED)
+    # of them is accepted with a note, any other --spec is refused (interop/megatron_flags.py's FALLBACKS / REFUSED)
     MEGATRON_SPECS: tuple = ()
     # data: dataset(source, doc_ids, args, tok, seed) -> its samples (ds[i]: a numpy row; data.global_batch stacks)
     dataset: Callable = token_windows

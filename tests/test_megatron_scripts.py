@@ -5,7 +5,7 @@ parallel degrees) and the paths filled in (a corpus, tokenizer files made here: 
 the model by its entry script (pretrain_gpt.py, ...): here that is --model (ENTRY).
 
 Each script trains on warm ranks (harness.launch: torchrun's environment) at its shrunk layout; every flag of it is
-accepted, and each one that runs differently here prints its one note line (arguments.FALLBACKS, data.note). The
+accepted, and each one that runs differently here prints its one note line (interop/megatron_flags.py, data.note). The
 GPT-3 script asks for a batch-size ramp-up with --train-iters, which Megatron refuses (validate_args: "expected no
 batch-size rampup for iteration-based training"); here too, in one line, and the same script trains once
 --train-iters is replaced by --train-samples.
@@ -280,7 +280,7 @@ def groups(script: str, paths: dict, output: str, refusal: str | None) -> dict:
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_script_trains_scaled_down(runs, paths, script):
     """The script's run: every iteration's loss finite, an evaluation, its checkpoint and TensorBoard events where the
-    script put them, and each flag that runs differently here said once, in its note line (arguments.FALLBACKS)."""
+    script put them, and each flag that runs differently here said once, in its note line (interop/megatron_flags.py)."""
     import arguments
     import train
     argv, output, _ = runs[script]

@@ -32,7 +32,7 @@ from config import (
     model_file,
     model_files,
 )
-from interop import hf, megatron_flags
+from interop import hf, megatron_flags, tokenizer_files
 from interop.megatron_flags import notes, transformer_impl  # noqa: F401 (re-exported: train.py's)
 from posttraining import lora
 
@@ -174,7 +174,7 @@ def model_flags(g):
 
 
 def data_flags(g):
-    """The data, its tokenizer and packed documents (data.py)."""
+    """The data, its tokenizer and packed documents (data.py, interop/tokenizer_files.py)."""
     a = g.add_argument
     # data and tokenizer
     a("--data-path", nargs="+", default=None,
@@ -184,7 +184,7 @@ def data_flags(g):
     a("--json-keys", nargs="+", default=["text"])
     a("--split", default="95,5", help="train,valid[,test] weights of the documents (not tokens), e.g. 949,50,1; the "
                                       "test part is held out and evaluated once training ends (test_loss)")
-    a("--tokenizer-type", default=None, choices=data.TOKENIZER_TYPES,
+    a("--tokenizer-type", default=None, choices=tokenizer_files.TOKENIZER_TYPES,
       help="Megatron's tokenizer from local files (--vocab-file, --merge-file, --tokenizer-model, or --vocab-size for "
            "NullTokenizer); default: --tokenizer-file, else a byte-level BPE trained on the corpus")
     a("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json, or BertWordPiece*'s vocab.txt")
@@ -588,10 +588,10 @@ def parse_split(split: str) -> list[float]:
 
 
 def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
-    """The data and tokenizer flags (data.py reads them): --split's parts, the sources, the tokenizer type and the
-    files it needs. Returns (valid_fraction, test_fraction, data_path, tokenizer_type): data_path is one source (a str,
-    as the post-training tasks read it) or a blend's entries (a list); tokenizer_type is filled in from --vocab-file
-    if not given. check_args sets them on its copy."""
+    """The data and tokenizer flags (data.py and interop/tokenizer_files.py read them): --split's parts, the sources,
+    the tokenizer type and the files it needs. Returns (valid_fraction, test_fraction, data_path, tokenizer_type):
+    data_path is one source (a str, as the post-training tasks read it) or a blend's entries (a list); tokenizer_type
+    is filled in from --vocab-file if not given. check_args sets them on its copy."""
     _, valid_fraction, test_fraction = parse_split(args.split)
     data_path = args.data_path
     if args.mock_data and args.data_path:
@@ -614,17 +614,17 @@ def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
     kind = args.tokenizer_type
     if kind is None and args.vocab_file is not None:  # Megatron's pretraining scripts default the type
         try:
-            kind = data.vocab_file_type(args.vocab_file)
+            kind = tokenizer_files.vocab_file_type(args.vocab_file)
         except data.DataError as e:
             raise ConfigError(str(e)) from None
         data.note(f"the tokenizer type is {kind}: --vocab-file {args.vocab_file} without --tokenizer-type (Megatron's "
                   "pretraining scripts default it so for this kind of vocabulary)")
-    if kind in data.REFUSED_TOKENIZERS:
-        raise ConfigError(f"--tokenizer-type {kind}: {data.REFUSED_TOKENIZERS[kind]}")
+    if kind in tokenizer_files.REFUSED_TOKENIZERS:
+        raise ConfigError(f"--tokenizer-type {kind}: {tokenizer_files.REFUSED_TOKENIZERS[kind]}")
     if kind is not None and args.tokenizer_file is not None:
         raise ConfigError(f"--tokenizer-type {kind} and --tokenizer-file {args.tokenizer_file} are two tokenizers: "
                           "pass one")
-    needs = data.TOKENIZER_FILES.get(kind, ())
+    needs = tokenizer_files.TOKENIZER_FILES.get(kind, ())
     missing = [f"--{f.replace('_', '-')}" for f in needs if getattr(args, f) is None]
     if missing:
         raise ConfigError(f"--tokenizer-type {kind} needs {' and '.join(missing)}")

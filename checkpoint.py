@@ -37,7 +37,7 @@ import data
 import parallel as P
 from arguments import Args, ConfigError, model_config, run_flags
 from config import ModelFile, model_file
-from interop import hf
+from interop import hf, tokenizer_files
 from posttraining import lora
 
 
@@ -533,7 +533,7 @@ def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: 
     if saved.get("expert_tensor_parallel_size") not in (None, 1):
         layout["expert_tensor_parallel_size"] = tp  # experts split like the dense MLP at this TP (or whole at 1)
     args = Args(**{**run_flags(saved), **layout})
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
     grid = mesh = None
     if tp * ep > 1:
         from torch.distributed.device_mesh import DeviceMesh
@@ -575,7 +575,7 @@ def save_weights(model, tok, save_dir, settings: dict, iteration: int = 0) -> Pa
     from it with --pretrained-checkpoint or --finetune."""
     out = Path(save_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data.save_tokenizer(tok, out / "tokenizer.json")
+    tokenizer_files.save_tokenizer(tok, out / "tokenizer.json")
     save_checkpoint(out, iteration, [model], None, Scale(), None, settings)
     return out
 

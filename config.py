@@ -369,7 +369,7 @@ class ModelFile:
     # tools.py: sample(model, tok, prompt, max_new_tokens, temperature, top_k) -> text; a causal LM's
     # sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, stop=None) -> the token ids it samples after
     # the prompt's token ids, through the end-of-document token or one of the `stop` ids (tools.py sample --chat: an
-    # SFT model's answer to a chat prompt, data.chat_stop_ids);
+    # SFT model's answer to a chat prompt, tokenizer_files.chat_stop_ids);
     # to_hf(config, state) -> (Hugging Face config.json dict, {name: tensor}). None: it does not
     # (UNSUPPORTED["sample"/"export"] says why)
     sample: Callable | None = None

@@ -42,7 +42,7 @@ import data
 import parallel as P
 from arguments import Args, ConfigError, check_args, model_config, notes, parse_args, print_args, transformer_impl
 from config import ModelFile, model_file
-from interop import convert
+from interop import convert, tokenizer_files
 from metrics import Logger, Profiler, module_losses, throughput
 from posttraining import lora, recipes, rl
 from scheduler import batch_size, learning_rate
@@ -246,7 +246,7 @@ def setup(args) -> Run:
     run_dir = args.save or time.strftime(f"runs/{args.model}-%Y%m%d-%H%M%S")  # no --save: a fresh directory
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
-        data.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
+        tokenizer_files.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
     log = Logger(run_dir, rank, first, args.train_iters, resume=start.continues,  # keeps lines <= first
                  tensorboard_dir=args.tensorboard_dir)
     return Run(args, mf, start, corpus, config, grid, chunks, model, mesh, device, rank, optimizer, scaler, fp8, task,

@@ -14,16 +14,14 @@ vocabulary, the checkpoint it starts from) is returned by whatever finds it and 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import difflib
-import importlib.util
 import json
 import math
+import os
 import re
 from pathlib import Path
 
-import torch
 import yaml
 
 import data
@@ -35,7 +33,8 @@ from config import (
     model_file,
     model_files,
 )
-from interop import hf
+from interop import hf, megatron_flags, tokenizer_files
+from interop.megatron_flags import notes, transformer_impl  # noqa: F401 (re-exported: train.py's)
 from posttraining import lora
 
 TASKS = ("pretrain", *TASK_MODULES)  # --task: pretraining, or a post-training task (config.TASKS: the module that runs
@@ -72,29 +71,48 @@ class Args(argparse.Namespace):
         raise AttributeError(f"args are read-only after check_args (del args.{name})")
 
 
-# --task's own defaults where pretraining's do not suit, below a model file's TRAIN_DEFAULTS and the command's own
-# flags. Online RL starts from an SFT'd model: a learning rate 10x below pretraining's, a short run, groups of 8
-# completions of 16 prompts a step, short rows (the shipped task's chat-rendered prompts are at most 34 tokens, its
-# answers a few tokens and eod), one held-out batch every 20 steps (bench/README.md "Online RL" measured these).
+# --task's own defaults where pretraining's do not suit: above a model file's TRAIN_DEFAULTS, below the checkpoint's
+# flags and the command's own (resolve's layer 4). Online RL starts from an SFT'd model: a learning rate 10x below
+# pretraining's, a short run, groups of 8 completions of 16 prompts a step, short rows (the shipped task's
+# chat-rendered prompts are at most 34 tokens, its answers a few tokens and eod), one held-out batch every 20 steps
+# (bench/README.md "Online RL" measured these).
 ONLINE_RL = dict(lr=3e-4, min_lr=3e-5, lr_warmup_iters=3, train_iters=60, grpo_group_size=8, global_batch_size=16,
                  micro_batch_size=32, seq_length=48, rollout_max_new_tokens=8, log_interval=5, eval_interval=20,
                  eval_iters=1)
 TASK_DEFAULTS = {"grpo": ONLINE_RL, "ppo": ONLINE_RL}
 
 
-def parse_args(argv, saved: dict | None = None, known_only: bool = False):
-    """argv -> the flags (a plain Namespace; check_args validates them and makes them read-only). The model's own
-    flags and defaults come from its model file, so `--model X --help` lists them. `saved`: the flags of the checkpoint
-    the run starts from that shape the model (checkpoint.saved_flags), as defaults the command line may override.
-    known_only: ignore flags this parser does not know (a first pass, before the checkpoint names the model)."""
+GROUPS = ("model", "data", "training", "parallel", "checkpoint", "logging", "post-training", "compatibility")
+
+
+def parse_args(argv, saved=None, known_only: bool = False):
+    """argv -> the flags (a plain Namespace; check_args validates them and makes them read-only): the flags of every
+    group, then `resolve` gives each its value. The model's own flags and defaults come from its model file, so
+    `--model X --help` lists them. `saved`: the flags of the checkpoint the run starts from that shape the model, as
+    defaults the command line may override: a dict, or a function of the first pass's flags that finds them
+    (train.py's checkpoint.saved_flags; Megatron's --use-checkpoint-args). known_only: ignore flags this parser does
+    not know (a first pass, before the checkpoint names the model)."""
+    if callable(saved):
+        return resolve_with_checkpoint(argv, saved)
     p = ArgumentParser(prog="train.py", add_help=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Train a model (`make train` runs the defaults); tools.py samples, merges, exports "
                                    "and scores a saved run.")
-    a = p.add_argument
-    a("--config", default=None, help="a YAML file {flag name: value} (examples/); flags on the command line override it")
-    a("--model", default=(saved or {}).get("model") or default_model(),
-      help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py on the Python path (config.py)")
-    # model (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters)
+    p.add_argument("--config", default=None, help="a YAML file {flag name: value} (examples/); flags on the command "
+                   "line override it")
+    p.add_argument("--model", default=(saved or {}).get("model") or default_model(),
+                   help=f"the model file to train: {', '.join(model_files())}, or your own NAME.py on the Python path "
+                        "(config.py)")
+    for name, add in zip(GROUPS, (model_flags, data_flags, training_flags, parallel_flags, checkpoint_flags,
+                                  logging_flags, posttraining_flags, compatibility_flags)):
+        add(p.add_argument_group(f"{name} flags"))
+    return resolve(p, argv, saved or {}, known_only)
+
+
+
+def model_flags(g):
+    """The model's shape (defaults: the `make train MODEL=gpt` run: a llama-style 4-layer model, ~5M parameters),
+    its positions' scaling, activation recomputation, DeepSeek-V3's layers."""
+    a = g.add_argument
     a("--num-layers", type=int, default=4)
     a("--hidden-size", type=int, default=256)
     a("--num-attention-heads", type=int, default=8)
@@ -106,7 +124,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--ffn-hidden-size", type=int, default=None, help="default 4h, or 8h/3 rounded up to 64 with --swiglu")
     a("--seq-length", type=int, default=128)
     a("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    position = a("--position-embedding-type", default="rope", help="one of the model's Config.POSITION_EMBEDDING_TYPES")
+    a("--position-embedding-type", default="rope", help="one of the model's Config.POSITION_EMBEDDING_TYPES")
     a("--no-position-embedding", dest="add_position_embedding", action="store_false",
       help="Megatron's older spelling; with a rotary --position-embedding-type nothing changes (there is no learned "
            "position table), otherwise it is refused, as Megatron refuses it")
@@ -124,6 +142,41 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--attention-dropout", type=float, default=0.0)
     a("--init-method-std", type=float, default=0.02)
     a("--make-vocab-size-divisible-by", type=int, default=128)
+    # long context (transformer.py): position scaling and activation recomputation. Defaults None = the
+    # Config's (as a run saved before these flags existed has them), so checkpoint.ARCH_FLAGS compares them as equal
+    a("--rotary-percent", type=float, default=None, help="rotate this fraction of each head's dims (default 1.0)")
+    a("--rotary-seq-len-interpolation-factor", dest="seq_len_interpolation_factor", type=float, default=None,
+      help="linear position interpolation: positions / factor")
+    a("--use-rope-scaling", dest="rope_scaling", action="store_true", default=None, help="Llama 3.x frequency scaling")
+    a("--rope-scaling-factor", type=float, default=None, help="Llama 3.x scaling factor (default 8)")
+    a("--rotary-scaling-factor", "--yarn-rotary-scaling-factor", dest="yarn_rotary_scaling_factor", type=float,
+      default=None, help="YaRN: context extension factor (default 1)")
+    a("--yarn-original-max-position-embeddings", type=int, default=None, help="YaRN: pre-training context (4096)")
+    a("--yarn-beta-fast", type=float, default=None, help="YaRN: ramp starts at dims turning this often (32)")
+    a("--yarn-beta-slow", type=float, default=None, help="YaRN: ramp ends at dims turning this often (1)")
+    a("--mscale", "--yarn-mscale", dest="yarn_mscale", type=float, default=None,
+      help="YaRN: attention concentration numerator (1)")
+    a("--mscale-all-dim", "--yarn-mscale-all-dim", dest="yarn_mscale_all_dim", type=float, default=None,
+      help="YaRN: attention concentration denominator (0)")
+    a("--recompute-granularity", default=None, choices=["full", "selective"],
+      help="full: whole layers; selective: the attention core softmax(QK^T)V")
+    a("--recompute-method", default=None, choices=["uniform", "block"],
+      help="full only: uniform = chunks of --recompute-num-layers layers; block = the first N layers of each stage")
+    a("--recompute-num-layers", type=int, default=None)
+    # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
+    a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
+    a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
+    a("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' shared latent dim")
+    a("--qk-head-dim", type=int, default=128, help="MLA: q/k head dim without position")
+    a("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: the decoupled RoPE dims (one key for all heads)")
+    a("--v-head-dim", type=int, default=128)
+    a("--mtp-num-layers", type=int, default=None, help="multi-token prediction depths on the last stage (default: off)")
+    a("--mtp-loss-scaling-factor", type=float, default=0.1, help="MTP: the loss enters backward as factor/D per depth")
+
+
+def data_flags(g):
+    """The data, its tokenizer and packed documents (data.py, interop/tokenizer_files.py)."""
+    a = g.add_argument
     # data and tokenizer
     a("--data-path", nargs="+", default=None,
       help="a source (text file, directory, .jsonl, or a Megatron PREFIX of PREFIX.bin/.idx), several (each weighing "
@@ -132,7 +185,7 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--json-keys", nargs="+", default=["text"])
     a("--split", default="95,5", help="train,valid[,test] weights of the documents (not tokens), e.g. 949,50,1; the "
                                       "test part is held out and evaluated once training ends (test_loss)")
-    a("--tokenizer-type", default=None, choices=data.TOKENIZER_TYPES,
+    a("--tokenizer-type", default=None, choices=tokenizer_files.TOKENIZER_TYPES,
       help="Megatron's tokenizer from local files (--vocab-file, --merge-file, --tokenizer-model, or --vocab-size for "
            "NullTokenizer); default: --tokenizer-file, else a byte-level BPE trained on the corpus")
     a("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json, or BertWordPiece*'s vocab.txt")
@@ -155,6 +208,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--reset-attention-mask", action="store_true",
       help="a token attends only to its own document (block-causal mask)")
     a("--eod-mask-loss", action="store_true", help="no loss on the prediction made at an end-of-document token")
+
+
+def training_flags(g):
+    """The batch, the training length, the learning-rate schedule, the optimizer, precision, FP8, the seed."""
+    a = g.add_argument
     # training
     a("--micro-batch-size", type=int, default=16)
     a("--global-batch-size", type=int, default=None, help="default: --micro-batch-size x data-parallel size")
@@ -219,6 +277,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--fp8-param-gather", action="store_true", help="(accepted: parameters keep their dtype; FP8 casts are made in "
       "the GEMMs)")
     a("--seed", type=int, default=1234)
+
+
+def parallel_flags(g):
+    """Tensor, pipeline, data, context and expert parallelism, and MoE's router (parallel.py)."""
+    a = g.add_argument
     # parallelism
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
@@ -237,12 +300,12 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     # mixture of experts (parallel.py section 10)
     a("--num-experts", type=int, default=None, help="MoE layers with this many experts (default: dense MLPs)")
     a("--moe-router-topk", type=int, default=2)
-    a("--moe-layer-freq", type=layer_freq, default=1,
+    a("--moe-layer-freq", type=megatron_flags.layer_freq, default=1,
       help="every n-th layer is MoE, or a list like [1,0,1,0] or Megatron's \"([0]+[1]*3)\"")
     a("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
     a("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
     a("--moe-router-pre-softmax", action="store_true")
-    a("--moe-router-load-balancing-type", nargs="+", default="aux_loss", choices=BALANCING,
+    a("--moe-router-load-balancing-type", nargs="+", default="aux_loss", choices=megatron_flags.BALANCING,
       help="aux_loss: the switch loss per micro-batch; seq_aux_loss: per sequence (DeepSeek-V2); none: no "
            "load-balancing loss; sinkhorn and global_aux_loss are refused")
     a("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
@@ -262,7 +325,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--moe-router-enable-expert-bias", action="store_true", default=None,  # None when off: as in older checkpoints
       help="aux-loss-free load balancing (sigmoid router)")
     a("--moe-router-bias-update-rate", type=float, default=1e-3, help="expert bias step after each optimizer step")
-    # checkpoints, evaluation, logging
+
+
+def checkpoint_flags(g):
+    """Where a run saves, what it loads and when it stops (checkpoint.py)."""
+    a = g.add_argument
     a("--save", default=None, help="run directory: checkpoints, metrics.jsonl, tensorboard/, loss.png")
     a("--load", default=None, help="resume from the latest checkpoint in this directory")
     a("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
@@ -272,11 +339,6 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--exit-duration-in-mins", type=float, default=None, help="save and exit after this many minutes of training")
     a("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
       help="on SIGINT (Ctrl-C) or SIGTERM: finish the step, save, say how to resume, exit (a second one: at once)")
-    a("--eval-interval", type=int, default=100)
-    a("--eval-iters", type=int, default=10)
-    a("--log-interval", type=int, default=10)
-    a("--tensorboard-dir", default=None, help="where TensorBoard's events go (default: the run directory's "
-                                              "tensorboard/)")
     a("--no-load-optim", action="store_true", help="resume a checkpoint's weights and iteration without its optimizer "
       "state: fresh Adam moments and loss scale, and the learning-rate schedule starts again (Megatron's)")
     a("--no-load-rng", action="store_true", help="resume without the checkpoint's RNG states (the seed's instead)")
@@ -285,6 +347,16 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
            "here; --no-use-checkpoint-args: the command line's only (they must match the checkpoint's)")
     a("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
       help="torch_dist (torch.distributed.checkpoint, checkpoint.py); the others are refused")
+
+
+def logging_flags(g):
+    """Evaluation, logging and profiling (metrics.py)."""
+    a = g.add_argument
+    a("--eval-interval", type=int, default=100)
+    a("--eval-iters", type=int, default=10)
+    a("--log-interval", type=int, default=10)
+    a("--tensorboard-dir", default=None, help="where TensorBoard's events go (default: the run directory's "
+                                              "tensorboard/)")
     a("--wandb-project", default="", help="refused: nothing leaves this machine (metrics.jsonl, TensorBoard)")
     a("--wandb-exp-name", default="", help="refused, as --wandb-project")
     a("--profile", action="store_true", help="torch.profiler over iterations [--profile-step-start, "
@@ -293,57 +365,11 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--profile-step-end", type=int, default=12)
     a("--profile-ranks", nargs="+", type=int, default=[0])
     a("--log-throughput", action="store_true", help="(accepted: tokens/s and tflops are always logged)")
-    # Megatron's runtime and compatibility flags: kernels, fusions and processes (FALLBACKS: what runs instead)
-    a("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
-      help="torch's scaled_dot_product_attention runs for each (it picks its own kernel)")
-    a("--use-flash-attn", action="store_true", help="(accepted: scaled_dot_product_attention runs)")
-    a("--recompute-activations", action="store_true", help="Megatron's --recompute-granularity selective")
-    a("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false", help="(accepted: no fused "
-      "softmax kernel here)")
-    a("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", help="(accepted: RoPE is torch ops here)")
-    a("--cross-entropy-loss-fusion", action="store_true", help="(accepted: the cross-entropy is torch ops here)")
-    a("--attention-softmax-in-fp32", action="store_true", help="(accepted: see FALLBACKS)")
-    a("--use-mcore-models", action="store_true", help="(accepted: this is Megatron-core's model code)")
-    a("--overlap-param-gather", action="store_true", help="(accepted with --use-distributed-optimizer and "
-      "--overlap-grad-reduce: the parameters are all-gathered at the end of the step)")
-    a("--grad-reduce-in-bf16", action="store_true", help="(accepted: gradients are reduced in fp32 here)")
-    a("--calculate-per-token-loss", action="store_true", help="(accepted: always the loss rule here, DESIGN.md §2)")
-    a("--distributed-backend", default=None, choices=["nccl", "gloo"],
-      help="default: nccl on CUDA, gloo on CPU (nccl on CPU: gloo runs)")
-    a("--distributed-timeout-minutes", type=int, default=10, help="the process group's timeout")
-    a("--manual-gc", action="store_true", help="Python's automatic garbage collection off: collect every "
-      "--manual-gc-interval iterations and around each evaluation")
-    a("--manual-gc-interval", type=int, default=0, help="with --manual-gc (0: not between training iterations)")
-    a("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
-      help="with --manual-gc: no collection around evaluation")
-    a("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
-      help="CUDA: torch.cuda.empty_cache() after each forward-backward (1) and also after each optimizer step (2)")
-    a("--decoupled-lr", type=float, default=None, help="the word embedding's and output layer's own learning rate "
-      "(their schedule peaks at it), default: --lr")
-    a("--decoupled-min-lr", type=float, default=None, help="their schedule's minimum (default: --min-lr)")
-    a("--spec", nargs="*", default=None, help="a model file's own Megatron spec (its MEGATRON_SPECS) is accepted; "
-      "any other is refused: the model file builds its layers (--model)")
-    # long context (transformer.py): position scaling and activation recomputation. Defaults None = the
-    # Config's (as a run saved before these flags existed has them), so checkpoint.ARCH_FLAGS compares them as equal
-    a("--rotary-percent", type=float, default=None, help="rotate this fraction of each head's dims (default 1.0)")
-    a("--rotary-seq-len-interpolation-factor", dest="seq_len_interpolation_factor", type=float, default=None,
-      help="linear position interpolation: positions / factor")
-    a("--use-rope-scaling", dest="rope_scaling", action="store_true", default=None, help="Llama 3.x frequency scaling")
-    a("--rope-scaling-factor", type=float, default=None, help="Llama 3.x scaling factor (default 8)")
-    a("--rotary-scaling-factor", "--yarn-rotary-scaling-factor", dest="yarn_rotary_scaling_factor", type=float,
-      default=None, help="YaRN: context extension factor (default 1)")
-    a("--yarn-original-max-position-embeddings", type=int, default=None, help="YaRN: pre-training context (4096)")
-    a("--yarn-beta-fast", type=float, default=None, help="YaRN: ramp starts at dims turning this often (32)")
-    a("--yarn-beta-slow", type=float, default=None, help="YaRN: ramp ends at dims turning this often (1)")
-    a("--mscale", "--yarn-mscale", dest="yarn_mscale", type=float, default=None,
-      help="YaRN: attention concentration numerator (1)")
-    a("--mscale-all-dim", "--yarn-mscale-all-dim", dest="yarn_mscale_all_dim", type=float, default=None,
-      help="YaRN: attention concentration denominator (0)")
-    a("--recompute-granularity", default=None, choices=["full", "selective"],
-      help="full: whole layers; selective: the attention core softmax(QK^T)V")
-    a("--recompute-method", default=None, choices=["uniform", "block"],
-      help="full only: uniform = chunks of --recompute-num-layers layers; block = the first N layers of each stage")
-    a("--recompute-num-layers", type=int, default=None)
+
+
+def posttraining_flags(g):
+    """LoRA, weights-only loading, the post-training tasks and online RL (posttraining/)."""
+    a = g.add_argument
     # post-training (posttraining/lora.py, checkpoint.py): LoRA adapters on a frozen model; weights-only loading (--finetune)
     a("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on the frozen model (default: off)")
     a("--lora-alpha", type=float, default=None, help="LoRA scale = alpha / rank (default: alpha = rank)")
@@ -386,35 +412,54 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
     a("--reward-function", help="GRPO, PPO: FILE.py:NAME, NAME(prompt, completion, record) -> float (default: rl.py's "
       "bracket check of the shipped prompts)")
     a("--reward-model", help="GRPO, PPO: a reward model's run (--task rm) scores the completions instead")
-    # DeepSeek-V3's layers (deepseek.py): multi-latent attention and multi-token prediction, with --model gpt
-    a("--multi-latent-attention", action="store_true", help="MLA instead of grouped-query attention (needs rope)")
-    a("--q-lora-rank", type=int, default=None, help="MLA: the query's low rank (default: one full q projection)")
-    a("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' shared latent dim")
-    a("--qk-head-dim", type=int, default=128, help="MLA: q/k head dim without position")
-    a("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: the decoupled RoPE dims (one key for all heads)")
-    a("--v-head-dim", type=int, default=128)
-    a("--mtp-num-layers", type=int, default=None, help="multi-token prediction depths on the last stage (default: off)")
-    a("--mtp-loss-scaling-factor", type=float, default=0.1, help="MTP: the loss enters backward as factor/D per depth")
-    config = p.parse_known_args(argv)[0].config  # --config: its flags first, so the command line overrides them
-    model = p.parse_known_args((config_argv(p, config, known=True) if config else []) + list(argv))[0].model
+
+
+def compatibility_flags(g):
+    """Megatron's runtime and compatibility flags: kernels, fusions and processes (interop/megatron_flags.py: what
+    runs instead of each, what is refused)."""
+    megatron_flags.add_arguments(g)
+
+
+# ---------------------------------------------------------------------------------------------- where a value comes from
+# A flag's value comes from the first of these that sets it, the command line first (DESIGN.md §1 "Where a flag's
+# value comes from" has the table; tests/test_arguments.py pins each adjacent pair):
+#   7. the command line                        (argv)
+#   6. --config FILE's YAML                    (config_argv: its tokens go before argv, so argv overrides them)
+#   5. the checkpoint's saved flags            (checkpoint.saved_flags, through `saved`: the model's shape)
+#   4. --task's TASK_DEFAULTS                  (above)
+#   3. the model file's OPTIMIZER_DEFAULTS     (where --optimizer is not the one its TRAIN_DEFAULTS names: those, or
+#                                               train.py's own --lr / --min-lr)
+#   2. the model file's TRAIN_DEFAULTS         (its default run)
+#   1. the defaults registered here            (the *_flags groups)
+# --model itself: the command line, the YAML, the checkpoint's, else config.default_model(). Last, four schedule flags
+# (SCHEDULE_DEFAULTS, below) not given on the command line or in the YAML take layers 1-5's value or Megatron's,
+# depending on what the command did give.
+
+
+def resolve(p: argparse.ArgumentParser, argv: list[str], saved: dict, known_only: bool = False) -> argparse.Namespace:
+    """The one place the layers above are applied, lowest first, on the parser `p` of every group's flags."""
+    config = p.parse_known_args(argv)[0].config
+    yaml_known = config_argv(p, config, known=True) if config else []
+    model = p.parse_known_args(yaml_known + list(argv))[0].model
     mf = model_file(model)  # the model file: its own flags, then its defaults for everyone's
-    position.choices = list(mf.Config.POSITION_EMBEDDING_TYPES)
+    next(act for act in p._actions if act.dest == "position_embedding_type").choices = \
+        list(mf.Config.POSITION_EMBEDDING_TYPES)
     mf.add_arguments(p.add_argument_group(f"--model {model}'s own flags ({model}.py)"))
     adam_lr = {k: p.get_default(k) for k in ("lr", "min_lr")}  # train.py's own: AdamW's on the default shape
-    p.set_defaults(**mf.TRAIN_DEFAULTS)
-    pre = p.parse_known_args((config_argv(p, config, known=True) if config else []) + list(argv),
-                             argparse.Namespace(optimizer=UNSET))[0]
+    p.set_defaults(**mf.TRAIN_DEFAULTS)  # 2.
+    pre = p.parse_known_args(yaml_known + list(argv), argparse.Namespace(optimizer=UNSET))[0]
     task, optimizer = pre.task, pre.optimizer
     if optimizer is UNSET:  # the model file's for pretraining whole weights; adapters and post-training: AdamW
         optimizer = p.get_default("optimizer") if task == "pretrain" and pre.lora_rank is None else "adam"
-    if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # a model file's lr suits the optimizer it names
+    if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # 3. a model file's lr suits the optimizer it names
         p.set_defaults(**{**adam_lr, **mf.OPTIMIZER_DEFAULTS.get(optimizer, {})})
-    p.set_defaults(**TASK_DEFAULTS.get(task, {}), optimizer=optimizer)
+    p.set_defaults(**TASK_DEFAULTS.get(task, {}), optimizer=optimizer)  # 4.
     dests = {act.dest for act in p._actions}
-    p.set_defaults(**{k: v for k, v in (saved or {}).items() if k in dests})
-    a("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags too)")
-    argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)
-    check_one_spelling(p, argv)
+    p.set_defaults(**{k: v for k, v in saved.items() if k in dests})  # 5.
+    p.add_argument("-h", "--help", action="help", help="show this message (with --model NAME: that model's own flags "
+                   "too)")
+    argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)  # 6. and 7.
+    megatron_flags.check_one_spelling(p, argv)
     unset = argparse.Namespace(**dict.fromkeys(SCHEDULE_DEFAULTS, UNSET))  # argparse leaves them if not given
     got = vars(p.parse_known_args(argv, unset)[0] if known_only else p.parse_args(argv, unset))
     sample_based = got["train_samples"] is not None
@@ -423,6 +468,29 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
              else p.get_default("lr_warmup_iters"),
              "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0}
     return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()})
+
+
+def resolve_with_checkpoint(argv: list[str], find) -> argparse.Namespace:
+    """Layer 5 found from the command line: a first pass names the checkpoint (--load, --ckpt-step,
+    --pretrained-checkpoint), `find` (checkpoint.saved_flags) reads its flags that shape the model, and the flags are
+    parsed again with them. What the checkpoint set that the command line alone would not have is said in one line
+    (rank 0). --no-use-checkpoint-args: the command line's only."""
+    first = parse_args(argv, known_only=True)
+    saved = find(first) if first.use_checkpoint_args is not False else {}
+    args = parse_args(argv, saved)
+    plain = vars(first) if saved else {}
+    taken = {k: v for k, v in saved.items() if k in plain and plain[k] != v == getattr(args, k)}
+    if taken and int(os.environ.get("RANK", "0")) == 0:
+        print("from the checkpoint: " + ", ".join(f"--{k.replace('_', '-')} {brief(v)}" for k, v in taken.items()),
+              flush=True)
+    return args
+
+
+def run_flags(saved: dict, model: str | None = None) -> dict:
+    """A saved run's flags (a checkpoint's meta.json "args") over layers 1-4 of its model file: a flag the run saved
+    before it existed takes its default (checkpoint.load_model, check_same_model). `model`: when `saved` names none."""
+    return {**vars(parse_args(["--model", saved.get("model", model)])), **saved}
+
 
 
 # The default run is iteration-based: --train-iters and --lr-warmup-iters take its values (500 or the model file's,
@@ -435,45 +503,6 @@ def parse_args(argv, saved: dict | None = None, known_only: bool = False):
 # OPTIMIZER_DEFAULTS for it (bert: AdamW's own rates), else train.py's (AdamW's on the default shape).
 SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr")
 UNSET = "(not given)"
-
-
-def check_one_spelling(p: argparse.ArgumentParser, argv: list[str]):
-    """A value flag with two spellings (Megatron's and an older one of ours: --rotary-scaling-factor and
-    --yarn-rotary-scaling-factor; or a model's name for a shared flag: T5's --encoder-num-layers for --num-layers) is
-    one setting: giving both is refused, not settled by their order."""
-    spellings = {}  # dest -> every option string that sets it
-    for act in p._actions:
-        if act.nargs != 0 and not isinstance(act, (argparse.BooleanOptionalAction, argparse._HelpAction)):
-            spellings.setdefault(act.dest, []).extend(act.option_strings)
-    for options in spellings.values():
-        typed = [o for o in options if any(t == o or t.startswith(o + "=") for t in argv)]
-        if len(typed) > 1:
-            raise ConfigError(f"{' and '.join(typed)} are two spellings of one flag: give one")
-
-
-BALANCING = ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]  # Megatron's load-balancing types
-
-
-def layer_freq(text: str):
-    """--moe-layer-freq: an integer N (every N-th layer is MoE) or a list of 0s and 1s, written as JSON or as Megatron's
-    Python list expression: "([0]+[1]*3)*2" -> [0, 1, 1, 1, 0, 1, 1, 1]. Read from its syntax tree (integers,
-    lists, + and *), never run: Megatron eval()s it."""
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.List):
-            return [value(e) for e in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Mult) and max(x for x in (left, right) if isinstance(x, int)) > 100_000:
-                raise ValueError("a repeat count over 100000")
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ValueError(f"{type(node).__name__} is not an integer, a list, + or *")
-    try:
-        return value(ast.parse(text.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a list expression of 0s and 1s ({e})"
-                                         ) from None
 
 
 # The range of every numeric flag: (test, what it must be). A flag left at None (its default: derived or off) is not
@@ -560,10 +589,10 @@ def parse_split(split: str) -> list[float]:
 
 
 def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
-    """The data and tokenizer flags (data.py reads them): --split's parts, the sources, the tokenizer type and the
-    files it needs. Returns (valid_fraction, test_fraction, data_path, tokenizer_type): data_path is one source (a str,
-    as the post-training tasks read it) or a blend's entries (a list); tokenizer_type is filled in from --vocab-file
-    if not given. check_args sets them on its copy."""
+    """The data and tokenizer flags (data.py and interop/tokenizer_files.py read them): --split's parts, the sources,
+    the tokenizer type and the files it needs. Returns (valid_fraction, test_fraction, data_path, tokenizer_type):
+    data_path is one source (a str, as the post-training tasks read it) or a blend's entries (a list); tokenizer_type
+    is filled in from --vocab-file if not given. check_args sets them on its copy."""
     _, valid_fraction, test_fraction = parse_split(args.split)
     data_path = args.data_path
     if args.mock_data and args.data_path:
@@ -586,17 +615,17 @@ def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
     kind = args.tokenizer_type
     if kind is None and args.vocab_file is not None:  # Megatron's pretraining scripts default the type
         try:
-            kind = data.vocab_file_type(args.vocab_file)
+            kind = tokenizer_files.vocab_file_type(args.vocab_file)
         except data.DataError as e:
             raise ConfigError(str(e)) from None
         data.note(f"the tokenizer type is {kind}: --vocab-file {args.vocab_file} without --tokenizer-type (Megatron's "
                   "pretraining scripts default it so for this kind of vocabulary)")
-    if kind in data.REFUSED_TOKENIZERS:
-        raise ConfigError(f"--tokenizer-type {kind}: {data.REFUSED_TOKENIZERS[kind]}")
+    if kind in tokenizer_files.REFUSED_TOKENIZERS:
+        raise ConfigError(f"--tokenizer-type {kind}: {tokenizer_files.REFUSED_TOKENIZERS[kind]}")
     if kind is not None and args.tokenizer_file is not None:
         raise ConfigError(f"--tokenizer-type {kind} and --tokenizer-file {args.tokenizer_file} are two tokenizers: "
                           "pass one")
-    needs = data.TOKENIZER_FILES.get(kind, ())
+    needs = tokenizer_files.TOKENIZER_FILES.get(kind, ())
     missing = [f"--{f.replace('_', '-')}" for f in needs if getattr(args, f) is None]
     if missing:
         raise ConfigError(f"--tokenizer-type {kind} needs {' and '.join(missing)}")
@@ -619,148 +648,6 @@ def check_data_args(args) -> tuple[float, float, str | list | None, str | None]:
         data.note(f"--tiktoken-pattern {args.tiktoken_pattern} is read by TikTokenizer only (as in Megatron), not by "
                   f"--tokenizer-type {kind}")
     return valid_fraction, test_fraction, data_path, kind
-
-
-# ---------------------------------------------------------------------------------------------- Megatron's scripts
-# Megatron-LM's launch scripts pass flags that name hardware, a kernel or a service this repository does not have, or
-# that say what is always so here. Each is accepted with Megatron's meaning and default and, when given, says in one
-# line at start (rank 0) what runs instead: FALLBACKS, flag -> (given(args) -> bool, the line, formatted with the
-# flags). A flag whose meaning cannot be had here is refused in one line: REFUSED, flag -> (refused(args), why).
-# tests/test_megatron_flags.py checks that every key is a flag, that a given one prints its line once (or is refused).
-FALLBACKS = {
-    "--attention-backend": (lambda a: a.attention_backend != "auto", "{attention_backend}: torch's "
-                            "scaled_dot_product_attention runs (it picks its own kernel; Megatron's backends are "
-                            "Transformer Engine's and its own)"),
-    "--use-flash-attn": (lambda a: a.use_flash_attn, "torch's scaled_dot_product_attention runs (on CUDA it may pick "
-                         "a flash kernel itself)"),
-    "--transformer-impl": (lambda a: a.transformer_impl == "transformer_engine" and transformer_impl(a) == "local",
-                           "{transformer_impl}: the local implementation runs (Transformer Engine runs here only as "
-                           "--fp8's GEMMs, on CUDA with transformer_engine installed)"),
-    "--fp8-param-gather": (lambda a: a.fp8_param_gather, "parameters keep their dtype and are gathered so; FP8 casts "
-                           "are made inside the GEMMs"),
-    "--distributed-backend": (lambda a: a.distributed_backend == "nccl" and not torch.cuda.is_available(),
-                              "nccl: no CUDA here, gloo runs"),
-    "--use-checkpoint-args": (lambda a: a.use_checkpoint_args is True, "on by default here: a run takes the model's "
-                              "flags from the checkpoint it resumes or starts from unless given (train.parse)"),
-    "--use-mcore-models": (lambda a: a.use_mcore_models, "this repository is Megatron-core's model code (Megatron's "
-                           "own default; the flag is deprecated there)"),
-    "--no-masked-softmax-fusion": (lambda a: not a.masked_softmax_fusion, "there is no fused scale-mask-softmax "
-                                   "kernel here to turn off (scaled_dot_product_attention runs)"),
-    "--no-rope-fusion": (lambda a: not a.apply_rope_fusion, "RoPE is plain torch ops here (transformer.py), never fused"),
-    "--cross-entropy-loss-fusion": (lambda a: a.cross_entropy_loss_fusion, "the vocab-parallel cross-entropy runs as "
-                                    "torch ops (parallel.vocab_parallel_cross_entropy), the same arithmetic"),
-    "--attention-softmax-in-fp32": (lambda a: a.attention_softmax_in_fp32, "the softmax runs inside "
-                                    "scaled_dot_product_attention, whose fused kernels accumulate in fp32"),
-    "--overlap-param-gather": (lambda a: a.overlap_param_gather, "the distributed optimizer all-gathers the "
-                               "parameters at the end of its step, not overlapped with the next forward"),
-    "--grad-reduce-in-bf16": (lambda a: a.grad_reduce_in_bf16, "gradients are accumulated and reduced in fp32"),
-    "--calculate-per-token-loss": (lambda a: a.calculate_per_token_loss, "always the loss rule here: the global "
-                                   "batch's summed loss over its loss-token count (DESIGN.md §2)"),
-    "--log-throughput": (lambda a: a.log_throughput, "tokens/s and tflops are always logged (metrics.jsonl)"),
-    "--no-create-attention-mask-in-dataloader": (lambda a: not a.create_attention_mask_in_dataloader,
-                                                 "samples never carry an attention mask here (causal attention "
-                                                 "needs none; packed documents build theirs in the step)"),
-    "--empty-unused-memory-level": (lambda a: a.empty_unused_memory_level > 0 and not torch.cuda.is_available(),
-                                    "{empty_unused_memory_level}: no CUDA caching allocator here, nothing to empty"),
-    "--profile": (lambda a: a.profile, "torch.profiler traces iterations [{profile_step_start}, {profile_step_end}) "
-                  "of ranks {profile_ranks} into the TensorBoard directory (Megatron's default is an nsys capture "
-                  "range; this is its --use-pytorch-profiler)"),
-    "--moe-grouped-gemm": (lambda a: a.moe_grouped_gemm, "the local experts always run as one grouped GEMM here "
-                           "(parallel.grouped_mm)"),
-    "--num-query-groups": (lambda a: a.num_query_groups is not None and not a.group_query_attention,
-                           "{num_query_groups} without --group-query-attention: grouped-query attention with "
-                           "{num_query_groups} groups (Megatron reads --num-query-groups only with "
-                           "--group-query-attention)"),
-    "--no-position-embedding": (lambda a: not a.add_position_embedding, "the rotary positions stay; there is no "
-                                "learned position table to drop (Megatron-core's meaning with rope)"),
-    "--spec": (lambda a: a.spec is not None and own_spec(a), "Megatron's spec of the layers --model {model} "
-               "builds (the model file's own code runs)"),
-    "--multi-latent-attention": (lambda a: a.multi_latent_attention and not a.qk_layernorm, "the q and kv latents "
-                                 "are normalised (DeepSeek's MLA; Megatron builds those norms only with "
-                                 "--qk-layernorm)"),
-}
-REFUSED = {
-    "--ckpt-format": (lambda a: a.ckpt_format != "torch_dist", "{ckpt_format}: checkpoints here are "
-                      "torch.distributed.checkpoint directories in Megatron's layout (torch_dist, checkpoint.py)"),
-    "--wandb-project": (lambda a: bool(a.wandb_project), "nothing leaves this machine: metrics go to metrics.jsonl "
-                        "and TensorBoard (--tensorboard-dir)"),
-    "--wandb-exp-name": (lambda a: bool(a.wandb_exp_name), "nothing leaves this machine: metrics go to "
-                         "metrics.jsonl and TensorBoard (--tensorboard-dir)"),
-    "--spec": (lambda a: a.spec is not None and not own_spec(a), "a layer spec names Megatron-core Python code; "
-               "here the model file builds the layers: choose it with --model and its flags (train.py --model NAME "
-               "--help)"),
-    "--moe-router-load-balancing-type": (lambda a: a.moe_router_load_balancing_type not in BALANCING[:2] + ["none"],
-                                         "{moe_router_load_balancing_type}: parallel.Router implements aux_loss, "
-                                         "seq_aux_loss and none (not Sinkhorn routing or the global-batch loss)"),
-    "--no-position-embedding": (lambda a: not a.add_position_embedding and a.position_embedding_type not in
-                                ("rope", "yarn"), "is deprecated, and Megatron refuses it unless the positions are "
-                                "rotary (--position-embedding-type is {position_embedding_type}): use "
-                                "--position-embedding-type none"),
-    "--overlap-param-gather": (lambda a: a.overlap_param_gather and not (a.use_distributed_optimizer and
-                                                                         a.overlap_grad_reduce),
-                               "needs --use-distributed-optimizer and --overlap-grad-reduce (as Megatron)"),
-    "--decoupled-min-lr": (lambda a: a.decoupled_min_lr is not None and a.decoupled_lr is None,
-                           "{decoupled_min_lr} acts only with --decoupled-lr"),
-    "--profile": (lambda a: a.profile and a.profile_step_end <= a.profile_step_start,
-                  "--profile-step-end={profile_step_end} must be after --profile-step-start={profile_step_start}"),
-    "--decoupled-lr": (lambda a: a.decoupled_lr is not None and a.mtp_num_layers and a.position_embedding_type ==
-                       "learned_absolute" and a.pipeline_model_parallel_size > 1 and (a.use_distributed_optimizer or
-                                                                                      a.overlap_grad_reduce),
-                       "with --mtp-num-layers, learned positions and pipelining under the bucketed optimizers: the "
-                       "stages' shared-embedding bucket would mix learning rates (not implemented)"),
-    "--recompute-activations": (lambda a: a.recompute_activations and a.recompute_granularity == "full",
-                                "means --recompute-granularity selective, not the full one given"),
-}
-
-
-def own_spec(args) -> bool:
-    """--spec names a Megatron spec whose layers the model file builds (its MEGATRON_SPECS)."""
-    return tuple(args.spec or ()) in model_file(args.model).MEGATRON_SPECS
-
-
-def transformer_impl(args) -> str:
-    """What --transformer-impl runs: Transformer Engine only as --fp8's GEMMs, on CUDA with transformer_engine
-    installed (parallel.fp8_enable); otherwise the local implementation (FALLBACKS says so once)."""
-    te = args.fp8 and torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-    return args.transformer_impl if te else "local"
-
-
-def flag_line(flag: str, text: str, args) -> str:
-    """'--flag VALUE: ...' for a text that starts with the flag's value ("{attention_backend}: ..."), else
-    '--flag: ...'; the text formatted with the flags."""
-    return flag + (" " if text.startswith("{") else ": ") + text.format(**vars(args))
-
-
-def notes(args) -> list[str]:
-    """The FALLBACKS lines of the flags given: what runs instead of each (train.setup prints them once, rank 0)."""
-    return ["note: " + flag_line(flag, line, args) for flag, (given, line) in FALLBACKS.items() if given(args)]
-
-
-def megatron_flags(args) -> dict:
-    """The REFUSED flags' refusals, and what Megatron's flags whose meaning is another flag here derive: {flag: value}
-    for check_args to fill in."""
-    derived, balance = {}, args.moe_router_load_balancing_type
-    if isinstance(balance, list):  # Megatron's nargs="+": several types would take a coefficient each
-        if len(balance) > 1:
-            raise ConfigError(f"--moe-router-load-balancing-type {' '.join(balance)}: one type at a time here (its "
-                              "coefficient is --moe-aux-loss-coeff)")
-        derived["moe_router_load_balancing_type"] = balance[0]
-    view = argparse.Namespace(**{**vars(args), **derived})
-    for flag, (refused, why) in REFUSED.items():
-        if refused(view):
-            raise ConfigError(flag_line(flag, why, view))
-    if args.recompute_activations:
-        derived["recompute_granularity"] = "selective"
-    if args.group_query_attention and args.num_query_groups is None:
-        derived["num_query_groups"] = 1  # Megatron's default
-    yarn = [k for k in vars(args) if k.startswith("yarn_") and getattr(args, k) is not None]
-    if args.multi_latent_attention and args.position_embedding_type == "rope" and yarn:
-        derived["position_embedding_type"] = "yarn"  # Megatron's MLA: rope_type yarn unless --rope-type rope
-    low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
-    if args.decoupled_lr is not None and low > args.decoupled_lr:
-        raise ConfigError(f"--decoupled-min-lr (default --min-lr) = {low} is larger than --decoupled-lr="
-                          f"{args.decoupled_lr}")
-    return derived
 
 
 def check_task_args(args, mf):
@@ -874,7 +761,7 @@ def check_args(args, world: int) -> Args:
                               f"--num-layers={args.num_layers} divisible by pp x it = {pp} x {per}")
         vp = args.num_layers // (pp * per)
     args.virtual_pipeline_model_parallel_size = vp
-    vars(args).update(megatron_flags(args))
+    vars(args).update(megatron_flags.derived(args))  # Megatron's flags: their refusals, what they set
     check_long_context_args(args)
     args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
     if args.optimizer == "muon" and (args.task != "pretrain" or args.lora_rank is not None):

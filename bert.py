@@ -31,7 +31,7 @@ import gpt
 import metrics
 import parallel as P
 import transformer
-from interop import convert
+from interop import convert, tokenizer_files
 
 
 @dataclass
@@ -309,7 +309,7 @@ def config_fields(args, tok) -> dict:
 
 
 def dataset(source, doc_ids, args, tok, seed) -> BertDataset:
-    return BertDataset(source, doc_ids, args.seq_length, seed, data.special_ids(tok), tok.get_vocab_size(),
+    return BertDataset(source, doc_ids, args.seq_length, seed, tokenizer_files.special_ids(tok), tok.get_vocab_size(),
                        binary_head=not args.bert_no_binary_head)
 
 
@@ -339,7 +339,7 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int = 0, temperature:
     (one appended if it has none) replaced by the model's prediction — the most likely token at temperature 0, else
     one sampled (top-k) — as pretraining saw it: [CLS] prompt [SEP]; never a special token (it would print as
     nothing). max_new_tokens is not used."""
-    sp = data.special_ids(tok)
+    sp = tokenizer_files.special_ids(tok)
     ids = tok.encode(prompt, add_special_tokens=False).ids  # "<mask>" in the text is the mask token
     if sp["mask"] not in ids:
         ids.append(sp["mask"])
@@ -347,7 +347,7 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int = 0, temperature:
     logits, _ = model.eval()(ids)  # [1, s, V]
     at = (ids[0] == sp["mask"]).nonzero()[:, 0]
     filled = ids[0].clone()
-    specials = [sp[r] for r in data.ROLES] + sp["sentinels"]
+    specials = [sp[r] for r in tokenizer_files.ROLES] + sp["sentinels"]
     filled[at] = gpt.sample_next(logits[0, at].index_fill(-1, torch.tensor(specials), -torch.inf), temperature,
                                  top_k)[:, 0]
     shown = [f"[{tok.decode([int(t)])}]" if i in at else tok.decode([int(t)]) for i, t in enumerate(filled[1:-1], 1)]

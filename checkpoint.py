@@ -35,9 +35,9 @@ import torch.distributed.checkpoint as dcp
 import arguments
 import data
 import parallel as P
-from arguments import Args, ConfigError, model_config, parse_args
+from arguments import Args, ConfigError, model_config, run_flags
 from config import ModelFile, model_file
-from interop import hf
+from interop import hf, tokenizer_files
 from posttraining import lora
 
 
@@ -436,7 +436,7 @@ def check_same_model(args, start: Start, mf: ModelFile, vocab_size: int):
         flags = ARCH_FLAGS + list(mf.ARCH_FLAGS)
         flags += LORA_FLAGS if c is start.resume and (saved.get("lora_rank") or args.lora_rank) else []
         if any(k not in saved for k in flags):  # saved before the flag existed: it had the flag's default then
-            defaults = vars(parse_args(["--model", saved.get("model", args.model)]))
+            defaults = run_flags(saved, args.model)
             saved.update({k: defaults.get(k) for k in flags if k not in saved})
         diff = {k: (saved.get(k), now.get(k)) for k in flags if saved.get(k) != now.get(k)}
         if diff:
@@ -571,8 +571,8 @@ def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: 
               "expert_model_parallel_size": ep, "context_parallel_size": 1, "sequence_parallel": False}
     if saved.get("expert_tensor_parallel_size") not in (None, 1):
         layout["expert_tensor_parallel_size"] = tp  # experts split like the dense MLP at this TP (or whole at 1)
-    args = Args(**{**vars(parse_args(["--model", mf.name])), **saved, **layout})
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
+    args = Args(**{**run_flags(saved), **layout})
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
     grid = mesh = None
     if tp * ep > 1:
         from torch.distributed.device_mesh import DeviceMesh
@@ -614,7 +614,7 @@ def save_weights(model, tok, save_dir, settings: dict, iteration: int = 0) -> Pa
     from it with --pretrained-checkpoint or --finetune."""
     out = Path(save_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data.save_tokenizer(tok, out / "tokenizer.json")
+    tokenizer_files.save_tokenizer(tok, out / "tokenizer.json")
     save_checkpoint(out, iteration, [model], None, Scale(), None, settings)
     return out
 

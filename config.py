@@ -357,7 +357,7 @@ class ModelFile:
     # its own flags): arguments.check_args writes them into the checked flags, so a checkpoint records what ran
     derived_flags: Callable = lambda args: {}
     # MEGATRON_SPECS: Megatron's --spec values (module, function) whose layers the model file builds: --spec with one
-    # of them is accepted with a note, any other --spec is refused (arguments.FALLBACKS / REFUSED)
+    # of them is accepted with a note, any other --spec is refused (interop/megatron_flags.py's FALLBACKS / REFUSED)
     MEGATRON_SPECS: tuple = ()
     # data: dataset(source, doc_ids, args, tok, seed) -> its samples (ds[i]: a numpy row; data.global_batch stacks)
     dataset: Callable = token_windows
@@ -372,7 +372,7 @@ class ModelFile:
     # tools.py: sample(model, tok, prompt, max_new_tokens, temperature, top_k) -> text; a causal LM's
     # sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, stop=None) -> the token ids it samples after
     # the prompt's token ids, through the end-of-document token or one of the `stop` ids (tools.py sample --chat: an
-    # SFT model's answer to a chat prompt, data.chat_stop_ids);
+    # SFT model's answer to a chat prompt, tokenizer_files.chat_stop_ids);
     # to_hf(config, state) -> (Hugging Face config.json dict, {name: tensor}). None: it does not
     # (UNSUPPORTED["sample"/"export"] says why)
     sample: Callable | None = None

@@ -22,11 +22,10 @@ import torch
 from einops import rearrange
 from torch import nn
 
-import data
 import deepseek
 import parallel as P
 from config import Config
-from interop import convert
+from interop import convert, tokenizer_files
 from transformer import Attention, Decoder, InferenceContext, rope_for
 
 # The model-file contract (config.py): gpt.py supports every feature (config.Config.UNSUPPORTED is empty) and
@@ -283,10 +282,10 @@ def generate(model: Model, ids: torch.Tensor, max_new_tokens: int, temperature: 
 def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
                top_k: int | None = 50, generate=generate, stop: list[int] | None = None) -> list[int]:
     """tools.py sample --chat: the token ids sampled (KV-cached) after the prompt's token ids `ids`, up to and
-    including the end-of-document token (or one of the `stop` ids: data.chat_stop_ids), or max_new_tokens of them.
+    including the end-of-document token (or one of the `stop` ids: tokenizer_files.chat_stop_ids), or max_new_tokens of them.
     `generate`: another model file's (mamba.py's)."""
     out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, top_k,
-                   eod=stop if stop is not None else data.special_ids(tok)["eod"])
+                   eod=stop if stop is not None else tokenizer_files.special_ids(tok)["eod"])
     return out[0, len(ids):].tolist()
 
 

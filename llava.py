@@ -41,7 +41,7 @@ import data
 import gpt
 import parallel as P
 import transformer
-from interop import convert, hf
+from interop import convert, hf, tokenizer_files
 
 IMAGE_TOKEN = "<extra_id_99>"  # the placeholder: our tokenizers have no <image>, so the last T5 sentinel serves
 
@@ -65,7 +65,7 @@ class Config(gpt.Config):
     vision_activation: str = "quick_gelu"  # CLIP's
     vision_layernorm_epsilon: float = 1e-5
     drop_vision_class_token: bool = False  # Megatron's --disable-vision-class-token (Hugging Face's "default")
-    image_token_index: int = data.SPECIAL_TOKENS.index(IMAGE_TOKEN)  # the id in our BPE (train.py: the tokenizer's)
+    image_token_index: int = tokenizer_files.SPECIAL_TOKENS.index(IMAGE_TOKEN)  # the id in our BPE (train.py: the tokenizer's)
     freeze_language_model: bool = False  # --freeze-LM: embedding, decoder, output layer
     freeze_vision_model: bool = False  # --freeze-ViT
 
@@ -272,7 +272,7 @@ def text_only_accuracy(tok) -> float:
     """The best caption-token accuracy (eod included) of any predictor that does not see the image: at every
     prefix it names the most probable next token, computed exactly over all captions. The baseline a model that
     looks at the image must beat."""
-    eod, prefix, caps = data.special_ids(tok)["eod"], {}, list(all_captions())
+    eod, prefix, caps = tokenizer_files.special_ids(tok)["eod"], {}, list(all_captions())
     seqs = [(e.ids + [eod], p) for e, (_, p) in zip(tok.encode_batch([c for c, _ in caps]), caps)]
     for ids, p in seqs:
         for i, t in enumerate(ids):
@@ -288,7 +288,7 @@ class CaptionDataset:
     stored: the recipe draws it again from (seed, i). The stream is endless; `len` only bounds train.py's report."""
 
     def __init__(self, source, doc_ids, args, tok, seed):
-        sp = data.special_ids(tok)
+        sp = tokenizer_files.special_ids(tok)
         kw = {f: getattr(args, f) for f in ("img_h", "img_w", "patch_dim", "drop_vision_class_token")
               if getattr(args, f) is not None}
         self.c = Config(**kw, **config_fields(args, tok))
@@ -407,7 +407,7 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
         return model(ids, pixels)[:, -1].index_fill(-1, torch.tensor([c.image_token_index]), float("-inf"))
 
     out = gpt.generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                       eod=data.special_ids(tok)["eod"], next_logits=next_logits)
+                       eod=tokenizer_files.special_ids(tok)["eod"], next_logits=next_logits)
     said = tok.decode(out[0, c.num_image_tokens:].tolist())
     return f"{ascii_image(img)}\nscene {index}: {truth.strip()}\nthe model: {said.strip()}"
 

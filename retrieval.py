@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 import checkpoint  # reads a saved run (as tools.py sample does)
 import data
+from interop import tokenizer_files
 
 
 # ---------------------------------------------------------------------------------------------- the embedders
@@ -66,7 +67,7 @@ class ChunkEmbedder:
         if c.vocab_size != V:
             raise data.DataError(f"the chunk embedder has a vocabulary of {c.vocab_size} tokens, the corpus "
                                  f"tokenizer {V}: its run must be trained with the corpus's tokenizer")
-        self.special, self.name, self.batch_size = data.special_ids(tok), name, batch_size
+        self.special, self.name, self.batch_size = tokenizer_files.special_ids(tok), name, batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.float().eval().requires_grad_(False).to(self.device)
 

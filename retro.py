@@ -47,7 +47,7 @@ import gpt
 import parallel as P
 import retrieval
 import transformer
-from interop import convert
+from interop import convert, tokenizer_files
 
 
 @dataclass
@@ -280,7 +280,7 @@ class RetroDataset:
         self.embedder = (retrieval.ChunkEmbedder.load(bert_dir, tok, flag="--retro-bert-load") if bert_dir
                          else retrieval.BagOfTokensEmbedder(tok.get_vocab_size()))
         try:
-            pad = data.special_ids(tok)["eod"]  # continuations past a document's end are padded with eod
+            pad = tokenizer_files.special_ids(tok)["eod"]  # continuations past a document's end are padded with eod
         except data.DataError:
             pad = 0
         lock = open(os.path.join(args.data_cache_dir, ".retro-lock"), "w")  # one rank builds, the others read

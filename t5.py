@@ -39,7 +39,7 @@ import metrics
 import parallel as P
 import transformer
 from config import ConfigError
-from interop import convert
+from interop import convert, tokenizer_files
 
 
 @dataclass
@@ -286,7 +286,7 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
     """tools.py sample for T5: the prompt, then one masked span (<extra_id_0>), then more of it if the prompt holds
     "<extra_id_0>" itself; decode what the sentinels hide (greedy at temperature 0). Returns the prompt with the
     decoded spans shown."""
-    sp = data.special_ids(tok)
+    sp = tokenizer_files.special_ids(tok)
     ids = tok.encode(prompt).ids
     if sp["sentinels"][0] not in ids:
         ids = ids + [sp["sentinels"][0]]
@@ -368,7 +368,7 @@ def target_length(args) -> int:
     if sd < need:
         raise ConfigError(f"--decoder-seq-length={sd} is shorter than the {need} target tokens span corruption makes "
                           f"of rows of --seq-length + 1 = {args.seq_length + 1} tokens")
-    extra, have = getattr(args, "vocab_extra_ids", 100), len(data.SPECIAL_TOKENS) - 5
+    extra, have = getattr(args, "vocab_extra_ids", 100), len(tokenizer_files.SPECIAL_TOKENS) - 5
     if not spans <= extra <= have:
         raise ConfigError(f"--vocab-extra-ids={extra}: rows of {args.seq_length + 1} tokens are corrupted into {spans} "
                           f"spans, each needing a sentinel, and the tokenizer has {have}")
@@ -386,7 +386,7 @@ class SpanCorruptionDataset:
 
     def __init__(self, source, doc_ids, args, tok, seed):
         self.rows = data.GPTDataset(source, doc_ids, args.seq_length, seed)
-        sp = data.special_ids(tok)
+        sp = tokenizer_files.special_ids(tok)
         self.kw = dict(sentinels=sp["sentinels"][:getattr(args, "vocab_extra_ids", 100)], bos=sp["cls"], eos=sp["eod"],
                        pad=sp["pad"], seed=seed)
         self.se, self.sd, self.pad = args.seq_length, target_length(args), sp["pad"]

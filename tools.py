@@ -24,7 +24,7 @@ end-of-document token), generation_config.json, and the same chat template as Ji
 (tests/test_serve_export.py: the same token ids and the same greedy answer in transformers). A run on a Hugging Face
 tokenizer folder with a chat template of its own (--tokenizer-type HuggingFaceTokenizer) uses that template instead:
 the --chat prompt is its render with add_generation_prompt, encoded whole as transformers' apply_chat_template
-encodes it, the answer ends at the template's end-of-turn token (data.chat_stop_ids), and export writes it back
+encodes it, the answer ends at the template's end-of-turn token (tokenizer_files.chat_stop_ids), and export writes it back
 (tests/test_chat_templates.py).
 
 export-megatron / import-megatron: Megatron-core's own distributed checkpoints (dist_checkpointing's torch_dist
@@ -54,8 +54,8 @@ import torch
 
 import checkpoint
 import data
-from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args
-from interop import convert, hf
+from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args, run_flags
+from interop import convert, hf, tokenizer_files
 from posttraining import lora, recipes
 
 
@@ -88,7 +88,7 @@ def sample(a):
     opts = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k)) if v is not None}
     if a.chat:
         answer = chat_answer(run, a.prompt, a.max_new_tokens, **opts)
-        text = run.tok.decode(answer[:-1] if answer[-1:] and answer[-1] in data.chat_stop_ids(run.tok) else answer)
+        text = run.tok.decode(answer[:-1] if answer[-1:] and answer[-1] in tokenizer_files.chat_stop_ids(run.tok) else answer)
     else:
         text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, a.max_new_tokens, **opts)
     print(text)
@@ -99,11 +99,11 @@ def chat_answer(run, prompt: str, max_new_tokens: int, **opts) -> list[int]:
     """sample --chat: the token ids of the model's answer to `prompt` as one user turn of the training chat template
     (recipes.chat_prompt_ids: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized as SFT's samples were; a Hugging
     Face tokenizer folder's own template with add_generation_prompt), up to and including the token that ends an
-    assistant turn (data.chat_stop_ids: the end-of-document token, or the template's end-of-turn token), or
+    assistant turn (tokenizer_files.chat_stop_ids: the end-of-document token, or the template's end-of-turn token), or
     max_new_tokens of them."""
     ids = recipes.chat_prompt_ids([{"role": "user", "content": prompt}], run.tok)
     return run.model_file.sample_ids(run.model.eval(), run.tok, ids, max_new_tokens, **opts,
-                                     stop=data.chat_stop_ids(run.tok))
+                                     stop=tokenizer_files.chat_stop_ids(run.tok))
 
 
 def merge(a):
@@ -134,7 +134,7 @@ def export(a):
         raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
                                   + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
     return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
-                           chat_template=data.roles_of(run.tok).chat_template or recipes.chat_template_jinja())
+                           chat_template=tokenizer_files.roles_of(run.tok).chat_template or recipes.chat_template_jinja())
 
 
 def import_hf(path, save_dir, dtype=torch.float32):
@@ -152,8 +152,8 @@ def import_hf(path, save_dir, dtype=torch.float32):
     if tok.get_vocab_size() > c.padded_vocab_size:
         raise ConfigError(f"{folder.path}: its tokenizer has {tok.get_vocab_size()} tokens, more than the model's "
                           f"{c.padded_vocab_size} embedding rows")
-    settings = {**vars(parse_args(["--model", mf.name])), **flags_of(c, mf), "hf_architecture": hf.arch_of(folder),
-                "vocab_size": c.vocab_size, "load": None, "save": str(out)}
+    settings = run_flags({"model": mf.name, **flags_of(c, mf), "hf_architecture": hf.arch_of(folder),
+                          "vocab_size": c.vocab_size, "load": None, "save": str(out)})
     built = model_config(mf, Args(**settings), c.vocab_size, tok)  # the Config a run on it builds: must be this one
     differ = [f.name for f in dataclasses.fields(c)
               if f.name not in hf.RUN_FIELDS and getattr(built, f.name) != getattr(c, f.name)]
@@ -162,7 +162,7 @@ def import_hf(path, save_dir, dtype=torch.float32):
     model = mf.Model(dataclasses.replace(built, params_dtype=dtype))
     convert.load(model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()})
     out.mkdir(parents=True, exist_ok=True)
-    data.save_tokenizer(tok, out / "tokenizer.json")
+    tokenizer_files.save_tokenizer(tok, out / "tokenizer.json")
     checkpoint.save_checkpoint(out, 0, [model], None, checkpoint.Scale(), None, settings)
     return out
 
@@ -218,7 +218,7 @@ def score(a):
     run = checkpoint.load_model(a.load, extend=recipes.add_value_head)
     if run.args.task != "rm":
         raise ConfigError(f"--load {a.load} is a --task {run.args.task} run, not a reward model (--task rm)")
-    eod, rewards = data.special_ids(run.tok)["eod"], []
+    eod, rewards = tokenizer_files.special_ids(run.tok)["eod"], []
     model = run.model.eval()
     for record in recipes.load_records(a.data_path, "sft"):
         smp = recipes.make_sample(record, "sft", run.tok, run.args.seq_length, eod, record["_where"])

@@ -37,8 +37,9 @@ import torch.distributed as dist
 import checkpoint
 import data
 import parallel as P
-from arguments import Args, ConfigError, brief, check_args, model_config, notes, parse_args, print_args, transformer_impl
+from arguments import Args, ConfigError, check_args, model_config, notes, parse_args, print_args, transformer_impl
 from config import ModelFile, model_file, task_module
+from interop import tokenizer_files
 from metrics import Logger, Profiler, first_nonfinite_grad, nonfinite, say_done, training_log
 from scheduler import ExitSignals, LossScaler, agree_to_stop, batch_size, learning_rate, set_learning_rates
 
@@ -192,7 +193,7 @@ def setup(args) -> Run:
     run_dir = args.save or time.strftime(f"runs/{args.model}-%Y%m%d-%H%M%S")  # no --save: a fresh directory
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
-        data.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
+        tokenizer_files.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
     log = Logger(run_dir, rank, first, args.train_iters, resume=start.continues,  # keeps lines <= first
                  tensorboard_dir=args.tensorboard_dir)
     return Run(args, mf, start, corpus, config, grid, chunks, model, mesh, device, rank, optimizer, scaler, fp8, task,
@@ -389,16 +390,8 @@ def loop(run: Run, t0: float, signals: ExitSignals):
 
 def parse(argv):
     """The flags, with the model's shape taken from the checkpoint the run resumes or starts from unless given
-    (checkpoint.saved_flags; Megatron's --use-checkpoint-args), said in one line."""
-    first = parse_args(argv, known_only=True)
-    saved = checkpoint.saved_flags(first) if first.use_checkpoint_args is not False else {}  # (off: the command line)
-    args = parse_args(argv, saved)
-    plain = vars(parse_args(argv, known_only=True)) if saved else {}
-    taken = {k: v for k, v in saved.items() if k in plain and plain[k] != v == getattr(args, k)}
-    if taken and int(os.environ.get("RANK", "0")) == 0:
-        print("from the checkpoint: " + ", ".join(f"--{k.replace('_', '-')} {brief(v)}" for k, v in taken.items()),
-              flush=True)
-    return args
+    (checkpoint.saved_flags; Megatron's --use-checkpoint-args): arguments.resolve's layer 5."""
+    return parse_args(argv, saved=checkpoint.saved_flags)
 
 
 # What main says in one line `train.py: error: ...` (exit 2): bad input (interop's ExportError and LoRA's LoRAError

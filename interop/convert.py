@@ -1,11 +1,11 @@
 """interop/convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
 Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
 
-It imports no model file (only parallel.py, transformer.py for YaRN's mscale and data.py for the special tokens), and returns
+It imports no model file (only parallel.py, transformer.py for YaRN's mscale, tokenizer_files.py for special tokens), and returns
 plain data: a Hugging Face converter takes the HF model and the model file's Config class (for derived values such as
 padded_vocab_size and num_query_groups) and returns (Config, full state dict); `megatron_state` takes the state dict
 and our config. Each model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with
-`load`. So the imports run one way, parallel, rope, data <- convert <- gpt <- bert / t5 / retro / mamba, and every
+`load`. So the imports run one way, parallel, rope, tokenizer_files <- convert <- gpt <- bert / t5 / retro / mamba, and every
 external layout sits here side by side.
   Hugging Face   GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (gpt.py's
                  HF_CONVERTERS, by model_type), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
@@ -50,9 +50,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-import data
 import parallel as P
-from interop import hf
+from interop import hf, tokenizer_files
 from transformer import yarn_mscale
 
 
@@ -1035,7 +1034,7 @@ def save_hf(out_dir, hf_config: dict, state: dict, tokenizer=None, chat_template
         hf_config = {**hf_config, **ids}  # not Llama's defaults (bos 1, eos 2: other tokens here)
         tokenizer.save(str(out / "tokenizer.json"))
         longest = hf_config.get("max_position_embeddings", hf_config.get("n_positions"))  # Llama's, GPT-2's name
-        stops = data.chat_stop_ids(tokenizer)  # (a tokenizer folder's template may end a turn with its own token)
+        stops = tokenizer_files.chat_stop_ids(tokenizer)  # (a tokenizer folder's template may end a turn with its own token)
         generation = {**ids, "eos_token_id": stops} if len(stops) > 1 else ids
         for name, content in [("tokenizer_config.json", hf_tokenizer_config(tokenizer, longest, chat_template)),
                               ("generation_config.json", generation)]:
@@ -1053,7 +1052,7 @@ def hf_token_ids(tok) -> dict:
     post-processor, the chat template writes none): it only starts a generation from nothing. A Hugging Face
     tokenizer folder with a chat template of its own keeps its own bos token (its template and post-processor write
     it)."""
-    sp, bos = data.special_ids(tok), data.roles_of(tok).chat_tokens.get("bos_token")
+    sp, bos = tokenizer_files.special_ids(tok), tokenizer_files.roles_of(tok).chat_tokens.get("bos_token")
     return dict(bos_token_id=tok.token_to_id(bos) if bos else sp["eod"], eos_token_id=sp["eod"], pad_token_id=sp["pad"])
 
 
@@ -1064,7 +1063,7 @@ def hf_tokenizer_config(tok, model_max_length: int, chat_template: str | None = 
     tokens that folder names (Roles.chat_tokens: the template's variables), so the export renders it as the folder
     did (its pad token only where the template does not read pad_token)."""
     tokens = {name.removesuffix("_id"): tok.id_to_token(i) for name, i in hf_token_ids(tok).items()}
-    if chat_tokens := data.roles_of(tok).chat_tokens:
+    if chat_tokens := tokenizer_files.roles_of(tok).chat_tokens:
         pad = {} if "pad_token" in chat_tokens or "pad_token" in (chat_template or "") else {"pad_token": tokens["pad_token"]}
         tokens = {**chat_tokens, **pad}
     return dict(tokenizer_class="PreTrainedTokenizerFast", **tokens, model_max_length=model_max_length,

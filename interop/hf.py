@@ -51,8 +51,8 @@ from typing import NamedTuple
 
 import torch
 
-import data
 from config import ConfigError, model_file, model_files
+from interop import tokenizer_files
 
 INDEX = "model.safetensors.index.json"
 SERVING_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
@@ -293,11 +293,11 @@ def architecture(arch: dict, mf=None):
 
 # ---------------------------------------------------------------------------------------------- import
 def tokenizer(path):
-    """The folder's tokenizer (data.folder_tokenizer: tokenizer.json, its special tokens and chat template), taken as
+    """The folder's tokenizer (tokenizer_files.folder_tokenizer: tokenizer.json, its special tokens and chat template), taken as
     it is (Roles.fixed: its vocabulary is the model's embedding, nothing is added): a role it has no token for is
     played by eos — pad, as transformers users set it for batching; cls, sep, mask, which a decoder never reads."""
-    tok = data.folder_tokenizer(path)
-    missing = {r: tok.roles.eod for r in data.ROLES if tok.token_to_id(getattr(tok.roles, r)) is None}
+    tok = tokenizer_files.folder_tokenizer(path)
+    missing = {r: tok.roles.eod for r in tokenizer_files.ROLES if tok.token_to_id(getattr(tok.roles, r)) is None}
     tok.roles = dataclasses.replace(tok.roles, **missing, fixed=True)
     return tok
 

@@ -43,9 +43,9 @@ turn, then the assistant's header, tokenized piece by piece like a sample), and 
 chat template, which tools.py export writes for transformers' apply_chat_template. transformers tokenizes the whole
 rendered string, not piece by piece: the same ids, except where a message starts or ends with whitespace or holds
 special-token text (tests/test_serve_export.py shows both).
-A run on a Hugging Face tokenizer folder with a chat template of its own (data.folder_tokenizer: Roles.chat_template)
+A run on a Hugging Face tokenizer folder with a chat template of its own (tokenizer_files.folder_tokenizer: Roles.chat_template)
 renders conversations with that template instead, exactly as transformers' apply_chat_template does
-(data.apply_chat_template), and encodes the render whole as its tokenize=True does (template_ids; encode_chat picks
+(tokenizer_files.apply_chat_template), and encodes the render whole as its tokenize=True does (template_ids; encode_chat picks
 the path): the loss mask covers each assistant turn from the end of the template's render of the turns before it with
 add_generation_prompt to the end of its render through that turn (the content, then the template's end-of-turn
 text), found by these prefix renders; a template whose prefix render is not a prefix of the whole is refused, and so
@@ -90,12 +90,13 @@ import checkpoint
 import data
 import parallel as P
 from data import DataError
+from interop import tokenizer_files
 from posttraining import lora
 
 # ==== 1. Task data: JSON-lines records, chat template, samples, example data, datasets
 
 TASKS = ("sft", "dpo", "kto", "rm")
-EOD_TEXT = data.SPECIAL_TOKENS[0]  # "<|endoftext|>": a piece of exactly this text becomes the eod id
+EOD_TEXT = tokenizer_files.SPECIAL_TOKENS[0]  # "<|endoftext|>": a piece of exactly this text becomes the eod id
 CHAT_TEMPLATE = {  # role -> the text before the turn's content; "end": after a system/user content (not assistant)
     "system": "<|system|>\n", "user": "<|user|>\n", "assistant": "<|assistant|>\n", "end": "\n"}
 ROWS = {"sft": 3, "dpo": 5, "rm": 5, "kto": 5}  # R, the rows of one sample (the SAMPLE FORMAT)
@@ -123,17 +124,17 @@ def chat_prompt_ids(messages, tok):
     answers (tools.py sample --chat), tokenized piece by piece exactly as its training samples were (_encode); with
     the tokenizer's own chat template, its render with add_generation_prompt=True encoded whole, as transformers'
     apply_chat_template(messages, add_generation_prompt=True) gives it."""
-    if data.roles_of(tok).chat_template is not None:
+    if tokenizer_files.roles_of(tok).chat_template is not None:
         _refuse_control_text(messages, tok, "the prompt")
-        return data.encode_chat_text(tok, data.apply_chat_template(tok, messages, True)).ids
+        return tokenizer_files.encode_chat_text(tok, tokenizer_files.apply_chat_template(tok, messages, True)).ids
     pieces = render_chat(messages) + [(CHAT_TEMPLATE["assistant"], False)]
-    return _encode(pieces, tok, data.special_ids(tok)["eod"])[0]
+    return _encode(pieces, tok, tokenizer_files.special_ids(tok)["eod"])[0]
 
 
 def _refuse_control_text(messages, tok, where):
     """A message whose text holds a special token's text (<|eot_id|>) is refused: rendered by the template and encoded
     whole, as transformers does, that text would become the control token itself."""
-    specials = data.special_token_texts(tok)
+    specials = tokenizer_files.special_token_texts(tok)
     for i, m in enumerate(messages):
         for key, value in m.items():
             hit = next((t for t in specials if isinstance(value, str) and t in value), None)
@@ -143,7 +144,7 @@ def _refuse_control_text(messages, tok, where):
 
 
 def template_ids(messages, tok, where="a conversation"):
-    """(ids, mask) lists of a conversation through the tokenizer's own chat template (data.apply_chat_template):
+    """(ids, mask) lists of a conversation through the tokenizer's own chat template (tokenizer_files.apply_chat_template):
     ids = the whole render encoded as transformers' apply_chat_template(messages, tokenize=True) encodes it; mask = 1
     on each assistant turn, from where the template's render of messages[:k] with add_generation_prompt ends (the
     assistant's header written) to where its render of messages[:k+1] ends: the content and what the template
@@ -151,12 +152,12 @@ def template_ids(messages, tok, where="a conversation"):
     loss iff its characters (the tokenizer's offsets) overlap such a span. A template whose render of a prefix of the
     conversation is not a prefix of the whole render (one that rewrites earlier turns) cannot be masked so: refused."""
     _refuse_control_text(messages, tok, where)
-    full, spans = data.apply_chat_template(tok, messages), []
+    full, spans = tokenizer_files.apply_chat_template(tok, messages), []
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = data.apply_chat_template(tok, messages[:k], add_generation_prompt=True)
-        turn = data.apply_chat_template(tok, messages[:k + 1])
+        head = tokenizer_files.apply_chat_template(tok, messages[:k], add_generation_prompt=True)
+        turn = tokenizer_files.apply_chat_template(tok, messages[:k + 1])
         for part, what in ((head, f"messages[:{k}] with add_generation_prompt"), (turn, f"messages[:{k + 1}]")):
             if not full.startswith(part):
                 raise DataError(f"{where}: the chat template's render of {what} is not a prefix of its render of the "
@@ -165,7 +166,7 @@ def template_ids(messages, tok, where="a conversation"):
         if len(turn) <= len(head):
             raise DataError(f"{where}: the chat template renders assistant messages[{k}] as no text after its header")
         spans.append((len(head), len(turn)))
-    enc = data.encode_chat_text(tok, full)
+    enc = tokenizer_files.encode_chat_text(tok, full)
     mask = [int(any(a <= s < b if s == e else (s < b and e > a) for a, b in spans)) for s, e in enc.offsets]
     return list(enc.ids), mask
 
@@ -173,7 +174,7 @@ def template_ids(messages, tok, where="a conversation"):
 def encode_chat(messages, tok, eod, where="a conversation"):
     """(ids, mask) lists of a conversation: through the tokenizer's own chat template if it has one (template_ids),
     else CHAT_TEMPLATE's pieces, each tokenized alone (render_chat, _encode)."""
-    if data.roles_of(tok).chat_template is not None:
+    if tokenizer_files.roles_of(tok).chat_template is not None:
         return template_ids(messages, tok, where)
     return _encode(render_chat(messages), tok, eod)
 
@@ -421,15 +422,15 @@ def example_records(task, tok, seq_length, seed, files=None):
         other = funcs[(i + 1 + int(rng.integers(max(1, len(funcs) - 1)))) % len(funcs)][1]
         shuffled = _shuffled(body, rng) if rng.random() < 0.5 else None
         cands.append((prompt, body, shuffled if shuffled is not None else other))
-    if data.roles_of(tok).chat_template is not None:  # the tokenizer's own template: render and count each pair
-        specials = data.special_token_texts(tok)
+    if tokenizer_files.roles_of(tok).chat_template is not None:  # the tokenizer's own template: render and count each pair
+        specials = tokenizer_files.special_token_texts(tok)
 
         @functools.cache
         def fits(i, answer):  # (a text holding a special token's is refused by template_ids: skipped here)
             if any(t in cands[i][0] or t in answer for t in specials):
                 return False
-            text = data.apply_chat_template(tok, _messages({"prompt": cands[i][0], "response": answer}))
-            return len(data.encode_chat_text(tok, text).ids) <= seq_length + 1
+            text = tokenizer_files.apply_chat_template(tok, _messages({"prompt": cands[i][0], "response": answer}))
+            return len(tokenizer_files.encode_chat_text(tok, text).ids) <= seq_length + 1
     else:  # a sample's length adds up over its pieces: the headers and eod (h), the prompt's piece, the answer's piece
         h = sum(_lengths(tok, [CHAT_TEMPLATE["user"], CHAT_TEMPLATE["assistant"]])) + 1
         p_len = _lengths(tok, (p + CHAT_TEMPLATE["end"] for p, _, _ in cands))
@@ -467,7 +468,7 @@ def example_samples(args, tok, eod):
     atomically under build_data's file lock, so one rank builds it and the others read it; a damaged one is refused."""
     task, s, seed, files = args.task, args.seq_length, args.seed, data.default_corpus_files()
     key = hashlib.sha256(repr((EXAMPLES_VERSION, task, seed, s, [(f, os.path.getsize(f)) for f in files])).encode()
-                         + data.tokenizer_text(tok).encode()).hexdigest()[:16]  # (with its roles: a chat template)
+                         + tokenizer_files.tokenizer_text(tok).encode()).hexdigest()[:16]  # (with its roles: a chat template)
     path = Path(args.data_cache_dir) / f"examples-{task}-s{s}-{key}.npy"  # int32 (token ids, 0/1 masks and labels)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".lock", "w") as lock:
@@ -504,7 +505,7 @@ def split_by_prompt(samples, valid_fraction: float):
 def build_task_datasets(args, tok):
     """(train, valid or None) TaskDatasets for args.task from args.data_path's records or example_samples; the samples
     are split by prompt (split_by_prompt), then (SFT --packing) packed."""
-    task, s, eod, seed = args.task, args.seq_length, data.special_ids(tok)["eod"], args.seed
+    task, s, eod, seed = args.task, args.seq_length, tokenizer_files.special_ids(tok)["eod"], args.seed
     if args.data_path:
         records = load_records(args.data_path, task)
         samples, wheres = _samples(records, task, tok, s, eod), [r["_where"] for r in records]

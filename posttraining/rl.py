@@ -77,6 +77,7 @@ import data
 import parallel as P
 from config import ConfigError
 from data import DataError
+from interop import tokenizer_files
 from posttraining import lora, recipes
 from serving import engine as serve
 
@@ -229,7 +230,7 @@ def build_task_datasets(args, tok):
     else:  # the shipped prompts: their own held-out part, whatever --split says
         train = bracket_records()
         records = [{**r, "_where": f"bracket record {i}"} for i, r in enumerate(train + bracket_records(True))]
-    eod, s, room = data.special_ids(tok)["eod"], args.seq_length, args.seq_length - args.rollout_max_new_tokens
+    eod, s, room = tokenizer_files.special_ids(tok)["eod"], args.seq_length, args.seq_length - args.rollout_max_new_tokens
     samples = np.full((len(records), 3, s + 1), eod, dtype=np.int64)
     samples[:, MASK] = 0
     for i, r in enumerate(records):
@@ -367,11 +368,11 @@ class Task(recipes.Task):
         frozen = ref_chunks if isinstance(ref_chunks, Frozen) else Frozen(ref_chunks, None)  # (setup_task's)
         super().__init__(args, chunks, grid, shape, dtype, eod, device, autocast or contextlib.nullcontext,
                          frozen.reference)
-        self.tok, self.eod = corpus.tokenizer, data.special_ids(corpus.tokenizer)["eod"]
+        self.tok, self.eod = corpus.tokenizer, tokenizer_files.special_ids(corpus.tokenizer)["eod"]
         self.datasets = {"train": corpus.train, "valid": corpus.valid}
         if args.reward_model is not None and args.reward_function is not None:
             raise ConfigError("--reward-model and --reward-function: give one reward")
-        if args.reward_model is not None and data.get_tokenizer(None, None, tokenizer_file=str(
+        if args.reward_model is not None and tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(
                 Path(args.reward_model) / "tokenizer.json")).get_vocab() != self.tok.get_vocab():
             raise ConfigError(f"--reward-model {args.reward_model}: its tokenizer is not the policy's (it would read "
                               "other tokens)")
@@ -520,7 +521,7 @@ def evaluate(load, samples: int = 8, max_new_tokens: int = 8, prompts: int | Non
     (greedy, sampled) — its greedy answers, and `samples` answers of each at temperature 1 (the rollouts'
     distribution, the one GRPO and PPO optimise), seeded."""
     run = checkpoint.load_model(load)
-    eod, records = data.special_ids(run.tok)["eod"], bracket_records(held_out=True)[:prompts]
+    eod, records = tokenizer_files.special_ids(run.tok)["eod"], bracket_records(held_out=True)[:prompts]
     prompts = [recipes.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], run.tok) for r in records]
     out = []
     for temperature, k in ((0.0, 1), (1.0, samples)):

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import checkpoint
 import data
 from config import ConfigError
+from interop import tokenizer_files
 from posttraining import recipes
 from serving import engine as serve
 
@@ -207,7 +208,7 @@ class ChatRequest(Sampling):
 # ---------------------------------------------------------------------------------------------- the routes
 def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
     app = FastAPI(title="mini-megatron")
-    eod = data.special_ids(tok)["eod"]
+    eod = tokenizer_files.special_ids(tok)["eod"]
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):  # pydantic's complaint (or malformed JSON) as OpenAI's 400
@@ -353,7 +354,7 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
         except ValueError as e:  # special-token text in a message
             raise OpenAIError(str(e), "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await answer(body, prompt, data.chat_stop_ids(tok), logprobs, chat=True)
+        return await answer(body, prompt, tokenizer_files.chat_stop_ids(tok), logprobs, chat=True)
 
     return app
 

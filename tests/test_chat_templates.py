@@ -1,4 +1,4 @@
-"""A Hugging Face tokenizer folder's own chat template (data.py: folder_chat_template, render_chat_template,
+"""A Hugging Face tokenizer folder's own chat template (interop/tokenizer_files.py: folder_chat_template, render_chat_template,
 apply_chat_template, chat_stop_ids; posttraining/recipes.py: template_ids, encode_chat, chat_prompt_ids) against transformers'
 `AutoTokenizer.from_pretrained(folder).apply_chat_template`, on real-world templates written here as data: Llama 3
 Instruct's, Qwen2.5's ChatML with its default system prompt, Mistral's [INST], Zephyr's (an eos after every turn, no
@@ -12,7 +12,7 @@ generation tags), and Llama 3's with {% generation %} tags (as assistant-only-lo
     tokens through transformers' own char_to_token);
   - negative controls: trim_blocks off, or the template without its bos_token variable, renders other text; encoding
     with the post-processor (add_special_tokens) gives other ids; a mask without the end-of-turn token differs;
-  - a DPO and an SFT file built through recipes.build_task_datasets on data.megatron_tokenizer(--tokenizer-type
+  - a DPO and an SFT file built through recipes.build_task_datasets on tokenizer_files.megatron_tokenizer(--tokenizer-type
     HuggingFaceTokenizer) give transformers' ids; without --data-path, example_records counts each candidate through
     the template exactly (the longest drops out at a tighter --seq-length, nothing else); --packing takes only samples
     that end with their only eod; the template survives save_tokenizer and a reload; export's tokenizer_config renders
@@ -36,7 +36,7 @@ import torch
 
 import data
 import gpt
-from interop import convert
+from interop import convert, tokenizer_files
 from posttraining import recipes as PT
 
 transformers = pytest.importorskip("transformers")
@@ -197,13 +197,13 @@ def make_folder(path, base_bpe, name, config_extra=None, jinja_file=False):
 
 def ours(path):
     """The run's tokenizer of a folder: --tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH."""
-    return data.megatron_tokenizer(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path),
+    return tokenizer_files.megatron_tokenizer(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path),
                                                       vocab_file=None, merge_file=None, vocab_size=None))
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, base_bpe):
-    """name -> (our tokenizer: data.megatron_tokenizer --tokenizer-type HuggingFaceTokenizer, transformers')."""
+    """name -> (our tokenizer: tokenizer_files.megatron_tokenizer --tokenizer-type HuggingFaceTokenizer, transformers')."""
     out = {}
     for name in FOLDERS:
         path = make_folder(tmp_path_factory.mktemp(name), base_bpe, name, jinja_file=name == "qwen25")
@@ -235,11 +235,11 @@ def check_texts(render, ref, name):
 @pytest.mark.parametrize("name", FOLDERS)
 def test_rendered_text_and_ids_equal_transformers(folders, name):
     tok, ref = folders[name]
-    roles = data.roles_of(tok)
+    roles = tokenizer_files.roles_of(tok)
     assert roles.chat_template == FOLDERS[name][0] and roles.chat_tokens == FOLDERS[name][2]
-    check_texts(lambda m, g: data.apply_chat_template(tok, m, g), ref, name)
+    check_texts(lambda m, g: tokenizer_files.apply_chat_template(tok, m, g), ref, name)
     for msgs in conversations(name).values():
-        ids, mask = PT.encode_chat(msgs, tok, data.special_ids(tok)["eod"])
+        ids, mask = PT.encode_chat(msgs, tok, tokenizer_files.special_ids(tok)["eod"])
         assert ids == ref_ids(ref, msgs) and len(mask) == len(ids)
     for msgs in prompts(name).values():  # tools.py sample --chat's prompt
         assert PT.chat_prompt_ids(msgs, tok) == ref_ids(ref, msgs, add_generation_prompt=True)
@@ -253,10 +253,10 @@ def test_negative_controls_trim_blocks_and_bos(folders):
     tokens = FOLDERS["zephyr"][2]
     with pytest.raises(AssertionError):
         check_texts(lambda m, g: loose.render(messages=m, add_generation_prompt=g, **tokens), ref, "zephyr")
-    check_texts(lambda m, g: data.render_chat_template(ZEPHYR, m, g, **tokens), ref, "zephyr")  # (the control's twin)
+    check_texts(lambda m, g: tokenizer_files.render_chat_template(ZEPHYR, m, g, **tokens), ref, "zephyr")  # (the control's twin)
     _, ref = folders["llama3"]
     with pytest.raises(AssertionError):
-        check_texts(lambda m, g: data.render_chat_template(LLAMA3, m, g, bos_token=""), ref, "llama3")
+        check_texts(lambda m, g: tokenizer_files.render_chat_template(LLAMA3, m, g, bos_token=""), ref, "llama3")
 
 
 def test_negative_control_post_processor_ids(folders):
@@ -265,7 +265,7 @@ def test_negative_control_post_processor_ids(folders):
     tok, ref = folders["llama3"]
     msgs = CONVERSATIONS["single"]
     with pytest.raises(AssertionError):
-        assert tok.encode(data.apply_chat_template(tok, msgs)).ids == ref_ids(ref, msgs)
+        assert tok.encode(tokenizer_files.apply_chat_template(tok, msgs)).ids == ref_ids(ref, msgs)
 
 
 # ------------------------------------------------------------------------------------------------ the loss mask
@@ -311,7 +311,7 @@ def test_mask_equals_transformers_generation_mask(folders):
 # --------------------------------------------------------------------------------------- through the data path
 def test_dpo_and_sft_samples_from_a_file_have_transformers_ids(folders, tmp_path):
     tok, ref = folders["qwen25"]
-    eod, S = data.special_ids(tok)["eod"], 96
+    eod, S = tokenizer_files.special_ids(tok)["eod"], 96
     prefs = [{"prompt": f"Add {i} and 3.", "chosen": f"{i + 3}", "rejected": f"It is {i}."} for i in range(4)]
     sft = [{"messages": CONVERSATIONS["multi"]}, {"prompt": "Add 1 and 1.", "response": "2"}]
     for task, records in (("dpo", prefs), ("sft", sft)):
@@ -338,7 +338,7 @@ def test_example_records_fit_through_the_template(folders):
     default system prompt), so every record it keeps makes a sample of at most s + 1 tokens, and some are kept."""
     tok, ref = folders["qwen25"]
     files = tuple(f for f in data.default_corpus_files() if f.rsplit("/", 1)[-1] in ("colorsys.py", "bisect.py"))
-    eod, S = data.special_ids(tok)["eod"], 1536  # (a 400-token BPE: about a token a character)
+    eod, S = tokenizer_files.special_ids(tok)["eod"], 1536  # (a 400-token BPE: about a token a character)
     for task in ("sft", "dpo"):
         records = PT.example_records(task, tok, S, 0, files)
         assert records
@@ -359,7 +359,7 @@ def test_packing_needs_samples_that_end_with_their_only_eod(folders, tmp_path, b
     spaced = make_folder(tmp_path / "spaced", base_bpe, "mistral",
                          config_extra={"chat_template": MISTRAL.replace("eos_token}}", "eos_token + ' ' }}")})
     for tok, ok in ((folders["mistral"][0], True), (folders["llama3"][0], False), (ours(spaced), False)):
-        eod = data.special_ids(tok)["eod"]
+        eod = tokenizer_files.special_ids(tok)["eod"]
         smp = np.stack([PT.make_sample({"prompt": "Add 2 and 3.", "response": "5"}, "sft", tok, 64, eod, f"f:{i}")
                         for i in range(2)])
         if ok:
@@ -375,11 +375,11 @@ def test_packing_needs_samples_that_end_with_their_only_eod(folders, tmp_path, b
 
 def test_template_survives_save_and_reload(folders, tmp_path):
     tok, ref = folders["llama3"]
-    data.save_tokenizer(tok, tmp_path / "tokenizer.json")  # as train.py saves a run's tokenizer
-    again = data.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "tokenizer.json"))
-    assert data.roles_of(again) == data.roles_of(tok)
+    tokenizer_files.save_tokenizer(tok, tmp_path / "tokenizer.json")  # as train.py saves a run's tokenizer
+    again = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert tokenizer_files.roles_of(again) == tokenizer_files.roles_of(tok)
     msgs = CONVERSATIONS["multi"]
-    assert PT.encode_chat(msgs, again, data.special_ids(again)["eod"])[0] == ref_ids(ref, msgs)
+    assert PT.encode_chat(msgs, again, tokenizer_files.special_ids(again)["eod"])[0] == ref_ids(ref, msgs)
 
 
 def test_export_tokenizer_config_renders_the_same(folders, tmp_path):
@@ -390,7 +390,7 @@ def test_export_tokenizer_config_renders_the_same(folders, tmp_path):
         out = tmp_path / name
         out.mkdir()
         tok.save(str(out / "tokenizer.json"))
-        config = convert.hf_tokenizer_config(tok, 128, data.roles_of(tok).chat_template)
+        config = convert.hf_tokenizer_config(tok, 128, tokenizer_files.roles_of(tok).chat_template)
         (out / "tokenizer_config.json").write_text(json.dumps(config))
         exported = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
         for msgs in conversations(name).values():
@@ -400,7 +400,7 @@ def test_export_tokenizer_config_renders_the_same(folders, tmp_path):
 
 def test_chat_stop_ids(folders):
     """sample --chat stops at eod and at the token the template writes after an answer, when that is another one."""
-    ids = {name: [tok.id_to_token(i) for i in data.chat_stop_ids(tok)] for name, (tok, _) in folders.items()}
+    ids = {name: [tok.id_to_token(i) for i in tokenizer_files.chat_stop_ids(tok)] for name, (tok, _) in folders.items()}
     assert ids == {"llama3": ["<|eot_id|>"], "qwen25": ["<|endoftext|>", "<|im_end|>"], "mistral": ["</s>"],
                    "zephyr": ["</s>"], "llama3_generation": ["<|eot_id|>"]}
 
@@ -427,14 +427,14 @@ def test_refusals(folders, tmp_path, base_bpe):
     rewrites = make_folder(tmp_path / "rewrites", base_bpe, "zephyr", config_extra={"chat_template": last})
     with pytest.raises(data.DataError, match=r"y:2: the chat template.s render of messages\[:1\] with "
                        r"add_generation_prompt is not a prefix of its render of the whole conversation \(it rewrites"):
-        PT.template_ids(CONVERSATIONS["no system"], data.folder_tokenizer(rewrites), "y:2")
+        PT.template_ids(CONVERSATIONS["no system"], tokenizer_files.folder_tokenizer(rewrites), "y:2")
     listed = make_folder(tmp_path / "listed", base_bpe, "zephyr",
                          config_extra={"chat_template": [{"name": "tool_use", "template": ZEPHYR}]})
     with pytest.raises(data.DataError, match=r"chat templates \['tool_use'\] have none named 'default'"):
-        data.folder_tokenizer(listed)
+        tokenizer_files.folder_tokenizer(listed)
     named = make_folder(tmp_path / "named", base_bpe, "zephyr",
                         config_extra={"chat_template": [{"name": "default", "template": ZEPHYR}]})
-    assert data.roles_of(data.folder_tokenizer(named)).chat_template == ZEPHYR
+    assert tokenizer_files.roles_of(tokenizer_files.folder_tokenizer(named)).chat_template == ZEPHYR
 
 
 # ------------------------------------------------------------------------------------ a run, sample --chat, export
@@ -457,10 +457,10 @@ def test_sft_run_samples_and_exports_with_the_folders_template(tmp_path, base_bp
                 "--lr", "1e-3", "--log-interval", "100", "--eval-iters", "0", "--data-cache-dir", str(tmp_path / "c"),
                 "--save", str(run)])
     loaded = checkpoint.load_model(run)
-    assert data.roles_of(loaded.tok).chat_template == QWEN25
+    assert tokenizer_files.roles_of(loaded.tok).chat_template == QWEN25
     ref = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     prompt = [{"role": "user", "content": "Add 2 and 3."}]
-    stops = data.chat_stop_ids(loaded.tok)
+    stops = tokenizer_files.chat_stop_ids(loaded.tok)
     answer = tools.chat_answer(loaded, prompt[0]["content"], 5, temperature=0)
     assert answer[-1] in stops or (len(answer) == 5 and not set(answer) & set(stops))
     tools.main(["export", "--load", str(run), "--hf-out", str(tmp_path / "hf")])

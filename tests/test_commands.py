@@ -57,6 +57,7 @@ import data
 import harness
 import tools
 import train
+from interop import tokenizer_files
 from posttraining import rl
 
 FULL = os.environ.get("COMMANDS") == "all"  # also run the bench scripts (see the module docstring)
@@ -135,7 +136,7 @@ def scratch(tmp_path_factory):
     (work / "my_docs").mkdir()
     for i in range(40):
         (work / "my_docs" / f"doc{i}.txt").write_text(SNIPPET.format(i=i))
-    tok = data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=512)
+    tok = tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=512)
     tok.save(str(work / "tokenizer.json"))
     return work
 

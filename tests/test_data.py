@@ -14,10 +14,10 @@ from data import (
     DataError,
     GPTDataset,
     IndexedDataset,
-    get_tokenizer,
-    special_ids,
     tokenize_documents,
 )
+from interop import tokenizer_files
+from interop.tokenizer_files import get_tokenizer, special_ids
 
 SOURCE = [
     "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n",
@@ -458,7 +458,7 @@ def test_build_data_blends_each_split_of_mixed_sources(tmp_path):
     assert data.main(["preprocess", "--input", str(b), "--output-prefix", str(tmp_path / "b_doc"),
                       "--vocab-size", "400"]) == 0
     corpus = data.build_data(_args(tmp_path, ["0.25", str(a), "0.75", str(tmp_path / "b_doc")]), vocab_size=None)
-    b_tok = data.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "b_doc.tokenizer.json"))
+    b_tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "b_doc.tokenizer.json"))
     assert corpus.tokenizer.get_vocab() == b_tok.get_vocab()
     for ds in (corpus.train, corpus.valid, corpus.test):
         assert isinstance(ds, data.BlendedDataset) and np.allclose(ds.weights, [0.25, 0.75], rtol=0, atol=1e-15)

@@ -24,7 +24,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import bert
-import data
 import deepseek
 import gpt
 import mamba
@@ -33,6 +32,7 @@ import parallel as P
 import t5
 import train
 import transformer
+from interop import tokenizer_files
 
 B, S = 3, 16  # sequences, sequence length
 
@@ -172,7 +172,7 @@ def test_t5_decoder_length_is_the_datasets():
     t5.SpanCorruptionDataset makes of rows of seq + 1 tokens."""
     class Tok:  # the special tokens are all SpanCorruptionDataset reads from a tokenizer
         def token_to_id(self, t):
-            return data.SPECIAL_TOKENS.index(t)
+            return tokenizer_files.SPECIAL_TOKENS.index(t)
 
     for seq in (16, 32, 128):
         ds = t5.SpanCorruptionDataset([np.arange(4 * seq) % 50 + 150], [0], argparse.Namespace(seq_length=seq), Tok(), 0)

@@ -24,7 +24,7 @@ import data
 import harness
 import llava
 import tools
-from interop import convert
+from interop import convert, tokenizer_files
 
 
 # ---------------------------------------------------------------------------------------------- LLaVA from a folder
@@ -86,7 +86,7 @@ def test_an_image_token_the_tokenizer_lacks_is_refused(tmp_path):
     """Negative control: config.json's image_token_id must be a token of the folder's tokenizer (DataError naming
     it); the folder's own id is taken."""
     caption_tokenizer(tmp_path, 100, 99)
-    tok = data.folder_tokenizer(tmp_path)
+    tok = tokenizer_files.folder_tokenizer(tmp_path)
     args = types.SimpleNamespace(hf_architecture={"config": {"model_type": "llava", "image_token_id": 99}})
     assert llava.config_fields(args, tok) == {"image_token_index": 99} and tok.id_to_token(99) == "<image>"
     args.hf_architecture["config"]["image_token_id"] = 500

@@ -21,6 +21,7 @@ import llava
 import parallel as P
 import tools
 from equivalence import assert_same, rel_err, train_steps
+from interop import tokenizer_files
 
 
 # --------------------------------------------------------------------------------------- 1. Hugging Face
@@ -239,13 +240,13 @@ def test_negative_control_gathering_vit_output_with_partial_grads_fails(pool):
 # --------------------------------------------------------------------------------------- 3. the caption data
 @pytest.fixture(scope="module")
 def tok():
-    return data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=384)
+    return tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=384)
 
 
 def test_caption_rows_draw_the_same_scene_and_mask_only_the_caption(tok):
     args = argparse.Namespace(seq_length=64, img_h=16, img_w=16, patch_dim=8, drop_vision_class_token=None)
     ds = llava.dataset(None, None, args, tok, seed=11)
-    c, n, sp = ds.c, 5, data.special_ids(tok)
+    c, n, sp = ds.c, 5, tokenizer_files.special_ids(tok)
     assert c.image_token_index == tok.token_to_id(llava.IMAGE_TOKEN) and c.num_image_tokens == n
     batch = data.global_batch(ds, start=8, size=4)  # samples 8..11
     assert torch.equal(batch, data.global_batch(ds, start=8, size=4))

@@ -39,12 +39,11 @@ from test_train import SNIPPET
 
 import arguments
 import checkpoint
-import data
 import tools
 import train
 from equivalence import rel_err
 from harness import _free_port
-from interop import convert
+from interop import convert, tokenizer_files
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-10  # float64: the same weights, only the order of reductions differs (measured ~1e-15)
@@ -61,7 +60,7 @@ def config64(flags, tok_file):
     """Our Config of the flags (as import-megatron builds it), in float64 without dropout: Megatron's model is built
     from it (test_megatron_parity.megatron_transformer_config)."""
     args = arguments.check_args(arguments.parse_args(flags + ["--tokenizer-file", str(tok_file)]), 1)
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(tok_file))
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tok_file))
     c = arguments.model_config(checkpoint.model_file("gpt"), args, tok.get_vocab_size(), tok)
     return dataclasses.replace(c, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
 
@@ -148,7 +147,7 @@ def work(tmp_path_factory):
     if importlib.util.find_spec("megatron") is None:  # (not imported here: the parent reads without it)
         pytest.skip("megatron-core is not installed (requirements-test.txt)")
     d = tmp_path_factory.mktemp("mcore")
-    tok = data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=384)
+    tok = tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=384)
     tok.save(str(d / "tokenizer.json"))
     code = (f"import sys; sys.path[:0] = [{str(HERE.parent)!r}, {str(HERE)!r}]; import test_megatron_dist as t; "
             f"t.megatron_side({str(d)!r}, {_free_port()})")

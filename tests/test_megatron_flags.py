@@ -1,5 +1,5 @@
 """Megatron-LM's launch-script flags: each is honoured, or accepted with one note line saying what runs instead
-(arguments.FALLBACKS), or refused in one line saying why (arguments.REFUSED).
+(interop/megatron_flags.py's FALLBACKS), or refused in one line saying why (its REFUSED).
 
   - every FALLBACKS / REFUSED key is a flag of the parser; each FALLBACKS flag, given, yields exactly its one note
     line (and none when not given); each REFUSED flag, given as refused, fails with its one line (ConfigError);
@@ -28,6 +28,7 @@ import config as contract
 import gpt
 import transformer
 from equivalence import clipped_steps, make_batch, reference_steps, rel_err
+from interop import megatron_flags
 
 corpus, cache = test_train.corpus, test_train.cache  # the synthetic corpus and its token cache (module fixtures)
 
@@ -105,27 +106,27 @@ def parser_flags(model: str) -> set[str]:
 
 def test_every_table_key_is_a_flag_and_has_a_case():
     flags = parser_flags("gpt") | parser_flags("mamba")
-    for table in (arguments.FALLBACKS, arguments.REFUSED):
+    for table in (megatron_flags.FALLBACKS, megatron_flags.REFUSED):
         assert set(table) <= flags, set(table) - flags
-    assert set(GIVEN) == set(arguments.FALLBACKS), set(GIVEN) ^ set(arguments.FALLBACKS)
-    assert set(REFUSE) == set(arguments.REFUSED), set(REFUSE) ^ set(arguments.REFUSED)
+    assert set(GIVEN) == set(megatron_flags.FALLBACKS), set(GIVEN) ^ set(megatron_flags.FALLBACKS)
+    assert set(REFUSE) == set(megatron_flags.REFUSED), set(REFUSE) ^ set(megatron_flags.REFUSED)
 
 
 def test_the_default_run_has_no_notes():
-    assert arguments.notes(checked([])) == []
+    assert megatron_flags.notes(checked([])) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the notes of --transformer-impl, nccl: a CPU machine's")
-@pytest.mark.parametrize("flag", sorted(arguments.FALLBACKS))
+@pytest.mark.parametrize("flag", sorted(megatron_flags.FALLBACKS))
 def test_each_fallback_flag_gives_its_one_note(flag):
     world = 2 if flag == "--overlap-param-gather" else 1
-    lines = arguments.notes(checked(GIVEN[flag], world))
+    lines = megatron_flags.notes(checked(GIVEN[flag], world))
     mine = [ln for ln in lines if ln.startswith(f"note: {flag} ") or ln.startswith(f"note: {flag}:")]
     assert len(mine) == 1 and "\n" not in mine[0], lines
     assert "{" not in mine[0], mine  # formatted with the flags
 
 
-@pytest.mark.parametrize("flag", sorted(arguments.REFUSED))
+@pytest.mark.parametrize("flag", sorted(megatron_flags.REFUSED))
 def test_each_refused_flag_fails_with_its_one_line(flag):
     argv, expect = REFUSE[flag]
     world = 2 if "--pipeline-model-parallel-size" in argv else 1
@@ -331,12 +332,12 @@ def test_resume_flags_no_load_optim_no_load_rng_use_checkpoint_args(corpus, cach
 
 @pytest.mark.parametrize("text, expect", [("2", 2), ("[1,0,1]", [1, 0, 1]), ("([0]+[1]*3)*2", [0, 1, 1, 1] * 2)])
 def test_moe_layer_freq_reads_megatrons_expression(text, expect):
-    assert arguments.layer_freq(text) == expect
+    assert megatron_flags.layer_freq(text) == expect
 
 
 def test_moe_layer_freq_never_runs_its_text():
     with pytest.raises(argparse.ArgumentTypeError, match="not an integer or a list expression"):
-        arguments.layer_freq("__import__('os').getcwd()")
+        megatron_flags.layer_freq("__import__('os').getcwd()")
 
 
 # ---------------------------------------------------------------------------------------------- MoE flags

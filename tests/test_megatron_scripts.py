@@ -5,7 +5,7 @@ parallel degrees) and the paths filled in (a corpus, tokenizer files made here: 
 the model by its entry script (pretrain_gpt.py, ...): here that is --model (ENTRY).
 
 Each script trains on warm ranks (harness.launch: torchrun's environment) at its shrunk layout; every flag of it is
-accepted, and each one that runs differently here prints its one note line (arguments.FALLBACKS, data.note). The
+accepted, and each one that runs differently here prints its one note line (interop/megatron_flags.py, data.note). The
 GPT-3 script asks for a batch-size ramp-up with --train-iters, which Megatron refuses (validate_args: "expected no
 batch-size rampup for iteration-based training"); here too, in one line, and the same script trains once
 --train-iters is replaced by --train-samples.
@@ -280,7 +280,7 @@ def groups(script: str, paths: dict, output: str, refusal: str | None) -> dict:
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_script_trains_scaled_down(runs, paths, script):
     """The script's run: every iteration's loss finite, an evaluation, its checkpoint and TensorBoard events where the
-    script put them, and each flag that runs differently here said once, in its note line (arguments.FALLBACKS)."""
+    script put them, and each flag that runs differently here said once, in its note line (interop/megatron_flags.py)."""
     import arguments
     import train
     argv, output, _ = runs[script]
@@ -373,8 +373,8 @@ def test_scripts_tokenizers_and_splits_as_megatron_reads_them(runs, paths, capsy
     [SEP], [MASK], [PAD]); T5's BertWordPieceCase, with the span sentinels after [BOS], [EOS] as Megatron's
     --vocab-extra-ids 100 puts them; Llama-3's --mock-data on NullTokenizer (--vocab-size 4096: the mock documents
     count to 4094). The splits (949,50,1 and 99982,9,9) leave a test document: Megatron's end-of-training test runs."""
-    import data
     import tools
+    from interop import tokenizer_files
 
     def run_dir(script):
         return Path(run_paths(paths, script)["ckpt"])
@@ -389,16 +389,16 @@ def test_scripts_tokenizers_and_splits_as_megatron_reads_them(runs, paths, capsy
         assert [r["iteration"] for r in records(script) if "test_loss" in r] == [last(script)], script
     gpt3 = run_dir(GPT3)
     assert json.loads((gpt3 / "tokenizer.roles.json").read_text())["tokenizer_type"] == "GPT2BPETokenizer"
-    saved = data.get_tokenizer(None, None, tokenizer_file=str(gpt3 / "tokenizer.json"))
-    assert data.special_ids(saved)["eod"] == json.loads(open(paths["vocab_json"]).read())["<|endoftext|>"]
+    saved = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(gpt3 / "tokenizer.json"))
+    assert tokenizer_files.special_ids(saved)["eod"] == json.loads(open(paths["vocab_json"]).read())["<|endoftext|>"]
     capsys.readouterr()
     tools.main(["sample", "--load", str(gpt3), "--prompt", "the model", "--max-new-tokens", "4"])
     assert capsys.readouterr().out.startswith("the model")
     roles = json.loads((run_dir(BERT) / "tokenizer.roles.json").read_text())
     assert (roles["tokenizer_type"], roles["cls"], roles["eod"]) == ("BertWordPieceLowerCase", "[CLS]", "[EOS]")
-    saved = data.get_tokenizer(None, None, tokenizer_file=str(run_dir(T5) / "tokenizer.json"))
+    saved = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(run_dir(T5) / "tokenizer.json"))
     V = sum(1 for _ in open(paths["vocab_txt"], encoding="utf-8"))
-    assert data.special_ids(saved)["sentinels"] == list(range(V + 2, V + 102))
+    assert tokenizer_files.special_ids(saved)["sentinels"] == list(range(V + 2, V + 102))
     assert [r["iteration"] for r in records(LLAMA3) if "loss" in r] == list(range(1, last(LLAMA3) + 1))
     output = runs[LLAMA3][1]
     assert "--mock-data: the first 1000 of Megatron's 100,000 mock documents" in output and "--num-workers 1" in output

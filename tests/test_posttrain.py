@@ -542,12 +542,12 @@ def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
     from test_posttrain_data import FILES
     from test_train import torchrun
 
-    import data
+    from interop import tokenizer_files
 
     def losses(run):
         return {r["iteration"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                 if "loss" in r}
-    tok = data.get_tokenizer([open(f, encoding="utf-8").read() for f in FILES], None, vocab_size=1024)
+    tok = tokenizer_files.get_tokenizer([open(f, encoding="utf-8").read() for f in FILES], None, vocab_size=1024)
     tok.save(str(tmp_path / "tokenizer.json"))
     records = recipes.example_records("dpo", tok, 128, seed=1234, files=FILES)
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n"

@@ -27,6 +27,7 @@ import torch
 import data
 import gpt
 from equivalence import rel_err
+from interop import tokenizer_files
 from posttraining import recipes as PT
 
 MODULES = ("textwrap", "shlex", "colorsys", "bisect", "heapq", "fnmatch", "posixpath", "genericpath", "ntpath",
@@ -37,12 +38,12 @@ S = 128  # --seq-length in these tests (the default)
 
 @pytest.fixture(scope="module")
 def tok():
-    return data.get_tokenizer([open(f, encoding="utf-8").read() for f in FILES], None, vocab_size=1024)
+    return tokenizer_files.get_tokenizer([open(f, encoding="utf-8").read() for f in FILES], None, vocab_size=1024)
 
 
 @pytest.fixture(scope="module")
 def eod(tok):
-    return data.special_ids(tok)["eod"]
+    return tokenizer_files.special_ids(tok)["eod"]
 
 
 TWO_TURNS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Add 2 and 3."},
@@ -247,10 +248,10 @@ def test_build_from_example_records(monkeypatch, tmp_path, tok, task):
     n = len(records)
     assert len(train) + len(valid) == n and train.num_rows == PT.ROWS[task] and 0 < len(valid) < 0.15 * n  # ~5 % by prompt
     assert data.global_batch(train, start=0, size=8).shape == (8, PT.ROWS[task], S + 1)
-    fresh = PT._samples(records, task, tok, S, eod=data.special_ids(tok)["eod"])  # [N, R, s+1], no cache
+    fresh = PT._samples(records, task, tok, S, eod=tokenizer_files.special_ids(tok)["eod"])  # [N, R, s+1], no cache
     assert len(list(tmp_path.glob("examples-*.npy"))) == 1
     monkeypatch.setattr(PT, "example_records", lambda *a, **k: pytest.fail("the cache was not used"))
-    cached = PT.example_samples(args, tok, data.special_ids(tok)["eod"])
+    cached = PT.example_samples(args, tok, tokenizer_files.special_ids(tok)["eod"])
     assert cached.dtype == np.int64 and np.array_equal(cached, fresh)  # exactly a fresh build
     train2, valid2 = PT.build_task_datasets(args, tok)
     assert np.array_equal(train2.samples, train.samples) and np.array_equal(valid2.samples, valid.samples)

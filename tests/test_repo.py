@@ -24,8 +24,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. The infrastructure reaches the model files only through importlib (config.model_file), at run time.
-LAYERS = ["parallel", "metrics", "data", "config", "posttraining.lora", "scheduler", "interop.hf", "arguments",
-          "checkpoint", "transformer", "interop.convert", "deepseek", "gpt", "bert", "t5", "mamba", "llava",
+LAYERS = ["parallel", "metrics", "interop.tokenizer_files", "data", "config", "posttraining.lora", "scheduler",
+          "interop.hf", "interop.megatron_flags", "arguments", "checkpoint", "transformer", "interop.convert", "deepseek",
+          "gpt", "bert", "t5", "mamba", "llava",
           "retrieval", "retro", "posttraining.recipes", "serving.engine", "posttraining.rl", "train", "serving.server",
           "tools"]
 

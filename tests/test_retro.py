@@ -26,6 +26,7 @@ import retro
 import tools
 import train
 from equivalence import assert_same, train_steps
+from interop import tokenizer_files
 
 CFG = dict(num_layers=6, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=150,
            max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64,
@@ -159,12 +160,12 @@ def corpus(n_docs=12, length=40, vocab=150, seed=0):
     return [rng.integers(1, vocab, length) for _ in range(n_docs)]
 
 
-class _SpecialTok:  # the corpus-tokenizer surface retrieval.ChunkEmbedder uses: data.SPECIAL_TOKENS at ids 0.. (eod 0)
+class _SpecialTok:  # the corpus-tokenizer surface retrieval.ChunkEmbedder uses: tokenizer_files.SPECIAL_TOKENS at ids 0.. (eod 0)
     def get_vocab_size(self):
         return 150
 
     def token_to_id(self, t):
-        return data.SPECIAL_TOKENS.index(t) if t in data.SPECIAL_TOKENS else None
+        return tokenizer_files.SPECIAL_TOKENS.index(t) if t in tokenizer_files.SPECIAL_TOKENS else None
 
 
 BERT_CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=150,
@@ -192,8 +193,8 @@ def test_bert_chunk_embedder_is_deterministic_unit_norm_and_batch_and_padding_in
     for x in same:
         np.testing.assert_allclose(x[0], e[7], atol=1e-6)
     with torch.no_grad():  # Megatron's pooling, written out: [cls] a b [sep] unpadded, torch.mean(h[1 : mask - 1])
-        h = emb.model.encode(torch.tensor([[data.SPECIAL_TOKENS.index("<cls>"), a, b,
-                                            data.SPECIAL_TOKENS.index("<sep>")]]))[:, 0]  # [s, h]
+        h = emb.model.encode(torch.tensor([[tokenizer_files.SPECIAL_TOKENS.index("<cls>"), a, b,
+                                            tokenizer_files.SPECIAL_TOKENS.index("<sep>")]]))[:, 0]  # [s, h]
     np.testing.assert_allclose(e[7], torch.nn.functional.normalize(h[1: 4 - 1].mean(0), dim=0).numpy(), atol=1e-6)
     assert not np.allclose(emb(np.array([[b, a]])), e[7], atol=1e-3)  # order matters (positions): not a bag
     assert (emb(np.zeros((1, M), np.int64)) == 0).all()  # eods only: zeros, as Megatron's empty chunk
@@ -282,7 +283,7 @@ def test_train_py_retro_with_a_trained_bert_embedder(tmp_path, monkeypatch):
     assert len([p for p in cache.glob("retrieval-db-*") if p.is_dir()]) == 1  # one database (train and valid share it)
     # other weights, another name: a database or neighbours cached with the iteration-3 BERT are not reused
     train.main(tiny(src, cache, tmp_path / "bert", "--model", "bert", "--load", str(tmp_path / "bert"), iters=4))
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "bert" / "tokenizer.json"))
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "bert" / "tokenizer.json"))
     assert retrieval.ChunkEmbedder.load(tmp_path / "bert", tok, "--retro-bert-load").name.startswith("bert-iter4-")
     with pytest.raises(data.DataError, match="--retro-bert-load .*/retro: a --model retro run, whose model has no "
                                              "encoder"):

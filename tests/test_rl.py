@@ -62,6 +62,7 @@ import harness
 import parallel as P
 import train
 from equivalence import assert_same
+from interop import tokenizer_files
 from posttraining import lora, recipes, rl
 
 S, NEW, G = 40, 6, 2  # --seq-length (the "a + b" prompts are 30 tokens in this BPE), new tokens, group size
@@ -230,7 +231,7 @@ def test_gae_by_hand():
 @pytest.fixture(scope="module")
 def tok_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("rl") / "tokenizer.json"
-    data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(path), 384)
+    tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(path), 384)
     pairs = [(a, b) for a in range(20) for b in range(20)]
     random.Random(0).shuffle(pairs)  # short prompts (prompts.jsonl beside it), "a + b", so rows stay short
     (path.parent / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {b}", "answer": str(a + b)}) + "\n"
@@ -265,7 +266,7 @@ def rl_case(rank, n, tok_file, tp, pp, sp, opt, M, task="grpo", g=4, steps=2, co
 
 
 def _rl_case(rank, n, tok_file, tp, pp, sp, opt, M, task, g, steps, control, use_lora, ep, moe):
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(tok_file))
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tok_file))
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp), ep=ep)
     c = config(tok, sp, moe=moe)
     make = lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl)
@@ -289,7 +290,7 @@ def _rl_case(rank, n, tok_file, tp, pp, sp, opt, M, task, g, steps, control, use
     train_ds, _ = rl.build_task_datasets(args, tok)
     corpus = types.SimpleNamespace(tokenizer=tok, train=train_ds, valid=None)
     t = rl.Task(args, chunks, grid, (S // tp if sp else S, mbs, c.hidden_size), c.params_dtype,
-                data.special_ids(tok)["eod"], ref_chunks=ref, corpus=corpus)
+                tokenizer_files.special_ids(tok)["eod"], ref_chunks=ref, corpus=corpus)
     batch, losses, grads, seen = data.global_batch(train_ds, start=0, size=g), [], None, []
     for step in range(steps):
         optimizer.zero_grad(M)
@@ -322,7 +323,7 @@ def _rl_case(rank, n, tok_file, tp, pp, sp, opt, M, task, g, steps, control, use
 
 def texts_of(rows, tok) -> list[str]:
     """Rollout rows [n, 3, s+1] -> each completion's text, its closing eod left out (what the reward function reads)."""
-    eod, out = data.special_ids(tok)["eod"], []
+    eod, out = tokenizer_files.special_ids(tok)["eod"], []
     for row in rows:
         ids = row[rl.TOKENS][row[rl.MASK].bool()].tolist()
         out.append(tok.decode(ids[:-1] if ids[-1] == eod else ids))
@@ -340,7 +341,7 @@ def per_token_logps(model, rows):
 def expected_ppo_losses(tok_file, out):
     """ppo_formula's loss at each step: scores recomputed from the decoded completions, the policy's log-probs and
     values and the reference's log-probs by plain forwards of the weights of that step (old and V_old: step 0's)."""
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(tok_file))
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tok_file))
     model, ref_model = rl.add_critic(gpt.Model(config(tok))), gpt.Model(config(tok))
     ref_model.load_state_dict(out["seen"][0]["ref_state"])
     reward = rl.load_reward_function(HYPER["reward_function"])
@@ -362,7 +363,7 @@ def expected_losses(tok_file, out):
     """The formula's loss at each step: rewards recomputed from the decoded completions, advantages by hand within each
     prompt's group, the policy's and the reference's log-probs by plain forwards of the weights of that step (the old
     log-probs: step 0's, at rollout time)."""
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(tok_file))
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tok_file))
     model, ref_model = gpt.Model(config(tok)), gpt.Model(config(tok))
     ref_model.load_state_dict(out["seen"][0]["ref_state"])
     reward = rl.load_reward_function(HYPER["reward_function"])

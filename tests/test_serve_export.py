@@ -40,13 +40,12 @@ import transformers
 from test_train import SNIPPET
 
 import checkpoint
-import data
 import gpt
 import mamba
 import tools
 import train
 from equivalence import rel_err
-from interop import convert
+from interop import convert, tokenizer_files
 from posttraining import recipes
 
 SYSTEM, USER, ANSWER = ({"role": r, "content": c} for r, c in [("system", "You add."), ("user", "3 + 4"),
@@ -80,7 +79,7 @@ def runs(tmp_path_factory):
     they share. The model's answers are not sums yet, but it has learned to end them with eod: answers stop."""
     root = tmp_path_factory.mktemp("serve")
     tok_file = root / "tokenizer.json"
-    data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(tok_file), 384)
+    tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(tok_file), 384)
     sums = [{"prompt": f"{i} + {j}", "response": f"{i} + {j} = {i + j}"} for i in range(8) for j in range(8)]
     train.main(tiny(tok_file, root / "sft", "--task", "sft", "--data-path", str(write_jsonl(root / "sft.jsonl", sums)),
                     iters=30))
@@ -98,7 +97,7 @@ def hf(runs):
 def test_the_export_carries_our_special_tokens(runs, hf):
     tok, model = hf
     ours = checkpoint.load_model(runs / "sft").tok
-    eod, pad = data.special_ids(ours)["eod"], data.special_ids(ours)["pad"]
+    eod, pad = tokenizer_files.special_ids(ours)["eod"], tokenizer_files.special_ids(ours)["pad"]
     assert {p.name for p in (runs / "hf").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
                                                         "tokenizer_config.json", "generation_config.json"}
     config = transformers.AutoConfig.from_pretrained(runs / "hf", local_files_only=True)
@@ -160,7 +159,7 @@ def test_the_generation_prompt_is_the_chat_prompt_our_training_tokenizes(runs, h
     assert ids != hf_ids and ours.decode(ids) == tok.decode(hf_ids)
     assert "\n   " in [ours.id_to_token(i).replace("Ċ", "\n").replace("Ġ", " ") for i in hf_ids]
     ids, hf_ids = both("3 <|endoftext|> 4")  # special-token text: plain text in training, eod in transformers...
-    assert data.special_ids(ours)["eod"] in hf_ids and data.special_ids(ours)["eod"] not in ids
+    assert tokenizer_files.special_ids(ours)["eod"] in hf_ids and tokenizer_files.special_ids(ours)["eod"] not in ids
     assert both("3 <|endoftext|> 4", sanitize_control_tokens=True) == (ids, ids)  # ...unless sanitized
 
 
@@ -168,7 +167,7 @@ def test_the_generation_prompt_is_the_chat_prompt_our_training_tokenizes(runs, h
 def test_hf_greedy_generate_answers_as_sample_chat(runs, hf, prompt, capsys):
     tok, model = hf
     run = checkpoint.load_model(runs / "sft")
-    eod = data.special_ids(run.tok)["eod"]
+    eod = tokenizer_files.special_ids(run.tok)["eod"]
     answer = tools.chat_answer(run, prompt, MAX_NEW, temperature=0)
     assert answer[-1] == eod and len(answer) < MAX_NEW  # it stopped at the eos, not at the limit
     inputs = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -224,13 +223,13 @@ def test_chat_is_refused_for_a_model_that_cannot_sample_and_for_a_reward_model(r
 def test_the_other_causal_lm_answers_a_chat_prompt_through_its_recurrent_step(runs):
     """mamba.py's sample_ids (the recurrent step, O(1) per Mamba token) gives the greedy tokens of the whole hybrid's
     forward pass at each step (gpt.generate's recompute oracle) after a --chat prompt."""
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(runs / "tokenizer.json"))
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(runs / "tokenizer.json"))
     model = mamba.Model(mamba.Config(hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=384,
                                      max_position_embeddings=48, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
                                      mamba_chunk_size=4, init_method_std=0.5, hybrid_layer_pattern="M*-")).eval()
     ids = recipes.chat_prompt_ids([USER], tok)
     got = mamba.sample_ids(model, tok, ids, 8, temperature=0)
-    ref = gpt.generate(model, torch.tensor([ids]), 8, temperature=0, eod=data.special_ids(tok)["eod"], use_cache=False)
+    ref = gpt.generate(model, torch.tensor([ids]), 8, temperature=0, eod=tokenizer_files.special_ids(tok)["eod"], use_cache=False)
     assert got == ref[0, len(ids):].tolist() and len(got) == 8
 
 
@@ -239,11 +238,11 @@ def test_a_gpt2_directory_gets_the_same_serving_files(runs, tmp_path):
     model_max_length comes from either, and config.json's token ids are ours in both."""
     from test_export import GPT2
 
-    tok = data.get_tokenizer(None, None, tokenizer_file=str(runs / "tokenizer.json"))
+    tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(runs / "tokenizer.json"))
     model = gpt.Model(gpt.Config(**dict(GPT2, vocab_size=384)))
     convert.save_hf(tmp_path, *convert.gpt_to_hf(model.config, model.state_dict()), tok,
                     chat_template=recipes.chat_template_jinja())
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["model_type"] == "gpt2" and config["eos_token_id"] == data.special_ids(tok)["eod"]
+    assert config["model_type"] == "gpt2" and config["eos_token_id"] == tokenizer_files.special_ids(tok)["eod"]
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert hf_tok.model_max_length == config["n_positions"] == 64 and hf_tok.eos_token == "<|endoftext|>"

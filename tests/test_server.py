@@ -32,9 +32,9 @@ import torch
 from test_train import SNIPPET
 
 import checkpoint
-import data
 import gpt
 from arguments import parse_args
+from interop import tokenizer_files
 from posttraining import recipes
 from serving import engine as serve
 
@@ -48,7 +48,7 @@ GAP = 1e-3  # the smallest top-2 logit gap an oracle step may have (see the modu
 def save_run(root: Path, name: str, *flags) -> Path:
     """A tiny GPT saved as a run (random weights, init std 0.3 so greedy decoding does not repeat one token)."""
     if not (root / "tokenizer.json").exists():
-        data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(root / "tokenizer.json"), 384)
+        tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], str(root / "tokenizer.json"), 384)
     torch.manual_seed(0)
     args = parse_args(["--tokenizer-file", str(root / "tokenizer.json"), "--vocab-size", "384", "--num-layers", "2",
                        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -158,7 +158,7 @@ def complete(client, prompt, **kw):
 
 def assert_serves_the_oracle(client, oracle):
     answer, tok = oracle
-    eod = data.special_ids(tok)["eod"]
+    eod = tokenizer_files.special_ids(tok)["eod"]
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # all at once: one running batch
         got = list(pool.map(lambda p: complete(client, p), PROMPTS))
     assert got == [answer(tok.encode(p).ids, [eod]) for p in PROMPTS]
@@ -172,7 +172,7 @@ def test_chat_uses_the_runs_template(server, oracle):
     answer, tok = oracle
     messages = [{"role": "system", "content": "You add."}, {"role": "user", "content": "3 + 4"}]
     r = server.client.chat.completions.create(model="run", messages=messages, max_tokens=MAX, temperature=0)
-    want = answer(recipes.chat_prompt_ids(messages, tok), data.chat_stop_ids(tok))
+    want = answer(recipes.chat_prompt_ids(messages, tok), tokenizer_files.chat_stop_ids(tok))
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == want
     assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
     assert r.usage.prompt_tokens == len(recipes.chat_prompt_ids(messages, tok))
@@ -274,7 +274,7 @@ def loop_case(rank, n, run, tp, ep):
     from serving import server
     loaded = checkpoint.load_model(run, tp=tp, ep=ep)
     loop = server.Loop(serve.Engine(loaded.model, 64, 8, 4), loaded.tok, n, rank)
-    eod, got = data.special_ids(loaded.tok)["eod"], {}
+    eod, got = tokenizer_files.special_ids(loaded.tok)["eod"], {}
 
     def add(i):
         params = serve.SamplingParams(max_tokens=MAX, temperature=0, seed=i, stop=(eod,))
@@ -308,6 +308,6 @@ def test_ranks_in_lock_step_serve_the_oracle(pool, root, tp, ep, flags):
     2 ranks that both run every request, are each request's tokens alone."""
     run = save_run(root, f"run-{tp}-{ep}", *flags)
     answer, tok = make_oracle(run)
-    eod = data.special_ids(tok)["eod"]
+    eod = tokenizer_files.special_ids(tok)["eod"]
     got = pool.run(loop_case, tp * ep, run=run, tp=tp, ep=ep)[0]
     assert got == [answer(tok.encode(p).ids, [eod]) for p in PROMPTS]

@@ -1,6 +1,7 @@
-"""Tests for Megatron's --tokenizer-type here (data.py "Megatron's tokenizer types"): each type's token ids against an
-oracle, its special tokens mapped to the data layer's roles, its files read offline, and the types that cannot be read
-here refused in one line. Every tokenizer file is made in the test itself (nothing is downloaded).
+"""Tests for Megatron's --tokenizer-type here (interop/tokenizer_files.py "Megatron's tokenizer types"): each type's
+token ids against an oracle, its special tokens mapped to the data layer's roles, its files read offline, and the
+types that cannot be read here refused in one line. Every tokenizer file is made in the test itself (nothing is
+downloaded).
 
 Oracles (exact: token ids are integers, compared with ==):
   GPT2BPETokenizer       a plain-Python GPT-2 BPE written out below (GPT-2's regex, bytes as characters, merges by
@@ -22,6 +23,7 @@ import arguments
 import data
 from arguments import ConfigError
 from data import DataError
+from interop import tokenizer_files
 
 TEXTS = ["Hello world, it's 2024!", "  leading spaces\tand tabs\n\nnew lines ", "ünïcödé naïve café 文字",
          "don't stop <|endoftext|> here", "x" * 30 + " aaa" * 5, "Punctuation... (brackets) [CLS] #hash"]
@@ -88,7 +90,8 @@ def gpt2_oracle(text, vocab_file, merge_file, pattern=GPT2_PATTERN):
 
 def test_gpt2_bpe_matches_the_written_out_encoder(gpt2_files):
     vocab, merges = gpt2_files
-    tok = data.megatron_tokenizer(megatron_args(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges))
+    tok = tokenizer_files.megatron_tokenizer(megatron_args(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab,
+                                                           merge_file=merges))
     for text in TEXTS:
         assert tok.encode(text, add_special_tokens=False).ids == gpt2_oracle(text, vocab, merges), text
         assert tok.decode(gpt2_oracle(text, vocab, merges)) == text
@@ -97,7 +100,7 @@ def test_gpt2_bpe_matches_the_written_out_encoder(gpt2_files):
     assert any(gpt2_oracle(t, vocab, merges, pattern=detached) != gpt2_oracle(t, vocab, merges) for t in TEXTS)
     # roles: eod is the vocabulary's <|endoftext|>; the roles GPT-2 lacks come after its vocabulary
     V = len(json.loads(open(vocab).read()))
-    sp = data.special_ids(tok)
+    sp = tokenizer_files.special_ids(tok)
     assert sp["eod"] == json.loads(open(vocab).read())["<|endoftext|>"]
     assert sorted([sp["pad"], sp["cls"], sp["sep"], sp["mask"], *sp["sentinels"]]) == list(range(V, V + 104))
     # a document: its tokens (the text <|endoftext|> inside it as plain text, as Megatron encodes it), then eod
@@ -108,12 +111,12 @@ def test_gpt2_bpe_matches_the_written_out_encoder(gpt2_files):
 def test_gpt2_bpe_file_errors(gpt2_files, tmp_path):
     vocab, merges = gpt2_files
     with pytest.raises(DataError, match="--merge-file .*nope.txt.*no such file"):
-        data.byte_level_bpe(vocab, str(tmp_path / "nope.txt"))
+        tokenizer_files.byte_level_bpe(vocab, str(tmp_path / "nope.txt"))
     v = json.loads(open(vocab).read())
     del v["<|endoftext|>"]
     (tmp_path / "v.json").write_text(json.dumps(v))
     with pytest.raises(DataError, match="has no <|endoftext|>"):
-        data.byte_level_bpe(str(tmp_path / "v.json"), merges)
+        tokenizer_files.byte_level_bpe(str(tmp_path / "v.json"), merges)
 
 
 # ---------------------------------------------------------------------------------------------- BertWordPiece*
@@ -141,7 +144,7 @@ def wordpiece_oracle(text, vocab_file, lower_case, max_chars=200):
 
 @pytest.mark.parametrize("kind, lower", [("BertWordPieceLowerCase", True), ("BertWordPieceCase", False)])
 def test_wordpiece_matches_bert_tokenization(vocab_txt, kind, lower):
-    tok = data.megatron_tokenizer(megatron_args(tokenizer_type=kind, vocab_file=vocab_txt))
+    tok = tokenizer_files.megatron_tokenizer(megatron_args(tokenizer_type=kind, vocab_file=vocab_txt))
     long_word = "x" * 150  # Megatron cuts words of up to 200 characters; transformers' default gives up at 100
     for text in TEXTS + [long_word, "Café\u0000 control\u200b chars"]:
         assert tok.encode(text, add_special_tokens=False).ids == wordpiece_oracle(text, vocab_txt, lower), text
@@ -151,19 +154,19 @@ def test_wordpiece_matches_bert_tokenization(vocab_txt, kind, lower):
     # Megatron's additions, in its order: [BOS], [EOS], then (--vocab-extra-ids 0 here) our 100 sentinels
     V = sum(1 for _ in open(vocab_txt, encoding="utf-8"))
     vocab = {t.rstrip("\n"): i for i, t in enumerate(open(vocab_txt, encoding="utf-8"))}
-    sp = data.special_ids(tok)
+    sp = tokenizer_files.special_ids(tok)
     assert [tok.token_to_id("[BOS]"), sp["eod"]] == [V, V + 1] and tok.id_to_token(sp["eod"]) == "[EOS]"
     assert sp["sentinels"] == list(range(V + 2, V + 102)) and tok.get_vocab_size() == V + 102
     assert [sp[r] for r in ("pad", "cls", "sep", "mask")] == [vocab[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]")]
 
 
 def test_wordpiece_extra_ids_and_missing_specials(vocab_txt, tmp_path):
-    tok = data.wordpiece_tokenizer(vocab_txt, True, extra_ids=3)  # --vocab-extra-ids 3: Megatron's sentinels
+    tok = tokenizer_files.wordpiece_tokenizer(vocab_txt, True, extra_ids=3)  # --vocab-extra-ids 3: Megatron's sentinels
     V = sum(1 for _ in open(vocab_txt, encoding="utf-8"))
     assert [tok.token_to_id(t) for t in ("[BOS]", "[EOS]", "<extra_id_0>", "<extra_id_2>")] == [V, V + 1, V + 2, V + 4]
     (tmp_path / "v.txt").write_text("[PAD]\n[UNK]\n[SEP]\na\n")
     with pytest.raises(DataError, match=r"lacks \[CLS\], \[MASK\]"):
-        data.wordpiece_tokenizer(str(tmp_path / "v.txt"), True)
+        tokenizer_files.wordpiece_tokenizer(str(tmp_path / "v.txt"), True)
 
 
 # ---------------------------------------------------------------------------------------------- HuggingFaceTokenizer
@@ -190,9 +193,9 @@ def hf_folder(path, post_processor=True, config=None):
 def test_hf_folder_matches_autotokenizer(tmp_path):
     transformers = pytest.importorskip("transformers")
     folder = hf_folder(tmp_path / "hf")
-    tok = data.megatron_tokenizer(megatron_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder)))
+    tok = tokenizer_files.megatron_tokenizer(megatron_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder)))
     ref = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    sp = data.special_ids(tok)
+    sp = tokenizer_files.special_ids(tok)
     assert (sp["eod"], sp["pad"]) == (ref.eos_token_id, ref.pad_token_id) == (1, 2)
     docs = data.tokenize_documents(tok, TEXTS)
     for text, doc in zip(TEXTS, docs):  # Megatron's document: tokenize(text) = the tokenizer's input_ids, then eod
@@ -205,23 +208,23 @@ def test_hf_folder_matches_autotokenizer(tmp_path):
 
 def test_hf_folder_refusals(tmp_path):
     with pytest.raises(DataError, match="'meta-llama/Llama-3.1-8B' is not a local folder .*nothing is downloaded"):
-        data.folder_tokenizer("meta-llama/Llama-3.1-8B")
+        tokenizer_files.folder_tokenizer("meta-llama/Llama-3.1-8B")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no tokenizer.json there"):
-        data.folder_tokenizer(str(tmp_path / "empty"))
+        tokenizer_files.folder_tokenizer(str(tmp_path / "empty"))
     folder = hf_folder(tmp_path / "noeos", config={"bos_token": "<s>"})
     with pytest.raises(DataError, match="names no eos_token"):
-        data.folder_tokenizer(str(folder))
+        tokenizer_files.folder_tokenizer(str(folder))
 
 
 # ---------------------------------------------------------------------------------------------- NullTokenizer
 def test_null_tokenizer_matches_megatron():
     null = pytest.importorskip("megatron.core.tokenizers.text.libraries.null_tokenizer")
-    ref, tok = null.NullTokenizer(50), data.megatron_tokenizer(megatron_args(tokenizer_type="NullTokenizer",
+    ref, tok = null.NullTokenizer(50), tokenizer_files.megatron_tokenizer(megatron_args(tokenizer_type="NullTokenizer",
                                                                               vocab_size=50))
     for text in ["3 1 4 1 5 9 2 6", "0", "49 48 0\n"]:
         assert tok.encode(text, add_special_tokens=False).ids == ref.text_to_ids(text)
-    sp = data.special_ids(tok)
+    sp = tokenizer_files.special_ids(tok)
     assert sp["eod"] == ref.eod == 50 and tok.get_vocab_size() == ref.vocab_size + 104  # + the roles it lacks
     assert tok.decode([3, 1, 4]) == ref.ids_to_text([3, 1, 4])
     # negative control: text that is no token id fails, naming the document
@@ -257,12 +260,12 @@ def spm_models(tmp_path_factory):
 def test_sentencepiece_matches_sentencepiece(spm_models, kind, model):
     """Token ids (==) and decoded text equal sentencepiece's own encoder's (Megatron's types call it); Llama2Tokenizer
     puts bos first (Megatron's tokenize(bos=True)); eod is the eos piece. A unigram model is checked on text that
-    spells no control or byte piece ("</s>": one token here, several in SentencePiece; data.sentencepiece_tokenizer),
+    spells no control or byte piece ("</s>": one token here, several in SentencePiece; tokenizer_files.sentencepiece_tokenizer),
     and where two segmentations score exactly the same (a run of "x"), the tie may break the other way: then the
     pieces are the same multiset with the same total score."""
     spm = pytest.importorskip("sentencepiece")
     ref = spm.SentencePieceProcessor(model_file=spm_models[model])
-    tok = data.megatron_tokenizer(megatron_args(tokenizer_type=kind, tokenizer_model=spm_models[model]))
+    tok = tokenizer_files.megatron_tokenizer(megatron_args(tokenizer_type=kind, tokenizer_model=spm_models[model]))
     bos = [ref.bos_id()] if kind == "Llama2Tokenizer" else []
     for text in SPM_TEXTS if model == "llama" else [t for t in SPM_TEXTS if "<" not in t]:
         got, want = data.tokenize_documents(tok, [text])[0].tolist()[:-1], bos + ref.encode(text)  # [-1]: eod
@@ -271,7 +274,7 @@ def test_sentencepiece_matches_sentencepiece(spm_models, kind, model):
         else:
             assert got == want, text
         assert tok.decode(ref.encode(text)) == ref.decode(ref.encode(text)), text
-    assert data.special_ids(tok)["eod"] == ref.eos_id() == tok.token_to_id("</s>")
+    assert tokenizer_files.special_ids(tok)["eod"] == ref.eos_id() == tok.token_to_id("</s>")
     assert data.tokenize_documents(tok, ["x"])[0].tolist()[-1] == ref.eos_id()
 
 
@@ -280,29 +283,29 @@ def test_sentencepiece_negative_controls(spm_models, tmp_path):
     Llama's model keeps whole), and a damaged file is refused in one line."""
     spm = pytest.importorskip("sentencepiece")
     ref = spm.SentencePieceProcessor(model_file=spm_models["llama"])
-    tok = data.sentencepiece_tokenizer(spm_models["llama"], "GPTSentencePieceTokenizer")
+    tok = tokenizer_files.sentencepiece_tokenizer(spm_models["llama"], "GPTSentencePieceTokenizer")
     assert all(tok.encode(t).ids == ref.encode(t) for t in SPM_TEXTS)
     from tokenizers import pre_tokenizers
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never", split=True)
     assert "    four spaces then code()" in [t for t in SPM_TEXTS if tok.encode(t).ids != ref.encode(t)]
     (tmp_path / "bad.model").write_bytes(b"\x00not a model")
     with pytest.raises(DataError, match="bad.model is not a SentencePiece model"):
-        data.sentencepiece_tokenizer(str(tmp_path / "bad.model"), "Llama2Tokenizer")
+        tokenizer_files.sentencepiece_tokenizer(str(tmp_path / "bad.model"), "Llama2Tokenizer")
 
 
 # ---------------------------------------------------------------------------------------------- roles, saved runs
 def test_roles_are_saved_beside_tokenizer_json(vocab_txt, tmp_path):
-    tok = data.megatron_tokenizer(megatron_args(tokenizer_type="BertWordPieceCase", vocab_file=vocab_txt))
-    data.save_tokenizer(tok, tmp_path / "tokenizer.json")
+    tok = tokenizer_files.megatron_tokenizer(megatron_args(tokenizer_type="BertWordPieceCase", vocab_file=vocab_txt))
+    tokenizer_files.save_tokenizer(tok, tmp_path / "tokenizer.json")
     assert json.loads((tmp_path / "tokenizer.roles.json").read_text())["cls"] == "[CLS]"
-    again = data.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "tokenizer.json"))
-    assert data.special_ids(again) == data.special_ids(tok) and again.get_vocab() == tok.get_vocab()
+    again = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert tokenizer_files.special_ids(again) == tokenizer_files.special_ids(tok) and again.get_vocab() == tok.get_vocab()
     # negative control: tokenizer.json alone (a user's --tokenizer-file) takes SPECIAL_TOKENS' spellings
     (tmp_path / "tokenizer.roles.json").unlink()
-    plain = data.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "tokenizer.json"))
-    assert data.special_ids(plain)["cls"] != data.special_ids(tok)["cls"] == tok.token_to_id("[CLS]")
-    ours = data.get_tokenizer(CORPUS, None, vocab_size=400)
-    data.save_tokenizer(ours, tmp_path / "tokenizer.json")
+    plain = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert tokenizer_files.special_ids(plain)["cls"] != tokenizer_files.special_ids(tok)["cls"] == tok.token_to_id("[CLS]")
+    ours = tokenizer_files.get_tokenizer(CORPUS, None, vocab_size=400)
+    tokenizer_files.save_tokenizer(ours, tmp_path / "tokenizer.json")
     assert not (tmp_path / "tokenizer.roles.json").exists()
 
 
@@ -392,7 +395,7 @@ def test_llama3_scripts_real_data_flags_train(tmp_path, capsys):
     and --vocab-size, which Megatron does not read for this type (a note says so; the vocabulary is the folder's)."""
     import train
     folder = hf_folder(tmp_path / "hf")
-    tok = data.megatron_tokenizer(megatron_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder)))
+    tok = tokenizer_files.megatron_tokenizer(megatron_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder)))
     prefix = str(tmp_path / "llama_text_document")
     data.write_indexed_dataset(prefix, data.tokenize_documents(tok, CORPUS * 3), tok.get_vocab_size())
     run = tmp_path / "run"

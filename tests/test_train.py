@@ -23,6 +23,7 @@ import harness
 import scheduler
 import tools
 import train
+from interop import tokenizer_files
 
 ROOT = Path(__file__).resolve().parent.parent
 SNIPPET = '''def add_{i}(a, b):
@@ -297,7 +298,7 @@ def _empty(tmp_path):
 
 
 def _big_tokenizer(tmp_path, corpus):
-    tok = data.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=512)
+    tok = tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=512)
     tok.save(str(tmp_path / "tok.json"))
     return ["--tokenizer-file", str(tmp_path / "tok.json"), "--vocab-size", "384"]
 

@@ -158,15 +158,15 @@ def test_llama_family_logits_match_float64(name):
 
 def test_llama_family_config_mapping():
     """What the converters read: the MoE layers, the routing, the shared-expert gate, qk norm, qkv bias, head dim."""
-    c = convert.qwen2_moe_from_hf(hf_family("qwen2-moe"), gpt.Config)[0]
+    c = gpt.HF_CONVERTERS["qwen2_moe"](hf_family("qwen2-moe"), gpt.Config)[0]
     assert (c.moe_layer_freq, c.moe_router_pre_softmax, c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate,
             c.add_qkv_bias, c.ffn_hidden_size, c.moe_ffn_hidden_size) == ([0, 1], True, 48, True, True, 96, 32)
-    c = convert.qwen3_moe_from_hf(hf_family("qwen3-moe"), gpt.Config)[0]
+    c = gpt.HF_CONVERTERS["qwen3_moe"](hf_family("qwen3-moe"), gpt.Config)[0]
     assert (c.moe_layer_freq, c.moe_router_pre_softmax, c.qk_layernorm, c.moe_shared_expert_intermediate_size,
             c.add_qkv_bias) == ([0, 1], False, True, None, False)
-    c = convert.mixtral_from_hf(hf_family("mixtral"), gpt.Config)[0]
+    c = gpt.HF_CONVERTERS["mixtral"](hf_family("mixtral"), gpt.Config)[0]
     assert (c.moe_layer_freq, c.moe_router_pre_softmax, c.num_experts, c.moe_router_topk) == (1, False, 4, 2)
-    c = convert.qwen3_from_hf(hf_family("qwen3"), gpt.Config)[0]
+    c = gpt.HF_CONVERTERS["qwen3"](hf_family("qwen3"), gpt.Config)[0]
     assert (c.kv_channels, c.qk_layernorm, c.add_qkv_bias, c.num_experts) == (16, True, False, None)
 
 

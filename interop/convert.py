@@ -611,10 +611,11 @@ _EXPORT_READ = {"num_layers", "hidden_size", "num_attention_heads", "num_query_g
 
 
 def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
-    """The inverse of gpt_from_hf: (config.json as a dict, {HF name: tensor}) of a GPT2LMHeadModel (learned positions,
-    LayerNorm, biases, tied embeddings), a LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, no biases) or, with MoE in every
-    layer, a MixtralForCausalLM (Hugging Face hub layout: block_sparse_moe.experts.{j}.w1/w2/w3). `full`: our full
-    state dict (one process). Anything else, or any setting those classes cannot express: ExportError naming it."""
+    """The inverse of gpt.py's GPT-2 and Llama imports: (config.json as a dict, {HF name: tensor}) of a GPT2LMHeadModel
+    (learned positions, LayerNorm, biases, tied embeddings), a LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, no biases)
+    or, with MoE in every layer, a MixtralForCausalLM (Hugging Face hub layout: block_sparse_moe.experts.{j}.w1/w2/w3).
+    `full`: our full state dict (one process). Anything else, or any setting those classes cannot express: ExportError
+    naming it."""
     for f in dataclasses.fields(c):  # a field this exporter does not know (a later feature) must be at its default
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.name not in _EXPORT_IGNORED | _EXPORT_READ and getattr(c, f.name) != default:

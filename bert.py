@@ -403,12 +403,7 @@ def hf_to_ours(src, Config, dtype=None) -> tuple:
 
 
 HF_CONVERTERS = {"bert": hf_to_ours}  # model_type -> converter (interop/hf.py)
-
-
-def from_hf(src, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` BertForPreTraining (BertForMaskedLM: no binary head)."""
-    config, full = hf_to_ours(src, Config, dtype)
-    return convert.load(Model(config, grid), full)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "bert")  # a BertForPreTraining (BertForMaskedLM) -> Model
 
 
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:

@@ -346,17 +346,7 @@ HF_CONVERTERS = {"gpt2": gpt2_to_ours, **{t: functools.partial(convert.llama_lay
 HF_LAYOUTS = {"mixtral": {"renames": [(r"\.block_sparse_moe\.", ".mlp.")], "experts": ("w1", "w3", "w2")},  # interop/hf.py
               **{t: {"experts": ("gate_proj", "up_proj", "down_proj")} for t in ("qwen2_moe", "qwen3_moe")},
               "deepseek_v3": deepseek.HF_LAYOUT}
-
-
-def from_hf(src, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` causal LM whose config.model_type is in HF_CONVERTERS (GPT-2,
-    Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 with MLA: deepseek.py) — the logits
-    match; a setting the converter cannot represent is refused by name (ValueError)."""
-    kind = src.config.model_type
-    if kind not in HF_CONVERTERS:
-        raise ValueError(f"gpt.from_hf: unsupported model_type {kind!r} (supported: {', '.join(HF_CONVERTERS)})")
-    config, full = HF_CONVERTERS[kind](src, Config, dtype)
-    return convert.load(Model(config, grid), full)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "gpt")  # a GPT-2, Llama-family or DeepSeek-V3 -> Model
 
 
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:

@@ -472,9 +472,4 @@ HF_LAYOUTS = {"llava": {"renames": [(r"^language_model\.lm_head\.", "lm_head."),
                                     (r"^language_model\.model\.", "model.language_model."),
                                     (r"^vision_tower\.", "model.vision_tower."),
                                     (r"^multi_modal_projector\.", "model.multi_modal_projector.")]}}
-
-
-def from_hf(src, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` LlavaForConditionalGeneration (CLIP vision tower, Llama)."""
-    config, full = hf_to_ours(src, Config, dtype)
-    return convert.load(Model(config, grid), full)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "llava")  # a LlavaForConditionalGeneration -> Model

@@ -530,9 +530,4 @@ def hf_to_ours(src, Config, dtype=None) -> tuple:
 
 
 HF_CONVERTERS = {"mamba2": hf_to_ours}  # model_type -> converter (interop/hf.py)
-
-
-def from_hf(src, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path)."""
-    config, full = hf_to_ours(src, Config, dtype)
-    return convert.load(Model(config, grid), full)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "mamba")  # a Mamba2ForCausalLM -> Model

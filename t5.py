@@ -497,9 +497,4 @@ def hf_to_ours(src, Config, dtype=None) -> tuple:
 
 
 HF_CONVERTERS = {"t5": hf_to_ours}  # model_type -> converter (interop/hf.py)
-
-
-def from_hf(src, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` T5ForConditionalGeneration (logits match)."""
-    config, full = hf_to_ours(src, Config, dtype)
-    return convert.load(Model(config, grid), full)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "t5")  # a T5ForConditionalGeneration -> Model

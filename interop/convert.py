@@ -273,6 +273,19 @@ def load(model, full: dict):
     return model
 
 
+def hf_loader(Model, Config, converters: dict, who: str):
+    """A model file's from_hf(src, grid=None, dtype=None): its Model with the weights of a `transformers` model whose
+    config.model_type is in `converters` (its HF_CONVERTERS) — the logits match; a setting the converter cannot
+    represent is refused by name (ValueError)."""
+    def from_hf(src, grid=None, dtype=None):
+        kind = src.config.model_type
+        if kind not in converters:
+            raise ValueError(f"{who}.from_hf: unsupported model_type {kind!r} (supported: {', '.join(converters)})")
+        config, full = converters[kind](src, Config, dtype)
+        return load(Model(config, grid), full)
+    return from_hf
+
+
 # ---------------------------------------------------------------------------------------------- Megatron-core
 def megatron_state(state_dict: dict, c, rename=None) -> dict:
     """A Megatron-core model's full (unsharded) state dict — `state_dict()` of a TP=1 model, or a distributed

@@ -12,7 +12,7 @@ Run:    make train MODEL=bert        (or: .venv/bin/python train.py --model bert
 
 Pre-LN or post-LN. Megatron-core's BERT is pre-LN with no embedding LayerNorm (the default here). Original BERT
 (Hugging Face) is post-LN with an embedding LayerNorm: that is the same stack with gpt.Config's
-apply_residual_connection_post_layernorm=True, its norms shifted by one layer (see convert.bert_from_hf).
+apply_residual_connection_post_layernorm=True, its norms shifted by one layer (hf_to_ours).
 
 Dimension glossary: gpt.py's (b batch, s sequence, h hidden, V vocabulary).
 """
@@ -368,13 +368,42 @@ def mlm_accuracy(model, batch) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
-HF_CONVERTERS = {"bert": convert.bert_from_hf}  # model_type -> converter (interop/hf.py)
+_H, _O = r"bert\.encoder\.layer\.(\d+)\.", r"decoder.layers.\1."
+HF_RENAMES = [  # BertForPreTraining (BertForMaskedLM: no binary head) -> ours; post-LN: layer i's input_layernorm is LN_emb
+    # (i = 0) or layer i-1's output LayerNorm (hf_to_ours moves the last one to decoder.final_layernorm)
+    (r"bert\.embeddings\.(word|position)_embeddings\.weight", r"embedding.\1_embeddings.weight"),
+    (r"bert\.embeddings\.token_type_embeddings\.weight", "embedding.tokentype_embeddings.weight"),
+    (r"bert\.embeddings\.LayerNorm\.(\w+)", r"decoder.layers.0.input_layernorm.\1"),
+    (_H + r"output\.LayerNorm\.(\w+)", lambda m: f"decoder.layers.{int(m[1]) + 1}.input_layernorm.{m[2]}"),
+    (_H + r"attention\.self\.(query|key|value)\.(\w+)", _O + r"self_attention.linear_qkv.\3:\2"),
+    (_H + r"attention\.output\.dense\.(\w+)", _O + r"self_attention.linear_proj.\2"),
+    (_H + r"attention\.output\.LayerNorm\.(\w+)", _O + r"pre_mlp_layernorm.\2"),
+    (_H + r"intermediate\.dense\.(\w+)", _O + r"mlp.linear_fc1.\2"), (_H + r"output\.dense\.(\w+)", _O + r"mlp.linear_fc2.\2"),
+    (r"cls\.predictions\.transform\.dense\.(\w+)", r"lm_head.dense.\1"),
+    (r"cls\.predictions\.transform\.LayerNorm\.(\w+)", r"lm_head.layer_norm.\1"),
+    (r"cls\.predictions\.bias", "output_layer.bias"), (r"cls\.predictions\.decoder\.bias", None),  # (the same bias)
+    (r"cls\.predictions\.decoder\.weight", "output_layer.weight"),
+    (r"bert\.pooler\.dense\.(\w+)", r"pooler.dense.\1"), (r"cls\.seq_relationship\.(\w+)", r"binary_head.\1")]
 
 
-def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` BertForPreTraining (BertForMaskedLM: no binary head)."""
-    config, full = convert.bert_from_hf(hf, Config, dtype)
-    return convert.load(Model(config, grid), full)
+def hf_to_ours(src, Config, dtype=None) -> tuple:
+    """(Config, full state dict) of a `transformers` BertForPreTraining or BertForMaskedLM (logits match)."""
+    hc = src.config
+    convert.refuse("bert.from_hf", convert.unlike(hc, dict(model_type="bert", position_embedding_type="absolute")))
+    full = convert.renamed(src.state_dict(), HF_RENAMES, "bert.from_hf")
+    L = hc.num_hidden_layers
+    full = {k.replace(f"decoder.layers.{L}.input_layernorm.", "decoder.final_layernorm."): v for k, v in full.items()}
+    c = convert.config_from(Config, src, dtype, dict(convert.HF_FIELDS, layernorm_epsilon="layer_norm_eps",
+                                                     num_tokentypes="type_vocab_size"),
+                            activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
+                            add_binary_head="binary_head.weight" in full, apply_residual_connection_post_layernorm=True,
+                            share_embeddings_and_output_weights=bool(getattr(hc, "tie_word_embeddings", True)))
+    qkv = lambda *t: convert.per_group(*t, groups=c.num_attention_heads)  # [q; k; v] -> per head [q_h; k_h; v_h]
+    return c, convert.vocab(c, convert.joined(full, ("query", "key", "value"), qkv))
+
+
+HF_CONVERTERS = {"bert": hf_to_ours}  # model_type -> converter (interop/hf.py)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "bert")  # a BertForPreTraining (BertForMaskedLM) -> Model
 
 
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:

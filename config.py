@@ -378,7 +378,7 @@ class ModelFile:
     sample: Callable | None = None
     sample_ids: Callable | None = None
     to_hf: Callable | None = None
-    # HF_CONVERTERS: {Hugging Face model_type: converter(hf, Config, dtype) -> (Config, full state dict)} — the
+    # HF_CONVERTERS: {Hugging Face model_type: converter(src, Config, dtype) -> (Config, full state dict)} — the
     # folders tools.py import-hf reads as this model (interop/hf.py)
     HF_CONVERTERS: dict = dataclasses.field(default_factory=dict)
     # HF_LAYOUTS: {model_type: {"renames": [(regex, replacement)], "experts": (gate, up, down), "copies": [(regex,

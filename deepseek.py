@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from einops import rearrange
 from torch import nn
 
 import parallel as P
+from interop import convert
 from transformer import Norm, TransformerLayer, apply_rope, yarn_mscale
 
 
@@ -62,7 +64,7 @@ class MLASelfAttention(nn.Module):
     (so only the dr position dims of q·k) carry the concentration m(f, mscale)/m(f, mscale_all_dim) (rope.yarn_mscale),
     and the softmax scale, all dn + dr dims, carries m(f, mscale_all_dim)² (MultiLatentAttention.softmax_scale), with
     m(f, x) = 0.1·x·ln f + 1. HF's DeepseekV3 does the same: its rope's attention_factor is the concentration and
-    yarn_apply_mscale multiplies its `scaling` by m(f, mscale_all_dim)² (convert.deepseek_from_hf refuses the one
+    yarn_apply_mscale multiplies its `scaling` by m(f, mscale_all_dim)² (hf_to_ours refuses the one
     HF setting where they part: mscale unset with mscale_all_dim set). DeepSeek-V3 (mscale = mscale_all_dim = 1):
     cos/sin unscaled, softmax × (0.1·ln 40 + 1)² = 1.87."""
 
@@ -205,3 +207,128 @@ class MTPBlock(nn.Module):
         out = {f"mtp_{k + 1}_loss": self.window[k].clone() for k in range(len(self.layers))}
         self.window.zero_()
         return out
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face (interop/convert.py)
+# The router features DeepSeek-V3 needs beyond gpt.Config's sigmoid top-k (parallel.py section 10): HF's value that
+# needs no field, and the Config field (Megatron's name) that represents any other value once the router has it.
+HF_ROUTING = {"n_group": (1, "moe_router_num_groups"), "topk_group": (1, "moe_router_group_topk"),
+              "routed_scaling_factor": (1.0, "moe_router_topk_scaling_factor")}
+# gpt.py's HF_LAYOUTS["deepseek_v3"] (interop/hf.py): experts stored one by one; the MTP layers' copies of the embedding
+# and output weights (our MTP shares them, as Megatron's does: the import checks they are equal)
+HF_LAYOUT = {"experts": ("gate_proj", "up_proj", "down_proj"),
+             "copies": [(r"model\.layers\.\d+\.embed_tokens\.weight", ["model.embed_tokens.weight"]),
+                        (r"model\.layers\.\d+\.shared_head\.head\.weight", ["lm_head.weight", "model.embed_tokens.weight"])]}
+_MLA = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
+        "self_attn.kv_a_layernorm": "self_attention.kv_layernorm", "self_attn.kv_b_proj": "self_attention.linear_kv_up_proj",
+        "self_attn.o_proj": "self_attention.linear_proj", "self_attn.q_a_proj": "self_attention.linear_q_down_proj",
+        "self_attn.q_a_layernorm": "self_attention.q_layernorm"}  # HF's layer -> ours, and three with RoPE rows:
+_MLA_ROPE = {"self_attn.kv_a_proj_with_mqa": ("self_attention.linear_kv_down_proj", False),  # (whose rows are heads')
+             "self_attn.q_proj": ("self_attention.linear_q_proj", True),
+             "self_attn.q_b_proj": ("self_attention.linear_q_up_proj", True)}
+
+
+def _hf_mtp(hc, sd, moe_last: bool, bad: dict) -> int | None:
+    """mtp_num_layers of a DeepSeek-V3 state: config.json's num_nextn_predict_layers D when the state holds their
+    tensors — depth k + 1 is stored after the decoder's L layers as model.layers.{L + k}: a whole decoder layer plus
+    enorm, hnorm, eh_proj [h, 2h] and shared_head.norm (our MTPLayer's final_layernorm); its embed_tokens and
+    shared_head.head are copies (HF_LAYOUT). None when the state holds none of them: transformers' DeepseekV3 neither
+    builds nor saves them. Refused into `bad`: some depths stored and not others, and an MTP layer whose MLP kind
+    (dense / MoE) is not the last decoder layer's, which is what Megatron builds it as."""
+    d, L = getattr(hc, "num_nextn_predict_layers", 0) or 0, hc.num_hidden_layers
+    stored = [f"model.layers.{L + k}.eh_proj.weight" in sd for k in range(d)]
+    if not any(stored):
+        return None
+    if not all(stored):
+        bad["num_nextn_predict_layers"] = f"{d} with model.layers.{L + stored.index(False)}.eh_proj.weight missing"
+    for k in range(d):
+        kind = lambda moe: "MoE" if moe else "dense"
+        if (f"model.layers.{L + k}.mlp.gate.weight" in sd) != moe_last:
+            bad[f"model.layers.{L + k}.mlp"] = (f"{kind(not moe_last)}, the last decoder layer's (which the MTP layer "
+                                                f"is built as) {kind(moe_last)}")
+    return d
+
+
+def _hf_layer(H: str, O: str, hc, expert_bias: bool) -> list:
+    """Rename rules of HF's decoder layer (prefix regex H, one group) -> our TransformerLayer (O): MLA, whose RoPE rows
+    rope_interleave=False re-orders (hf_to_ours), and Llama's MLP or MoE layout."""
+    dn, dr, n = hc.qk_nope_head_dim, hc.qk_rope_head_dim, hc.num_attention_heads
+    pairs = lambda w: rearrange(w, "... (two half) h -> ... (half two) h", two=2)  # halves -> interleaved pairs
+
+    def rope_rows(heads: bool):  # q [n·(dn+dr), h] or kv_a [rkv+dr, h] -> its RoPE rows in our interleaved order
+        if getattr(hc, "rope_interleave", True):
+            return lambda w: w
+        if not heads:
+            return lambda w: torch.cat([w[:-dr], pairs(w[-dr:])])
+        return lambda w: rearrange(torch.cat([(w := rearrange(w, "(n d) h -> n d h", n=n))[:, :dn], pairs(w[:, dn:])], 1),
+                                   "n d h -> (n d) h")
+    return [*[(H + re.escape(a) + r"\.weight", O + b + ".weight") for a, b in _MLA.items()],
+            *[(H + re.escape(a) + r"\.weight", O + b + ".weight", rope_rows(q)) for a, (b, q) in _MLA_ROPE.items()],
+            (H + r"mlp\.gate\.e_score_correction_bias", O + "mlp.router.expert_bias" if expert_bias else None),
+            *convert.mlp_renames(H, O)]
+
+
+def hf_to_ours(src, Config, dtype=None) -> tuple:
+    """(gpt.Config, full state dict) of a `transformers` DeepseekV3ForCausalLM: multi-latent attention (with or without
+    q-lora), dense layers, and MoE layers with shared experts, and the multi-token prediction layers that DeepSeek's
+    own checkpoints store after the decoder's (_hf_mtp; transformers' model has none).
+
+    RoPE: HF's rope_interleave=True rotates interleaved pairs by de-interleaving first, exactly Megatron's MLA RoPE
+    (apply_mla_rope): the weights map as they are. rope_interleave=False rotates halves; its RoPE rows are
+    re-ordered [x0..x_{d/2-1} | x_{d/2}..] -> (x0, x_{d/2}), (x1, x_{d/2+1}), ... so that our de-interleave restores
+    HF's layout (q and k alike: q·k unchanged). rope_type "yarn" maps as convert.rope_fields maps it (DeepSeek-V3
+    ships with it); its softmax mscale (HF's yarn_apply_mscale) is then MLASelfAttention's, Megatron's.
+    Refused, naming the value: rope types Megatron's MLA lacks (linear, llama3, ...), a yarn mscale_all_dim without
+    mscale (HF's rope then ignores mscale_all_dim but its softmax does not: no Megatron mscale pair gives both), attention
+    biases, num_key_value_heads != num_attention_heads, latent norms whose eps differs from rms_norm_eps (HF's
+    q_a/kv_a_layernorm use 1e-6), and routing the router cannot do yet (expert bias, groups, scaling factor)."""
+    hc, sd = src.config, src.state_dict()
+    fields = set(Config.__dataclass_fields__)
+    rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
+    kind = rp.get("rope_type") or rp.get("type") or "default"
+    bad = convert.unlike(hc, dict(attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6,
+                                  num_key_value_heads=hc.num_attention_heads))
+    if kind not in ("default", "yarn"):  # Megatron's MLA has rope_type rope | yarn only
+        bad["rope_type"] = kind
+    elif kind == "yarn" and rp.get("mscale_all_dim") and not rp.get("mscale"):
+        bad.update(rope_type=kind, mscale=rp.get("mscale"), mscale_all_dim=rp["mscale_all_dim"])
+    L, k_dense = hc.num_hidden_layers, min(hc.first_k_dense_replace, hc.num_hidden_layers)
+    moe = {}
+    if k_dense < L:
+        moe = dict(num_experts=hc.n_routed_experts, moe_layer_freq=[0] * k_dense + [1] * (L - k_dense),
+                   moe_ffn_hidden_size=hc.moe_intermediate_size, moe_router_topk=hc.num_experts_per_tok,
+                   moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.0,
+                   moe_shared_expert_intermediate_size=hc.moe_intermediate_size * hc.n_shared_experts or None)
+        for name, (plain, field) in HF_ROUTING.items():
+            if field in fields:
+                moe[field] = getattr(hc, name)
+            elif getattr(hc, name) != plain:
+                bad[name] = getattr(hc, name)
+        if hc.n_group > 1 and hc.num_experts_per_tok // hc.topk_group != 2:  # a group's score: HF sums its top-2
+            bad.update(topk_group=hc.topk_group, num_experts_per_tok=hc.num_experts_per_tok)  # experts, Megatron (ours)
+            # its top k // group_topk (parallel.topk_routing): the same only when that is 2, as in DeepSeek-V3 (8 / 4)
+        if hc.norm_topk_prob != (hc.num_experts_per_tok > 1):  # our sigmoid router renormalises iff k > 1
+            bad.update(norm_topk_prob=hc.norm_topk_prob, num_experts_per_tok=hc.num_experts_per_tok)
+        if "moe_router_enable_expert_bias" in fields:  # (the bias is then a buffer: no value is read here)
+            moe["moe_router_enable_expert_bias"] = True
+        elif any(bool(sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].any()) for i in range(k_dense, L)):
+            bad["e_score_correction_bias"] = "non-zero"
+    mtp = _hf_mtp(hc, sd, moe_last=k_dense < L, bad=bad)
+    if bad:
+        raise ValueError(f"gpt.from_hf: DeepseekV3 settings this model cannot represent: {bad}")
+    c = convert.config_from(Config, src, dtype, dict(
+        convert.HF_FIELDS, kv_channels="v_head_dim", layernorm_epsilon="rms_norm_eps", q_lora_rank="q_lora_rank",
+        kv_lora_rank="kv_lora_rank", qk_head_dim="qk_nope_head_dim", qk_pos_emb_head_dim="qk_rope_head_dim",
+        v_head_dim="v_head_dim", share_embeddings_and_output_weights=lambda hc: bool(hc.tie_word_embeddings)),
+        mtp_num_layers=mtp, **convert.rope_fields(hc), normalization="RMSNorm", activation="silu", gated_linear_unit=True,
+        add_bias_linear=False, multi_latent_attention=True, **moe)
+    bias = "moe_router_enable_expert_bias" in fields
+    mtp_of = lambda m: f"mtp.{int(m[1]) - L}." if int(m[1]) >= L else m[0]  # MTP depth k + 1: model.layers.{L + k}
+    renames = [*convert.LLAMA_TOP, *_hf_layer(r"model\.layers\.(\d+)\.", r"decoder.layers.\1.", hc, bias),
+               (r"mtp\.(\d+)\.(enorm|hnorm|eh_proj)\.weight", r"mtp.layers.\1.\2.weight"),
+               (r"mtp\.(\d+)\.shared_head\.norm\.weight", r"mtp.layers.\1.final_layernorm.weight"),
+               (r"mtp\.\d+\.(embed_tokens|shared_head\.head)\.weight", None),  # copies (HF_LAYOUT)
+               *_hf_layer(r"mtp\.(\d+)\.", r"mtp.layers.\1.transformer_layer.", hc, bias)]
+    full = convert.renamed({re.sub(r"^model\.layers\.(\d+)\.", mtp_of, k): v for k, v in sd.items()}, renames,
+                           "gpt.from_hf: deepseek_v3")
+    return c, convert.vocab(c, convert.llama_join(full, 1))

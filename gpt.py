@@ -17,6 +17,7 @@ Dimension glossary
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from einops import rearrange
@@ -301,27 +302,50 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
 to_hf = convert.gpt_to_hf  # tools.py export: a GPT-2, Llama or Mixtral directory (anything else refused by name)
 
 
-# model_type -> converter (hf, Config, dtype=None) -> (Config, full state dict): the Hugging Face decoders from_hf reads
-HF_CONVERTERS = {"gpt2": convert.gpt_from_hf, "llama": convert.gpt_from_hf, "mistral": convert.mistral_from_hf,
-                 "mixtral": convert.mixtral_from_hf, "qwen2": convert.qwen2_from_hf, "qwen3": convert.qwen3_from_hf,
-                 "qwen2_moe": convert.qwen2_moe_from_hf, "qwen3_moe": convert.qwen3_moe_from_hf,
-                 "deepseek_v3": convert.deepseek_from_hf}
+_H, _O = r"transformer\.h\.(\d+)\.", r"decoder.layers.\1."
+GPT2_RENAMES = [(r"transformer\.wte\.weight", "embedding.word_embeddings.weight"), (r"lm_head\.weight", "output_layer.weight"),
+                (r"transformer\.wpe\.weight", "embedding.position_embeddings.weight"),
+                (r"transformer\.ln_f\.(\w+)", r"decoder.final_layernorm.\1"),
+                (_H + r"ln_1\.(\w+)", _O + r"input_layernorm.\2"), (_H + r"ln_2\.(\w+)", _O + r"pre_mlp_layernorm.\2"),
+                *[(_H + rf"{a}\.(\w+)", _O + rf"{b}.\2", torch.t) for a, b in [  # Conv1D stores [in, out], we [out, in]
+                    ("attn.c_attn", "self_attention.linear_qkv"), ("attn.c_proj", "self_attention.linear_proj"),
+                    ("mlp.c_fc", "mlp.linear_fc1"), ("mlp.c_proj", "mlp.linear_fc2")]]]
+
+
+def gpt2_to_ours(src, Config, dtype=None) -> tuple:
+    """(Config, full state dict) of a `transformers` GPT2LMHeadModel (logits match)."""
+    c = convert.config_from(Config, src, dtype, dict(num_layers="n_layer", hidden_size="n_embd", num_attention_heads=
+                                                     "n_head", max_position_embeddings="n_positions", vocab_size=
+                                                     "vocab_size", layernorm_epsilon="layer_norm_epsilon",
+                                                     share_embeddings_and_output_weights=lambda hc: getattr(
+                                                         hc, "tie_word_embeddings", True)),
+                            ffn_hidden_size=src.config.n_inner or 4 * src.config.n_embd, activation="gelu_tanh")
+    full = convert.renamed(src.state_dict(), GPT2_RENAMES, "gpt.from_hf: gpt2")  # c_attn: [q; k; v] of all heads -> per head
+    return c, convert.vocab(c, {k: convert.per_group(*t.chunk(3), groups=c.num_attention_heads) if ".linear_qkv." in k
+                                else t for k, t in full.items()})
+
+
+def qwen_moe(hc, shared=None) -> dict:
+    """Qwen-MoE's MoE fields: layer i is MoE unless in mlp_only_layers, when num_experts > 0 and
+    (i + 1) % decoder_sparse_step == 0 (Megatron's moe_layer_freq counts from layer 0: a 0/1 list then)."""
+    return convert.hf_moe_fields(hc, hc.num_experts, hc.norm_topk_prob, [
+        i not in (hc.mlp_only_layers or []) and hc.num_experts > 0 and (i + 1) % hc.decoder_sparse_step == 0
+        for i in range(hc.num_hidden_layers)], shared)
+
+
+# model_type -> (a sliding window on every layer, or on layer_types' sliding ones; the MoE fields of its config): what a
+# Llama-layout family adds (Qwen2's q/k/v biases and Qwen3's q/k norms are read from its tensors: convert.llama_layout)
+LLAMA_FAMILY = {"llama": (True, None), "mistral": (True, None),
+                "mixtral": (True, lambda hc: convert.hf_moe_fields(hc, hc.num_local_experts, True, [1] * hc.num_hidden_layers)),
+                "qwen2": (False, None), "qwen3": (False, None),
+                "qwen2_moe": (False, lambda hc: qwen_moe(hc, hc.shared_expert_intermediate_size)), "qwen3_moe": (True, qwen_moe)}
+# model_type -> converter (src, Config, dtype=None) -> (Config, full state dict): the Hugging Face decoders from_hf reads
+HF_CONVERTERS = {"gpt2": gpt2_to_ours, **{t: functools.partial(convert.llama_layout, every_layer=every, moe=moe)
+                                          for t, (every, moe) in LLAMA_FAMILY.items()}, "deepseek_v3": deepseek.hf_to_ours}
 HF_LAYOUTS = {"mixtral": {"renames": [(r"\.block_sparse_moe\.", ".mlp.")], "experts": ("w1", "w3", "w2")},  # interop/hf.py
-              **{t: {"experts": ("gate_proj", "up_proj", "down_proj")} for t in ("qwen2_moe", "qwen3_moe", "deepseek_v3")}}
-HF_LAYOUTS["deepseek_v3"]["copies"] = [(r"model\.layers\.\d+\.embed_tokens\.weight", ["model.embed_tokens.weight"]),
-                                       (r"model\.layers\.\d+\.shared_head\.head\.weight",  # MTP's (interop/convert.py)
-                                        ["lm_head.weight", "model.embed_tokens.weight"])]
-
-
-def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` causal LM whose config.model_type is in HF_CONVERTERS (GPT-2,
-    Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 with MLA: deepseek.py) — the logits
-    match; a setting the converter cannot represent is refused by name (ValueError)."""
-    kind = hf.config.model_type
-    if kind not in HF_CONVERTERS:
-        raise ValueError(f"gpt.from_hf: unsupported model_type {kind!r} (supported: {', '.join(HF_CONVERTERS)})")
-    config, full = HF_CONVERTERS[kind](hf, Config, dtype)
-    return convert.load(Model(config, grid), full)
+              **{t: {"experts": ("gate_proj", "up_proj", "down_proj")} for t in ("qwen2_moe", "qwen3_moe")},
+              "deepseek_v3": deepseek.HF_LAYOUT}
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "gpt")  # a GPT-2, Llama-family or DeepSeek-V3 -> Model
 
 
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:

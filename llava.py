@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import re
+import types
 import zlib
 from dataclasses import dataclass
 from typing import ClassVar
@@ -413,14 +415,61 @@ def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: flo
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
-HF_CONVERTERS = {"llava": convert.llava_from_hf}  # model_type -> converter (interop/hf.py)
+_V, _O = r"model\.vision_tower\.", "vision_model."
+_VL = _V + r"encoder\.layers\.(\d+)\."  # a CLIP layer (ours: vision_model.decoder.layers.i, a transformer.py layer)
+HF_RENAMES = [  # LlavaForConditionalGeneration's vision tower and projector -> ours (its Llama: gpt.py's)
+    (_V + r"embeddings\.patch_embedding\.weight", _O + "conv1"),
+    (_V + r"embeddings\.class_embedding", _O + "class_token", lambda t: t.reshape(1, 1, -1)),
+    (_V + r"embeddings\.position_embedding\.weight", _O + "position_embeddings.weight"),
+    (_V + r"pre_layrnorm\.(\w+)", _O + r"ln_pre.\1"), (_V + r"post_layernorm\.\w+", None),  # (unused: see hf_to_ours)
+    (_VL + r"self_attn\.([qkv])_proj\.(\w+)", _O + r"decoder.layers.\1.self_attention.linear_qkv.\3:\2"),
+    *[(_VL + a + r"\.(\w+)", _O + rf"decoder.layers.\1.{b}.\2") for a, b in [
+        (r"self_attn\.out_proj", "self_attention.linear_proj"), ("layer_norm1", "input_layernorm"),
+        ("layer_norm2", "pre_mlp_layernorm"), (r"mlp\.fc1", "mlp.linear_fc1"), (r"mlp\.fc2", "mlp.linear_fc2")]],
+    (r"model\.multi_modal_projector\.linear_([12])\.(\w+)", r"vision_projection.encoder.linear_fc\1.\2")]
+
+
+def hf_to_ours(src, Config, dtype=None) -> tuple:
+    """(Config, full state dict) of a `transformers` LlavaForConditionalGeneration: a CLIP vision tower, the 2-layer
+    projector, a Llama (gpt.py's converter). Hugging Face takes the image features from
+    hidden_states[vision_feature_layer] (index 0 = the embeddings after pre_layrnorm), so our ViT keeps exactly the
+    layers before it (Megatron's conversion does the same) and CLIP's post_layernorm, unused, is left out;
+    vision_feature_select_strategy "default" drops the class token, "full" keeps it."""
+    hc, sd = src.config, src.state_dict()
+    vc, layer, strategy = hc.vision_config, hc.vision_feature_layer, hc.vision_feature_select_strategy
+    refuse = [why for bad, why in [
+        (vc.model_type != "clip_vision_model", f"vision model_type {vc.model_type!r} (clip_vision_model is)"),
+        (not isinstance(layer, int), f"vision_feature_layer={layer} (one layer is supported, not a list)"),
+        (strategy not in ("default", "full"), f"vision_feature_select_strategy={strategy!r}"),
+        (hc.projector_hidden_act != "gelu", f"projector_hidden_act={hc.projector_hidden_act!r} (gelu is)"),
+        (not getattr(hc, "multimodal_projector_bias", True), "a projector without biases"),
+        (vc.hidden_act not in ("quick_gelu", "gelu"), f"vision hidden_act={vc.hidden_act!r}"),
+        (vc.num_channels != 3, f"num_channels={vc.num_channels}")] if bad]
+    if refuse:
+        raise ValueError(f"llava.from_hf: unsupported {refuse[0]}")
+    L = vc.num_hidden_layers
+    used = layer if layer >= 0 else L + 1 + layer  # hidden_states has L + 1 entries
+    if not 1 <= used <= L:
+        raise ValueError(f"llava.from_hf: vision_feature_layer={layer} selects {used} of {L} layers (1..{L} are supported)")
+    vis = ("model.vision_tower.", "model.multi_modal_projector.")
+    text = {k.replace("model.language_model.", "model.", 1): v for k, v in sd.items() if not k.startswith(vis)}
+    c, full = gpt.HF_CONVERTERS["llama"](types.SimpleNamespace(config=hc.text_config, parameters=src.parameters,
+                                                               state_dict=lambda: text),
+                                         lambda **kw: Config(**kw, image_token_index=hc.image_token_id), dtype)
+    c = dataclasses.replace(c, img_h=vc.image_size, img_w=vc.image_size,
+                            patch_dim=vc.patch_size, vision_num_layers=used, vision_hidden_size=vc.hidden_size,
+                            vision_num_attention_heads=vc.num_attention_heads, vision_ffn_hidden_size=vc.intermediate_size,
+                            vision_activation=vc.hidden_act, vision_layernorm_epsilon=vc.layer_norm_eps,
+                            drop_vision_class_token=strategy == "default")
+    unused = lambda k: (m := re.match(_VL, k)) is not None and int(m[1]) >= used  # the layers past the selected one
+    vision = {k: v for k, v in sd.items() if k.startswith(vis) and not unused(k)}
+    per_head = lambda *t: convert.per_group(*t, groups=vc.num_attention_heads)
+    return c, {**full, **convert.joined(convert.renamed(vision, HF_RENAMES, "llava.from_hf"), ("q", "k", "v"), per_head)}
+
+
+HF_CONVERTERS = {"llava": hf_to_ours}  # model_type -> converter (interop/hf.py)
 HF_LAYOUTS = {"llava": {"renames": [(r"^language_model\.lm_head\.", "lm_head."),  # stored -> live names (interop/hf.py)
                                     (r"^language_model\.model\.", "model.language_model."),
                                     (r"^vision_tower\.", "model.vision_tower."),
                                     (r"^multi_modal_projector\.", "model.multi_modal_projector.")]}}
-
-
-def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` LlavaForConditionalGeneration (CLIP vision tower, Llama)."""
-    config, full = convert.llava_from_hf(hf, Config, dtype)
-    return convert.load(Model(config, grid), full)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "llava")  # a LlavaForConditionalGeneration -> Model

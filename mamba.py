@@ -512,10 +512,22 @@ def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperatu
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
-HF_CONVERTERS = {"mamba2": convert.mamba_from_hf}  # model_type -> converter (interop/hf.py)
+def hf_to_ours(src, Config, dtype=None) -> tuple:
+    """(Config, full state dict) of a `transformers` Mamba2ForCausalLM (logits match its torch path). HF's names and
+    layouts are Megatron's ([z, x, B, C, dt] in_proj, [x, B, C] conv): a rename. Megatron's mixer has no in/out_proj
+    bias, a conv bias, SiLU and no dt limit: anything else is refused by name."""
+    convert.refuse("mamba.from_hf", convert.unlike(src.config, dict(model_type="mamba2", use_bias=False, use_conv_bias=True,
+                                                                    hidden_act="silu", time_step_limit=(0, math.inf))))
+    c = convert.config_from(Config, src, dtype, dict(
+        num_layers="num_hidden_layers", hidden_size="hidden_size", vocab_size="vocab_size", mamba_state_dim="state_size",
+        mamba_head_dim="head_dim", mamba_num_groups="n_groups", mamba_num_heads="num_heads",
+        mamba_chunk_size="chunk_size", mamba_conv_kernel="conv_kernel", layernorm_epsilon="layer_norm_epsilon",
+        share_embeddings_and_output_weights="tie_word_embeddings"), num_attention_heads=1)
+    return c, convert.vocab(c, convert.renamed(src.state_dict(), [
+        (r"backbone\.embeddings\.weight", "embedding.word_embeddings.weight"), (r"lm_head\.weight", "output_layer.weight"),
+        (r"backbone\.norm_f\.weight", "decoder.final_norm.weight"), (r"backbone\.layers\.(.*)", r"decoder.layers.\1")],
+        "mamba.from_hf"))
 
 
-def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` Mamba2ForCausalLM (logits match its torch path)."""
-    config, full = convert.mamba_from_hf(hf, Config, dtype)
-    return convert.load(Model(config, grid), full)
+HF_CONVERTERS = {"mamba2": hf_to_ours}  # model_type -> converter (interop/hf.py)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "mamba")  # a Mamba2ForCausalLM -> Model

@@ -453,10 +453,48 @@ def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
     return convert.load(Model(config, grid), full)
 
 
-HF_CONVERTERS = {"t5": convert.t5_from_hf}  # model_type -> converter (interop/hf.py)
+_S, _O = r"(encoder|decoder)\.block\.(\d+)\.layer\.", r"\1.layers.\2."
+HF_RENAMES = [  # T5ForConditionalGeneration -> ours; a block's layer 0 is self-attention, 1 the decoder's cross-attention
+    (r"shared\.weight", "embedding.word_embeddings.weight"), (r"(en|de)coder\.embed_tokens\.weight", None),  # (shared)
+    (r"lm_head\.weight", "lm_head.output_layer.weight"),
+    (r"(encoder|decoder)\.final_layer_norm\.weight", r"\1.final_layernorm.weight"),
+    (_S + r"0\.SelfAttention\.relative_attention_bias\.weight", r"\1_relative_pos_emb.relative_attention_bias.weight"),
+    (_S + r"0\.SelfAttention\.([qkv])\.weight", _O + r"self_attention.linear_qkv.weight:\3"),
+    (_S + r"0\.SelfAttention\.o\.weight", _O + "self_attention.linear_proj.weight"),
+    (_S + r"0\.layer_norm\.weight", _O + "input_layernorm.weight"),
+    (_S + r"1\.EncDecAttention\.q\.weight", _O + "cross_attention.linear_q.weight"),
+    (_S + r"1\.EncDecAttention\.([kv])\.weight", _O + r"cross_attention.linear_kv.weight:\3"),
+    (_S + r"1\.EncDecAttention\.o\.weight", _O + "cross_attention.linear_proj.weight"),
+    (r"decoder\.block\.(\d+)\.layer\.1\.layer_norm\.weight", r"decoder.layers.\1.pre_cross_attn_layernorm.weight"),
+    (_S + r"\d\.layer_norm\.weight", _O + "pre_mlp_layernorm.weight"),
+    (_S + r"\d\.DenseReluDense\.wi\.weight", _O + "mlp.linear_fc1.weight"),
+    (_S + r"\d\.DenseReluDense\.wi_([01])\.weight", _O + r"mlp.linear_fc1.weight:\3"),  # gated: [wi_0; wi_1]
+    (_S + r"\d\.DenseReluDense\.wo\.weight", _O + "mlp.linear_fc2.weight")]
 
 
-def from_hf(hf, grid=None, dtype=None) -> Model:
-    """A Model with the weights of a `transformers` T5ForConditionalGeneration (logits match)."""
-    config, full = convert.t5_from_hf(hf, Config, dtype)
-    return convert.load(Model(config, grid), full)
+def hf_to_ours(src, Config, dtype=None) -> tuple:
+    """(Config, full state dict) of a `transformers` T5ForConditionalGeneration (logits match)."""
+    hc, sd = src.config, src.state_dict()
+    # tied: no lm_head of its own (a folder stores a tied one once), or a live model's lm_head is the embedding
+    tied = "lm_head.weight" not in sd or (not sd["lm_head.weight"].is_meta
+                                         and sd["lm_head.weight"].data_ptr() == sd["shared.weight"].data_ptr())
+    act = {"relu": "relu", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}.get(hc.dense_act_fn)
+    if act is None:
+        raise ValueError(f"t5.from_hf: unsupported T5 feed_forward_proj {hc.feed_forward_proj!r}")
+    c = convert.config_from(Config, src, dtype, dict(
+        num_layers="num_layers", encoder_num_layers="num_layers", decoder_num_layers="num_decoder_layers",
+        hidden_size="d_model", num_attention_heads="num_heads", kv_channels="d_kv", ffn_hidden_size="d_ff",
+        vocab_size="vocab_size", relative_attention_num_buckets="relative_attention_num_buckets",
+        relative_attention_max_distance="relative_attention_max_distance", layernorm_epsilon="layer_norm_epsilon"),
+        position_embedding_type="relative", normalization="RMSNorm", softmax_scale=1.0, activation=act,
+        gated_linear_unit=getattr(hc, "is_gated_act", hc.feed_forward_proj.startswith("gated")), add_bias_linear=False,
+        share_embeddings_and_output_weights=tied, lm_head_bias=False,
+        scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)))
+    per_head = lambda *t: convert.per_group(*t, groups=c.num_attention_heads)  # [q; k; v] -> per head [q_h; k_h; v_h]
+    full = convert.joined(convert.renamed(sd, HF_RENAMES, "t5.from_hf"), ("q", "k", "v"), per_head)
+    return c, convert.vocab(c, convert.joined(convert.joined(full, ("k", "v"), per_head), ("0", "1"),
+                                              lambda *t: torch.cat(t)))
+
+
+HF_CONVERTERS = {"t5": hf_to_ours}  # model_type -> converter (interop/hf.py)
+from_hf = convert.hf_loader(Model, Config, HF_CONVERTERS, "t5")  # a T5ForConditionalGeneration -> Model

@@ -265,7 +265,7 @@ class TransformerLayer(nn.Module):
     apply_residual_connection_post_layernorm (legacy Megatron's flag): the residual branch starts from norm(x), not x.
     With it, a stack of these layers plus the final norm is exactly the post-LN transformer of original BERT with its
     norms shifted by one (layer i's input_layernorm = BERT's embedding LayerNorm for i = 0, else layer i−1's output
-    LayerNorm) — see convert.bert_from_hf."""
+    LayerNorm) — see bert.hf_to_ours."""
 
     def __init__(self, c, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None, attention=None):
         super().__init__()

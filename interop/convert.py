@@ -1,44 +1,35 @@
-"""interop/convert.py — checkpoint converters, a data layer below the model files: Hugging Face `transformers` models and
-Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
+"""interop/convert.py — the shared machinery of checkpoint conversion, a data layer below the model files: Hugging Face
+`transformers` models and Megatron-core state dicts -> (our Config, our full state dict {global parameter name: tensor}).
 
-It imports no model file (only parallel.py, transformer.py for YaRN's mscale, tokenizer_files.py for special tokens), and returns
-plain data: a Hugging Face converter takes the HF model and the model file's Config class (for derived values such as
-padded_vocab_size and num_query_groups) and returns (Config, full state dict); `megatron_state` takes the state dict
-and our config. Each model file's `from_hf` / `from_megatron` builds its Model and hands it the full state dict with
-`load`. So the imports run one way, parallel, rope, tokenizer_files <- convert <- gpt <- bert / t5 / retro / mamba, and every
-external layout sits here side by side.
-  Hugging Face   GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (gpt.py's
-                 HF_CONVERTERS, by model_type), BERT (bert.py), T5 (t5.py), Mamba-2 (mamba.py): our external oracles —
-                 tests/test_hf.py, test_mla_mtp.py, test_bert.py, test_t5.py, test_mamba.py check that the logits match.
+Each model file owns its mappings: its HF_CONVERTERS declare, per Hugging Face model_type, the Config fields it reads
+and a rename table from HF's tensor names to ours, plus only the transforms its layout needs; its from_megatron, the
+renames Megatron-core's names need. What they share is here: applying a rename table (a tensor no rule maps is refused
+by name), the Config fields every import sets, joining q/k/v and gate/up, vocabulary padding, refusals by name,
+Llama's layout (which Mistral, Qwen, Mixtral, LLaVA's language model and DeepSeek-V3's MLPs share) and its RoPE and
+MoE fields, Megatron-core's state dicts and distributed checkpoints, and the export of GPT models to Hugging Face.
+It imports no model file (parallel.py, transformer.py for YaRN's mscale, interop/tokenizer_files.py for the chat
+stop tokens, interop/hf.py for ExportError): parallel, transformer, tokenizer_files, hf <- convert <- deepseek, gpt <-
+bert / t5 / mamba / llava / retro. A converter is converter(src, Config, dtype=None) -> (Config, full state dict), `src` a `transformers`
+model or interop/hf.py's view of a folder; each model file's from_hf / from_megatron hands the dict to `load`.
+  Hugging Face   GPT-2 and the Llama family (gpt.py), DeepSeek-V3 (deepseek.py), BERT (bert.py), T5 (t5.py), Mamba-2
+                 (mamba.py), LLaVA (llava.py): our external oracles — tests/test_hf.py, test_mla_mtp.py, test_bert.py,
+                 test_t5.py, test_mamba.py, test_llava.py check that the logits match.
   Megatron-core  GPTModel (dense and MoE), BertModel, T5Model, RetroModel: a rename, since our names and layouts are
                  Megatron's — tests/test_megatron_parity*.py check logits, loss and every gradient in float64.
                  Its distributed checkpoints (dist_checkpointing, torch_dist) are read by megatron_dist_state without
                  Megatron-core (layers and experts un-stacked, SwiGLU halves joined: the dict megatron_state takes)
                  and written by to_megatron_dist, which Megatron-core's dist_checkpointing.load takes
                  (`tools.py import-megatron` / `export-megatron`; tests/test_megatron_dist.py: the logits in float64).
-  Export         gpt_to_hf, the inverse of gpt_from_hf: GPT-2, Llama, Mixtral directories (`tools.py export`) —
-                 tests/test_export.py loads them with transformers and compares the logits; save_hf writes them with
-                 the tokenizer, its special tokens and chat template, ready to serve (tests/test_serve_export.py).
+  Export         gpt_to_hf, the inverse of gpt.py's GPT-2 and Llama imports: GPT-2, Llama, Mixtral directories
+                 (`tools.py export`) — tests/test_export.py loads them with transformers and compares the logits;
+                 save_hf writes them with the tokenizer, its special tokens and chat template (tests/test_serve_export.py).
 Mirrors the name maps of Megatron-LM's tools/checkpoint/ loaders and of transformers' Megatron conversion scripts.
-
-Layouts met on the way in
-  fused QKV    HF: [q; k; v] of all heads (GPT-2's c_attn, BERT's three Linears, T5's q/k/v, Llama's q/k/v_proj)
-               -> Megatron's per query group [q heads of g; k_g; v_g] (per head [q_h; k_h; v_h] without GQA)
-  GPT-2        Conv1D stores [in, out]; nn.Linear (and ours) [out, in]
-  SwiGLU       HF gate_proj / up_proj (T5: wi_0 / wi_1) -> linear_fc1 = [gate; up]; MoE experts' gate_up_proj [E, 2f, h]
-               is [gate; up] per expert already
-  routing      HF's softmax over all experts then top-k = moe_router_pre_softmax; renormalised (Mixtral, norm_topk_prob)
-               = softmax over the top-k logits (_hf_moe_fields)
-  BERT         post-LN = our stack with apply_residual_connection_post_layernorm, its norms shifted by one layer
-  vocabulary   rows zero-padded (or cut) to our padded_vocab_size, which does not depend on TP; pad rows are never
-               targets and their logits are cut before the caller sees them
-
-Dimension glossary: gpt.py's (n heads, g query groups, d head dim, h hidden, V vocabulary).
+The layouts (fused QKV per query group, SwiGLU's [gate; up], vocabulary padding): DESIGN.md §4 "Parameter names and
+layouts"; dimension glossary: gpt.py's (n heads, g query groups, d head dim, h hidden, V vocabulary).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import re
@@ -54,102 +45,138 @@ import parallel as P
 from interop import hf, tokenizer_files
 from transformer import yarn_mscale
 
-
-# ---------------------------------------------------------------------------------------------- Hugging Face: GPT-2, Llama
-def gpt_from_hf(hf, Config, dtype=None) -> tuple:
-    """(gpt.Config, full state dict) of a `transformers` GPT2LMHeadModel or LlamaForCausalLM (logits match)."""
-    hc = hf.config
-    if hc.model_type == "llama":
-        return _llama_layout(hf, Config, dtype)
-    if hc.model_type != "gpt2":
-        raise ValueError(f"gpt.from_hf: unsupported model_type {hc.model_type!r} (gpt_from_hf reads gpt2 and llama)")
-    sd = {k: v.detach() for k, v in hf.state_dict().items()}
-    c = Config(num_layers=hc.n_layer, hidden_size=hc.n_embd, num_attention_heads=hc.n_head,
-               ffn_hidden_size=hc.n_inner or 4 * hc.n_embd, max_position_embeddings=hc.n_positions,
-               layernorm_epsilon=hc.layer_norm_epsilon, activation="gelu_tanh", vocab_size=hc.vocab_size,
-               hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype,
-               mask_vocab_padding=True)  # transformers' loss has no padded rows
-    full = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
-            "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
-            "decoder.final_layernorm.weight": sd["transformer.ln_f.weight"],
-            "decoder.final_layernorm.bias": sd["transformer.ln_f.bias"]}
-    names = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv", "ln_2": "pre_mlp_layernorm",
-             "attn.c_proj": "self_attention.linear_proj", "mlp.c_fc": "mlp.linear_fc1", "mlp.c_proj": "mlp.linear_fc2"}
-    for i in range(c.num_layers):
-        for src, dst in names.items():
-            for kind in ("weight", "bias"):
-                t = sd[f"transformer.h.{i}.{src}.{kind}"]
-                if kind == "weight" and not src.startswith("ln"):
-                    t = t.t()  # HF's Conv1D stores [in, out]
-                if src == "attn.c_attn":  # [q; k; v] of all heads -> Megatron's per-head [q_h; k_h; v_h]
-                    t = rearrange(t, "(three n d) ... -> (n three d) ...", three=3, n=c.num_attention_heads)
-                full[f"decoder.layers.{i}.{dst}.{kind}"] = t
-    return c, _pad_vocab(c, full)
+# ---------------------------------------------------------------------------------------------- Hugging Face: the machinery
+# A model file declares its converter (HF_CONVERTERS) with these: the Config fields it reads from the HF config
+# (config_from), a rename table from HF's tensor names to ours (renamed), and only the transforms its layout needs.
+HF_FIELDS = dict(num_layers="num_hidden_layers", hidden_size="hidden_size", num_attention_heads="num_attention_heads",
+                 ffn_hidden_size="intermediate_size", vocab_size="vocab_size",
+                 max_position_embeddings="max_position_embeddings")  # the attribute names most HF configs share
 
 
-def _pad_vocab(c, full: dict) -> dict:
-    for k in [k for k in full if k.endswith("word_embeddings.weight") or k == "output_layer.weight"]:
-        full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
+def config_from(Config, src, dtype, fields: dict, **values):
+    """Our Config of a `transformers` model `src`: `fields` {our field: its config's attribute, or a function of the
+    config}, then `values`; dropout off, params_dtype src's (or `dtype`), mask_vocab_padding (transformers' loss has
+    no padded rows)."""
+    read = {k: a(src.config) if callable(a) else getattr(src.config, a) for k, a in fields.items()}
+    return Config(**{**read, **values}, hidden_dropout=0.0, attention_dropout=0.0, mask_vocab_padding=True,
+                  params_dtype=dtype or next(src.parameters()).dtype)
+
+
+def refuse(who: str, bad: dict):
+    """ValueError naming each setting of `bad` {name: value} (none: nothing to refuse)."""
+    if bad:
+        raise ValueError(f"{who}: settings this model cannot represent: "
+                         + ", ".join(f"{k}={v!r}" for k, v in bad.items()))
+
+
+def unlike(hc, wants: dict) -> dict:
+    """{attribute: value} of the HF config's attributes whose value is not `wants`' (absent: as wanted; a list as a
+    tuple, as config.json spells one)."""
+    got = {k: getattr(hc, k, v) for k, v in wants.items()}
+    return {k: v for k, v in got.items() if (tuple(v) if isinstance(v, list) else v) != wants[k]}
+
+
+def renamed(sd, renames, who: str) -> dict:
+    """{our name: tensor} of a Hugging Face state dict by `renames` [(HF name regex, our name[, transform])]: each
+    tensor takes the first rule its whole name matches; our name is a re replacement (r"\\1": the HF name's first
+    group), a function of the match, or None: a tensor the model does not read. "{e}" in it splits an expert-stacked
+    tensor [E, ...] into one per expert; "name:part" names a piece that `joined` joins. A tensor no rule matches is
+    refused by name (unread, it would change the logits unseen)."""
+    full = {}
+    for k, t in sd.items():
+        rule = next(((m, rest) for p, *rest in renames if (m := re.fullmatch(p, k))), None)
+        if rule is None:
+            raise ValueError(f"{who}: {k} is a tensor this converter does not map")
+        m, (ours, *transform) = rule
+        if ours is not None:
+            t = transform[0](t.detach()) if transform else t.detach()
+            name = ours(m) if callable(ours) else m.expand(ours)
+            full.update({name.replace("{e}", str(e)): x for e, x in enumerate(t.unbind(0))} if "{e}" in name
+                        else {name: t})
     return full
 
 
-def _llama_layout(hf, Config, dtype=None, qkv_bias: bool = False, qk_norm: bool = False, **moe) -> tuple:
-    """(gpt.Config, full state dict) of a model in Llama's layout — pre-RMSNorm layers, RoPE (_rope_fields),
+def joined(full: dict, parts: tuple, join) -> dict:
+    """`full` with each group of pieces "name:part" (one per part) replaced by name = join(*pieces in `parts` order)."""
+    for k in [k for k in full if k.endswith(":" + parts[0])]:
+        name = k.rsplit(":", 1)[0]
+        full[name] = join(*(full.pop(f"{name}:{p}") for p in parts))
+    return full
+
+
+def per_group(*parts, groups: int):
+    """HF's q, k, v (or k, v) of all heads, each [rows, ...] (weight or bias) -> Megatron's fused layout: per query
+    group [q heads of g; k_g; v_g] (per head [q_h; k_h; v_h] without GQA)."""
+    return rearrange(torch.cat([rearrange(t, "(g r) ... -> g r ...", g=groups) for t in parts], 1), "g r ... -> (g r) ...")
+
+
+def vocab(c, full: dict) -> dict:
+    """`full` less a tied output layer's copy of the embedding, its vocabulary rows (embedding, output-layer weight and
+    bias) zero-padded to our padded_vocab_size: padded rows are never targets, their logits are cut."""
+    if c.share_embeddings_and_output_weights:
+        full = {k: v for k, v in full.items() if not k.endswith("output_layer.weight")}
+    for k in [k for k in full if k.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias"))]:
+        full[k] = F.pad(full[k], (0, 0) * (full[k].ndim - 1) + (0, c.padded_vocab_size - c.vocab_size))
+    return full
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face: Llama's layout
+def mlp_renames(H: str, O: str) -> list:
+    """Rename rules of a Llama-layout MLP (HF layer prefix regex H -> ours O): dense gate/up/down_proj, or MoE: the
+    router (mlp.gate), experts stacked as transformers 5 holds them (gate_up_proj [E, 2f, h] is [gate; up] per expert,
+    as our fc1; down_proj [E, h, f]) and a shared expert (Qwen-MoE's shared_expert and its sigmoid gate, DeepSeek's
+    shared_experts). fc1 = [gate; up] (joined by llama_join)."""
+    return [(H + r"mlp\.(gate|up)_proj\.weight", O + r"mlp.linear_fc1.weight:\2"),
+            (H + r"mlp\.down_proj\.weight", O + "mlp.linear_fc2.weight"),
+            (H + r"mlp\.shared_experts?\.(gate|up)_proj\.weight", O + r"mlp.shared_experts.linear_fc1.weight:\2"),
+            (H + r"mlp\.shared_experts?\.down_proj\.weight", O + "mlp.shared_experts.linear_fc2.weight"),
+            (H + r"mlp\.shared_expert_gate\.weight", O + "mlp.shared_experts.gate_weight"),
+            (H + r"mlp\.gate\.weight", O + "mlp.router.weight"),
+            (H + r"mlp\.experts\.gate_up_proj", O + "mlp.experts.linear_fc1.weight{e}"),
+            (H + r"mlp\.experts\.down_proj", O + "mlp.experts.linear_fc2.weight{e}")]
+
+
+_H, _O = r"model\.layers\.(\d+)\.", r"decoder.layers.\1."
+LLAMA_TOP = [(r"model\.embed_tokens\.weight", "embedding.word_embeddings.weight"), (r"lm_head\.weight", "output_layer.weight"),
+             (r"model\.norm\.weight", "decoder.final_layernorm.weight")]
+LLAMA_RENAMES = [*LLAMA_TOP,
+                 (_H + r"input_layernorm\.weight", _O + "input_layernorm.weight"),
+                 (_H + r"post_attention_layernorm\.weight", _O + "pre_mlp_layernorm.weight"),
+                 (_H + r"self_attn\.([qkv])_proj\.(weight|bias)", _O + r"self_attention.linear_qkv.\3:\2"),
+                 (_H + r"self_attn\.o_proj\.weight", _O + "self_attention.linear_proj.weight"),
+                 (_H + r"self_attn\.([qk])_norm\.weight", _O + r"self_attention.\2_layernorm.weight"),
+                 *mlp_renames(_H, _O)]
+
+
+def llama_join(full: dict, groups: int) -> dict:
+    """The pieces LLAMA_RENAMES names joined: q, k, v per query group; fc1 = [gate; up]."""
+    return joined(joined(full, ("q", "k", "v"), lambda *t: per_group(*t, groups=groups)), ("gate", "up"),
+                  lambda g, u: torch.cat([g, u]))
+
+
+def llama_layout(src, Config, dtype=None, every_layer: bool = True, moe=None) -> tuple:
+    """(gpt.Config, full state dict) of a model in Llama's layout — pre-RMSNorm layers, RoPE (rope_fields),
     grouped-query attention from separate q/k/v_proj, SwiGLU gate/up/down_proj, no other biases — which Mistral,
-    Qwen2/3 and the MoE families below share. qkv_bias: q/k/v_proj have biases (Qwen2's; o_proj none) -> add_qkv_bias;
-    qk_norm: an RMSNorm over each head's d dims on q and k before RoPE (Qwen3's q_norm/k_norm) -> qk_layernorm;
-    moe: _hf_moe_fields' Config fields, whose MoE layers hold mlp.gate (the router) and mlp.experts.gate_up_proj
-    [E, 2f, h] / down_proj [E, h, f], plus mlp.shared_expert(_gate) when there is one.
+    Qwen2/3 and the MoE families share (gpt.py's LLAMA_FAMILY). What a family adds, read from the tensors it stores:
+    biases on q/k/v_proj (Qwen2's; o_proj none) -> add_qkv_bias; an RMSNorm over each head's d dims on q and k before
+    RoPE (Qwen3's q_norm/k_norm) -> qk_layernorm. every_layer: full_attention's; moe(hc): hf_moe_fields' Config fields.
     Refused by name: hidden_act other than silu, attention_bias (Llama's and Qwen3's also bias o_proj, which our
-    layers cannot without biasing every linear) and mlp_bias."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    bad = [f"{k}={getattr(hc, k)!r}" for k, ok in [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)]
-           if getattr(hc, k, ok) != ok]
+    layers cannot without biasing every linear), mlp_bias, and a sliding window that hides a position."""
+    hc = src.config
+    bad = [f"{k}={v!r}" for k, v in unlike(hc, dict(hidden_act="silu", attention_bias=False, mlp_bias=False)).items()]
     if bad:
         raise ValueError(f"gpt.from_hf: {hc.model_type} with {', '.join(bad)} is not supported (silu, no biases are)")
-    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
-               num_query_groups=hc.num_key_value_heads, kv_channels=getattr(hc, "head_dim", None),
-               ffn_hidden_size=hc.intermediate_size, max_position_embeddings=hc.max_position_embeddings,
-               normalization="RMSNorm", **_rope_fields(hc), layernorm_epsilon=hc.rms_norm_eps, activation="silu",
-               gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
-               share_embeddings_and_output_weights=hc.tie_word_embeddings, vocab_size=hc.vocab_size, hidden_dropout=0.0,
-               attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype, mask_vocab_padding=True, **moe)
-    g = c.num_query_groups
-    full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-            "decoder.final_layernorm.weight": sd["model.norm.weight"]}
-    if not c.share_embeddings_and_output_weights:
-        full["output_layer.weight"] = sd["lm_head.weight"]
-    for i in range(c.num_layers):
-        h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.weight"], "(g r) h -> g r h", g=g) for t in "qkv")
-        full.update({o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
-                     o + "self_attention.linear_qkv.weight": rearrange(torch.cat([q, k, v], 1), "g r h -> (g r) h"),
-                     o + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
-                     o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"]})
-        if c.add_qkv_bias:
-            q, k, v = (rearrange(sd[h + f"self_attn.{t}_proj.bias"], "(g r) -> g r", g=g) for t in "qkv")
-            full[o + "self_attention.linear_qkv.bias"] = torch.cat([q, k, v], 1).flatten()
-        if c.qk_layernorm:
-            full[o + "self_attention.q_layernorm.weight"] = sd[h + "self_attn.q_norm.weight"]
-            full[o + "self_attention.k_layernorm.weight"] = sd[h + "self_attn.k_norm.weight"]
-        m, om = h + "mlp.", o + "mlp."
-        mlps = [(m + "shared_expert.", om + "shared_experts.")] if c.moe_shared_expert_intermediate_size else []
-        for src, dst in mlps if c.is_moe_layer(i) else [(m, om)]:  # the dense MLP, or the MoE layer's shared expert
-            full[dst + "linear_fc1.weight"] = torch.cat([sd[src + "gate_proj.weight"], sd[src + "up_proj.weight"]])
-            full[dst + "linear_fc2.weight"] = sd[src + "down_proj.weight"]
-        if c.is_moe_layer(i):
-            full[om + "router.weight"] = sd[m + "gate.weight"]
-            for e in range(c.num_experts):  # HF's gate_up_proj [E, 2f, h] is [gate; up] per expert, as our fc1
-                full[om + f"experts.linear_fc1.weight{e}"] = sd[m + "experts.gate_up_proj"][e]
-                full[om + f"experts.linear_fc2.weight{e}"] = sd[m + "experts.down_proj"][e]
-            if c.moe_shared_expert_gate:
-                full[om + "shared_experts.gate_weight"] = sd[m + "shared_expert_gate.weight"]  # [1, h]
-    return c, _pad_vocab(c, full)
-
-
-# ---------------------------------------------------------------------------------------------- Hugging Face: Llama's family
-# Each converter checks what its family adds to Llama's layout and hands the rest to _llama_layout.
-def _full_attention(hc, every_layer: bool):
+    full_attention(hc, every_layer)
+    full = renamed(src.state_dict(), LLAMA_RENAMES, f"gpt.from_hf: {hc.model_type}")
+    c = config_from(Config, src, dtype, dict(HF_FIELDS, num_query_groups="num_key_value_heads",
+                                           layernorm_epsilon="rms_norm_eps", share_embeddings_and_output_weights=
+                                           lambda hc: bool(getattr(hc, "tie_word_embeddings", True))),
+                  kv_channels=getattr(hc, "head_dim", None), normalization="RMSNorm", **rope_fields(hc),
+                  activation="silu", gated_linear_unit=True, add_bias_linear=False,
+                  add_qkv_bias=any(k.endswith("linear_qkv.bias:q") for k in full),
+                  qk_layernorm=any(k.endswith("q_layernorm.weight") for k in full), **(moe(hc) if moe else {}))
+    return c, vocab(c, llama_join(full, c.num_query_groups))
+def full_attention(hc, every_layer: bool):
     """Refuse a sliding window that changes the logits: we have no sliding-window attention. Mistral, Mixtral and
     Qwen3-MoE slide every layer when sliding_window is set (`every_layer`); Qwen2, Qwen3 and Qwen2-MoE only the
     layers layer_types calls "sliding_attention". A window >= max_position_embeddings hides no position: accepted."""
@@ -165,7 +192,7 @@ def _full_attention(hc, every_layer: bool):
                          f"{hc.max_position_embeddings}: sliding-window attention is not implemented here")
 
 
-def _hf_moe_fields(hc, num_experts: int, renormalise: bool, moe_layers: list, shared: int | None = None) -> dict:
+def hf_moe_fields(hc, num_experts: int, renormalise: bool, moe_layers: list, shared: int | None = None) -> dict:
     """Config fields of HF MoE layers. Routing: HF takes softmax over all E experts, then the top k; without
     renormalisation those k probabilities weigh the experts = Megatron's moe_router_pre_softmax; renormalised to sum 1
     (Mixtral, norm_topk_prob) they are softmax over the k chosen logits = the top k of the logits, then softmax
@@ -182,58 +209,6 @@ def _hf_moe_fields(hc, num_experts: int, renormalise: bool, moe_layers: list, sh
                 moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=shared is not None)
 
 
-def _qwen_moe_layers(hc) -> list:
-    """Qwen-MoE's sparse layers: layer i is MoE unless in mlp_only_layers, when num_experts > 0 and
-    (i + 1) % decoder_sparse_step == 0 (Megatron's moe_layer_freq counts from layer 0: a 0/1 list then)."""
-    return [i not in (hc.mlp_only_layers or []) and hc.num_experts > 0 and (i + 1) % hc.decoder_sparse_step == 0
-            for i in range(hc.num_hidden_layers)]
-
-
-def mistral_from_hf(hf, Config, dtype=None) -> tuple:
-    """MistralForCausalLM: Llama's layout; its sliding_window must be None (Mistral-7B-v0.2 on) or hide nothing."""
-    _full_attention(hf.config, every_layer=True)
-    return _llama_layout(hf, Config, dtype)
-
-
-def mixtral_from_hf(hf, Config, dtype=None) -> tuple:
-    """MixtralForCausalLM: Mistral with MoE in every layer, the top k of softmax renormalised (the inverse of
-    gpt_to_hf's Mixtral export)."""
-    hc = hf.config
-    _full_attention(hc, every_layer=True)
-    return _llama_layout(hf, Config, dtype, **_hf_moe_fields(hc, hc.num_local_experts, True, [1] * hc.num_hidden_layers))
-
-
-def qwen2_from_hf(hf, Config, dtype=None) -> tuple:
-    """Qwen2ForCausalLM: Llama's layout with biases on q/k/v_proj (not o_proj) -> add_qkv_bias."""
-    _full_attention(hf.config, every_layer=False)
-    return _llama_layout(hf, Config, dtype, qkv_bias=True)
-
-
-def qwen3_from_hf(hf, Config, dtype=None) -> tuple:
-    """Qwen3ForCausalLM: Llama's layout with an explicit head_dim and per-head RMSNorms on q and k before RoPE
-    (q_norm, k_norm: rms_norm_eps) -> qk_layernorm; attention_bias (q/k/v and o_proj) refused."""
-    _full_attention(hf.config, every_layer=False)
-    return _llama_layout(hf, Config, dtype, qk_norm=True)
-
-
-def qwen2_moe_from_hf(hf, Config, dtype=None) -> tuple:
-    """Qwen2MoeForCausalLM: Qwen2's attention (qkv_bias) and, on the layers _qwen_moe_layers picks, routed experts
-    (moe_intermediate_size; norm_topk_prob) plus a shared expert (shared_expert_intermediate_size) whose output is
-    scaled by sigmoid(shared_expert_gate(x)) -> moe_shared_expert_gate; other layers a dense MLP (intermediate_size)."""
-    hc = hf.config
-    _full_attention(hc, every_layer=False)
-    moe = _hf_moe_fields(hc, hc.num_experts, hc.norm_topk_prob, _qwen_moe_layers(hc), hc.shared_expert_intermediate_size)
-    return _llama_layout(hf, Config, dtype, qkv_bias=hc.qkv_bias, **moe)
-
-
-def qwen3_moe_from_hf(hf, Config, dtype=None) -> tuple:
-    """Qwen3MoeForCausalLM: Qwen3's attention (q/k norms) and Qwen2-MoE's layer choice and routing, no shared expert."""
-    hc = hf.config
-    _full_attention(hc, every_layer=True)
-    return _llama_layout(hf, Config, dtype, qk_norm=True,
-                         **_hf_moe_fields(hc, hc.num_experts, hc.norm_topk_prob, _qwen_moe_layers(hc)))
-
-
 def _rope_theta(hc) -> float:
     rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
     return float(rp.get("rope_theta", getattr(hc, "rope_theta", 10000.0)))
@@ -245,7 +220,7 @@ _ROPE_KEYS = {"default": set(), "linear": {"factor"},
                        "mscale_all_dim", "attention_factor", "truncate"}}
 
 
-def _rope_fields(hc) -> dict:
+def rope_fields(hc) -> dict:
     """HF Llama's rope_parameters (transformers 5; `rope_scaling` before) -> our Config's position fields (transformer.py).
     Maps "default", "linear" (-> seq_len_interpolation_factor), "llama3" (-> rope_scaling*) and "yarn" (-> yarn_*,
     position_embedding_type "yarn"); refuses any other rope_type (dynamic, longrope, ...) and any key it does not
@@ -288,298 +263,6 @@ def _rope_fields(hc) -> dict:
                              f"{implied} that factor/mscale/mscale_all_dim give (Megatron has no separate field)")
     return out
 
-# ---------------------------------------------------------------------------------------------- Hugging Face: DeepSeek-V3
-# The router features DeepSeek-V3 needs beyond gpt.Config's sigmoid top-k (parallel.py section 10): HF's value that
-# needs no field, and the Config field (Megatron's name) that represents any other value once the router has it.
-_DEEPSEEK_ROUTING = {"n_group": (1, "moe_router_num_groups"), "topk_group": (1, "moe_router_group_topk"),
-                     "routed_scaling_factor": (1.0, "moe_router_topk_scaling_factor")}
-
-
-def _deepseek_mtp(hc, sd, moe_last: bool, bad: dict) -> int | None:
-    """mtp_num_layers of a DeepSeek-V3 state: config.json's num_nextn_predict_layers D when the state holds their
-    tensors — depth k + 1 is stored after the decoder's L layers as model.layers.{L + k}: a whole decoder layer plus
-    enorm, hnorm, eh_proj [h, 2h] and shared_head.norm (our MTPLayer's final_layernorm); its embed_tokens and
-    shared_head.head are copies of the model's embedding and output weights, which our MTP shares as Megatron's
-    does (hf.copies_of: the import checks they are equal). None when the state holds none of them: transformers'
-    DeepseekV3 neither builds nor saves them. Refused into `bad`: some depths stored and not others, and an MTP layer
-    whose MLP kind (dense / MoE) is not the last decoder layer's, which is what Megatron builds it as."""
-    d, L = getattr(hc, "num_nextn_predict_layers", 0) or 0, hc.num_hidden_layers
-    stored = [f"model.layers.{L + k}.eh_proj.weight" in sd for k in range(d)]
-    if not any(stored):
-        return None
-    if not all(stored):
-        bad["num_nextn_predict_layers"] = f"{d} with model.layers.{L + stored.index(False)}.eh_proj.weight missing"
-    for k in range(d):
-        kind = lambda moe: "MoE" if moe else "dense"
-        if (f"model.layers.{L + k}.mlp.gate.weight" in sd) != moe_last:
-            bad[f"model.layers.{L + k}.mlp"] = (f"{kind(not moe_last)}, the last decoder layer's (which the MTP layer "
-                                                f"is built as) {kind(moe_last)}")
-    return d
-
-
-def deepseek_from_hf(hf, Config, dtype=None) -> tuple:
-    """(gpt.Config, full state dict) of a `transformers` DeepseekV3ForCausalLM: multi-latent attention (with or without
-    q-lora), dense layers, and MoE layers with shared experts (deepseek.py), and the multi-token prediction layers
-    that DeepSeek's own checkpoints store after the decoder's (_deepseek_mtp; transformers' model has none).
-
-    RoPE: HF's rope_interleave=True rotates interleaved pairs by de-interleaving first, exactly Megatron's MLA RoPE
-    (deepseek.apply_mla_rope): the weights map as they are. rope_interleave=False rotates halves; its RoPE rows are
-    re-ordered [x0..x_{d/2-1} | x_{d/2}..] -> (x0, x_{d/2}), (x1, x_{d/2+1}), ... so that our de-interleave restores
-    HF's layout (q and k alike: q·k unchanged). rope_type "yarn" maps as _rope_fields maps it (DeepSeek-V3 ships
-    with it); its softmax mscale (HF's yarn_apply_mscale) is then deepseek.MLASelfAttention's, Megatron's.
-    Refused, naming the value: rope types Megatron's MLA lacks (linear, llama3, ...), a yarn mscale_all_dim without
-    mscale (HF's rope then ignores mscale_all_dim but its softmax does not: no Megatron mscale pair gives both), attention
-    biases, num_key_value_heads != num_attention_heads, latent norms whose eps differs from rms_norm_eps (HF's
-    q_a/kv_a_layernorm use 1e-6), and routing the router cannot do yet (expert bias, groups, scaling factor)."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    fields = {f for f in Config.__dataclass_fields__}
-    rp = getattr(hc, "rope_parameters", None) or getattr(hc, "rope_scaling", None) or {}
-    kind = rp.get("rope_type") or rp.get("type") or "default"
-    bad = {k: v for k, v in dict(attention_bias=hc.attention_bias,
-                                 hidden_act=hc.hidden_act, rms_norm_eps=hc.rms_norm_eps,
-                                 num_key_value_heads=hc.num_key_value_heads).items()
-           if v != dict(attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6,
-                        num_key_value_heads=hc.num_attention_heads)[k]}
-    if kind not in ("default", "yarn"):  # Megatron's MLA has rope_type rope | yarn only
-        bad["rope_type"] = kind
-    elif kind == "yarn" and rp.get("mscale_all_dim") and not rp.get("mscale"):
-        bad.update(rope_type=kind, mscale=rp.get("mscale"), mscale_all_dim=rp["mscale_all_dim"])
-    L, k_dense = hc.num_hidden_layers, min(hc.first_k_dense_replace, hc.num_hidden_layers)
-    moe = {}
-    if k_dense < L:
-        moe = dict(num_experts=hc.n_routed_experts, moe_layer_freq=[0] * k_dense + [1] * (L - k_dense),
-                   moe_ffn_hidden_size=hc.moe_intermediate_size, moe_router_topk=hc.num_experts_per_tok,
-                   moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.0,
-                   moe_shared_expert_intermediate_size=hc.moe_intermediate_size * hc.n_shared_experts or None)
-        for name, (plain, field) in _DEEPSEEK_ROUTING.items():
-            if field in fields:
-                moe[field] = getattr(hc, name)
-            elif getattr(hc, name) != plain:
-                bad[name] = getattr(hc, name)
-        if hc.n_group > 1 and hc.num_experts_per_tok // hc.topk_group != 2:  # a group's score: HF sums its top-2
-            bad.update(topk_group=hc.topk_group, num_experts_per_tok=hc.num_experts_per_tok)  # experts, Megatron (ours)
-            # its top k // group_topk (parallel.topk_routing): the same only when that is 2, as in DeepSeek-V3 (8 / 4)
-        if hc.norm_topk_prob != (hc.num_experts_per_tok > 1):  # our sigmoid router renormalises iff k > 1
-            bad.update(norm_topk_prob=hc.norm_topk_prob, num_experts_per_tok=hc.num_experts_per_tok)
-        if "moe_router_enable_expert_bias" in fields:  # (the bias is then a buffer: no value is read here)
-            moe["moe_router_enable_expert_bias"] = True
-        elif any(bool(sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].any()) for i in range(k_dense, L)):
-            bad["e_score_correction_bias"] = "non-zero"
-    mtp = _deepseek_mtp(hc, sd, moe_last=k_dense < L, bad=bad)
-    if bad:
-        raise ValueError(f"gpt.from_hf: DeepseekV3 settings this model cannot represent: {bad}")
-    c = Config(num_layers=L, mtp_num_layers=mtp, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
-               kv_channels=hc.v_head_dim, ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
-               max_position_embeddings=hc.max_position_embeddings, **_rope_fields(hc),
-               normalization="RMSNorm", layernorm_epsilon=hc.rms_norm_eps,
-               activation="silu", gated_linear_unit=True, add_bias_linear=False,
-               share_embeddings_and_output_weights=bool(hc.tie_word_embeddings), hidden_dropout=0.0,
-               attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype, multi_latent_attention=True,
-               mask_vocab_padding=True,
-               q_lora_rank=hc.q_lora_rank, kv_lora_rank=hc.kv_lora_rank, qk_head_dim=hc.qk_nope_head_dim,
-               qk_pos_emb_head_dim=hc.qk_rope_head_dim, v_head_dim=hc.v_head_dim, **moe)
-    dn, dr = c.qk_head_dim, c.qk_pos_emb_head_dim
-
-    def rope_rows(w, heads):  # [heads·(dn+dr) or rkv+dr, h]: the RoPE rows of each head in our interleaved order
-        if getattr(hc, "rope_interleave", True):
-            return w
-        if heads == 0:  # kv_a_proj: [rkv | dr]
-            return torch.cat([w[:-dr], rearrange(w[-dr:], "(two half) h -> (half two) h", two=2)])
-        w = rearrange(w, "(n d) h -> n d h", n=heads)
-        return rearrange(torch.cat([w[:, :dn], rearrange(w[:, dn:], "n (two half) h -> n (half two) h", two=2)], 1),
-                         "n d h -> (n d) h")
-
-    full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-            "decoder.final_layernorm.weight": sd["model.norm.weight"]}
-    if not c.share_embeddings_and_output_weights:
-        full["output_layer.weight"] = sd["lm_head.weight"]
-    n = c.num_attention_heads
-
-    def layer(h, o, moe: bool):  # HF's decoder layer `h` -> our TransformerLayer `o` (MLA, dense MLP or MoE)
-        a, oa = h + "self_attn.", o + "self_attention."
-        full.update({o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
-                     o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
-                     oa + "linear_kv_down_proj.weight": rope_rows(sd[a + "kv_a_proj_with_mqa.weight"], 0),
-                     oa + "kv_layernorm.weight": sd[a + "kv_a_layernorm.weight"],
-                     oa + "linear_kv_up_proj.weight": sd[a + "kv_b_proj.weight"],
-                     oa + "linear_proj.weight": sd[a + "o_proj.weight"]})
-        if c.q_lora_rank is None:
-            full[oa + "linear_q_proj.weight"] = rope_rows(sd[a + "q_proj.weight"], n)
-        else:
-            full.update({oa + "linear_q_down_proj.weight": sd[a + "q_a_proj.weight"],
-                         oa + "q_layernorm.weight": sd[a + "q_a_layernorm.weight"],
-                         oa + "linear_q_up_proj.weight": rope_rows(sd[a + "q_b_proj.weight"], n)})
-        m, om = h + "mlp.", o + "mlp."
-        shared = [(m + "shared_experts.", om + "shared_experts.")] if c.moe_shared_expert_intermediate_size else []
-        for src, dst in shared if moe else [(m, om)]:  # the dense MLP, or the MoE layer's shared expert
-            full[dst + "linear_fc1.weight"] = torch.cat([sd[src + "gate_proj.weight"], sd[src + "up_proj.weight"]])
-            full[dst + "linear_fc2.weight"] = sd[src + "down_proj.weight"]
-        if moe:
-            full[om + "router.weight"] = sd[m + "gate.weight"]
-            for e in range(c.num_experts):  # HF's gate_up_proj [E, 2f, h] is [gate; up] per expert, as our fc1
-                full[om + f"experts.linear_fc1.weight{e}"] = sd[m + "experts.gate_up_proj"][e]
-                full[om + f"experts.linear_fc2.weight{e}"] = sd[m + "experts.down_proj"][e]
-            if "moe_router_enable_expert_bias" in fields:
-                full[om + "router.expert_bias"] = sd[m + "gate.e_score_correction_bias"]
-    for i in range(L):
-        layer(f"model.layers.{i}.", f"decoder.layers.{i}.", moe=i >= k_dense)
-    for k in range(c.mtp_num_layers or 0):  # depth k + 1, stored after the decoder's layers (_deepseek_mtp)
-        h, o = f"model.layers.{L + k}.", f"mtp.layers.{k}."
-        full.update({o + "enorm.weight": sd[h + "enorm.weight"], o + "hnorm.weight": sd[h + "hnorm.weight"],
-                     o + "eh_proj.weight": sd[h + "eh_proj.weight"],
-                     o + "final_layernorm.weight": sd[h + "shared_head.norm.weight"]})
-        layer(h, o + "transformer_layer.", moe=k_dense < L)  # the kind of our last layer, as Megatron's
-    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if k in full:
-            full[k] = F.pad(full[k], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
-    return c, full
-
-
-# ---------------------------------------------------------------------------------------------- Hugging Face: BERT
-def bert_from_hf(hf, Config, dtype=None) -> tuple:
-    """(bert.Config, full state dict) of a `transformers` BertForPreTraining (or BertForMaskedLM: no binary head).
-
-    HF BERT is post-LN: e = LN_emb(emb); per layer y = LN_att(e + attn(e)), e = LN_out(y + mlp(y)). That is our
-    stack with apply_residual_connection_post_layernorm=True and the norms shifted by one: layer i's
-    input_layernorm = LN_emb (i = 0) or layer i−1's LN_out, pre_mlp_layernorm = LN_att, final_layernorm = the last
-    LN_out."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    if hc.model_type != "bert":
-        raise ValueError(f"bert.from_hf: unsupported model_type {hc.model_type!r} (bert is)")
-    if getattr(hc, "position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"bert.from_hf: position_embedding_type {hc.position_embedding_type!r} (absolute is supported)")
-    binary = "cls.seq_relationship.weight" in sd
-    tied = bool(getattr(hc, "tie_word_embeddings", True))
-    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=hc.num_attention_heads,
-                    ffn_hidden_size=hc.intermediate_size, vocab_size=hc.vocab_size,
-                    max_position_embeddings=hc.max_position_embeddings, layernorm_epsilon=hc.layer_norm_eps,
-                    activation={"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[hc.hidden_act],
-                    num_tokentypes=hc.type_vocab_size, add_binary_head=binary, apply_residual_connection_post_layernorm=True,
-                    share_embeddings_and_output_weights=tied, hidden_dropout=0.0, attention_dropout=0.0,
-                    params_dtype=dtype or next(hf.parameters()).dtype, mask_vocab_padding=True)  # HF's loss: its vocab
-    e, p = "bert.embeddings.", "cls.predictions."
-    full = {"embedding.word_embeddings.weight": sd[e + "word_embeddings.weight"],
-            "embedding.position_embeddings.weight": sd[e + "position_embeddings.weight"],
-            "embedding.tokentype_embeddings.weight": sd[e + "token_type_embeddings.weight"],
-            "lm_head.dense.weight": sd[p + "transform.dense.weight"], "lm_head.dense.bias": sd[p + "transform.dense.bias"],
-            "lm_head.layer_norm.weight": sd[p + "transform.LayerNorm.weight"],
-            "lm_head.layer_norm.bias": sd[p + "transform.LayerNorm.bias"], "output_layer.bias": sd[p + "bias"]}
-    if not tied:
-        full["output_layer.weight"] = sd[p + "decoder.weight"]
-    if binary:
-        full.update({"pooler.dense.weight": sd["bert.pooler.dense.weight"], "pooler.dense.bias": sd["bert.pooler.dense.bias"],
-                     "binary_head.weight": sd["cls.seq_relationship.weight"],
-                     "binary_head.bias": sd["cls.seq_relationship.bias"]})
-    norm_in = e + "LayerNorm."
-    for i in range(c.num_layers):
-        h, o = f"bert.encoder.layer.{i}.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias"):
-            qkv = torch.stack([sd[h + f"attention.self.{t}.{kind}"] for t in ("query", "key", "value")])
-            full.update({
-                o + f"input_layernorm.{kind}": sd[norm_in + kind],
-                o + f"self_attention.linear_qkv.{kind}": rearrange(  # [q; k; v] -> Megatron's per head [q_h; k_h; v_h]
-                    qkv, "three (n d) ... -> (n three d) ...", n=c.num_attention_heads),
-                o + f"self_attention.linear_proj.{kind}": sd[h + f"attention.output.dense.{kind}"],
-                o + f"pre_mlp_layernorm.{kind}": sd[h + f"attention.output.LayerNorm.{kind}"],
-                o + f"mlp.linear_fc1.{kind}": sd[h + f"intermediate.dense.{kind}"],
-                o + f"mlp.linear_fc2.{kind}": sd[h + f"output.dense.{kind}"]})
-        norm_in = h + "output.LayerNorm."
-    full.update({f"decoder.final_layernorm.{k}": sd[norm_in + k] for k in ("weight", "bias")})
-    pad = c.padded_vocab_size - c.vocab_size  # padded rows / bias entries are zero: logit 0, never a target
-    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if k in full:
-            full[k] = F.pad(full[k], (0, 0, 0, pad))
-    full["output_layer.bias"] = F.pad(full["output_layer.bias"], (0, pad))
-    return c, full
-
-
-# ---------------------------------------------------------------------------------------------- Hugging Face: T5
-def t5_from_hf(hf, Config, dtype=None) -> tuple:
-    """(t5.Config, full state dict) of a `transformers` T5ForConditionalGeneration (logits match)."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    # tied: no lm_head of its own (a folder stores a tied one once), or a live model's lm_head is the embedding
-    tied = "lm_head.weight" not in sd or (not sd["lm_head.weight"].is_meta
-                                         and sd["lm_head.weight"].data_ptr() == sd["shared.weight"].data_ptr())
-    gated = getattr(hc, "is_gated_act", hc.feed_forward_proj.startswith("gated"))
-    act = {"relu": "relu", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}.get(hc.dense_act_fn)
-    if act is None:
-        raise ValueError(f"t5.from_hf: unsupported T5 feed_forward_proj {hc.feed_forward_proj!r}")
-    c = Config(num_layers=hc.num_layers, encoder_num_layers=hc.num_layers, decoder_num_layers=hc.num_decoder_layers,
-                  hidden_size=hc.d_model, num_attention_heads=hc.num_heads, kv_channels=hc.d_kv,
-                  ffn_hidden_size=hc.d_ff, vocab_size=hc.vocab_size, position_embedding_type="relative",
-                  relative_attention_num_buckets=hc.relative_attention_num_buckets,
-                  relative_attention_max_distance=hc.relative_attention_max_distance, normalization="RMSNorm",
-                  layernorm_epsilon=hc.layer_norm_epsilon, softmax_scale=1.0, activation=act, gated_linear_unit=gated,
-                  add_bias_linear=False, share_embeddings_and_output_weights=tied, lm_head_bias=False,
-                  scale_decoder_outputs=bool(getattr(hc, "scale_decoder_outputs", hc.tie_word_embeddings)),
-                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype or next(hf.parameters()).dtype,
-                  mask_vocab_padding=True)  # transformers' loss has no padded rows (gpt.Model.postprocess)
-    n = c.num_attention_heads
-    full = {"embedding.word_embeddings.weight": sd["shared.weight"],
-            "encoder.final_layernorm.weight": sd["encoder.final_layer_norm.weight"],
-            "decoder.final_layernorm.weight": sd["decoder.final_layer_norm.weight"],
-            "encoder_relative_pos_emb.relative_attention_bias.weight":
-                sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"],
-            "decoder_relative_pos_emb.relative_attention_bias.weight":
-                sd["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]}
-    if not tied:
-        full["lm_head.output_layer.weight"] = sd["lm_head.weight"]
-    for stack, depth in [("encoder", c.encoder_num_layers), ("decoder", c.decoder_num_layers)]:
-        for i in range(depth):
-            h, o = f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
-            q, k, v = (rearrange(sd[h + f"0.SelfAttention.{t}.weight"], "(n d) x -> n d x", n=n) for t in "qkv")
-            full[o + "self_attention.linear_qkv.weight"] = rearrange(torch.stack([q, k, v], 1), "n t d x -> (n t d) x")
-            full[o + "self_attention.linear_proj.weight"] = sd[h + "0.SelfAttention.o.weight"]
-            full[o + "input_layernorm.weight"] = sd[h + "0.layer_norm.weight"]
-            f = "1"
-            if stack == "decoder":
-                a = h + "1.EncDecAttention."
-                k, v = (rearrange(sd[a + f"{t}.weight"], "(n d) x -> n d x", n=n) for t in "kv")
-                full[o + "cross_attention.linear_q.weight"] = sd[a + "q.weight"]
-                full[o + "cross_attention.linear_kv.weight"] = rearrange(torch.stack([k, v], 1), "n t d x -> (n t d) x")
-                full[o + "cross_attention.linear_proj.weight"] = sd[a + "o.weight"]
-                full[o + "pre_cross_attn_layernorm.weight"] = sd[h + "1.layer_norm.weight"]
-                f = "2"
-            m = h + f + ".DenseReluDense."
-            full[o + "mlp.linear_fc1.weight"] = torch.cat([sd[m + "wi_0.weight"], sd[m + "wi_1.weight"]]) if gated \
-                else sd[m + "wi.weight"]
-            full[o + "mlp.linear_fc2.weight"] = sd[m + "wo.weight"]
-            full[o + "pre_mlp_layernorm.weight"] = sd[h + f + ".layer_norm.weight"]
-    for name in ("embedding.word_embeddings.weight", "lm_head.output_layer.weight"):
-        if name in full:
-            full[name] = F.pad(full[name], (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # never targets
-    return c, full
-
-
-# ---------------------------------------------------------------------------------------------- Hugging Face: Mamba-2
-def mamba_from_hf(hf, Config, dtype=None) -> tuple:
-    """(mamba.Config, full state dict) of a `transformers` Mamba2ForCausalLM (logits match its torch path). HF's names and
-    layouts are Megatron's ([z, x, B, C, dt] in_proj, [x, B, C] conv), so this is a rename plus vocabulary padding."""
-    hc = hf.config
-    if hc.model_type != "mamba2":
-        raise ValueError(f"mamba.from_hf: model_type {hc.model_type!r} is not 'mamba2'")
-    limit = tuple(getattr(hc, "time_step_limit", (0.0, float("inf"))))
-    if hc.use_bias or not hc.use_conv_bias or hc.hidden_act != "silu" or limit != (0.0, float("inf")):
-        raise ValueError(f"mamba.from_hf: Megatron's mixer has no in/out_proj bias, a conv bias, SiLU and no dt limit; got "
-                         f"use_bias={hc.use_bias}, use_conv_bias={hc.use_conv_bias}, hidden_act={hc.hidden_act!r}, "
-                         f"time_step_limit={limit}")
-    c = Config(num_layers=hc.num_hidden_layers, hidden_size=hc.hidden_size, num_attention_heads=1,
-                     vocab_size=hc.vocab_size, mamba_state_dim=hc.state_size, mamba_head_dim=hc.head_dim,
-                     mamba_num_groups=hc.n_groups, mamba_num_heads=hc.num_heads, mamba_chunk_size=hc.chunk_size,
-                     mamba_conv_kernel=hc.conv_kernel, layernorm_epsilon=hc.layer_norm_epsilon,
-                     share_embeddings_and_output_weights=hc.tie_word_embeddings, mask_vocab_padding=True,
-                     params_dtype=dtype or next(hf.parameters()).dtype)
-    full = {}
-    for k, v in hf.state_dict().items():
-        k = {"backbone.embeddings.weight": "embedding.word_embeddings.weight", "lm_head.weight": "output_layer.weight",
-             "backbone.norm_f.weight": "decoder.final_norm.weight"}.get(k, k.replace("backbone.layers.", "decoder.layers."))
-        if k == "output_layer.weight" and c.share_embeddings_and_output_weights:
-            continue
-        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            v = F.pad(v, (0, 0, 0, c.padded_vocab_size - c.vocab_size))  # padded rows are never targets
-        full[k] = v.detach()
-    return c, full
-
 
 # ---------------------------------------------------------------------------------------------- into a model
 def load(model, full: dict):
@@ -587,6 +270,19 @@ def load(model, full: dict):
     return: each rank keeps its shard (and, under expert parallelism, its own experts)."""
     P.load_full_state_dict(model, full, model.grid)
     return model
+
+
+def hf_loader(Model, Config, converters: dict, who: str):
+    """A model file's from_hf(src, grid=None, dtype=None): its Model with the weights of a `transformers` model whose
+    config.model_type is in `converters` (its HF_CONVERTERS) — the logits match; a setting the converter cannot
+    represent is refused by name (ValueError)."""
+    def from_hf(src, grid=None, dtype=None):
+        kind = src.config.model_type
+        if kind not in converters:
+            raise ValueError(f"{who}.from_hf: unsupported model_type {kind!r} (supported: {', '.join(converters)})")
+        config, full = converters[kind](src, Config, dtype)
+        return load(Model(config, grid), full)
+    return from_hf
 
 
 # ---------------------------------------------------------------------------------------------- Megatron-core
@@ -927,10 +623,11 @@ _EXPORT_READ = {"num_layers", "hidden_size", "num_attention_heads", "num_query_g
 
 
 def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
-    """The inverse of gpt_from_hf: (config.json as a dict, {HF name: tensor}) of a GPT2LMHeadModel (learned positions,
-    LayerNorm, biases, tied embeddings), a LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, no biases) or, with MoE in every
-    layer, a MixtralForCausalLM (Hugging Face hub layout: block_sparse_moe.experts.{j}.w1/w2/w3). `full`: our full
-    state dict (one process). Anything else, or any setting those classes cannot express: ExportError naming it."""
+    """The inverse of gpt.py's GPT-2 and Llama imports: (config.json as a dict, {HF name: tensor}) of a GPT2LMHeadModel
+    (learned positions, LayerNorm, biases, tied embeddings), a LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, no biases)
+    or, with MoE in every layer, a MixtralForCausalLM (Hugging Face hub layout: block_sparse_moe.experts.{j}.w1/w2/w3).
+    `full`: our full state dict (one process). Anything else, or any setting those classes cannot express: ExportError
+    naming it."""
     for f in dataclasses.fields(c):  # a field this exporter does not know (a later feature) must be at its default
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.name not in _EXPORT_IGNORED | _EXPORT_READ and getattr(c, f.name) != default:
@@ -1068,55 +765,3 @@ def hf_tokenizer_config(tok, model_max_length: int, chat_template: str | None = 
         tokens = {**chat_tokens, **pad}
     return dict(tokenizer_class="PreTrainedTokenizerFast", **tokens, model_max_length=model_max_length,
                 clean_up_tokenization_spaces=False, **({"chat_template": chat_template} if chat_template else {}))
-
-
-# ---------------------------------------------------------------------------------------------- Hugging Face: LLaVA
-def llava_from_hf(hf, Config, dtype=None) -> tuple:
-    """(llava.Config, full state dict) of a `transformers` LlavaForConditionalGeneration: a CLIP vision tower, the
-    2-layer projector, a Llama (through gpt_from_hf). Hugging Face takes the image features from
-    hidden_states[vision_feature_layer] (index 0 = the embeddings after pre_layrnorm), so our ViT keeps exactly the
-    layers before it (Megatron's conversion does the same) and CLIP's post_layernorm, unused, is left out;
-    vision_feature_select_strategy "default" drops the class token, "full" keeps it."""
-    hc, sd = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
-    vc, layer, strategy = hc.vision_config, hc.vision_feature_layer, hc.vision_feature_select_strategy
-    refuse = [why for bad, why in [
-        (vc.model_type != "clip_vision_model", f"vision model_type {vc.model_type!r} (clip_vision_model is)"),
-        (not isinstance(layer, int), f"vision_feature_layer={layer} (one layer is supported, not a list)"),
-        (strategy not in ("default", "full"), f"vision_feature_select_strategy={strategy!r}"),
-        (hc.projector_hidden_act != "gelu", f"projector_hidden_act={hc.projector_hidden_act!r} (gelu is)"),
-        (not getattr(hc, "multimodal_projector_bias", True), "a projector without biases"),
-        (vc.hidden_act not in ("quick_gelu", "gelu"), f"vision hidden_act={vc.hidden_act!r}"),
-        (vc.num_channels != 3, f"num_channels={vc.num_channels}")] if bad]
-    if refuse:
-        raise ValueError(f"llava.from_hf: unsupported {refuse[0]}")
-    L = vc.num_hidden_layers
-    used = layer if layer >= 0 else L + 1 + layer  # hidden_states has L + 1 entries
-    if not 1 <= used <= L:
-        raise ValueError(f"llava.from_hf: vision_feature_layer={layer} selects {used} of {L} layers (1..{L} are supported)")
-    text = types.SimpleNamespace(config=hc.text_config, parameters=hf.parameters, state_dict=lambda: {
-        k.replace("model.language_model.", "model.", 1): v for k, v in sd.items()})  # the Llama, as gpt_from_hf reads it
-    c, full = gpt_from_hf(text, functools.partial(Config, image_token_index=hc.image_token_id), dtype)
-    c = dataclasses.replace(c, img_h=vc.image_size, img_w=vc.image_size, patch_dim=vc.patch_size,
-                            vision_num_layers=used, vision_hidden_size=vc.hidden_size,
-                            vision_num_attention_heads=vc.num_attention_heads, vision_ffn_hidden_size=vc.intermediate_size,
-                            vision_activation=vc.hidden_act, vision_layernorm_epsilon=vc.layer_norm_eps,
-                            drop_vision_class_token=strategy == "default")
-    v, n = "model.vision_tower.", vc.num_attention_heads
-    full.update({"vision_model.conv1": sd[v + "embeddings.patch_embedding.weight"],
-                 "vision_model.class_token": sd[v + "embeddings.class_embedding"].reshape(1, 1, -1),
-                 "vision_model.position_embeddings.weight": sd[v + "embeddings.position_embedding.weight"],
-                 "vision_model.ln_pre.weight": sd[v + "pre_layrnorm.weight"],
-                 "vision_model.ln_pre.bias": sd[v + "pre_layrnorm.bias"]})
-    names = {"layer_norm1": "input_layernorm", "self_attn.out_proj": "self_attention.linear_proj",
-             "layer_norm2": "pre_mlp_layernorm", "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2"}
-    for i in range(used):
-        h, o = f"{v}encoder.layers.{i}.", f"vision_model.decoder.layers.{i}."
-        for kind in ("weight", "bias"):
-            q, k, w = (rearrange(sd[h + f"self_attn.{t}_proj.{kind}"], "(n d) ... -> n d ...", n=n) for t in "qkv")
-            full[o + f"self_attention.linear_qkv.{kind}"] = rearrange(torch.stack([q, k, w], 1),
-                                                                      "n three d ... -> (n three d) ...")
-            full.update({o + f"{dst}.{kind}": sd[h + f"{src}.{kind}"] for src, dst in names.items()})
-    for i in (1, 2):
-        for kind in ("weight", "bias"):
-            full[f"vision_projection.encoder.linear_fc{i}.{kind}"] = sd[f"model.multi_modal_projector.linear_{i}.{kind}"]
-    return c, full

@@ -6,9 +6,9 @@ a checkpoint of ours that any run starts from, and a run goes back out as a fold
     tools.py export --load RUN2 --hf-out OUT   config.json, safetensors in the folder's layout, its tokenizer files
 
 This is Megatron-Bridge's flow (AutoBridge.import_ckpt, then training from the Megatron checkpoint, then export) and
-ms-swift's (`swift export --to_mcore`, `megatron sft --load`, `--to_hf`). A file of its own because it joins four
-others and belongs to none: the folder's bytes (safetensors, read lazily), interop/convert.py's per-family converters, the
-model file that declares them (config.ModelFile.HF_CONVERTERS), and checkpoint.py's format.
+ms-swift's (`swift export --to_mcore`, `megatron sft --load`, `--to_hf`). A file of its own because it joins three
+others and belongs to none: the folder's bytes (safetensors, read lazily), the converters each model file declares
+(config.ModelFile.HF_CONVERTERS, built on interop/convert.py's machinery), and checkpoint.py's format.
 
 How it works
   reading     read_folder lists every tensor of the folder (one model.safetensors, or the shards that
@@ -16,7 +16,7 @@ How it works
               the folder a state dict whose tensors are read on access (real), made empty (meta: shapes only) or
               numbered (ids); `memory_state` renames and stacks it into the layout `transformers` holds in memory
               (its conversion_mapping: Mixtral's and the Qwen-MoE family's per-expert tensors stacked, LLaVA's
-              prefixes), which is the layout interop/convert.py's converters read, so one converter serves a folder and a
+              prefixes), which is the layout the converters read, so one converter serves a folder and a
               live `transformers` model (the tests' oracle) alike.
   import      (tools.py import_hf) the converter turns the whole state into our full state dict once, in one process;
               the checkpoint it writes is sharded DCP, so every training rank later reads only its own slices, at any

@@ -72,6 +72,24 @@ def test_from_hf_detects_a_wrong_layout():
         assert (ours(ids) - hf(ids).logits).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("make", [hf_gpt2, lambda: hf_llama(groups=1, tied=True)], ids=["gpt2", "llama-tied"])
+def test_from_hf_keeps_tied_embeddings_tied(make):
+    """A tied model imports tied: the same change to the embedding moves HF's lm_head and our output layer alike. The
+    logits test cannot see an untied import (the live state dict carries the tied copy as lm_head.weight); this one
+    fails when the converter writes a separate output_layer.weight or shares nothing (share_embeddings_and_output_weights
+    False, then the embedding change reaches the input only)."""
+    hf = make()
+    ours = gpt.from_hf(hf).eval()
+    assert ours.config.share_embeddings_and_output_weights and "output_layer.weight" not in ours.state_dict()
+    with torch.no_grad():
+        emb = hf.get_input_embeddings().weight
+        delta = 0.5 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(4))
+        emb += delta
+        ours.embedding.word_embeddings.weight[:emb.shape[0]] += delta
+        ids = make_batch(1000, 2, 12, seed=2)
+        assert (ours(ids) - hf(ids).logits).abs().max() < 1e-4
+
+
 def test_generate_greedy_is_deterministic_and_extends():
     model = gpt.from_hf(hf_gpt2())
     ids = make_batch(1000, 2, 4, seed=3)  # [2, 5]
@@ -158,15 +176,15 @@ def test_llama_family_logits_match_float64(name):
 
 def test_llama_family_config_mapping():
     """What the converters read: the MoE layers, the routing, the shared-expert gate, qk norm, qkv bias, head dim."""
-    c = convert.qwen2_moe_from_hf(hf_family("qwen2-moe"), gpt.Config)[0]
+    c = gpt.HF_CONVERTERS["qwen2_moe"](hf_family("qwen2-moe"), gpt.Config)[0]
     assert (c.moe_layer_freq, c.moe_router_pre_softmax, c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate,
             c.add_qkv_bias, c.ffn_hidden_size, c.moe_ffn_hidden_size) == ([0, 1], True, 48, True, True, 96, 32)
-    c = convert.qwen3_moe_from_hf(hf_family("qwen3-moe"), gpt.Config)[0]
+    c = gpt.HF_CONVERTERS["qwen3_moe"](hf_family("qwen3-moe"), gpt.Config)[0]
     assert (c.moe_layer_freq, c.moe_router_pre_softmax, c.qk_layernorm, c.moe_shared_expert_intermediate_size,
             c.add_qkv_bias) == ([0, 1], False, True, None, False)
-    c = convert.mixtral_from_hf(hf_family("mixtral"), gpt.Config)[0]
+    c = gpt.HF_CONVERTERS["mixtral"](hf_family("mixtral"), gpt.Config)[0]
     assert (c.moe_layer_freq, c.moe_router_pre_softmax, c.num_experts, c.moe_router_topk) == (1, False, 4, 2)
-    c = convert.qwen3_from_hf(hf_family("qwen3"), gpt.Config)[0]
+    c = gpt.HF_CONVERTERS["qwen3"](hf_family("qwen3"), gpt.Config)[0]
     assert (c.kv_channels, c.qk_layernorm, c.add_qkv_bias, c.num_experts) == (16, True, False, None)
 
 

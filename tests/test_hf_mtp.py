@@ -1,4 +1,4 @@
-"""DeepSeek-V3's multi-token prediction (MTP) layers in and out of a Hugging Face folder (interop/hf.py, convert._deepseek_mtp):
+"""DeepSeek-V3's multi-token prediction (MTP) layers in and out of a Hugging Face folder (interop/hf.py, deepseek._hf_mtp):
 DeepSeek's checkpoints store depth k + 1 after the decoder's L layers as model.layers.{L + k} — a whole decoder layer
 plus enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding (embed_tokens) and output layer
 (shared_head.head) — which transformers' DeepseekV3 neither builds nor saves. The folder here is transformers'

@@ -82,7 +82,7 @@ def test_from_hf_deepseek_rope_layout_can_fail():
     """Negative control: HF's half-split RoPE loaded as if interleaved (no row re-ordering) moves the logits."""
     hf = hf_deepseek(interleave=False)
     hf.config.rope_interleave = True
-    config, full = convert.deepseek_from_hf(hf, gpt.Config)
+    config, full = deepseek.hf_to_ours(hf, gpt.Config)
     hf.config.rope_interleave = False
     assert logits_err(hf, convert.load(gpt.Model(config), full).eval()) > 1e-2
 

@@ -303,9 +303,9 @@ class ExportError(ConfigError):
 
 
 def export_state(arch: dict, full: dict, dtype=None) -> tuple[dict, list]:
-    """Our full state dict -> ({stored name: tensor} in the folder's own layout, [names left out]), by tracing (see
-    the module docstring): each element of ours goes back to the element of the folder it came from. `dtype`: of the
-    tensors written (None: each tensor's dtype in the folder)."""
+    """Our full state dict -> ({stored name: tensor} in the folder's own layout, [names left out]), by tracing
+    (DESIGN.md §1, "Hugging Face folders in and out"): each element of ours goes back to the element of the folder it
+    came from. `dtype`: of the tensors written (None: each tensor's dtype in the folder)."""
     folder = _folder_of(arch)
     traced = import_trace(arch).ids
     total = 1 + sum(math.prod(s) for _, _, s in folder.tensors.values())

@@ -40,7 +40,7 @@ class LoRAError(ValueError):
 
 class LoRA(nn.Module):
     """The adapter of one tensor-parallel linear `base`: forward(x) = c·(x·Aᵀ)·Bᵀ with the base layer's collective
-    (see the module's docstring). `base` itself is not held (it owns this module as `base.lora`)."""
+    (DESIGN.md §1, "Post-training": the derivation). `base` itself is not held (it owns this module as `base.lora`)."""
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, rng=None):
         super().__init__()

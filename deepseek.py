@@ -29,7 +29,7 @@ from torch import nn
 
 import parallel as P
 from interop import convert
-from transformer import Norm, TransformerLayer, apply_rope, yarn_mscale
+from transformer import Norm, TransformerLayer, apply_rope, with_cache, yarn_mscale
 
 
 # ---------------------------------------------------------------------------------------------- multi-latent attention
@@ -112,10 +112,7 @@ class MLASelfAttention(nn.Module):
         k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, self.n, -1)], dim=-1)  # [s, b, n/tp, dn+dr]
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
         if inference_context is not None:  # decoding: this call's k, v join the cached ones [b, n/tp, t + s, ·]
-            k, v = inference_context.append(self, k, v)
-            sq, sk = q.shape[2], k.shape[2]
-            if mask is None and sq != sk:  # query i is position t + i: it sees keys 0 .. t + i
-                mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(sk - sq)
+            k, v, mask = with_cache(inference_context, self, q, k, v, mask)
         p = self.p if self.training else 0.0
         ctx = self.rng.fork(device=x.device) if (p > 0 and self.rng is not None) else contextlib.nullcontext()
         with ctx:  # attention dropout acts on heads, which are TP shards: the model-parallel RNG stream

@@ -14,6 +14,14 @@ Dimension glossary
   b batch    s sequence (s/tp under sequence parallelism)    h hidden    V vocabulary (padded, V/tp per rank)
   n attention heads (local: n/tp)   g query groups = key/value heads (local: g/tp)   d head dim (kv_channels)
 """
+# Reading order — from a Config to logits:
+#   1. Model.__init__, then Model.forward (the first methods of Model, below): embedding -> decoder -> output layer;
+#      Model.postprocess turns the last hidden states into logits or the per-token loss. Embedding follows Model.
+#   2. transformer.py, top down: Decoder (the layers, then the final norm) -> TransformerLayer -> Attention, MLP -> Norm.
+#   3. Only when you need them, below Model's main line: the seams the later models override (build_decoder, ...),
+#      then the optional features, one method each — layout checks (checked_config: pipeline stages, CP, SP),
+#      packing and the KV cache (positions), the optimizers' marks (mark_parameters). Context parallelism is
+#      parallel.get_batch_on_this_cp_rank, multi-token prediction deepseek.MTPBlock; generation follows Model.
 from __future__ import annotations
 
 import dataclasses
@@ -41,42 +49,6 @@ DEEPSEEK_UNSUPPORTED = dict.fromkeys(["multi_latent_attention", "multi_token_pre
 
 
 # ---------------------------------------------------------------------------------------------- the GPT model
-class Embedding(nn.Module):
-    """Word embeddings (vocab-parallel) + optional learned positions + optional token types; output [s(/tp), b, h]."""
-
-    def __init__(self, c: Config, grid=None, rng=None):
-        super().__init__()
-        self.c, self.grid, self.rng = c, grid, rng
-        # SP with nothing added to the whole sequence after the lookup: the lookup's g and the split to sequence
-        # shards become one reduce-scatter (Megatron's reduce_scatter_embeddings in LanguageModelEmbedding)
-        self.reduce_scatter = c.sequence_parallel and c.position_embedding_type != "learned_absolute" \
-            and c.num_tokentypes == 0 and P.tp_of(grid) is not None
-        self.word_embeddings = P.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, grid,
-                                                        std=c.init_method_std, dtype=c.params_dtype)
-        if c.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=c.params_dtype)
-            P.mark(self.position_embeddings.weight, ("normal", c.init_method_std))
-        if c.num_tokentypes > 0:
-            self.tokentype_embeddings = nn.Embedding(c.num_tokentypes, c.hidden_size, dtype=c.params_dtype)
-            P.mark(self.tokentype_embeddings.weight, ("normal", c.init_method_std))
-
-    def forward(self, input_ids, position_ids=None, tokentype_ids=None):  # [b, s]
-        if self.reduce_scatter:
-            x = self.word_embeddings(input_ids, reduce_scatter=True)  # [s/tp, b, h]
-            return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=True)
-        x = self.word_embeddings(input_ids)  # [b, s, h]
-        if hasattr(self, "position_embeddings"):
-            if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
-            x = x + self.position_embeddings(position_ids)
-        if tokentype_ids is not None:
-            x = x + self.tokentype_embeddings(tokentype_ids)
-        x = rearrange(x, "b s h -> s b h").contiguous()
-        if self.c.sequence_parallel:
-            x = P.scatter_to_sp(x, P.tp_of(self.grid))  # [s/tp, b, h]
-        return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
-
-
 class Model(nn.Module):
     """GPT. forward(input_ids [b, s], labels=None) -> logits [b, s, vocab_size], or per-token loss [b, s].
 
@@ -86,44 +58,68 @@ class Model(nn.Module):
     layout, makes the RNG tracker and embedding, then calls the seams they override — `build_decoder` (the layers),
     `build_output_layer` (output layer and heads), `init_params` (once, last) — and `logits` at run time."""
 
+    # ------------------------------------------------------------------------------ the main line
     def __init__(self, config: Config, grid=None, pre_process=True, post_process=True, layer_offset=0,
                  num_layers=None):
         super().__init__()
-        tp, pp, ep = (grid.tp_size, grid.pp_size, grid.ep_size) if grid is not None else (1, 1, 1)
-        config.check_layout(tp, pp, ep)
-        whole = pre_process and post_process and not layer_offset and num_layers in (None, config.num_layers)
-        if not whole and "pipeline_parallel" in config.UNSUPPORTED:  # a model without pipeline stages
-            raise ValueError(f"{type(self).__module__}.Model has no pipeline stages: pre_process={pre_process}, "
-                             f"post_process={post_process}, layer_offset={layer_offset}, num_layers={num_layers} must "
-                             f"be the whole model ({config.UNSUPPORTED['pipeline_parallel']})")
-        if grid is not None and grid.cp_size > 1:  # CP lives in transformer.Attention inside gpt's Decoder
-            config.check_context_parallel(grid.cp_size, tp)  # (a model with its own stack: Config.UNSUPPORTED)
-        if config.sequence_parallel and tp == 1:  # SP is a TP feature: a no-op without TP
-            config = dataclasses.replace(config, sequence_parallel=False)
-        c = self.config = config
+        c = self.config = self.checked_config(config, grid, pre_process, post_process, layer_offset, num_layers)
         self.grid, self.pre_process, self.post_process, self.layer_offset = grid, pre_process, post_process, layer_offset
-        self.rng = P.RNGTracker(c.seed, grid)
+        self.rng = P.RNGTracker(c.seed, grid)  # the dropout streams (parallel.py)
         self.input_tensor = None  # pipeline stages > 0 receive hidden states instead of ids
-        mtp = post_process and bool(c.mtp_num_layers)  # MTP: the last stage embeds too (Megatron's mtp_process)
-        if pre_process or mtp:
-            self.embedding = Embedding(c, grid, self.rng)
+        self.mtp_process = post_process and bool(c.mtp_num_layers)  # MTP: the last stage embeds too (Megatron's name)
+        if pre_process or self.mtp_process:
+            self.embedding = Embedding(c, grid, self.rng)  # ids [b, s] -> [s(/tp), b, h]
         self.decoder = self.build_decoder(c, grid, layer_offset, c.num_layers if num_layers is None else num_layers)
         if post_process:
-            self.build_output_layer(c, grid)
-        if mtp:
+            self.build_output_layer(c, grid)  # [s(/tp), b, h] -> [s, b, V/tp]
+        if self.mtp_process:
             self.mtp = deepseek.MTPBlock(c, grid, self.rng, self.attention_class())
-        if pre_process != post_process and c.mtp_num_layers:  # both pipeline ends hold the whole embedding
-            for p in self.embedding.parameters():
-                p.shared_embedding = True
-        elif c.share_embeddings_and_output_weights and pre_process != post_process:  # one copy of two
-            (self.embedding.word_embeddings if pre_process else self.output_layer).weight.shared_embedding = True
-        for p in self.embedding_and_output_weights():  # as Megatron's LanguageModule: --decoupled-lr's parameters
-            p.is_embedding_or_output_parameter = True
-        for m in self.modules():  # the other lookup tables (positions, token types, relative-position buckets) are
-            if isinstance(m, nn.Embedding):  # no hidden layer either: AdamW's under --optimizer muon
-                m.weight.hidden_matrix = False
+        self.mark_parameters()
         self.init_params()
 
+    def forward(self, input_ids, labels=None, position_ids=None, mask=None, inference_context=None):
+        """position_ids [b, s] / mask bool [b, 1, s, s] (True = attend): packed documents (data.Packing), else 0..s-1
+        and causal. inference_context (transformer.InferenceContext): the KV cache; input_ids are the positions
+        after the cached ones. serving/engine.py's paged cache passes all three: many requests' tokens packed in one
+        row, their positions, and a mask [1, 1, s, keys] over the keys its `append` returns."""
+        self.check_input(input_ids, position_ids=position_ids)
+        s = input_ids.shape[1]
+        position_ids, rope = self.positions(input_ids, position_ids, inference_context)
+        # context parallelism: this rank's 2 of the 2·cp sequence chunks, positions and labels with them [b, s/cp]
+        input_ids, labels, position_ids, rope, mask = P.get_batch_on_this_cp_rank(
+            self.grid, input_ids, labels, position_ids, rope, mask)
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor  # [s(/cp)(/tp), b, h]
+        x = self.decoder(x, rope=rope, mask=mask, inference_context=inference_context)
+        if inference_context is not None:  # the cache now holds these s positions too
+            inference_context.sequence_len_offset += s
+        if self.mtp_process and labels is not None:  # the MTP loss joins backward through x (deepseek.py)
+            x = self.mtp(x, input_ids, labels, self.embedding, self.postprocess, rope=rope, mask=mask)
+        return self.postprocess(x, labels) if self.post_process else x
+
+    def postprocess(self, x, labels=None):
+        """Final hidden states [s(/tp), b, h] -> logits [b, s, vocab_size] or per-token loss [b, s]."""
+        logits = self.logits(x)  # [s, b, V/tp]
+        if labels is None:
+            logits = P.gather_from_tp(logits, P.tp_of(self.grid))  # [s, b, V]
+            return rearrange(logits, "s b v -> b s v")[..., : self.config.vocab_size]
+        if self.config.mask_vocab_padding:  # an imported model: its loss over its own vocabulary, as its framework's
+            logits = self.mask_vocab_padding(logits)
+        # the logits are not needed again: their buffer becomes the softmax (and, in backward, its gradient)
+        loss = P.vocab_parallel_cross_entropy(logits, labels.t(), self.grid, self.config.label_smoothing, inplace=True)
+        return loss.t()  # [b, s]
+
+    def logits(self, x):
+        """Final hidden states [s(/tp), b, h] -> this rank's logits [s, b, V/tp] (the output layer, tied or not)."""
+        tied = hasattr(self, "embedding") and self.config.share_embeddings_and_output_weights
+        return self.output_layer(x, weight=self.embedding.word_embeddings.weight if tied else None)
+
+    def rope(self, s, device):
+        """(cos, sin) [s, 1, 1, r] of the position embedding (scaled as the config says: transformer.py), or None. MLA
+        rotates only its decoupled RoPE part, qk_pos_emb_head_dim dims."""
+        c = self.config
+        return rope_for(c, s, device, d=c.qk_pos_emb_head_dim if c.multi_latent_attention else None)
+
+    # ------------------------------------------------------------------------------ the seams later models override
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         """This stage's layer stack (global layers layer_offset ... + num_layers − 1), final norm on the last stage."""
         return Decoder(c, grid, self.rng, num_layers, self.post_process, layer_offset, self.attention_class())
@@ -160,12 +156,6 @@ class Model(nn.Module):
             return "embedding.word_embeddings.weight"  # a last stage's copy of the tied embedding
         return name
 
-    def rope(self, s, device):
-        """(cos, sin) [s, 1, 1, r] of the position embedding (scaled as the config says: transformer.py), or None. MLA
-        rotates only its decoupled RoPE part, qk_pos_emb_head_dim dims."""
-        c = self.config
-        return rope_for(c, s, device, d=c.qk_pos_emb_head_dim if c.multi_latent_attention else None)
-
     def check_input(self, input_ids, what: str = "sequence", position_ids=None):
         c, tp = self.config, (self.grid.tp_size if self.grid is not None else 1)
         s = input_ids.shape[1]
@@ -182,51 +172,92 @@ class Model(nn.Module):
         if c.sequence_parallel and s % tp:
             raise ValueError(f"sequence parallelism needs the {what} length {s} divisible by tp={tp}")
 
+    # ------------------------------------------------------------------------------ the optional features
+    def checked_config(self, config: Config, grid, pre_process, post_process, layer_offset, num_layers) -> Config:
+        """The config checked against this layout (config.check_layout; a model without pipeline stages refuses a
+        stage; context parallelism's checks), with sequence parallelism off at tp 1 (it is a TP feature)."""
+        tp, pp, ep = (grid.tp_size, grid.pp_size, grid.ep_size) if grid is not None else (1, 1, 1)
+        config.check_layout(tp, pp, ep)
+        whole = pre_process and post_process and not layer_offset and num_layers in (None, config.num_layers)
+        if not whole and "pipeline_parallel" in config.UNSUPPORTED:  # a model without pipeline stages
+            raise ValueError(f"{type(self).__module__}.Model has no pipeline stages: pre_process={pre_process}, "
+                             f"post_process={post_process}, layer_offset={layer_offset}, num_layers={num_layers} must "
+                             f"be the whole model ({config.UNSUPPORTED['pipeline_parallel']})")
+        if grid is not None and grid.cp_size > 1:  # CP lives in transformer.Attention inside gpt's Decoder
+            config.check_context_parallel(grid.cp_size, tp)  # (a model with its own stack: Config.UNSUPPORTED)
+        if config.sequence_parallel and tp == 1:  # SP is a TP feature: a no-op without TP
+            config = dataclasses.replace(config, sequence_parallel=False)
+        return config
+
+    def mark_parameters(self):
+        """What the optimizers and the pipeline's embedding sync read off the parameters (parallel.py)."""
+        c = self.config
+        if self.pre_process != self.post_process and c.mtp_num_layers:  # both pipeline ends hold the whole embedding
+            for p in self.embedding.parameters():
+                p.shared_embedding = True
+        elif c.share_embeddings_and_output_weights and self.pre_process != self.post_process:  # one copy of two
+            (self.embedding.word_embeddings if self.pre_process else self.output_layer).weight.shared_embedding = True
+        for p in self.embedding_and_output_weights():  # as Megatron's LanguageModule: --decoupled-lr's parameters
+            p.is_embedding_or_output_parameter = True
+        for m in self.modules():  # the other lookup tables (positions, token types, relative-position buckets) are
+            if isinstance(m, nn.Embedding):  # no hidden layer either: AdamW's under --optimizer muon
+                m.weight.hidden_matrix = False
+
+    def positions(self, input_ids, position_ids, inference_context):
+        """(position_ids, RoPE angles): 0..s−1 unless given (packed documents, serving's rows); after a KV cache's
+        cached positions when decoding. position_ids None means 0..s−1 (rope [s, 1, 1, r])."""
+        s, dev = input_ids.shape[1], input_ids.device
+        if inference_context is not None and position_ids is None:
+            position_ids = torch.arange(s, device=dev)[None] + inference_context.sequence_len_offset  # [1, s]
+        return position_ids, (self.rope(s, dev) if position_ids is None else self.rope_at(position_ids))
+
     def rope_at(self, position_ids):
         """RoPE angles of explicit positions [b|1, s] (packed documents, decoding after a cache): [s, b|1, 1, d]."""
         rope = self.rope(int(position_ids.max()) + 1, position_ids.device)
         return None if rope is None else tuple(rearrange(t[position_ids], "b s 1 1 d -> s b 1 d") for t in rope)
 
-    def forward(self, input_ids, labels=None, position_ids=None, mask=None, inference_context=None):
-        """position_ids [b, s] / mask bool [b, 1, s, s] (True = attend): packed documents (data.Packing), else 0..s-1
-        and causal. inference_context (transformer.InferenceContext): the KV cache; input_ids are the positions
-        after the cached ones. serving/engine.py's paged cache passes all three: many requests' tokens packed in one row, their
-        positions, and a mask [1, 1, s, keys] over the keys its `append` returns."""
-        self.check_input(input_ids, position_ids=position_ids)
-        s, dev = input_ids.shape[1], input_ids.device
-        if inference_context is not None and position_ids is None:
-            position_ids = torch.arange(s, device=dev)[None] + inference_context.sequence_len_offset  # [1, s]
-        rope = self.rope(s, dev) if position_ids is None else self.rope_at(position_ids)
-        # context parallelism: this rank's 2 of the 2·cp sequence chunks, positions and labels with them [b, s/cp]
-        input_ids, labels, position_ids, rope, mask = P.get_batch_on_this_cp_rank(
-            self.grid, input_ids, labels, position_ids, rope, mask)
-        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor  # [s(/cp)(/tp), b, h]
-        x = self.decoder(x, rope=rope, mask=mask, inference_context=inference_context)
-        if inference_context is not None:
-            inference_context.sequence_len_offset += s
-        if hasattr(self, "mtp") and labels is not None:  # the MTP loss joins backward through x (deepseek.py)
-            x = self.mtp(x, input_ids, labels, self.embedding, self.postprocess, rope=rope, mask=mask)
-        return self.postprocess(x, labels) if self.post_process else x
+    def mask_vocab_padding(self, logits):
+        """This rank's logits [s, b, V/tp] with the padded vocabulary rows (>= vocab_size) at −inf."""
+        tp = P.tp_of(self.grid)
+        first = (tp.rank if tp is not None else 0) * logits.shape[-1]  # this shard's first vocabulary row
+        padded = torch.arange(first, first + logits.shape[-1], device=logits.device) >= self.config.vocab_size
+        return logits.masked_fill(padded, float("-inf"))
 
-    def logits(self, x):
-        """Final hidden states [s(/tp), b, h] -> this rank's logits [s, b, V/tp] (the output layer, tied or not)."""
-        tied = hasattr(self, "embedding") and self.config.share_embeddings_and_output_weights
-        return self.output_layer(x, weight=self.embedding.word_embeddings.weight if tied else None)
 
-    def postprocess(self, x, labels=None):
-        """Final hidden states [s(/tp), b, h] -> logits [b, s, vocab_size] or per-token loss [b, s]."""
-        logits = self.logits(x)  # [s, b, V/tp]
-        if labels is None:
-            logits = P.gather_from_tp(logits, P.tp_of(self.grid))  # [s, b, V]
-            return rearrange(logits, "s b v -> b s v")[..., : self.config.vocab_size]
-        if self.config.mask_vocab_padding:  # an imported model: its loss over its own vocabulary, as its framework's
-            tp = P.tp_of(self.grid)
-            first = (tp.rank if tp is not None else 0) * logits.shape[-1]  # this shard's first vocabulary row
-            padded = torch.arange(first, first + logits.shape[-1], device=logits.device) >= self.config.vocab_size
-            logits = logits.masked_fill(padded, float("-inf"))
-        # the logits are not needed again: their buffer becomes the softmax (and, in backward, its gradient)
-        loss = P.vocab_parallel_cross_entropy(logits, labels.t(), self.grid, self.config.label_smoothing, inplace=True)
-        return loss.t()  # [b, s]
+class Embedding(nn.Module):
+    """Word embeddings (vocab-parallel) + optional learned positions + optional token types; output [s(/tp), b, h]."""
+
+    def __init__(self, c: Config, grid=None, rng=None):
+        super().__init__()
+        self.c, self.grid, self.rng = c, grid, rng
+        # SP with nothing added to the whole sequence after the lookup: the lookup's g and the split to sequence
+        # shards become one reduce-scatter (Megatron's reduce_scatter_embeddings in LanguageModelEmbedding)
+        self.reduce_scatter = c.sequence_parallel and c.position_embedding_type != "learned_absolute" \
+            and c.num_tokentypes == 0 and P.tp_of(grid) is not None
+        self.word_embeddings = P.VocabParallelEmbedding(c.padded_vocab_size, c.hidden_size, grid,
+                                                        std=c.init_method_std, dtype=c.params_dtype)
+        if c.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=c.params_dtype)
+            P.mark(self.position_embeddings.weight, ("normal", c.init_method_std))
+        if c.num_tokentypes > 0:
+            self.tokentype_embeddings = nn.Embedding(c.num_tokentypes, c.hidden_size, dtype=c.params_dtype)
+            P.mark(self.tokentype_embeddings.weight, ("normal", c.init_method_std))
+
+    def forward(self, input_ids, position_ids=None, tokentype_ids=None):  # [b, s]
+        if self.reduce_scatter:
+            x = self.word_embeddings(input_ids, reduce_scatter=True)  # [s/tp, b, h]
+            return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=True)
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if hasattr(self, "position_embeddings"):
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.position_embeddings(position_ids)
+        if tokentype_ids is not None:
+            x = x + self.tokentype_embeddings(tokentype_ids)
+        x = rearrange(x, "b s h -> s b h").contiguous()
+        if self.c.sequence_parallel:
+            x = P.scatter_to_sp(x, P.tp_of(self.grid))  # [s/tp, b, h]
+        return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
 
 
 def sample_next(logits, temperature: float, top_k: int | None):

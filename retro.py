@@ -17,14 +17,8 @@ Dimension glossary
   k neighbours per chunk (retro_num_neighbors)   r = 2m retrieved tokens (a neighbour chunk + its continuation)
   h hidden
 
-Differences from Megatron-core 0.15.3 (tests/test_megatron_parity_retro_moe.py: otherwise equal to 1e-10):
-  - RoPE: our encoder rotates the neighbours' positions; Megatron's CCA calls its encoder without rotary embeddings.
-  - Megatron's Retro decoder block spec sets no final norm (its GPT specs do); ours has GPT's final norm.
-  - Under sequence parallelism the chunked cross-attention gathers the whole sequence, works on replicated
-    activations (TP still splits heads) and scatters the result back; the neighbour encoder runs without SP.
-  - `neighbor_ids=None` closes the gate: every Retro layer then acts as the plain GPT layer (Megatron has no gate).
-  - n must be a multiple of m (Megatron also zero-pads a partial first chunk); the default embedder is a
-    deterministic bag of tokens; Megatron's BERT one is retrieval.ChunkEmbedder (train.py --retro-bert-load runs/bert).
+Differences from Megatron-core 0.15.3 (tests/test_megatron_parity_retro_moe.py: otherwise equal to 1e-10): DESIGN.md
+§9, "Retro" (RoPE in the encoder, GPT's final norm, SP, the gate, whole chunks, the default embedder).
 """
 from __future__ import annotations
 

@@ -14,33 +14,11 @@ file of its own so that train.py is only the training loop. Each command loads t
     python tools.py import-megatron --load runs/gpt-mcore --save runs/gpt-from-mcore --model gpt \
         --tokenizer-file runs/gpt/tokenizer.json    # a Megatron-core checkpoint as a run (architecture flags: see below)
 
-sample --chat: --prompt is one user turn of the chat template the SFT task trains on (posttraining/recipes.py section 1), then
-the assistant's header, `<|user|>\\n{prompt}\\n<|assistant|>\\n`, tokenized piece by piece as SFT's samples are; the
-model answers until the end-of-document token, and only the answer is printed. A causal language model's (its model
-file's sample_ids, config.py); anything else is refused.
-export writes what serving needs: the weights and config.json, the tokenizer with its special tokens (eos = the
-end-of-document token), generation_config.json, and the same chat template as Jinja, so that
-`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` renders the text --chat feeds the model
-(tests/test_serve_export.py: the same token ids and the same greedy answer in transformers). A run on a Hugging Face
-tokenizer folder with a chat template of its own (--tokenizer-type HuggingFaceTokenizer) uses that template instead:
-the --chat prompt is its render with add_generation_prompt, encoded whole as transformers' apply_chat_template
-encodes it, the answer ends at the template's end-of-turn token (tokenizer_files.chat_stop_ids), and export writes it back
-(tests/test_chat_templates.py).
-
-export-megatron / import-megatron: Megatron-core's own distributed checkpoints (dist_checkpointing's torch_dist
-format: metadata.json, common.pt, .metadata, *.distcp), read and written with torch.distributed.checkpoint alone —
-Megatron-core need not be installed (convert.megatron_dist_state / to_megatron_dist: layer-stacked tensors, fused-norm
-names, SwiGLU halves, expert stacks). export-megatron writes what `dist_checkpointing.load(gpt_model.sharded_state_dict(),
-DIR)` loads into a Megatron-core GPTModel of the same architecture (--padded-vocab-size: Megatron's embedding rows,
-which depend on its TP). import-megatron --load takes such a directory or a Megatron-LM --save directory (its
-latest_checkpointed_iteration.txt) and writes a weights-only run at iteration 0, as merge does, that train.py starts
-from (`--pretrained-checkpoint RUN`, or --finetune). The flags after --save are train.py's model flags (--model,
---num-layers, --hidden-size, --swiglu, ...): a bare dist_checkpointing.save does not record the architecture, so one
-left out takes train.py's default (above: the default run's shape, runs/gpt's); a Megatron-LM checkpoint's common.pt
-does ("args"), and its values are then the defaults (convert.megatron_lm_args). --tokenizer-file: its tokenizer
-(default: the one train.py would train on the corpus). A tensor missing, left over or of another shape is refused by
-name.
-
+sample --chat: one user turn in the chat template SFT trains on (or a Hugging Face folder's own), only the answer
+printed; export: what serving needs (weights, config.json, the tokenizer, the chat template as Jinja) — DESIGN.md §1,
+"Post-training". export-megatron / import-megatron: Megatron-core's torch_dist checkpoints, written and read with
+torch.distributed.checkpoint alone; import-megatron's flags after --save are train.py's model flags — DESIGN.md §8,
+"Megatron-core checkpoints".
 Bad input ends with one line `tools.py: error: ...`.
 """
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Mirrors Megatron-LM's `megatron/core/transformer/` — `attention.py`, `mlp.py`, `transformer_layer.py`,
 `transformer_block.py` — with the same parameter names and tensor layouts, so a Megatron-core checkpoint loads by
-name (fused QKV grouped per query group, SwiGLU fc1 as [gate; up]). A file of its own, as in Megatron, so that
-gpt.py holds only the model skeleton (Config, embedding, Model, generation) and each layer is read once, here.
-Activation recomputation lives here too (Decoder: full; Attention.core_attention: selective), with the RNG replay
-of Megatron's `megatron/core/tensor_parallel/random.py` CheckpointFunction (section "recomputation", at the end).
-Rotary position embeddings and their context-extending scalings live here too (section "rotary position embeddings").
+name (fused QKV grouped per query group, SwiGLU fc1 as [gate; up]). Read it top down: the layer stack (Decoder ->
+TransformerLayer -> Attention, MLP -> Norm), then the layers' optional parts (zero-centered norms, the fused SwiGLU,
+MoE's shared expert, the KV cache), activation recomputation (section "recomputation": Decoder's full, Attention's
+selective, with the RNG replay of Megatron's `tensor_parallel/random.py` CheckpointFunction), and the rotary position
+embeddings with their context-extending scalings (section "rotary position embeddings").
 Papers: Vaswani et al. 2017 (attention); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU); Ainslie et al. 2023 (GQA);
         Shoeybi et al. 2019 (Megatron-LM tensor parallelism: the column/row-parallel split of attention and MLP);
         Chen et al. 2016 and Korthikanti et al. 2022 (activation recomputation, full and selective).
@@ -32,74 +32,75 @@ import parallel as P
 from config import ACTIVATIONS
 
 
-def Norm(c, size: int | None = None, partial_over_tp: bool | None = None) -> nn.Module:
-    """LayerNorm or RMSNorm over `size` (default h; MLA's latents: their rank; q/k norms: the head dim d); under
-    sequence parallelism its weights see s/tp tokens, so their grads are partial (`partial_over_tp`: summed over TP
-    by parallel.finalize_grads; default: under SP). Zero-centered (layernorm_zero_centered_gamma): ZeroCenteredNorm."""
-    size = size or c.hidden_size
-    if c.layernorm_zero_centered_gamma:
-        m = ZeroCenteredNorm(c.normalization, size, c.layernorm_epsilon, c.params_dtype)
-    else:
-        cls = nn.LayerNorm if c.normalization == "LayerNorm" else nn.RMSNorm
-        m = cls(size, eps=c.layernorm_epsilon, dtype=c.params_dtype)
-    gamma = ("zeros",) if c.layernorm_zero_centered_gamma else ("ones",)
-    partial = c.sequence_parallel if partial_over_tp is None else partial_over_tp
-    for name, p in m.named_parameters():
-        P.mark(p, gamma if name == "weight" else ("zeros",), sequence_parallel=partial)
-    return m
+# ---------------------------------------------------------------------------------------------- the layer stack, top down
+class Decoder(nn.Module):
+    """This stage's layers (Megatron's TransformerBlock), then the final norm on the last stage."""
 
-
-class ZeroCenteredNorm(nn.Module):
-    """Megatron's layernorm_zero_centered_gamma (--apply-layernorm-1p; Transformer Engine's zero_centered_gamma):
-    the norm scales by 1 + weight, and the weight starts at 0, so what the optimizer and weight decay see is centered
-    on zero. The same function as torch's norm with weight 1 + gamma (tests/test_megatron_flags.py checks it):
-        LayerNorm  (x − mean) / sqrt(var + eps) · (1 + weight) + bias
-        RMSNorm    x / sqrt(mean(x²) + eps) · (1 + weight)
-    Parameter names are torch's (weight, bias), so checkpoints and converters read it as a plain norm's."""
-
-    def __init__(self, normalization: str, size: int, eps: float, dtype=None):
+    def __init__(self, c, grid, rng, num_layers: int, post_process: bool, layer_offset: int = 0, attention=None):
         super().__init__()
-        self.shape, self.eps, self.layer_norm = (size,), eps, normalization == "LayerNorm"
-        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype)) if self.layer_norm else None
+        self.c, self.rng = c, rng
+        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i, attention=attention)
+                                     for i in range(num_layers)])
+        self.final_layernorm = Norm(c) if post_process else None
 
-    def forward(self, x):
-        if self.layer_norm:
-            return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
-        return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
+    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
+        if self.c.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
+            x = self.recomputed(x, rope, mask, inference_context)
+        else:
+            for layer in self.layers:
+                x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
+
+    def recomputed(self, x, rope, mask, inference_context):
+        """The layers under full recomputation (section "recomputation"), as --recompute-method says: uniform = the
+        layers in chunks of recompute_num_layers, each chunk recomputed as one unit (only its input is kept);
+        block = the first recompute_num_layers layers each recomputed, the rest not."""
+        def run(start, end):  # layers start..end−1 as one function of (x, mask)
+            def f(x, mask):
+                for layer in self.layers[start:end]:
+                    x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
+                return x
+            return f
+
+        n, L = self.c.recompute_num_layers, len(self.layers)
+        if self.c.recompute_method == "uniform":
+            for start in range(0, L, n):
+                x = checkpoint(run(start, min(start + n, L)), self.rng, x, mask)
+        else:  # block
+            for i in range(L):
+                x = checkpoint(run(i, i + 1), self.rng, x, mask) if i < n else run(i, i + 1)(x, mask)
+        return x
 
 
-# ---------------------------------------------------------------------------------------------- attention and MLP
-class InferenceContext:
-    """The KV cache of incremental decoding (Megatron's StaticInferenceContext,
-    megatron/core/inference/contexts/static_context.py, and attention.py `_adjust_key_value_for_inference`): for each
-    attention layer, this rank's keys and values (its g/tp heads under TP) of every position fed so far, keys after
-    RoPE (as Megatron's flash-decode and dynamic paths store them, so an old key is never rotated again).
-    A recurrent layer's state rides along (`recurrent`). `sequence_len_offset` = positions already cached; the
-    model advances it after each forward. Buffers are preallocated to max_sequence_length, and doubled if a call
-    goes past it (amortized O(1) per token)."""
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x))).
 
-    def __init__(self, max_sequence_length: int | None = None):
-        self.max_sequence_length, self.sequence_len_offset, self.key_value_memory_dict = max_sequence_length, 0, {}
-        self.recurrent_states = {}  # a recurrent layer (a Mamba mixer) -> its state after the positions so far
+    apply_residual_connection_post_layernorm (legacy Megatron's flag): the residual branch starts from norm(x), not x.
+    With it, a stack of these layers plus the final norm is exactly the post-LN transformer of original BERT with its
+    norms shifted by one (layer i's input_layernorm = BERT's embedding LayerNorm for i = 0, else layer i−1's output
+    LayerNorm) — see bert.hf_to_ours."""
 
-    def recurrent(self, layer, fn, *xs):
-        """A recurrent layer over this call's positions xs [b, s, ·]: fn(*xs, state=) -> (y, the state after), run from
-        the state the previous call left (None at the first: zeros). Returns y. (Megatron's static context keeps the
-        Mamba conv and SSM states the same way, beside the keys and values.)"""
-        y, self.recurrent_states[layer] = fn(*xs, state=self.recurrent_states.get(layer))
-        return y
+    def __init__(self, c, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None, attention=None):
+        super().__init__()
+        self.c, self.rng = c, rng
+        self.input_layernorm = Norm(c)
+        self.self_attention = (attention or Attention)(c, grid, rng=rng)  # the seam: deepseek.MLASelfAttention
+        self.pre_mlp_layernorm = Norm(c)
+        if c.is_moe_layer(layer_number) if moe is None else moe:  # MoE (parallel.py section 10) instead of the MLP
+            self.mlp = moe_layer(c, grid)
+        else:
+            self.mlp = MLP(c, grid)
 
-    def append(self, layer, k, v):
-        """This call's keys and values [b, g, s, d] -> those of every position so far [b, g, t + s, d]."""
-        t, s = self.sequence_len_offset, k.shape[2]
-        K, V = self.key_value_memory_dict.get(layer, (k[:, :, :0], v[:, :, :0]))
-        if t + s > K.shape[2]:  # (re)allocate, keeping the t cached positions
-            n = max(t + s, self.max_sequence_length or 0, 2 * K.shape[2])
-            K, V = (torch.cat([B[:, :, :t], B.new_empty(*B.shape[:2], n - t, B.shape[3])], dim=2) for B in (K, V))
-            self.key_value_memory_dict[layer] = (K, V)
-        K[:, :, t:t + s], V[:, :, t:t + s] = k, v
-        return K[:, :, :t + s], V[:, :, :t + s]
+    def drop(self, x):  # hidden dropout; under SP the activations are sequence shards -> model-parallel stream
+        return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
+
+    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
+        post = self.c.apply_residual_connection_post_layernorm
+        ln = self.input_layernorm(x)
+        x = (ln if post else x) + self.drop(self.self_attention(ln, rope=rope, mask=mask,
+                                                                inference_context=inference_context))
+        ln = self.pre_mlp_layernorm(x)
+        return (ln if post else x) + self.drop(self.mlp(ln))
 
 
 class Attention(nn.Module):
@@ -147,11 +148,8 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
-        if inference_context is not None:
-            k, v = inference_context.append(self, k, v)  # [b, g, t + s, d]
-            sq, sk = q.shape[2], k.shape[2]
-            if causal and mask is None and sq != sk:  # query i is position t + i: it sees keys 0 .. t + i
-                mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(sk - sq)
+        if inference_context is not None:  # decoding: this call's keys and values join the cached ones
+            k, v, mask = with_cache(inference_context, self, q, k, v, mask, causal)  # k, v [b, g, t + s, d]
         if self.cp_attention is not None:  # context parallelism [b, n, s/cp, d]; causal as SDPA's: only without a mask
             o = self.cp_attention(q, k, v, mask, causal and mask is None, self.scale)
         elif self.recompute and self.training and torch.is_grad_enabled():  # selective recomputation
@@ -185,30 +183,6 @@ class Attention(nn.Module):
         return torch.matmul(probs, v)  # [b, n, sq, d]
 
 
-class SwiGLU(torch.autograd.Function):
-    """silu(gate) · up of fc1's output y = [gate; up] (Megatron's SwiGLUFunction, megatron/core/fusions/
-    fused_bias_swiglu.py). Autograd's chunk would join the two halves' gradients with a cat, one more copy of
-    [s, b, 2f]; this backward writes each half in place into one buffer. The ops are autograd's own (mul,
-    silu_backward), so the gradient is the same to the bit."""
-
-    @staticmethod
-    def forward(ctx, y):  # [s, b, 2f] -> [s, b, f]
-        gate, up = y.chunk(2, dim=-1)
-        act = F.silu(gate)
-        ctx.save_for_backward(y, act)  # what autograd would keep: y (gate and up are its views) and silu(gate)
-        return act * up
-
-    @staticmethod
-    def backward(ctx, grad):  # [s, b, f] -> [s, b, 2f]
-        y, act = ctx.saved_tensors
-        gate, up = y.chunk(2, dim=-1)
-        dy = torch.empty_like(y)
-        dgate, dup = dy.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=dgate)
-        torch.mul(grad, act, out=dup)
-        return dy
-
-
 class MLP(nn.Module):
     """h -> f -> h. Gated (SwiGLU): fc1 holds [gate; up] fused, sharded with stride 2 so rank r has [gate_r; up_r]."""
 
@@ -235,6 +209,68 @@ class MLP(nn.Module):
         return self.linear_fc2(y)  # [s(/tp), b, h]
 
 
+def Norm(c, size: int | None = None, partial_over_tp: bool | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm over `size` (default h; MLA's latents: their rank; q/k norms: the head dim d); under
+    sequence parallelism its weights see s/tp tokens, so their grads are partial (`partial_over_tp`: summed over TP
+    by parallel.finalize_grads; default: under SP). Zero-centered (layernorm_zero_centered_gamma): ZeroCenteredNorm."""
+    size = size or c.hidden_size
+    if c.layernorm_zero_centered_gamma:
+        m = ZeroCenteredNorm(c.normalization, size, c.layernorm_epsilon, c.params_dtype)
+    else:
+        cls = nn.LayerNorm if c.normalization == "LayerNorm" else nn.RMSNorm
+        m = cls(size, eps=c.layernorm_epsilon, dtype=c.params_dtype)
+    gamma = ("zeros",) if c.layernorm_zero_centered_gamma else ("ones",)
+    partial = c.sequence_parallel if partial_over_tp is None else partial_over_tp
+    for name, p in m.named_parameters():
+        P.mark(p, gamma if name == "weight" else ("zeros",), sequence_parallel=partial)
+    return m
+
+
+# ---------------------------------------------------------------------------------------------- the optional parts
+class ZeroCenteredNorm(nn.Module):
+    """Megatron's layernorm_zero_centered_gamma (--apply-layernorm-1p; Transformer Engine's zero_centered_gamma):
+    the norm scales by 1 + weight, and the weight starts at 0, so what the optimizer and weight decay see is centered
+    on zero. The same function as torch's norm with weight 1 + gamma (tests/test_megatron_flags.py checks it):
+        LayerNorm  (x − mean) / sqrt(var + eps) · (1 + weight) + bias
+        RMSNorm    x / sqrt(mean(x²) + eps) · (1 + weight)
+    Parameter names are torch's (weight, bias), so checkpoints and converters read it as a plain norm's."""
+
+    def __init__(self, normalization: str, size: int, eps: float, dtype=None):
+        super().__init__()
+        self.shape, self.eps, self.layer_norm = (size,), eps, normalization == "LayerNorm"
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype)) if self.layer_norm else None
+
+    def forward(self, x):
+        if self.layer_norm:
+            return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
+        return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
+
+
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) · up of fc1's output y = [gate; up] (Megatron's SwiGLUFunction, megatron/core/fusions/
+    fused_bias_swiglu.py). Autograd's chunk would join the two halves' gradients with a cat, one more copy of
+    [s, b, 2f]; this backward writes each half in place into one buffer. The ops are autograd's own (mul,
+    silu_backward), so the gradient is the same to the bit."""
+
+    @staticmethod
+    def forward(ctx, y):  # [s, b, 2f] -> [s, b, f]
+        gate, up = y.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(y, act)  # what autograd would keep: y (gate and up are its views) and silu(gate)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):  # [s, b, f] -> [s, b, 2f]
+        y, act = ctx.saved_tensors
+        gate, up = y.chunk(2, dim=-1)
+        dy = torch.empty_like(y)
+        dgate, dup = dy.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=dgate)
+        torch.mul(grad, act, out=dup)
+        return dy
+
+
 class SharedExpertMLP(MLP):
     """An MoE layer's shared expert (Megatron's SharedExpertMLP, moe/shared_experts.py): an MLP of
     moe_shared_expert_intermediate_size that every token goes through. With moe_shared_expert_gate its output is
@@ -259,69 +295,47 @@ def moe_layer(c, grid=None):
     return P.MoELayer(c, grid, ACTIVATIONS[c.activation], shared)
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm layer: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x))).
+class InferenceContext:
+    """The KV cache of incremental decoding (Megatron's StaticInferenceContext,
+    megatron/core/inference/contexts/static_context.py, and attention.py `_adjust_key_value_for_inference`): for each
+    attention layer, this rank's keys and values (its g/tp heads under TP) of every position fed so far, keys after
+    RoPE (as Megatron's flash-decode and dynamic paths store them, so an old key is never rotated again).
+    A recurrent layer's state rides along (`recurrent`). `sequence_len_offset` = positions already cached; the
+    model advances it after each forward. Buffers are preallocated to max_sequence_length, and doubled if a call
+    goes past it (amortized O(1) per token)."""
 
-    apply_residual_connection_post_layernorm (legacy Megatron's flag): the residual branch starts from norm(x), not x.
-    With it, a stack of these layers plus the final norm is exactly the post-LN transformer of original BERT with its
-    norms shifted by one (layer i's input_layernorm = BERT's embedding LayerNorm for i = 0, else layer i−1's output
-    LayerNorm) — see bert.hf_to_ours."""
+    def __init__(self, max_sequence_length: int | None = None):
+        self.max_sequence_length, self.sequence_len_offset, self.key_value_memory_dict = max_sequence_length, 0, {}
+        self.recurrent_states = {}  # a recurrent layer (a Mamba mixer) -> its state after the positions so far
 
-    def __init__(self, c, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None, attention=None):
-        super().__init__()
-        self.c, self.rng = c, rng
-        self.input_layernorm = Norm(c)
-        self.self_attention = (attention or Attention)(c, grid, rng=rng)  # the seam: deepseek.MLASelfAttention
-        self.pre_mlp_layernorm = Norm(c)
-        if c.is_moe_layer(layer_number) if moe is None else moe:  # MoE (parallel.py section 10) instead of the MLP
-            self.mlp = moe_layer(c, grid)
-        else:
-            self.mlp = MLP(c, grid)
+    def recurrent(self, layer, fn, *xs):
+        """A recurrent layer over this call's positions xs [b, s, ·]: fn(*xs, state=) -> (y, the state after), run from
+        the state the previous call left (None at the first: zeros). Returns y. (Megatron's static context keeps the
+        Mamba conv and SSM states the same way, beside the keys and values.)"""
+        y, self.recurrent_states[layer] = fn(*xs, state=self.recurrent_states.get(layer))
+        return y
 
-    def drop(self, x):  # hidden dropout; under SP the activations are sequence shards -> model-parallel stream
-        return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
-
-    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
-        post = self.c.apply_residual_connection_post_layernorm
-        ln = self.input_layernorm(x)
-        x = (ln if post else x) + self.drop(self.self_attention(ln, rope=rope, mask=mask,
-                                                                inference_context=inference_context))
-        ln = self.pre_mlp_layernorm(x)
-        return (ln if post else x) + self.drop(self.mlp(ln))
+    def append(self, layer, k, v):
+        """This call's keys and values [b, g, s, d] -> those of every position so far [b, g, t + s, d]."""
+        t, s = self.sequence_len_offset, k.shape[2]
+        K, V = self.key_value_memory_dict.get(layer, (k[:, :, :0], v[:, :, :0]))
+        if t + s > K.shape[2]:  # (re)allocate, keeping the t cached positions
+            n = max(t + s, self.max_sequence_length or 0, 2 * K.shape[2])
+            K, V = (torch.cat([B[:, :, :t], B.new_empty(*B.shape[:2], n - t, B.shape[3])], dim=2) for B in (K, V))
+            self.key_value_memory_dict[layer] = (K, V)
+        K[:, :, t:t + s], V[:, :, t:t + s] = k, v
+        return K[:, :, :t + s], V[:, :, :t + s]
 
 
-class Decoder(nn.Module):
-    """This stage's layers (Megatron's TransformerBlock), with full recomputation as --recompute-method says:
-    uniform = the layers in chunks of recompute_num_layers, each chunk recomputed as one unit (only its input is
-    kept); block = the first recompute_num_layers layers each recomputed, the rest not."""
-
-    def __init__(self, c, grid, rng, num_layers: int, post_process: bool, layer_offset: int = 0, attention=None):
-        super().__init__()
-        self.c, self.rng = c, rng
-        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i, attention=attention)
-                                     for i in range(num_layers)])
-        self.final_layernorm = Norm(c) if post_process else None
-
-    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
-        def run(start, end):  # layers start..end−1 as one function of (x, mask)
-            def f(x, mask):
-                for layer in self.layers[start:end]:
-                    x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
-                return x
-            return f
-
-        c, L = self.c, len(self.layers)
-        if c.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
-            n = c.recompute_num_layers
-            if c.recompute_method == "uniform":
-                for start in range(0, L, n):
-                    x = checkpoint(run(start, min(start + n, L)), self.rng, x, mask)
-            else:  # block
-                for i in range(L):
-                    x = checkpoint(run(i, i + 1), self.rng, x, mask) if i < n else run(i, i + 1)(x, mask)
-        else:
-            x = run(0, L)(x, mask)
-        return self.final_layernorm(x) if self.final_layernorm is not None else x
+def with_cache(cache, layer, q, k, v, mask=None, causal=True):
+    """Decoding: this call's keys and values [b, g, s, d] join the cache (`cache.append`: an InferenceContext, or
+    serving/engine.py's paged cache), and its queries q [b, n, s, d] get the mask they need: causal over every
+    cached key when none is given (query i is position t + i: it sees keys 0 .. t + i). -> k, v [b, g, t + s, d], mask."""
+    k, v = cache.append(layer, k, v)
+    sq, sk = q.shape[2], k.shape[2]
+    if causal and mask is None and sq != sk:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+    return k, v, mask
 
 
 # ---------------------------------------------------------------------------------------------- recomputation
@@ -384,8 +398,8 @@ def checkpoint(fn, rng, *args):
 # Mirrors Megatron-LM's `megatron/core/models/common/embeddings/rotary_pos_embedding.py` (rotate-half layout, float32
 # angles, `--rotary-percent`, `--rotary-seq-len-interpolation-factor`, `--use-rope-scaling`), `yarn_rotary_pos_embedding.py`
 # (`--position-embedding-type yarn`) and `rope_utils.py` (`_apply_rotary_pos_emb_bshd`: rotate the first dims, pass the
-# rest). A file of its own because the position scalings live beside the plain angles they modify, each next to its
-# formula; gpt.py, the later models and the attention layers all read it.
+# rest). A section of its own because the position scalings live beside the plain angles they modify, each next to
+# its formula; gpt.py, the later models and the attention layers all read it.
 # Papers: Su et al. 2021 (RoFormer: rotary position embedding); Chen et al. 2023 (Extending context window of LLMs via
 #         position interpolation: "linear"); Peng et al. 2023 (YaRN); Meta 2024 (The Llama 3 herd of models: "llama3").
 #

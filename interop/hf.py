@@ -6,34 +6,11 @@ a checkpoint of ours that any run starts from, and a run goes back out as a fold
     tools.py export --load RUN2 --hf-out OUT   config.json, safetensors in the folder's layout, its tokenizer files
 
 This is Megatron-Bridge's flow (AutoBridge.import_ckpt, then training from the Megatron checkpoint, then export) and
-ms-swift's (`swift export --to_mcore`, `megatron sft --load`, `--to_hf`). A file of its own because it joins three
-others and belongs to none: the folder's bytes (safetensors, read lazily), the converters each model file declares
-(config.ModelFile.HF_CONVERTERS, built on interop/convert.py's machinery), and checkpoint.py's format.
-
-How it works
-  reading     read_folder lists every tensor of the folder (one model.safetensors, or the shards that
-              model.safetensors.index.json names) with its dtype and shape, reading no tensor data. `file_state` makes
-              the folder a state dict whose tensors are read on access (real), made empty (meta: shapes only) or
-              numbered (ids); `memory_state` renames and stacks it into the layout `transformers` holds in memory
-              (its conversion_mapping: Mixtral's and the Qwen-MoE family's per-expert tensors stacked, LLaVA's
-              prefixes), which is the layout the converters read, so one converter serves a folder and a
-              live `transformers` model (the tests' oracle) alike.
-  import      (tools.py import_hf) the converter turns the whole state into our full state dict once, in one process;
-              the checkpoint it writes is sharded DCP, so every training rank later reads only its own slices, at any
-              TP/PP/DP — no rank ever holds a full copy.
-  the model   the run records the folder's architecture — config.json and the list of its tensors, not their
-              values — as the setting `hf_architecture` (arguments.ARCH_FLAGS: every run started from it carries it),
-              and arguments.model_config builds the Config from it (`architecture`): the converter, run on meta
-              tensors. Flags that would change the architecture are refused by name.
-  export      by tracing, never by a second hand-written mapping: the converter runs on the folder's layout filled
-              with element numbers (ids: 1, 2, 3, ... over every tensor), so each element of our state dict says which
-              element of which Hugging Face tensor it came from, and export writes our values back there. Import then
-              export is the identity on every tensor by construction, for every family that imports. A converter
-              that computes (rather than moves) values would break that; `export` then refuses by name. A tensor the
-              model never reads (CLIP's post_layernorm, vision layers past the selected one, the copy of a tied
-              embedding) is left out, with a note: transformers initialises it, and it changes no logit. A tensor the
-              folder stores twice where our model holds it once (a layout's "copies": DeepSeek-V3's MTP layers repeat
-              the embedding and output weights) must equal its source on import and is written again on export.
+ms-swift's (`swift export --to_mcore`, `megatron sft --load`, `--to_hf`). Reading: read_folder and file_state (the
+folder's tensors, read lazily), memory_state (the layout `transformers` holds in memory: the converters read it);
+import: tools.py import_hf, one full state dict written as sharded DCP; the run's architecture: `hf_architecture`
+(arguments.model_config); export: by tracing the converter on element numbers, so that import then export is the
+identity on every tensor. How and why: DESIGN.md §1, "Hugging Face folders in and out".
 
 Dimension glossary: gpt.py's. Tests: tests/test_hf_folders.py, test_hf_mtp.py (DeepSeek-V3's MTP layers, copies),
 test_hf_first_loss.py.
@@ -326,9 +303,9 @@ class ExportError(ConfigError):
 
 
 def export_state(arch: dict, full: dict, dtype=None) -> tuple[dict, list]:
-    """Our full state dict -> ({stored name: tensor} in the folder's own layout, [names left out]), by tracing (see
-    the module docstring): each element of ours goes back to the element of the folder it came from. `dtype`: of the
-    tensors written (None: each tensor's dtype in the folder)."""
+    """Our full state dict -> ({stored name: tensor} in the folder's own layout, [names left out]), by tracing
+    (DESIGN.md §1, "Hugging Face folders in and out"): each element of ours goes back to the element of the folder it
+    came from. `dtype`: of the tensors written (None: each tensor's dtype in the folder)."""
     folder = _folder_of(arch)
     traced = import_trace(arch).ids
     total = 1 + sum(math.prod(s) for _, _, s in folder.tensors.values())

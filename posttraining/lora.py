@@ -16,27 +16,9 @@ Dimension glossary
 
 The plain oracle (one process, `reference`):   y = x·Wᵀ + c·(x·Aᵀ)·Bᵀ,   c = alpha/r,   A [r, i],  B [o, r]
 
-Tensor parallelism. The adapter is split like its base weight, so that the low-rank product needs only one small
-collective on [s, b, r] — the same mapping the base layer applies, moved to the rank-r side of A:
-  column-parallel base (W [o/tp, i], rows split):   A [r, i] replicated,  B [o/tp, r] split by rows like W
-        y_t = f(x)·W_tᵀ  +  c·f(x·Aᵀ)·B_tᵀ          f: copy_to_tp (identity; backward all-reduce) or, under sequence
-                                                      parallelism, gather_from_sp (all-gather s; backward reduce-scatter)
-    f(x)·Aᵀ = f(x·Aᵀ) because A acts on each token alone and is the same on every rank. Backward: f sums the TP
-    ranks' partial dh = dy_t·B_t, so dA = dhᵀ·x is whole — except under SP, where each rank holds dA for its s/tp
-    tokens only: A is then marked `sequence_parallel` and finalize_grads sums it over TP (as LayerNorm weights).
-  row-parallel base (W [o, i/tp], columns split):  A [r, i/tp] split by columns like W,  B [o, r] replicated
-        y = g(x_t·W_tᵀ) + c·g(x_t·A_tᵀ)·Bᵀ           g: reduce_from_tp (all-reduce) or, under SP,
-                                                      reduce_scatter_to_sp (reduce-scatter s; backward all-gather)
-    g(·)·Bᵀ = g(·Bᵀ) because B is linear and replicated. Under SP the output y is a sequence shard, so dB = dyᵀ·h holds
-    this rank's tokens only: B is marked `sequence_parallel` (summed over TP by finalize_grads).
-  SwiGLU's linear_fc1 is split with stride 2 ([gate_t; up_t] on rank t): B is split with W's stride, so row j of B_t
-  belongs to row j of W_t and the merge W_t + c·B_t·A stays local.
-Merging needs no communication in either case: W_t += c·B_t·A (column) and W_t += c·B·A_t (row) are each rank's
-slice of W + c·B·A. Adapters are initialized like every parameter (parallel.init_params): the full tensor from
-(seed, global name), then sliced — A ~ N(0, 1/i) with i the full input dim (Kaiming-normal, gain 1), B = 0, so the
-adapted model starts exactly at the base model and any layout holds the same adapters.
-Dropout (--lora-dropout) acts on the adapter's input x, from the stream parallel.dropout picks: the default one for
-the replicated input of a column-parallel layer, the model-parallel one for sequence or hidden-dim shards.
+Under tensor parallelism the adapter is split like its base weight and uses the base layer's own collective on its
+rank-r side (column-parallel base: A replicated, B split; row-parallel: A split, B replicated), so merging needs no
+communication and any layout holds the same adapters: the derivation is DESIGN.md §1, "Post-training".
 """
 from __future__ import annotations
 
@@ -59,7 +41,7 @@ class LoRAError(ConfigError):
 
 class LoRA(nn.Module):
     """The adapter of one tensor-parallel linear `base`: forward(x) = c·(x·Aᵀ)·Bᵀ with the base layer's collective
-    (see the module's docstring). `base` itself is not held (it owns this module as `base.lora`)."""
+    (DESIGN.md §1, "Post-training": the derivation). `base` itself is not held (it owns this module as `base.lora`)."""
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, rng=None):
         super().__init__()

@@ -18,53 +18,9 @@ Dimension glossary
   N records (= samples)   R rows per sample (sft 3, dpo/rm/kto 5)   s --seq-length (a row holds s + 1 tokens)
   gbs global batch size
 
-Section 1 (task data). A JSON-lines file holds one record per line:
-  sft       {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}  or  {"prompt", "response"}
-  dpo, rm   {"prompt", "chosen", "rejected"}
-  kto       {"prompt", "completion", "label": true|false}
-A record becomes text through the chat template (CHAT_TEMPLATE), tokenized piece by piece, so the loss mask falls
-exactly on the assistant's tokens. A 2-turn conversation renders as (<|endoftext|> is the eod token itself):
-
-    <|system|>
-    You are terse.
-    <|user|>
-    Add 2 and 3.
-    <|assistant|>
-    5<|endoftext|><|user|>
-    And 4 and 4?
-    <|assistant|>
-    8<|endoftext|>
-
-The loss covers "5<|endoftext|>" and "8<|endoftext|>" only: each assistant turn ends with eod, which is part of the
-loss, so the model learns to stop (gpt.Model.generate stops at eod). Role markers are plain text (BPE pieces, no new
-vocabulary); special-token strings inside a record's text are encoded as plain text, so only the template's eod is
-ever an eod. The same template serves the trained model: chat_prompt_ids is tools.py sample --chat's prompt (a user
-turn, then the assistant's header, tokenized piece by piece like a sample), and chat_template_jinja is it as a Jinja
-chat template, which tools.py export writes for transformers' apply_chat_template. transformers tokenizes the whole
-rendered string, not piece by piece: the same ids, except where a message starts or ends with whitespace or holds
-special-token text (tests/test_serve_export.py shows both).
-A run on a Hugging Face tokenizer folder with a chat template of its own (tokenizer_files.folder_tokenizer: Roles.chat_template)
-renders conversations with that template instead, exactly as transformers' apply_chat_template does
-(tokenizer_files.apply_chat_template), and encodes the render whole as its tokenize=True does (template_ids; encode_chat picks
-the path): the loss mask covers each assistant turn from the end of the template's render of the turns before it with
-add_generation_prompt to the end of its render through that turn (the content, then the template's end-of-turn
-text), found by these prefix renders; a template whose prefix render is not a prefix of the whole is refused, and so
-is a message holding a special token's text (encoded whole it would become that control token).
-A sample is a numpy int64 array [R, s+1] (the SAMPLE FORMAT): token rows right-padded with eod, 0/1 mask rows
-(mask[t] = 1 iff token t is a response token: input tok[:-1], labels tok[1:], loss mask mask[1:]) and the META row
-last (meta[0] = the KTO label; meta[1] = the index in the global batch, filled by the recipe). Samples are never
-truncated. KTO's kl row pairs the prompt with the NEXT record's completion in file order ((i + 1) mod N), the
-KTO paper's mismatched pairs for the reference point z0, fixed by the data so it cannot depend on the layout.
-SFT --packing puts several samples back to back (greedy, in order) in one row; every sample ends with eod, so
-data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them (a sample
-that does not end with its only eod, as many folders' templates write them, is refused).
-Without --data-path, example_records builds records from the stdlib's functions (ast): the prompt is an instruction,
-the signature and the docstring; the response is the true body; a rejected/undesirable answer is another function's
-body or the true body with its lines shuffled. Their samples are built once and cached in --data-cache-dir
-(example_samples).
-
-Section 2 (task losses and the reference model): see its header. Section 3 (what a task adds to the model: the
-frozen reference, the value head): `setup_task`, which train.py calls once.
+Section 1 (task data: the record formats, the chat template, the SAMPLE FORMAT, the example records), section 2 (task
+losses and the reference model) and section 3 (what a task adds to the model: the frozen reference, the value head;
+`setup_task`, which train.py calls once) each open with a header that says what they hold.
 """
 from __future__ import annotations
 
@@ -94,6 +50,50 @@ from interop import tokenizer_files
 from posttraining import lora
 
 # ==== 1. Task data: JSON-lines records, chat template, samples, example data, datasets
+# A JSON-lines file holds one record per line:
+#   sft       {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}  or  {"prompt", "response"}
+#   dpo, rm   {"prompt", "chosen", "rejected"}
+#   kto       {"prompt", "completion", "label": true|false}
+# A record becomes text through the chat template (CHAT_TEMPLATE), tokenized piece by piece, so the loss mask falls
+# exactly on the assistant's tokens. A 2-turn conversation renders as (<|endoftext|> is the eod token itself):
+#
+#     <|system|>
+#     You are terse.
+#     <|user|>
+#     Add 2 and 3.
+#     <|assistant|>
+#     5<|endoftext|><|user|>
+#     And 4 and 4?
+#     <|assistant|>
+#     8<|endoftext|>
+#
+# The loss covers "5<|endoftext|>" and "8<|endoftext|>" only: each assistant turn ends with eod, which is part of the
+# loss, so the model learns to stop (gpt.generate stops at eod). Role markers are plain text (BPE pieces, no new
+# vocabulary); special-token strings inside a record's text are encoded as plain text, so only the template's eod is
+# ever an eod. The same template serves the trained model: chat_prompt_ids is tools.py sample --chat's prompt (a user
+# turn, then the assistant's header, tokenized piece by piece like a sample), and chat_template_jinja is it as a Jinja
+# chat template, which tools.py export writes for transformers' apply_chat_template. transformers tokenizes the whole
+# rendered string, not piece by piece: the same ids, except where a message starts or ends with whitespace or holds
+# special-token text (tests/test_serve_export.py shows both).
+# A run on a Hugging Face tokenizer folder with a chat template of its own (tokenizer_files.folder_tokenizer: Roles.chat_template)
+# renders conversations with that template instead, exactly as transformers' apply_chat_template does
+# (tokenizer_files.apply_chat_template), and encodes the render whole as its tokenize=True does (template_ids; encode_chat picks
+# the path): the loss mask covers each assistant turn from the end of the template's render of the turns before it with
+# add_generation_prompt to the end of its render through that turn (the content, then the template's end-of-turn
+# text), found by these prefix renders; a template whose prefix render is not a prefix of the whole is refused, and so
+# is a message holding a special token's text (encoded whole it would become that control token).
+# A sample is a numpy int64 array [R, s+1] (the SAMPLE FORMAT): token rows right-padded with eod, 0/1 mask rows
+# (mask[t] = 1 iff token t is a response token: input tok[:-1], labels tok[1:], loss mask mask[1:]) and the META row
+# last (meta[0] = the KTO label; meta[1] = the index in the global batch, filled by the recipe). Samples are never
+# truncated. KTO's kl row pairs the prompt with the NEXT record's completion in file order ((i + 1) mod N), the
+# KTO paper's mismatched pairs for the reference point z0, fixed by the data so it cannot depend on the layout.
+# SFT --packing puts several samples back to back (greedy, in order) in one row; every sample ends with eod, so
+# data.get_ltor_masks_and_position_ids(reset_position_ids=True, reset_attention_mask=True) isolates them (a sample
+# that does not end with its only eod, as many folders' templates write them, is refused).
+# Without --data-path, example_records builds records from the stdlib's functions (ast): the prompt is an instruction,
+# the signature and the docstring; the response is the true body; a rejected/undesirable answer is another function's
+# body or the true body with its lines shuffled. Their samples are built once and cached in --data-cache-dir
+# (example_samples).
 
 TASKS = ("sft", "dpo", "kto", "rm")
 EOD_TEXT = tokenizer_files.SPECIAL_TOKENS[0]  # "<|endoftext|>": a piece of exactly this text becomes the eod id

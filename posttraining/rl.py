@@ -1,48 +1,16 @@
 """posttraining/rl.py — online reinforcement learning on the parallel backend: GRPO and PPO, their rollouts drawn from
 serving/engine.py's engine.
 
-Offline tasks (posttraining/recipes.py) learn from fixed records; GRPO and PPO learn from what the policy itself writes. Each
-global batch holds P prompts; before the policy's pass, Task.prepare, on every rank:
-  1. gathers the policy's current weights into a one-process replica (TP shards all-gathered, pipeline stages' and
-     expert-parallel ranks' parameters exchanged): in memory, never through disk, so rollouts see this step's weights;
-  2. samples G completions of each of this DP rank's prompts with serve.Engine on the replica (continuous batching
-     over a paged KV cache; completion j of the prompt of record i seeded by (--seed, iteration, i, j), so every
-     layout draws the same completions);
-  3. scores each with the reward function (--reward-function FILE:NAME; by default the shipped bracket check) or
-     a reward model trained by --task rm (--reward-model RUN: sharded like the policy, in a forward-only pass of the
-     policy's schedule, when it has the policy's architecture; else whole in every process);
-  4. group-normalises the rewards into advantages: A = (r - mean of its group) / (std of its group + 1e-4);
-  5. runs the frozen reference (forward only) for the KL term, and with --grpo-iterations mu > 1 the policy too, for
-     the old log-probs of the clipped ratio (the same rollouts then serve mu optimizer steps, their log-probs kept).
-The policy's pass then minimises, per completion token (DeepSeekMath's GRPO objective):
-     ratio = exp(logp - old)     kl = exp(ref - logp) - (ref - logp) - 1     (Schulman's k3 estimator, >= 0)
-     loss = -(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) - beta * kl)
-summed over completion tokens / their global count (--grpo-loss-average token, the one loss rule on tokens; DAPO's),
-or each completion's mean summed / the global count of completions (sequence: the GRPO paper's average).
-Mirrors Hugging Face TRL's trl/trainer/grpo_trainer.py (the loss, num_generations, num_iterations, beta, epsilon) and
-the GRPO trainers of ms-swift and NeMo-RL on Megatron-core (rollouts from an inference engine that is handed the
-trainer's weights each step). Papers: Shao et al. 2024, "DeepSeekMath" (GRPO); Schulman 2020, "Approximating KL
-divergence" (k3); Yu et al. 2025, "DAPO" (token-level averaging).
-
-PPO (--task ppo; InstructGPT's RLHF) adds a critic: a value head beside the output on the policy's last stage (one
-trunk: its final hidden states -> Linear h -> 1, recipes.ValueHead, saved as `value_head.weight`; add_critic). Steps
-1-3 are GRPO's (G = --grpo-group-size completions per prompt, 1 allowed; the batch counted in prompts); then
-  4. one forward-only pass of the policy gives the rollout's log-probs `old` and values V_old per completion token, and
-     the frozen reference (LoRA: adapters off) its log-probs `ref` (none when --ppo-kl-coef is 0);
-  5. per-token rewards r_t = -kl_coef * (old_t - ref_t), plus the completion's score at its last token; GAE
-     (--ppo-gamma, --ppo-lambda) over each completion's tokens: delta_t = r_t + gamma V_{t+1} - V_t (0 after the last
-     token), A_t = delta_t + gamma lambda A_{t+1}, returns R_t = A_t + V_t; the advantages then whitened over EVERY
-     completion token of the global batch (mean and Bessel variance summed over DP ranks, TRL's masked_whiten: always).
-The policy's pass minimises, per completion token, summed / the global count of completion tokens:
-     ratio = exp(logp - old)     pg = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)     (eps: --grpo-clip-eps)
-     vf = 1/2 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)                      (c: --ppo-cliprange-value)
-     loss = pg + vf_coef * vf                                                            (--ppo-vf-coef)
-no KL term in the loss (it is in the rewards); --grpo-iterations mu steps per batch of rollouts, old and V_old kept.
-Mirrors TRL's trl/trainer/ppo_trainer.py (per-token KL rewards, GAE, whitening, clipped value loss) and OpenRLHF's
-PPO. Papers: Ouyang et al. 2022, "Training language models to follow instructions" (InstructGPT); Stiennon et al.
-2020, "Learning to summarize from human feedback"; Schulman et al. 2016, "High-dimensional continuous control using
-generalized advantage estimation" (GAE), 2017, "Proximal policy optimization algorithms"; Huang et al. 2024, "The N+
-implementation details of RLHF with PPO".
+Offline tasks (posttraining/recipes.py) learn from fixed records; GRPO and PPO learn from what the policy itself
+writes. Each global batch holds P prompts; before the policy's pass, Task.prepare, on every rank, gathers the policy's
+current weights into a one-process replica (in memory), samples G completions of each prompt with serve.Engine on it
+(each seeded by (--seed, iteration, record, j): every layout draws the same ones), scores them (a reward function or
+a --task rm reward model) and makes advantages of the scores — GRPO: normalised within each prompt's group; PPO: per-
+token KL rewards and GAE over a value head beside the output. The steps and the losses: DESIGN.md §7, "Online RL".
+Mirrors Hugging Face TRL's trl/trainer/grpo_trainer.py and ppo_trainer.py, the GRPO trainers of ms-swift and NeMo-RL
+on Megatron-core (rollouts from an inference engine handed the trainer's weights each step) and OpenRLHF's PPO.
+Papers: Shao et al. 2024 (DeepSeekMath: GRPO); Schulman 2020 (the k3 KL estimator); Yu et al. 2025 (DAPO); Ouyang et
+        al. 2022 (InstructGPT); Schulman et al. 2016 (GAE) and 2017 (PPO); Huang et al. 2024 (PPO's N+ details).
 
 Run:    make train ARGS="--task ppo --pretrained-checkpoint runs/gpt-sft"      # (--task grpo: README's chain)
         .venv/bin/python tools.py rl --eval runs/gpt-ppo           # held-out reward, greedy and sampled

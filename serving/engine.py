@@ -4,24 +4,14 @@ What gpt.generate does for one batch of equal prompts that start and stop togeth
 requests that arrive at any step, each with its own prompt length, sampling settings and stopping point. Each
 `Engine.step()` runs ONE forward over every running request: new requests' whole prompts (prefill) and running
 requests' last tokens (decode) packed side by side in one sequence dimension, each token at its own position and
-attending only to its own request's cached keys (a block-diagonal causal mask). The keys and values live in a
-paged cache: a pool of fixed-size blocks per layer, a free list, and a block table per request that grows a block at
-a time and is freed whole when the request finishes, so memory follows the tokens actually held, not the longest
-request (Kwon et al. 2023, PagedAttention / vLLM). A file of its own because it is neither a model nor training: it
-drives any model built on gpt.Model's skeleton through forward's existing seams (position_ids, mask,
-inference_context), and an OpenAI-compatible server is to be built on its Engine.
-A model with recurrent layers (the Mamba layers of a hybrid) needs no KV cache there but a state per sequence: each
-running request holds a state slot, taken at admission and given back when it finishes; the layer asks the cache
-for it (`PagedKVCache.recurrent`), a prefill starts from a zero state, a decode continues from the slot's. The
-engine never asks which model it serves: a model without such layers never calls `recurrent`.
-A request may carry the model's own inputs for its prompt (LLaVA's image: add_request(ids, params, pixel_values=));
-the step that prefills it passes them, stacked over that step's prefills in the row's order, to the model.
-Each request may ask for logprobs (SamplingParams.logprobs): its sampled tokens' and the top N, from the raw logits.
+attending only to its own request's cached keys (a block-diagonal causal mask). The keys and values live
+in a paged cache (fixed-size blocks, a block table per request: Kwon et al.'s PagedAttention); a recurrent layer (a
+Mamba mixer) holds a state slot per request instead; a request may carry its own model inputs (LLaVA's image) and ask
+for logprobs. How and why: DESIGN.md §1, "The serving engine".
 Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
 pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
-add_request, step, scheduling). The attention here is written plainly (a gather of each request's keys and a dense
-mask), correctness first: Megatron and vLLM read the blocks inside a fused kernel instead. Beside it, the plain
-sequential oracle: `generate_one`, one request alone in the static KV cache (transformer.InferenceContext).
+add_request, step, scheduling). Beside it, the plain sequential oracle: `generate_one`, one request alone in the
+static KV cache (transformer.InferenceContext).
 Paper:  Kwon et al. 2023 (Efficient memory management for large language model serving with PagedAttention).
 
 Run:    .venv/bin/python -m pytest -q tests/test_serve.py

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import gpt
@@ -194,7 +194,15 @@ def gpt_layouts(draw):
     return tp, cfg, draw(st.booleans()), draw(st.sampled_from([1, 2])), 4 * draw(st.sampled_from([2, 3]))
 
 
+TP4_GQA = (4, dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, kv_channels=4,
+                   ffn_hidden_size=32, vocab_size=101, make_vocab_size_divisible_by=4, max_position_embeddings=32,
+                   position_embedding_type="rope", normalization="RMSNorm", activation="silu", gated_linear_unit=True,
+                   add_bias_linear=False, share_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                   attention_dropout=0.0, params_dtype=torch.float64, seed=3), True, 2, 8)
+
+
 @given(gpt_layouts())
+@example(TP4_GQA)  # the widest layout, whatever the profile draws
 def test_gpt_tensor_parallel_equals_single_process_float64(pool, layout):
     tp, cfg, sp, b, s = layout
     got = pool.run(gpt_tp_case, tp, cfg=cfg, sp=sp, batch_seed=7, b=b, s=s)[0]

@@ -10,7 +10,8 @@ MoE fields, Megatron-core's state dicts and distributed checkpoints, and the exp
 It imports no model file (parallel.py, transformer.py for YaRN's mscale, interop/tokenizer_files.py for the chat
 stop tokens, interop/hf.py for ExportError): parallel, transformer, tokenizer_files, hf <- convert <- deepseek, gpt <-
 bert / t5 / mamba / llava / retro. A converter is converter(src, Config, dtype=None) -> (Config, full state dict),
-`src` a `transformers` model or interop/hf.py's view of a folder; each model file's from_hf / from_megatron hands the dict to `load`.
+`src` a `transformers` model or interop/hf.py's view of a folder; each model file's from_hf / from_megatron hands
+the dict to `load`.
   Hugging Face   GPT-2 and the Llama family (gpt.py), DeepSeek-V3 (deepseek.py), BERT (bert.py), T5 (t5.py), Mamba-2
                  (mamba.py), LLaVA (llava.py): our external oracles — tests/test_hf.py, test_mla_mtp.py, test_bert.py,
                  test_t5.py, test_mamba.py, test_llava.py check that the logits match.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -59,7 +60,8 @@ def decode(tok, ids):
 def test_chat_template_renders_the_docstring_example(tok, eod):
     pieces = PT.render_chat(TWO_TURNS)
     text = "".join(t for t, _ in pieces)
-    block = PT.__doc__.split("exactly on the assistant's tokens. A 2-turn conversation renders as")[1]
+    comment = "\n".join(line[2:] for line in Path(PT.__file__).read_text().splitlines() if line.startswith("#"))
+    block = comment.split("exactly on the assistant's tokens. A 2-turn conversation renders as")[1]  # section 1's
     documented = "\n".join(line[4:] for line in block.split("\n\n")[1].split("\n"))
     assert text == documented and text.endswith("8<|endoftext|>")  # the documented rendering, exactly
     assert "".join(t for t, a in pieces if a) == "5<|endoftext|>8<|endoftext|>"

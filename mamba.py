@@ -477,10 +477,8 @@ def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, t
 
 
 def flops(c: Config, B: int, s: int) -> float:
-    """Megatron's hybrid_flops (megatron/training/training.py): per layer symbol of the pattern (M Mamba, * attention,
-    - MLP, E MoE), forward x 3. Megatron writes the Mamba width as d_in = 2·h (expand 2); here it is the config's H·P,
-    the same number unless mamba_num_heads is set to another width (then this counts the mixer that runs). MTP:
-    Megatron's hybrid count adds only each depth's logit layer, not the depths' own layers; so does this (a floor)."""
+    """Megatron's hybrid_flops (megatron/training/training.py): per layer symbol of the pattern, forward x 3; the
+    Mamba width d_in is the config's H·P, MTP adds only each depth's logit layer (DESIGN.md §6)."""
     h, t = c.hidden_size, c.layer_types
     d_in, H, G, N = c.d_inner, c.mamba_num_heads, c.mamba_num_groups, c.mamba_state_dim
     mamba = (2 * B * s * h * (2 * d_in + 2 * G * N + H)  # in_proj: h -> [z, x, B, C, dt]

@@ -396,13 +396,10 @@ def decoder_length(seq: int) -> int:
 
 
 def flops(c: Config, B: int, se: int, sd: int | None = None) -> float:
-    """Model FLOPs of one iteration on B samples — our count, not Megatron's (Megatron gives T5 the GPT formula: no
-    decoder, no cross-attention). Encoder: Le layers of bidirectional self-attention (full se x se) + MLP on B·se
-    tokens. Decoder: Ld layers on B·sd tokens (sd: default the Config's decoder_seq_length, else decoder_length(se)) of
-    causal self-attention (half the sd x sd square, Megatron's causal rule), cross-attention — linear_q h -> nd and
-    linear_proj nd -> h per decoder token, QKᵀ and PV over all se keys, and linear_kv h -> 2gd on each of the B·se
-    encoder outputs — and MLP; the logit layer on B·sd tokens. MoE layers where moe_layer_freq says, each stack
-    numbering its layers from 0. Relative-position biases are lookups. metrics.py's conventions (x 2 x 3)."""
+    """Model FLOPs of one iteration on B samples: our count, not Megatron's GPT formula (DESIGN.md §6): the encoder
+    on B·se tokens (full se x se attention), the decoder on B·sd (sd: the Config's decoder_seq_length, else
+    decoder_length(se)) with its cross-attention over se keys, linear_kv on the B·se encoder outputs, the logit layer
+    on B·sd; each stack numbers its MoE layers from 0. metrics.py's conventions (x 2 x 3)."""
     sd = sd or c.decoder_seq_length or decoder_length(se)
     h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels
     enc = sum(metrics.self_attention_flops(c, se, causal=False, mla=False) + metrics.mlp_flops(c, c.is_moe_layer(i))

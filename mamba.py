@@ -440,6 +440,7 @@ class Model(gpt.Model):
             raise ValueError("step() runs a whole model without sequence parallelism")
         return self(ids[:, None], inference_context=cache.setdefault("kv", transformer.InferenceContext()))[:, -1]
 
+
 @torch.no_grad()
 def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              eod: int | list[int] | None = None):

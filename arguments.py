@@ -449,8 +449,9 @@ def resolve(p: argparse.ArgumentParser, argv: list[str], saved: dict, known_only
     p.set_defaults(**mf.TRAIN_DEFAULTS)  # 2.
     pre = p.parse_known_args(yaml_known + list(argv), argparse.Namespace(optimizer=UNSET))[0]
     task, optimizer = pre.task, pre.optimizer
+    adapters = pre.lora_rank is not None or saved.get("lora_rank") is not None  # (a resumed LoRA run: the saved rank)
     if optimizer is UNSET:  # the model file's for pretraining whole weights; adapters and post-training: AdamW
-        optimizer = p.get_default("optimizer") if task == "pretrain" and pre.lora_rank is None else "adam"
+        optimizer = p.get_default("optimizer") if task == "pretrain" and not adapters else "adam"
     if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # 3. a model file's lr suits the optimizer it names
         p.set_defaults(**{**adam_lr, **mf.OPTIMIZER_DEFAULTS.get(optimizer, {})})
     p.set_defaults(**TASK_DEFAULTS.get(task, {}), optimizer=optimizer)  # 4.

@@ -10,9 +10,7 @@ Papers: Devlin et al. 2018, "BERT" (MLM, NSP); Lan et al. 2019, "ALBERT" (SOP: s
 
 Run:    make train MODEL=bert        (or: .venv/bin/python train.py --model bert ...)
 
-Pre-LN or post-LN. Megatron-core's BERT is pre-LN with no embedding LayerNorm (the default here). Original BERT
-(Hugging Face) is post-LN with an embedding LayerNorm: that is the same stack with gpt.Config's
-apply_residual_connection_post_layernorm=True, its norms shifted by one layer (hf_to_ours).
+Pre-LN (Megatron-core's, the default) or post-LN (original BERT's, from Hugging Face): DESIGN.md §9, "BERT".
 
 Dimension glossary: gpt.py's (b batch, s sequence, h hidden, V vocabulary).
 """
@@ -271,26 +269,13 @@ class BertDataset:
                                 self.p, self.word_starts)
 
 
-def word_starts(tok) -> np.ndarray:
-    """bool [V]: the byte-level BPE tokens that begin a word (a leading space/newline/tab mark, or a special)."""
-    vocab = tok.get_vocab()
-    out = np.zeros(max(vocab.values()) + 1, dtype=bool)
-    for t, i in vocab.items():
-        out[i] = t[:1] in ("Ġ", "Ċ", "ĉ") or t.startswith("<")
-    return out
-
-
 def mlm_batch(dataset: BertDataset, iteration: int, global_batch_size: int) -> torch.Tensor:
     """The global batch of `iteration`: int64 [global_batch_size, 6, s], a function of (seed, iteration) only."""
     return data.global_batch(dataset, start=iteration * global_batch_size, size=global_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------- train.py's hooks
-# `make train MODEL=bert`: BERT's LayerNorm / GeLU / biases, but RoPE (Megatron's --position-embedding-type rope):
-# in a 500-iteration run learned absolute positions find a token's neighbours too slowly (held-out MLM accuracy
-# 13.2 % vs 40.1 % with RoPE; bench/README.md). --position-embedding-type learned_absolute gives BERT's own embeddings.
-# Muon for the hidden matrices at 5e-3 (AdamW's rate is BERT's 2.5e-4): bench/README.md "Levers for the other
-# default runs" measured both, and Muon's rate from 7.5e-4 to 9e-3.
+# `make train MODEL=bert`: BERT's LayerNorm / GeLU / biases, but RoPE; Muon at 5e-3 (why: DESIGN.md §9, "BERT")
 TRAIN_DEFAULTS = dict(position_embedding_type="rope", normalization="LayerNorm", swiglu=False,
                       disable_bias_linear=False, optimizer="muon", lr=5e-3, min_lr=5e-4)
 OPTIMIZER_DEFAULTS = dict(adam=dict(lr=2.5e-4, min_lr=2.5e-5))
@@ -320,11 +305,9 @@ def batch_recipe(batch, args=None, corpus=None):
 
 
 def flops(c: Config, B: int, s: int) -> float:
-    """Model FLOPs of one iteration on B sequences of s tokens — our count, not Megatron's (Megatron gives BERT the
-    GPT formula): L layers of bidirectional attention (the full s x s square: the padding mask only hides keys, every
-    score is computed), the masked-LM head's dense h -> h and the logit layer on every token (postprocess computes
-    all s positions), and with the binary head the pooler's dense h -> h and binary_head h -> 2 once per sequence
-    (on [CLS]). metrics.py's conventions (forward multiply-adds x 2 x 3)."""
+    """Model FLOPs of one iteration on B sequences of s tokens: our count, not Megatron's GPT formula (DESIGN.md
+    §6): bidirectional attention over the full s x s square, the LM head and logits on every token, the pooler and
+    binary head once per sequence. metrics.py's conventions (forward multiply-adds x 2 x 3)."""
     h = c.hidden_size
     per_token = (sum(metrics.self_attention_flops(c, s, causal=False) + metrics.mlp_flops(c, c.is_moe_layer(i))
                      for i in range(c.num_layers)) + h * h + h * c.padded_vocab_size)

@@ -77,18 +77,22 @@ class Model(nn.Module):
         self.mark_parameters()
         self.init_params()
 
-    def forward(self, input_ids, labels=None, position_ids=None, mask=None, inference_context=None):
+    def forward(self, input_ids, labels=None, position_ids=None, mask=None, inference_context=None,
+                decoder_input=None):
         """position_ids [b, s] / mask bool [b, 1, s, s] (True = attend): packed documents (data.Packing), else 0..s-1
         and causal. inference_context (transformer.InferenceContext): the KV cache; input_ids are the positions
         after the cached ones. serving/engine.py's paged cache passes all three: many requests' tokens packed in one
-        row, their positions, and a mask [1, 1, s, keys] over the keys its `append` returns."""
+        row, their positions, and a mask [1, 1, s, keys] over the keys its `append` returns. decoder_input
+        [s(/tp), b, h]: the embedding's output, made by the caller (Megatron's; LLaVA's, its images spliced in)."""
         self.check_input(input_ids, position_ids=position_ids)
         s = input_ids.shape[1]
         position_ids, rope = self.positions(input_ids, position_ids, inference_context)
         # context parallelism: this rank's 2 of the 2·cp sequence chunks, positions and labels with them [b, s/cp]
         input_ids, labels, position_ids, rope, mask = P.get_batch_on_this_cp_rank(
             self.grid, input_ids, labels, position_ids, rope, mask)
-        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor  # [s(/cp)(/tp), b, h]
+        if decoder_input is None:  # [s(/cp)(/tp), b, h]
+            decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        x = decoder_input
         x = self.decoder(x, rope=rope, mask=mask, inference_context=inference_context)
         if inference_context is not None:  # the cache now holds these s positions too
             inference_context.sequence_len_offset += s
@@ -243,11 +247,12 @@ class Embedding(nn.Module):
             self.tokentype_embeddings = nn.Embedding(c.num_tokentypes, c.hidden_size, dtype=c.params_dtype)
             P.mark(self.tokentype_embeddings.weight, ("normal", c.init_method_std))
 
-    def forward(self, input_ids, position_ids=None, tokentype_ids=None):  # [b, s]
-        if self.reduce_scatter:
+    def forward(self, input_ids, position_ids=None, tokentype_ids=None, words=None):  # [b, s]
+        """words [b, s, h]: the word embeddings given instead of looked up (LLaVA's, with its images' rows)."""
+        if self.reduce_scatter and words is None:
             x = self.word_embeddings(input_ids, reduce_scatter=True)  # [s/tp, b, h]
             return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=True)
-        x = self.word_embeddings(input_ids)  # [b, s, h]
+        x = self.word_embeddings(input_ids) if words is None else words  # [b, s, h]
         if hasattr(self, "position_embeddings"):
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -12,11 +12,8 @@ Papers: Liu et al. 2023, "Visual Instruction Tuning" (LLaVA, arXiv:2304.08485); 
 
 Run:    make train MODEL=llava        (or: .venv/bin/python train.py --model llava ...; see README)
 
-Image tokens, as Hugging Face's processor writes them: a sample's input_ids already hold one image token per image
-embedding (num_image_tokens of them), and the model replaces those rows of the embedding (Megatron expands one
-image token into them instead; the result is the same sequence). Labels that are image tokens carry no loss.
-Parallelism: TP splits both towers' heads and MLPs and the projector; SP splits the ViT's sequence, padded to a
-multiple of tp with keys no query sees, and the decoder's. Pipelining is refused (the towers are not staged).
+Image tokens as Hugging Face's processor writes them (one per image embedding, replaced by it; Megatron's form: §4),
+what TP and SP split, the data recipe and its text-only bound: DESIGN.md §9, "LLaVA".
 
 Dimension glossary (on top of gpt.py's b, s, h, V)
   H, W image height, width    p patch size (patch_dim)    P = (H/p)·(W/p) patches    sv = P + 1 ViT tokens (class)
@@ -197,32 +194,24 @@ class Model(gpt.Model):
     def embed(self, input_ids, images, position_ids):
         """gpt.Embedding with the image rows spliced in: ids, positions [b, s], images [k, n_img, h] -> [s(/tp), b, h].
         Each row holds one image's tokens (k = b), or serving/engine.py's packed row (b = 1) those of its k prefills' images."""
-        c, e, b = self.config, self.embedding, input_ids.shape[0]
+        c, b = self.config, input_ids.shape[0]
         is_image = input_ids == c.image_token_index  # [b, s]
         k, counts = 0 if images is None else images.shape[0], is_image.sum(1)
         if k != b and b != 1 or not bool((counts == c.num_image_tokens * (1 if k == b else k)).all()):
             raise ValueError(f"rows hold {counts.tolist()} image tokens (id {c.image_token_index}); each of the {k} "
                              f"images gives num_image_tokens={c.num_image_tokens} embeddings")
-        x = e.word_embeddings(input_ids.masked_fill(is_image, 0))  # [b, s, h] (Megatron embeds image tokens as 0)
+        x = self.embedding.word_embeddings(input_ids.masked_fill(is_image, 0))  # [b, s, h] (Megatron: image tokens 0)
         x = x.masked_scatter(is_image[..., None], images.to(x.dtype)) if k else x  # row by row, in order
-        if hasattr(e, "position_embeddings"):
-            x = x + e.position_embeddings(position_ids)
-        x = rearrange(x, "b s h -> s b h").contiguous()
-        if c.sequence_parallel:
-            x = P.scatter_to_sp(x, P.tp_of(self.grid))  # [s/tp, b, h]
-        return P.dropout(x, c.hidden_dropout, self.training, self.rng, sharded=c.sequence_parallel)
+        return self.embedding(input_ids, position_ids, words=x)
 
     def forward(self, input_ids, pixel_values=None, labels=None, position_ids=None, mask=None, inference_context=None):
         """position_ids, mask, inference_context: as gpt.Model.forward's (a KV cache; serving/engine.py's packed rows, whose
         pixel_values [k, 3, H, W] are the images of the row's prefills in order, None when it has no image token)."""
-        self.check_input(input_ids, position_ids=position_ids)
+        self.check_input(input_ids, position_ids=position_ids)  # (before the embedding reads its positions' rows)
         s, t = input_ids.shape[1], inference_context.sequence_len_offset if inference_context is not None else 0
         position_ids = torch.arange(t, t + s, device=input_ids.device)[None] if position_ids is None else position_ids
         x = self.embed(input_ids, None if pixel_values is None else self.encode_images(pixel_values), position_ids)
-        x = self.decoder(x, rope=self.rope_at(position_ids), mask=mask, inference_context=inference_context)
-        if inference_context is not None:
-            inference_context.sequence_len_offset += s
-        out = self.postprocess(x, labels)
+        out = super().forward(input_ids, labels, position_ids, mask, inference_context, decoder_input=x)  # gpt's
         return out if labels is None else out * (labels != self.config.image_token_index)
 
 

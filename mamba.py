@@ -310,12 +310,6 @@ class GatedRMSNorm(nn.Module):
         return rearrange(y, "... g e -> ... (g e)") * self.weight
 
 
-def _uniform_init(p, fn):
-    """Megatron's non-Gaussian inits, as a function of a U[0,1) draw of the full tensor (see init_ssm_params)."""
-    p.ssm_init = fn
-    return p
-
-
 class MambaMixer(nn.Module):
     """in_proj -> [z, x, B, C, dt]; causal depthwise conv + SiLU on [x, B, C]; SSD scan; + D·x; gated norm; out_proj.
 
@@ -333,13 +327,14 @@ class MambaMixer(nn.Module):
                                               sequence_parallel=c.sequence_parallel, stride=segments, dtype=dt_)
         conv_dim = self.d + 2 * self.G * self.N
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.k, groups=conv_dim, dtype=dt_)  # run by `mix`
+        # Megatron's non-Gaussian inits: functions of a U[0,1) draw of the full tensor (parallel.init_params)
         bound = 1 / math.sqrt(self.k)  # kaiming_uniform(a=√5) on [conv_dim, 1, k], and torch's conv bias default
         for p in self.conv1d.parameters():
-            _uniform_init(P.mark(p, ("zeros",), 0, stride=[c.d_inner, GN, GN]), lambda u: (2 * u - 1) * bound)
-        self.A_log = _uniform_init(P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("zeros",), 0),
-                                   lambda u: torch.log(1 + 15 * u))  # A ~ U(1, 16)
+            P.mark(p, ("uniform", lambda u: (2 * u - 1) * bound), 0, stride=[c.d_inner, GN, GN])
+        self.A_log = P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)),
+                            ("uniform", lambda u: torch.log(1 + 15 * u)), 0)  # A ~ U(1, 16)
         self.D = P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("ones",), 0)
-        self.dt_bias = _uniform_init(P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("zeros",), 0), _dt_bias)
+        self.dt_bias = P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("uniform", _dt_bias), 0)
         self.norm = GatedRMSNorm(self.d, c.d_inner // c.mamba_num_groups, c.layernorm_epsilon, dt_)
         self.out_proj = P.RowParallelLinear(c.d_inner, c.hidden_size, grid, bias=False, std=c.mamba_output_std,
                                             sequence_parallel=c.sequence_parallel, dtype=dt_)
@@ -383,20 +378,6 @@ def _dt_bias(u, dt_min=1e-3, dt_max=0.1, floor=1e-4):
     """softplus⁻¹ of dt ~ logU(dt_min, dt_max), so that softplus(dt_bias) starts in [dt_min, dt_max] (Megatron's)."""
     dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
     return dt + torch.log(-torch.expm1(-dt))
-
-
-@torch.no_grad()
-def init_ssm_params(module: nn.Module, seed: int, grid, rename=lambda n: n):
-    """Fill the parameters marked by `_uniform_init` as P.init_params fills the rest: a full U[0,1) draw from
-    (seed, global name), transformed, then this rank's slice — so every layout holds the same numbers."""
-    tp = P.tp_of(grid)
-    n, r = (tp.size, tp.rank) if tp is not None else (1, 0)
-    for name, p in module.named_parameters():
-        if hasattr(p, "ssm_init"):
-            shape = [d * (n if i == p.partition_dim else 1) for i, d in enumerate(p.shape)]
-            u = torch.rand(shape, generator=torch.Generator().manual_seed(P.seed_for(seed, rename(name))),
-                           dtype=torch.float64)
-            p.copy_(P.shard(p.ssm_init(u), p.partition_dim, p.partition_stride, r, n).to(p.dtype))
 
 
 # ---------------------------------------------------------------------------------------------- the hybrid stack
@@ -451,10 +432,6 @@ class Model(gpt.Model):
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         return Stack(c, grid, self.rng, c.layer_types[layer_offset:layer_offset + num_layers], self.post_process)
 
-    def init_params(self):  # gpt's, then Megatron's non-Gaussian Mamba inits
-        super().init_params()
-        init_ssm_params(self, self.config.seed, self.grid, rename=self.global_name)
-
     @torch.no_grad()
     def step(self, ids, cache: dict):
         """Logits [b, V] of the newest ids [b], one position after the earlier calls': `cache` ({} at first) holds
@@ -462,6 +439,7 @@ class Model(gpt.Model):
         if self.config.sequence_parallel or not (self.pre_process and self.post_process):
             raise ValueError("step() runs a whole model without sequence parallelism")
         return self(ids[:, None], inference_context=cache.setdefault("kv", transformer.InferenceContext()))[:, -1]
+
 
 @torch.no_grad()
 def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -477,10 +455,8 @@ def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, t
 
 
 def flops(c: Config, B: int, s: int) -> float:
-    """Megatron's hybrid_flops (megatron/training/training.py): per layer symbol of the pattern (M Mamba, * attention,
-    - MLP, E MoE), forward x 3. Megatron writes the Mamba width as d_in = 2·h (expand 2); here it is the config's H·P,
-    the same number unless mamba_num_heads is set to another width (then this counts the mixer that runs). MTP:
-    Megatron's hybrid count adds only each depth's logit layer, not the depths' own layers; so does this (a floor)."""
+    """Megatron's hybrid_flops (megatron/training/training.py): per layer symbol of the pattern, forward x 3; the
+    Mamba width d_in is the config's H·P, MTP adds only each depth's logit layer (DESIGN.md §6)."""
     h, t = c.hidden_size, c.layer_types
     d_in, H, G, N = c.d_inner, c.mamba_num_heads, c.mamba_num_groups, c.mamba_state_dim
     mamba = (2 * B * s * h * (2 * d_in + 2 * G * N + H)  # in_proj: h -> [z, x, B, C, dt]

@@ -7,31 +7,31 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
   §    lines      section                                         mirrors
   1    77-208     Grid                                            megatron/core/parallel_state.py
   2    209-395    Mappings                                        megatron/core/tensor_parallel/mappings.py
-  3    396-470    Initialization                                  megatron/core/tensor_parallel/layers.py
-  4    471-691    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
+  3    396-471    Initialization                                  megatron/core/tensor_parallel/layers.py
+  4    472-692    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
                                                                   megatron/core/tensor_parallel/cross_entropy.py
-  5    692-755    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
-  6    756-870    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
-  7    871-910    Schedules                                       megatron/core/pipeline_parallel/schedules.py
-  8    911-1100   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+  5    693-756    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
+  6    757-871    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
+  7    872-911    Schedules                                       megatron/core/pipeline_parallel/schedules.py
+  8    912-1101   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
                                                                   megatron/core/pipeline_parallel/p2p_communication.py
-  9    1101-1401  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+  9    1102-1402  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1402-1546  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1403-1547  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1547-1750  Mixture of Experts: experts, dispatchers, the layer
+  10b  1548-1751  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1751-1979  FP8                                             megatron/core/fp8_utils.py
+  11   1752-1980  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1980-2243  Context parallelism                             megatron/core/utils.py
+  12   1981-2244  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2244-2365  Muon                                            megatron/core/optimizer/muon.py
+  13   2245-2366  Muon                                            megatron/core/optimizer/muon.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -457,9 +457,10 @@ def init_params(module: nn.Module, seed: int, grid: Grid | None, rename=lambda n
         if p.tensor_model_parallel:
             full_shape[p.partition_dim] *= size
         kind, *args = p.init
-        if kind == "normal":
+        if kind in ("normal", "uniform"):  # ("normal", std); ("uniform", fn): fn(a U[0,1) draw) (Mamba's inits)
             gen = torch.Generator().manual_seed(seed_for(seed, rename(name)))
-            full = torch.randn(full_shape, generator=gen, dtype=torch.float64) * args[0]
+            full = (torch.randn(full_shape, generator=gen, dtype=torch.float64) * args[0] if kind == "normal"
+                    else args[0](torch.rand(full_shape, generator=gen, dtype=torch.float64)))
         elif kind in ("zeros", "ones"):
             full = torch.zeros(full_shape) if kind == "zeros" else torch.ones(full_shape)
         else:

@@ -46,7 +46,7 @@ from interop import convert, tokenizer_files
 class Config(gpt.Config):
     """gpt.Config plus T5's fields (Megatron's flag names). num_layers is the depth of both stacks unless
     encoder_num_layers / decoder_num_layers say otherwise."""
-    FULL_RECOMPUTE = False  # full recomputation: its encoder and decoder stacks are its own, not transformer.Decoder's
+    FULL_RECOMPUTE = False  # full recomputation: transformer.Decoder's does not pass the encoder output (context)
     POSITION_EMBEDDING_TYPES: ClassVar[tuple] = ("relative", "rope", "learned_absolute")
     UNSUPPORTED: ClassVar[dict] = {
         "pipeline_parallel": "T5's encoder and decoder are not split into pipeline stages (Megatron-core's T5 "
@@ -150,38 +150,7 @@ def attention_mask(keys, sq: int, causal: bool, bias=None):
     return bias if keep is None else bias.masked_fill(~keep, torch.finfo(bias.dtype).min)
 
 
-# ---------------------------------------------------------------------------------------------- the two stacks
-class Layer(transformer.TransformerLayer):
-    """gpt.py's pre-norm layer; a decoder layer adds x + dropout(cross_attn(norm(x), encoder output)) between its
-    self-attention and its MLP (Megatron's pre_cross_attn_layernorm / cross_attention). layer_number: 0-based
-    within its stack (an MoE layer where moe_layer_freq says)."""
-
-    def __init__(self, c: Config, grid, rng, layer_number: int, cross: bool):
-        super().__init__(c, grid, rng, layer_number)
-        if cross:
-            self.pre_cross_attn_layernorm = transformer.Norm(c)
-            self.cross_attention = transformer.Attention(c, grid, cross=True, rng=rng)
-
-    def forward(self, x, mask=None, rope=None, context=None, context_mask=None):  # x [s(/tp), b, h]
-        x = x + self.drop(self.self_attention(self.input_layernorm(x), rope=rope, mask=mask, causal=False))
-        if context is not None:  # context: the encoder output [se(/tp), b, h]; no rope across the two sequences
-            x = x + self.drop(self.cross_attention(self.pre_cross_attn_layernorm(x), kv_input=context,
-                                                   mask=context_mask, causal=False))
-        return x + self.drop(self.mlp(self.pre_mlp_layernorm(x)))
-
-
-class Stack(nn.Module):  # Megatron's TransformerBlock
-    def __init__(self, c: Config, grid, rng, num_layers: int, cross: bool):
-        super().__init__()
-        self.layers = nn.ModuleList([Layer(c, grid, rng, i, cross) for i in range(num_layers)])
-        self.final_layernorm = transformer.Norm(c)
-
-    def forward(self, x, mask=None, rope=None, context=None, context_mask=None):
-        for layer in self.layers:  # the same relative bias (in `mask`) enters every layer, as in HF and Megatron
-            x = layer(x, mask, rope, context, context_mask)
-        return self.final_layernorm(x)
-
-
+# ---------------------------------------------------------------------------------------------- the model
 class LMHead(nn.Module):  # Megatron's T5LMHead: the output layer, with a bias when tied
     def __init__(self, c: Config, grid):
         super().__init__()
@@ -202,8 +171,8 @@ class Model(gpt.Model):
         if c.position_embedding_type == "relative":
             self.encoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=True)
             self.decoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=False)
-        self.encoder = Stack(c, grid, self.rng, c.encoder_num_layers, cross=False)
-        return Stack(c, grid, self.rng, c.decoder_num_layers, cross=True)
+        self.encoder = transformer.Decoder(c, grid, self.rng, c.encoder_num_layers, post_process=True)
+        return transformer.Decoder(c, grid, self.rng, c.decoder_num_layers, post_process=True, cross=True)
 
     def build_output_layer(self, c: Config, grid):
         self.lm_head = LMHead(c, grid)
@@ -228,7 +197,10 @@ class Model(gpt.Model):
     def encode(self, encoder_input_ids, encoder_attn_mask=None):
         """[b, se] -> the encoder output [se(/tp), b, h] (bidirectional; padding keys masked)."""
         x, bias, rope = self._embed(encoder_input_ids, "encoder")
-        return self.encoder(x, attention_mask(encoder_attn_mask, encoder_input_ids.shape[1], False, bias), rope)
+        mask = attention_mask(encoder_attn_mask, se := encoder_input_ids.shape[1], False, bias)
+        if mask is None:  # every key: a mask all the same, as transformer.py's layers are causal without one
+            mask = torch.ones(1, 1, 1, se, dtype=torch.bool, device=encoder_input_ids.device)
+        return self.encoder(x, rope=rope, mask=mask)
 
     def forward(self, encoder_input_ids, decoder_input_ids, encoder_attn_mask=None, decoder_attn_mask=None,
                 lm_labels=None, encoder_hidden_states=None):
@@ -236,9 +208,9 @@ class Model(gpt.Model):
             encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask)
         x, bias, rope = self._embed(decoder_input_ids, "decoder")  # x [sd(/tp), b, h]
         sd = decoder_input_ids.shape[1]
-        mask = attention_mask(decoder_attn_mask, sd, True, bias)  # never None: causal (Layer calls attention non-causally)
+        mask = attention_mask(decoder_attn_mask, sd, True, bias)  # never None: causal
         context_mask = attention_mask(encoder_attn_mask, sd, False)  # [b, 1, 1, se] or None
-        x = self.decoder(x, mask, rope, encoder_hidden_states, context_mask)
+        x = self.decoder(x, rope=rope, mask=mask, context=encoder_hidden_states, context_mask=context_mask)
         return self.postprocess(x, lm_labels)
 
 
@@ -424,13 +396,10 @@ def decoder_length(seq: int) -> int:
 
 
 def flops(c: Config, B: int, se: int, sd: int | None = None) -> float:
-    """Model FLOPs of one iteration on B samples — our count, not Megatron's (Megatron gives T5 the GPT formula: no
-    decoder, no cross-attention). Encoder: Le layers of bidirectional self-attention (full se x se) + MLP on B·se
-    tokens. Decoder: Ld layers on B·sd tokens (sd: default the Config's decoder_seq_length, else decoder_length(se)) of
-    causal self-attention (half the sd x sd square, Megatron's causal rule), cross-attention — linear_q h -> nd and
-    linear_proj nd -> h per decoder token, QKᵀ and PV over all se keys, and linear_kv h -> 2gd on each of the B·se
-    encoder outputs — and MLP; the logit layer on B·sd tokens. MoE layers where moe_layer_freq says, each stack
-    numbering its layers from 0. Relative-position biases are lookups. metrics.py's conventions (x 2 x 3)."""
+    """Model FLOPs of one iteration on B samples: our count, not Megatron's GPT formula (DESIGN.md §6): the encoder
+    on B·se tokens (full se x se attention), the decoder on B·sd (sd: the Config's decoder_seq_length, else
+    decoder_length(se)) with its cross-attention over se keys, linear_kv on the B·se encoder outputs, the logit layer
+    on B·sd; each stack numbers its MoE layers from 0. metrics.py's conventions (x 2 x 3)."""
     sd = sd or c.decoder_seq_length or decoder_length(se)
     h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels
     enc = sum(metrics.self_attention_flops(c, se, causal=False, mla=False) + metrics.mlp_flops(c, c.is_moe_layer(i))

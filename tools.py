@@ -276,8 +276,7 @@ def main(argv=None):
             return rl.main(argv[1:])
         a, model_flags = parse(argv)
         return a.run(a, model_flags) if a.command == "import-megatron" else a.run(a)
-    except (ConfigError, data.DataError, convert.ExportError, convert.MegatronDistError,
-            lora.LoRAError) as e:  # (hf.ExportError: a ConfigError)
+    except (ConfigError, data.DataError, convert.MegatronDistError) as e:  # (ExportError, LoRAError: ConfigErrors)
         print(f"tools.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

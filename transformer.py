@@ -34,21 +34,24 @@ from config import ACTIVATIONS
 
 # ---------------------------------------------------------------------------------------------- the layer stack, top down
 class Decoder(nn.Module):
-    """This stage's layers (Megatron's TransformerBlock), then the final norm on the last stage."""
+    """This stage's layers (Megatron's TransformerBlock), then the final norm on the last stage. cross: the layers
+    also attend to `context` (an encoder's output: T5's decoder; full recomputation does not pass it)."""
 
-    def __init__(self, c, grid, rng, num_layers: int, post_process: bool, layer_offset: int = 0, attention=None):
+    def __init__(self, c, grid, rng, num_layers: int, post_process: bool, layer_offset: int = 0, attention=None,
+                 cross: bool = False):
         super().__init__()
         self.c, self.rng = c, rng
-        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i, attention=attention)
+        self.layers = nn.ModuleList([TransformerLayer(c, grid, rng, layer_offset + i, attention=attention, cross=cross)
                                      for i in range(num_layers)])
         self.final_layernorm = Norm(c) if post_process else None
 
-    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
+    def forward(self, x, rope=None, mask=None, inference_context=None, context=None, context_mask=None):
         if self.c.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
             x = self.recomputed(x, rope, mask, inference_context)
         else:
-            for layer in self.layers:
-                x = layer(x, rope=rope, mask=mask, inference_context=inference_context)
+            for layer in self.layers:  # x [s(/tp), b, h]; the same mask (T5: its relative bias) enters every layer
+                x = layer(x, rope=rope, mask=mask, inference_context=inference_context, context=context,
+                          context_mask=context_mask)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
 
     def recomputed(self, x, rope, mask, inference_context):
@@ -78,9 +81,11 @@ class TransformerLayer(nn.Module):
     apply_residual_connection_post_layernorm (legacy Megatron's flag): the residual branch starts from norm(x), not x.
     With it, a stack of these layers plus the final norm is exactly the post-LN transformer of original BERT with its
     norms shifted by one (layer i's input_layernorm = BERT's embedding LayerNorm for i = 0, else layer i−1's output
-    LayerNorm) — see bert.hf_to_ours."""
+    LayerNorm) — see bert.hf_to_ours. cross: x + dropout(cross_attn(norm(x), context)) between the two
+    (Megatron's pre_cross_attn_layernorm / cross_attention; T5's decoder layers)."""
 
-    def __init__(self, c, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None, attention=None):
+    def __init__(self, c, grid=None, rng=None, layer_number: int = 0, moe: bool | None = None, attention=None,
+                 cross: bool = False):
         super().__init__()
         self.c, self.rng = c, rng
         self.input_layernorm = Norm(c)
@@ -90,15 +95,22 @@ class TransformerLayer(nn.Module):
             self.mlp = moe_layer(c, grid)
         else:
             self.mlp = MLP(c, grid)
+        if cross:
+            self.pre_cross_attn_layernorm = Norm(c)
+            self.cross_attention = Attention(c, grid, cross=True, rng=rng)
 
     def drop(self, x):  # hidden dropout; under SP the activations are sequence shards -> model-parallel stream
         return P.dropout(x, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
 
-    def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
-        post = self.c.apply_residual_connection_post_layernorm
+    def forward(self, x, rope=None, mask=None, inference_context=None, context=None, context_mask=None):
+        post = self.c.apply_residual_connection_post_layernorm  # x [s(/tp), b, h]; context [sk(/tp), b, h]
         ln = self.input_layernorm(x)
         x = (ln if post else x) + self.drop(self.self_attention(ln, rope=rope, mask=mask,
                                                                 inference_context=inference_context))
+        if context is not None:  # no rope across the two sequences
+            ln = self.pre_cross_attn_layernorm(x)
+            x = (ln if post else x) + self.drop(self.cross_attention(ln, mask=context_mask, kv_input=context,
+                                                                     causal=False))
         ln = self.pre_mlp_layernorm(x)
         return (ln if post else x) + self.drop(self.mlp(ln))
 

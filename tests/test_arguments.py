@@ -32,6 +32,8 @@ def test_model_files_defaults_below_its_optimizers():  # 2 < 3
     assert resolved(["--model", "bert", "--optimizer", "adam"]).lr == adam != bert.TRAIN_DEFAULTS["lr"]
     assert resolved(["--model", "bert", "--task", "sft"]).lr == adam  # (a task's optimizer is adam)
     assert resolved(["--optimizer", "adam"]).lr == 3e-3  # (gpt has none for adam: the registered one)
+    assert resolved([]).optimizer == "muon" and resolved([], saved={"lora_rank": 4}).optimizer == "adam"  # (resumed
+    # adapters: AdamW, as with --lora-rank)
 
 
 def test_optimizers_defaults_below_the_tasks(monkeypatch):  # 3 < 4

@@ -299,9 +299,9 @@ def losses(run):
 def test_lora_run_resumes_merges_and_finetunes(base_run, lora_whole, tmp_path, capsys):
     corpus, cache, base = base_run
     run = tmp_path / "lora"
-    lora_args = [*LORA_FLAGS, str(base), "--load", str(run)]
-    train.main(tiny(corpus, cache, run, *lora_args, iters=2))  # starts from the base's weights
-    train.main(tiny(corpus, cache, run, *lora_args, iters=4))  # resumes the adapters; the base found by its pointer
+    train.main(tiny(corpus, cache, run, *LORA_FLAGS, str(base), "--load", str(run), iters=2))  # starts from the base's weights
+    train.main(tiny(corpus, cache, run, "--load", str(run), iters=4))  # resumes the adapters (their flags and the
+    # base's pointer from the checkpoint; the optimizer AdamW, an adapter run's, not the model file's Muon)
     assert losses(run) == losses(lora_whole)  # stop + resume = uninterrupted
     meta = json.loads((run / "iter_0000004" / "meta.json").read_text())
     assert meta["lora_base"]["path"] == str((base / "iter_0000004").resolve())

@@ -184,8 +184,9 @@ def say_done(run, n: int, secs: float, samples: int, signaled: str | None):
                        if k.endswith("accuracy"))  # a preference task's (dpo, rm): how often it ranks the pair right
     disk = f"; checkpoints {checkpoint_bytes(a.save) / 2**20:,.1f} MiB on disk" if a.save else ""
     print(f"done: {max(0, n - run.first)} iterations in {secs:.0f} s ({tokens / secs:.0f} tokens/s with evaluation "
-          f"and saving){f'; validation {scores}' if scores else ''}; metrics, tensorboard/ and loss.png in "
-          f"{run.log.dir}" + (f" (TensorBoard: {a.tensorboard_dir})" if a.tensorboard_dir else "") + disk
+          f"and saving){f'; validation {scores}' if scores else ''}; "
+          + (f"metrics, tensorboard/ and loss.png in {run.log.dir}" if run.log.dir else "no --save: no files written")
+          + (f" (TensorBoard: {a.tensorboard_dir})" if a.tensorboard_dir else "") + disk
           + (f"; note: --task {a.task} trained from random weights" if random_start(run) else ""), flush=True)
     if signaled:
         print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
@@ -219,26 +220,32 @@ class Logger:
     --tensorboard-dir), progress bar and loss.png."""
 
     def __init__(self, run_dir, rank, start, total, resume, tensorboard_dir=None):
-        self.on, self.dir, self.last_eval = rank == 0, Path(run_dir), {}
-        self.tensorboard_dir = Path(tensorboard_dir or self.dir / "tensorboard")  # (every rank: profiler traces)
+        self.on, self.last_eval = rank == 0, {}
+        self.dir = Path(run_dir) if run_dir else None  # no --save: nothing written (--tensorboard-dir's events aside)
+        tb = tensorboard_dir or (self.dir / "tensorboard" if self.dir else None)
+        self.tensorboard_dir = Path(tb) if tb else None  # (every rank: profiler traces)
+        self.path = self.tb = None
         if not self.on:
             return
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
-        old = self.path.read_text().splitlines() if resume and self.path.exists() else []
-        keep = [line for line in old if json.loads(line)["iteration"] <= start]  # drop lines past the checkpoint
-        self.path.write_text("".join(line + "\n" for line in keep))
-        self.tb = SummaryWriter(str(self.tensorboard_dir), purge_step=start + 1)
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.path = self.dir / "metrics.jsonl"
+            old = self.path.read_text().splitlines() if resume and self.path.exists() else []
+            keep = [line for line in old if json.loads(line)["iteration"] <= start]  # drop lines past the checkpoint
+            self.path.write_text("".join(line + "\n" for line in keep))
+        if self.tensorboard_dir:
+            self.tb = SummaryWriter(str(self.tensorboard_dir), purge_step=start + 1)
         self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=1.0)
 
     def log(self, rec):
         if not self.on:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        for k, v in rec.items():
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        for k, v in rec.items() if self.tb else ():
             if k != "iteration" and isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, rec["iteration"])
         if "val_loss" in rec:
@@ -258,7 +265,10 @@ class Logger:
         if not self.on:
             return
         self.bar.close()
-        self.tb.close()
+        if self.tb:
+            self.tb.close()
+        if not self.path:
+            return
         recs = [json.loads(line) for line in self.path.read_text().splitlines()]
         import matplotlib
         matplotlib.use("Agg")

@@ -196,11 +196,10 @@ def setup(args) -> Run:
                    f"{len(corpus.train)} train samples of {args.seq_length} tokens, "
                    f"{len(corpus.valid) if corpus.valid else 0} valid"
                    + (f", {len(corpus.test)} test" if corpus.test else "") + f"; device {device}")
-    run_dir = args.save or time.strftime(f"runs/{args.model}-%Y%m%d-%H%M%S")  # no --save: a fresh directory
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         tokenizer_files.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
-    log = Logger(run_dir, rank, first, args.train_iters, resume=start.continues,  # keeps lines <= first
+    log = Logger(args.save, rank, first, args.train_iters, resume=start.continues,  # keeps lines <= first
                  tensorboard_dir=args.tensorboard_dir)
     return Run(args, mf, start, corpus, config, grid, chunks, model, mesh, device, rank, optimizer, scaler, fp8, task,
                reference_base, p2p_shape, autocast, first, progress, log)

@@ -388,3 +388,11 @@ def test_a_port_in_use_is_refused_before_the_model_loads(run, capsys):
                      "tools.py")
     assert line == (f"tools.py: error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use): "
                     "another server on that port? pass --port N")
+
+
+def test_a_run_without_save_writes_no_files(corpus, cache, tmp_path, capsys, monkeypatch):
+    """No --save: no run directory appears (Megatron writes nothing without --save); the final line says so."""
+    monkeypatch.chdir(tmp_path)
+    train.main(tiny(corpus, cache, "unused", iters=1)[:-2])
+    assert list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("no --save: no files written")

@@ -15,7 +15,6 @@ TP      ?= 1
 PP      ?= 1
 ARGS    ?=
 MINUTES ?= 8
-PROMPT  ?= def
 # A post-training task (--task X in ARGS, or task: X in its --config file) runs in runs/$(MODEL)-X: it never resumes
 # or overwrites the pretraining run (which it may start from: --pretrained-checkpoint runs/$(MODEL))
 CONFIG  := $(shell printf '%s\n' '$(ARGS)' | sed -n 's/.*--config[ =]*\([^ ]*\).*/\1/p')
@@ -46,12 +45,19 @@ lint: $(STAMP)
 
 # The default run (train.py's defaults): a 4-layer llama-style GPT on the Python stdlib sources. The time guard stops
 # (and saves) early on a slow or busy machine so the command always ends within ~$(MINUTES)+1 minutes.
+# NPROC > 1: the flags, data and checkpoints are checked in one process first (train.py --check-only), so a mistake
+# is one line before torchrun starts any rank.
+TRAIN   := train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --pipeline-model-parallel-size $(PP) \
+           --load $(RUN) --save $(RUN) --exit-duration-in-mins $(MINUTES) $(ARGS)
 train: $(STAMP)
-	$(LAUNCH) train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --pipeline-model-parallel-size $(PP) \
-		--load $(RUN) --save $(RUN) --exit-duration-in-mins $(MINUTES) $(ARGS)
+	@$(if $(filter 1,$(NPROC)),:,WORLD_SIZE=$(NPROC) $(PY) $(TRAIN) --check-only)
+	$(LAUNCH) $(TRAIN)
 
+SAMPLE_ONE = make sample runs one process on a run saved at any layout: leave out NPROC=$(NPROC) TP=$(TP) (make serve \
+             NPROC=2 TP=2 serves at TP 2)
 sample: $(STAMP)
-	$(PY) tools.py sample --load $(RUN) --prompt "$(PROMPT) " $(ARGS)
+	$(if $(filter-out 1,$(NPROC) $(TP)),$(error $(SAMPLE_ONE)))
+	$(PY) tools.py sample --load $(RUN) $(if $(filter undefined,$(origin PROMPT)),,--prompt "$(PROMPT)") $(ARGS)
 
 # An OpenAI-compatible HTTP server for the run in RUN (serving/server.py; port 8000 unless ARGS="--port N"; NPROC=2 TP=2 serves
 # it at TP 2); Ctrl-C or SIGTERM stops it after the requests in flight are answered

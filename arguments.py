@@ -335,6 +335,10 @@ def checkpoint_flags(g):
     a("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     a("--overwrite-save", action="store_true", help="allow --save to replace a run that this run does not resume")
     a("--save-interval", type=int, default=0, help="0 = only at the end")
+    a("--check-only", action="store_true", help="check the flags, data and checkpoints for a world of WORLD_SIZE "
+      "(environment; default 1) ranks, then exit: make train runs it before torchrun starts the ranks")
+    a("--keep-last-checkpoints", type=int, default=None, help="after each save, delete all but the newest N "
+      "checkpoints of --save (default: keep every one, as Megatron does)")
     a("--exit-interval", type=int, default=None, help="save and exit after this iteration number")
     a("--exit-duration-in-mins", type=float, default=None, help="save and exit after this many minutes of training")
     a("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
@@ -572,6 +576,7 @@ def check_long_context_args(args):
         raise ConfigError(f"--recompute-num-layers={n} > the {per_stage} layers of a pipeline stage (chunk)")
 
 
+RANGES.update(keep_last_checkpoints=_AT_LEAST_1)
 RANGES.update(lora_rank=_AT_LEAST_1, lora_alpha=_POSITIVE, lora_dropout=_FRACTION)  # post-training flags
 RANGES.update(**dict.fromkeys(["dpo_beta", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight"], _POSITIVE),
               dpo_label_smoothing=(lambda v: 0 <= v <= 0.5, "in [0, 0.5] (cDPO: the fraction of flipped labels)"))
@@ -748,6 +753,8 @@ def check_args(args, world: int) -> Args:
                           "drop --no-check-for-nan-in-loss-and-grad")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive")
+    if args.profile and not (args.save or args.tensorboard_dir):
+        raise ConfigError("--profile writes its trace into the TensorBoard directory: give --save or --tensorboard-dir")
     args.fp8 = args.fp8 or args.fp8_format is not None  # Megatron turns FP8 on by --fp8-format; ours: --fp8 = hybrid
     args.fp8_format = args.fp8_format or ("hybrid" if args.fp8 else None)
     if args.fp8 and args.fp16:

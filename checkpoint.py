@@ -202,25 +202,28 @@ def read_rng(path: Path) -> dict:
 
 
 def save_checkpoint(save_dir, it, chunks, optimizer, scaler, mesh, settings: dict, lora_base: dict | None = None,
-                    progress: dict | None = None):
+                    progress: dict | None = None, keep: int | None = None):
     """Iteration `it` of this rank's chunks, and the optimizer's state (None: weights only, as tools.py merge writes),
     into save_dir/iter_{it:07d}/, atomically (a .tmp directory renamed, then the pointer file). `settings`: the run's
     flags and what it found (meta.json's "args"); `lora_base` ({"path", "sha256"}): the frozen base a LoRA run trains
     on, whose checkpoints then hold only what the run added (added_to_base); `progress`: meta.json entries of where
-    the run is beyond its iteration (train.py's: consumed_train_samples, opt_param_scheduler's num_steps)."""
+    the run is beyond its iteration (train.py's: consumed_train_samples, opt_param_scheduler's num_steps); `keep`: once
+    committed, all but the newest `keep` checkpoints of save_dir are deleted (--keep-last-checkpoints)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = Path(save_dir) / f"iter_{it:07d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
     _barrier()
-    tmp.mkdir(parents=True, exist_ok=True)
-    with _quiet_dcp():
-        dcp.save(checkpoint_state(chunks, optimizer, mesh, only=added_to_base if lora_base else None),
-                 checkpoint_id=str(tmp))
-    torch.save(rng_state(chunks), tmp / f"rng_rank{rank}.pt")
-    _barrier()
-    if rank == 0:  # every rank's files are complete: meta.json, then the manifest of them all
+
+    def write_shards():
+        tmp.mkdir(parents=True, exist_ok=True)
+        with _quiet_dcp():
+            dcp.save(checkpoint_state(chunks, optimizer, mesh, only=added_to_base if lora_base else None),
+                     checkpoint_id=str(tmp))
+        torch.save(rng_state(chunks), tmp / f"rng_rank{rank}.pt")
+
+    def commit():  # every rank's files are complete: meta.json, then the manifest of them all
         meta = {"iteration": it, "checkpoint_format": FORMAT, "loss_scale": scaler.scale, "clean_steps": scaler.clean,
                 "stuck_steps": scaler.stuck, **(progress or {}), "args": settings}
         if lora_base:
@@ -234,7 +237,42 @@ def save_checkpoint(save_dir, it, chunks, optimizer, scaler, mesh, settings: dic
         pointer = Path(save_dir) / POINTER
         pointer.with_suffix(".tmp").write_text(f"{it}\n")
         os.replace(pointer.with_suffix(".tmp"), pointer)  # the commit point
+        saved = sorted(int(m.group(1)) for p in Path(save_dir).iterdir() if (m := ITER_DIR.fullmatch(p.name)))
+        for old in saved[:-keep] if keep else []:
+            shutil.rmtree(Path(save_dir) / f"iter_{old:07d}")
+
+    _saved_on_every_rank(write_shards, save_dir, it, tmp)
+    _saved_on_every_rank(commit if rank == 0 else lambda: None, save_dir, it, tmp)
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a file system error): train.py says it in one line."""
+
+
+def _saved_on_every_rank(step, save_dir, it: int, tmp: Path):
+    """Run this rank's part of a save; then every rank learns whether any rank's part failed (an all-gather), so one
+    rank's full disk stops them all here instead of leaving the others in the next collective. On failure the
+    partial directory goes and SaveError names the cause and the checkpoint the run still has."""
+    error = None
+    try:
+        step()
+    except (OSError, RuntimeError, BaseException) as e:  # (DCP's CheckpointException is a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        e = next(iter(getattr(e, "failures", {}).values()), (e,))[0]  # DCP's: {rank: (exception, its traceback)}
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    if dist.is_initialized():
+        error = P.agree_on_error(error)
+    if error is None:
+        return
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
+    latest = _pointer(Path(save_dir), "--save")
+    free = shutil.disk_usage(save_dir).free / 2**20
+    kept = (f"the previous checkpoint {Path(save_dir) / f'iter_{latest:07d}'} is intact ({POINTER} names it)"
+            if latest is not None else "no earlier checkpoint")
+    raise SaveError(f"saving iteration {it} to {save_dir} failed ({error}; {free:.1f} MiB free there): {kept}")
 
 
 def _pointer(run_dir: Path, flag: str):
@@ -294,6 +332,16 @@ def check_run_dirs(args):
     ckpt = find_checkpoint(load, args.ckpt_step) if load is not None and load.is_dir() else None
     if ckpt is None and load is not None and args.ckpt_step is not None:
         raise ConfigError(f"--ckpt-step {args.ckpt_step}: --load {load} has no checkpoint yet")
+    if save is not None and save.exists() and not save.is_dir():
+        raise ConfigError(f"--save {save} is a file, not a directory")
+    if save is not None:  # a directory this process cannot write to fails now, not at the first save
+        try:
+            save.mkdir(parents=True, exist_ok=True)
+            probe = save / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"--save {save}: cannot write there ({e.strerror or e})") from None
     if save is not None and save.is_dir() and not same and not args.overwrite_save:
         saved = [int(m.group(1)) for p in save.iterdir() if (m := ITER_DIR.fullmatch(p.name)) and p.is_dir()]
         if saved:
@@ -402,6 +450,9 @@ def plan_start(args) -> Start:
         run = (ckpt or base).path.parent
         if tok_file is None and (run / "tokenizer.json").exists():
             tok_file = str(run / "tokenizer.json")
+        elif (run / "tokenizer.json").exists() and not tokenizer_files.same_tokenizer(tok_file, run / "tokenizer.json"):
+            raise ConfigError(f"--tokenizer-file {tok_file} is not the tokenizer {run / 'tokenizer.json'} the model was "
+                              "trained with (its ids would mean other tokens): leave --tokenizer-file out")
         vocab = vocab or (ckpt or base).meta["args"]["vocab_size"]
     return Start(ckpt, base, continues, tok_file, vocab, pointer_to(base) if args.lora_rank is not None else None)
 
@@ -554,17 +605,25 @@ class Loaded(NamedTuple):
     model_file: ModelFile
 
 
-def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: int = 1, ep: int = 1) -> Loaded:
+def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: int = 1, ep: int = 1,
+               reward_model: bool | None = None) -> Loaded:
     """A saved run for inference: in one process (TP = PP = 1; tools.py and Retro's BERT chunk embedder read runs so),
     or on a world of tp x ep ranks (serving/server.py: the checkpoint, saved at any layout, read as this rank's TP shard, the
     experts split over ep ranks that all hold the same tokens; no sequence parallelism, one pipeline stage). A LoRA
     run: its base model with the adapters, merged into the weights (lora.merge) unless merge=False. `extend(model)`:
     what the run added on top of the model before it was saved (recipes.add_value_head for a reward model), so that
-    it loads too."""
+    it loads too. reward_model: True — the run must be a reward model (--task rm; its value head is added), False —
+    it must not be (it generates), None — either; refused with one line before anything is built."""
     ckpt = find_checkpoint(load_dir, step, flag)
     if ckpt is None:
         raise ConfigError(f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt)")
     saved = ckpt.meta["args"]
+    task = saved.get("task", "pretrain")
+    if reward_model is False and task == "rm":
+        raise ConfigError(f"{flag} {load_dir} is a reward model (--task rm): it scores text (tools.py score), it does "
+                          "not generate or export as a causal LM")
+    if reward_model and task != "rm":
+        raise ConfigError(f"{flag} {load_dir} is a --task {task} run, not a reward model (--task rm)")
     mf = model_file(saved["model"])
     # flags a run saved before they existed take their defaults (of the flags of its time, the same values)
     layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "data_parallel_size": ep,

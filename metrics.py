@@ -163,6 +163,16 @@ def training_log(run, n: int, window: dict, lr: float) -> dict:
     return rec
 
 
+def random_start(run) -> bool:
+    """A post-training task with no checkpoint to start from: it trains a randomly initialized model."""
+    return run.args.task != "pretrain" and run.start.base is None and run.start.resume is None
+
+
+def checkpoint_bytes(run_dir) -> int:
+    """Bytes of the checkpoints (iter_*/ directories) in a run directory."""
+    return sum(f.stat().st_size for d in Path(run_dir).glob("iter_*") for f in d.rglob("*") if f.is_file())
+
+
 def say_done(run, n: int, secs: float, samples: int, signaled: str | None):
     """Rank 0's closing lines, once the loop ended after iteration n: the iterations this process ran, its tokens/s
     over the `samples` samples it consumed (evaluation and saving included), where the metrics are; and when a signal
@@ -170,9 +180,14 @@ def say_done(run, n: int, secs: float, samples: int, signaled: str | None):
     if run.rank != 0:
         return
     a, tokens = run.args, batch_work(run, samples)[0]
+    scores = ", ".join(f"{k.removeprefix('val_').replace('_', ' ')} {v:.3f}" for k, v in run.log.last_eval.items()
+                       if k.endswith("accuracy"))  # a preference task's (dpo, rm): how often it ranks the pair right
+    disk = f"; checkpoints {checkpoint_bytes(a.save) / 2**20:,.1f} MiB on disk" if a.save else ""
     print(f"done: {max(0, n - run.first)} iterations in {secs:.0f} s ({tokens / secs:.0f} tokens/s with evaluation "
-          f"and saving); metrics, tensorboard/ and loss.png in {run.log.dir}"
-          + (f" (TensorBoard: {a.tensorboard_dir})" if a.tensorboard_dir else ""), flush=True)
+          f"and saving){f'; validation {scores}' if scores else ''}; "
+          + (f"metrics, tensorboard/ and loss.png in {run.log.dir}" if run.log.dir else "no --save: no files written")
+          + (f" (TensorBoard: {a.tensorboard_dir})" if a.tensorboard_dir else "") + disk
+          + (f"; note: --task {a.task} trained from random weights" if random_start(run) else ""), flush=True)
     if signaled:
         print(f"{signaled} after iteration {n}: " + (f"saved {a.save}/iter_{n:07d}; to resume, run the same command"
               + ("" if a.load == a.save else f" with --load {a.save}") if a.save else
@@ -205,35 +220,44 @@ class Logger:
     --tensorboard-dir), progress bar and loss.png."""
 
     def __init__(self, run_dir, rank, start, total, resume, tensorboard_dir=None):
-        self.on, self.dir = rank == 0, Path(run_dir)
-        self.tensorboard_dir = Path(tensorboard_dir or self.dir / "tensorboard")  # (every rank: profiler traces)
+        self.on, self.last_eval = rank == 0, {}
+        self.dir = Path(run_dir) if run_dir else None  # no --save: nothing written (--tensorboard-dir's events aside)
+        tb = tensorboard_dir or (self.dir / "tensorboard" if self.dir else None)
+        self.tensorboard_dir = Path(tb) if tb else None  # (every rank: profiler traces)
+        self.path = self.tb = None
         if not self.on:
             return
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
-        old = self.path.read_text().splitlines() if resume and self.path.exists() else []
-        keep = [line for line in old if json.loads(line)["iteration"] <= start]  # drop lines past the checkpoint
-        self.path.write_text("".join(line + "\n" for line in keep))
-        self.tb = SummaryWriter(str(self.tensorboard_dir), purge_step=start + 1)
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.path = self.dir / "metrics.jsonl"
+            old = self.path.read_text().splitlines() if resume and self.path.exists() else []
+            keep = [line for line in old if json.loads(line)["iteration"] <= start]  # drop lines past the checkpoint
+            self.path.write_text("".join(line + "\n" for line in keep))
+        if self.tensorboard_dir:
+            self.tb = SummaryWriter(str(self.tensorboard_dir), purge_step=start + 1)
         self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=1.0)
 
     def log(self, rec):
         if not self.on:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        for k, v in rec.items():
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        for k, v in rec.items() if self.tb else ():
             if k != "iteration" and isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, rec["iteration"])
         if "val_loss" in rec:
-            reward = f", reward {rec['val_reward']:.4f}" if "val_reward" in rec else ""
-            self.bar.write(f"iteration {rec['iteration']}: validation loss {rec['val_loss']:.4f}{reward}")
+            self.last_eval = rec
+            more = "".join(f", {k.removeprefix('val_').replace('_', ' ')} {rec[k]:.4f}" for k in rec
+                           if k == "val_reward" or k.startswith("val_") and k.endswith("accuracy"))
+            self.bar.write(f"iteration {rec['iteration']}: validation loss {rec['val_loss']:.4f}{more}")
         elif "test_loss" in rec:  # once, when training has ended (a --split with a test part)
             self.bar.write(f"iteration {rec['iteration']}: test loss {rec['test_loss']:.4f}")
         else:
-            more = {k: f"{rec[k]:.3g}" for k in ("tflops", "mfu", "reward", "kl") if k in rec}  # (reward, kl: posttraining/rl.py)
+            more = {k: f"{rec[k]:.3g}" for k in ("tflops", "mfu", "reward", "kl", "accuracy", "preference_accuracy")
+                    if k in rec}  # (reward, kl: posttraining/rl.py; the accuracies: dpo's and rm's, recipes.py)
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
                                  tok_s=f"{rec['tokens_per_s']:.0f}", **more)
 
@@ -241,7 +265,10 @@ class Logger:
         if not self.on:
             return
         self.bar.close()
-        self.tb.close()
+        if self.tb:
+            self.tb.close()
+        if not self.path:
+            return
         recs = [json.loads(line) for line in self.path.read_text().splitlines()]
         import matplotlib
         matplotlib.use("Agg")

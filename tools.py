@@ -37,38 +37,38 @@ from interop import convert, hf, tokenizer_files
 from posttraining import lora, recipes
 
 
-def refuse_reward_model(run, load):
-    """A reward model's output is a value, not next-token logits: it scores (tools.py score), it does not generate."""
-    if run.args.task == "rm":
-        raise ConfigError(f"--load {load} is a reward model (--task rm): it scores text (tools.py score), it does not "
-                          "generate or export as a causal LM")
-
-
 def sample(a):
     """The model's continuation of --prompt, or what the model file's sample() makes of it (T5: the masked span)."""
     if not a.prompt:
         raise ConfigError("--prompt is empty: give the text to continue")
-    if a.max_new_tokens < 1:
+    if a.max_new_tokens is not None and a.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={a.max_new_tokens} must be >= 1")
     if a.temperature is not None and not (a.temperature >= 0 and math.isfinite(a.temperature)):
         raise ConfigError(f"--temperature={a.temperature} must be >= 0 (0 = greedy)")
     if a.top_k is not None and a.top_k < 1:
         raise ConfigError(f"--top-k={a.top_k} must be >= 1")
-    run = checkpoint.load_model(a.load)
-    refuse_reward_model(run, a.load)
+    run = checkpoint.load_model(a.load, reward_model=False)  # a reward model's output is a value, not logits
     if a.chat and run.model_file.sample_ids is None:
         raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot answer --chat: its model file "
                           "declares no sample_ids() (only a causal language model continues a chat prompt)")
     if run.model_file.sample is None:
         raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot sample: "
                           + (run.model_file.unsupported("sample") or "its model file declares no sample()"))
+    context = run.model.config.max_position_embeddings
+    prompt = len(recipes.chat_prompt_ids([{"role": "user", "content": a.prompt}], run.tok) if a.chat
+                 else run.tok.encode(a.prompt).ids)
+    room = context - prompt if run.model_file.sample_ids is not None else context  # (a causal LM's prompt is context)
+    new = min(200, room) if a.max_new_tokens is None else a.max_new_tokens
+    if new > room or new < 1:  # past it the window slides and each token costs a whole recompute (the server refuses)
+        raise ConfigError(f"--max-new-tokens={a.max_new_tokens} with a {prompt}-token prompt: more than the model's "
+                          f"context (--max-position-embeddings {context}) leaves; at most {max(room, 0)}")
     torch.manual_seed(a.seed)
     opts = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k)) if v is not None}
     if a.chat:
-        answer = chat_answer(run, a.prompt, a.max_new_tokens, **opts)
+        answer = chat_answer(run, a.prompt, new, **opts)
         text = run.tok.decode(answer[:-1] if answer[-1:] and answer[-1] in tokenizer_files.chat_stop_ids(run.tok) else answer)
     else:
-        text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, a.max_new_tokens, **opts)
+        text = run.model_file.sample(run.model.eval(), run.tok, a.prompt, new, **opts)
     print(text)
     return text
 
@@ -85,7 +85,10 @@ def chat_answer(run, prompt: str, max_new_tokens: int, **opts) -> list[int]:
 
 
 def merge(a):
-    return checkpoint.save_merged(a.load, a.save)
+    out = checkpoint.save_merged(a.load, a.save)
+    print(f"merged {a.load}'s adapters into {out} (model weights only); sample it: python tools.py sample --load {out};"
+          f" train on: python train.py --finetune --load {out} --save RUN")
+    return out
 
 
 def export(a):
@@ -96,12 +99,24 @@ def export(a):
     setting Hugging Face's class cannot express is refused by name."""
     if a.hf_out is None and a.peft_out is None:
         raise ConfigError("export: pass --hf-out DIR (the model), --peft-out DIR (a LoRA run's adapters), or both")
+    for flag, d in (("--hf-out", a.hf_out), ("--peft-out", a.peft_out)):
+        if d is not None and Path(d).exists() and (not Path(d).is_dir() or any(Path(d).iterdir())) and not a.overwrite:
+            raise ConfigError(f"{flag} {d} is not an empty directory: export into a new one, or pass --overwrite to "
+                              "replace the files it writes there")
     if a.peft_out is not None:
         export_peft(a)
+        print(f"exported {a.load}'s adapters to {a.peft_out} (a PEFT folder); load it: "
+              f"peft.PeftModel.from_pretrained(the exported base model, {str(a.peft_out)!r})")
     if a.hf_out is None:
         return a.peft_out
-    run = checkpoint.load_model(a.load)
-    refuse_reward_model(run, a.load)
+    out = export_model(a)
+    print(f"exported {a.load} to {out} (config.json, model.safetensors, tokenizer); load it: transformers."
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r}), or serve it: python tools.py serve --load {a.load}")
+    return out
+
+
+def export_model(a):
+    run = checkpoint.load_model(a.load, reward_model=False)  # a reward model's output is a value, not logits
     if run.args.hf_architecture:  # imported from a Hugging Face folder: that folder's layout again (interop/hf.py)
         out, left = hf.export_folder(run.args.hf_architecture, run.model.state_dict(), run.tok, a.hf_out,
                                      getattr(torch, a.dtype) if a.dtype else None)
@@ -154,16 +169,19 @@ def import_megatron(a, model_flags):
     args = check_args(parse_args(model_flags, saved=convert.megatron_lm_args(a.load)), world=1)
     model, tok, settings = checkpoint.model_from_flags(args)
     model.load_state_dict(convert.megatron_dist_full(a.load, model), strict=False)  # (cast to the model's dtype)
-    return checkpoint.save_weights(model, tok, a.save, {**settings, "save": a.save})
+    out = checkpoint.save_weights(model, tok, a.save, {**settings, "save": a.save})
+    return said(out, f"imported {a.load} into {out}; sample it: python tools.py sample --load {out}; train on: "
+                f"python train.py --finetune --load {out} --save RUN")
 
 
 def export_megatron(a):
     """The run (a LoRA run: merged) as a Megatron-core torch_dist checkpoint (convert.to_megatron_dist)."""
     if Path(a.save).is_dir() and any(Path(a.save).iterdir()):
         raise ConfigError(f"--save {a.save} is not empty: export into an empty directory")
-    run = checkpoint.load_model(a.load)
-    refuse_reward_model(run, a.load)
-    return convert.to_megatron_dist(run.model.state_dict(), run.model.config, a.save, a.padded_vocab_size)
+    run = checkpoint.load_model(a.load, reward_model=False)  # a reward model's output is a value, not logits
+    out = convert.to_megatron_dist(run.model.state_dict(), run.model.config, a.save, a.padded_vocab_size)
+    return said(out, f"exported {a.load} to {out} (Megatron-core torch_dist); Megatron-LM loads it with --load {out} "
+                "and the run's model flags")
 
 
 def export_peft(a):
@@ -193,9 +211,7 @@ def export_peft(a):
 def score(a):
     """A reward model's (--task rm) reward of each record of an SFT file ({"prompt", "response"} or {"messages"}), one
     per line, in file order. One process, the whole model."""
-    run = checkpoint.load_model(a.load, extend=recipes.add_value_head)
-    if run.args.task != "rm":
-        raise ConfigError(f"--load {a.load} is a --task {run.args.task} run, not a reward model (--task rm)")
+    run = checkpoint.load_model(a.load, extend=recipes.add_value_head, reward_model=True)
     eod, rewards = tokenizer_files.special_ids(run.tok)["eod"], []
     model = run.model.eval()
     for record in recipes.load_records(a.data_path, "sft"):
@@ -218,7 +234,8 @@ def parse(argv):
     s = sub.add_parser("sample", help="print the model's continuation of a prompt")
     s.add_argument("--load", required=True, help="the run directory (train.py --save)")
     s.add_argument("--prompt", default="def ")
-    s.add_argument("--max-new-tokens", type=int, default=200)
+    s.add_argument("--max-new-tokens", type=int, default=None, help="at most what the context leaves (default: 200, "
+                   "or fewer where the context ends)")
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model file's sample())")
     s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely (default: the model's)")
     s.add_argument("--seed", type=int, default=0)
@@ -236,12 +253,14 @@ def parse(argv):
                    "folder for the exported base model")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="of the written weights (default: an imported model's dtype in its folder, else the run's)")
+    e.add_argument("--overwrite", action="store_true", help="write into a directory that is not empty")
     e.set_defaults(run=export)
     i = sub.add_parser("import-hf", help="a local Hugging Face folder as a checkpoint any run starts from (interop/hf.py)")
     i.add_argument("--hf", required=True, help="the folder: config.json, *.safetensors, tokenizer.json")
     i.add_argument("--save", required=True, help="an empty directory for the checkpoint")
     i.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="of the imported weights")
-    i.set_defaults(run=lambda a: import_hf(a.hf, a.save, getattr(torch, a.dtype)))
+    i.set_defaults(run=lambda a: said(import_hf(a.hf, a.save, getattr(torch, a.dtype)), f"imported {a.hf} into "
+                   f"{a.save}; start a run from it: python train.py --pretrained-checkpoint {a.save} --save RUN ..."))
     g = sub.add_parser("import-megatron", help="a Megatron-core torch_dist checkpoint as a run (weights only); "
                        "the model's flags (train.py's: --model, --num-layers, ...) follow")
     g.add_argument("--load", required=True, help="the Megatron-core checkpoint directory (metadata.json, .metadata)")
@@ -265,6 +284,11 @@ def parse(argv):
     return a, rest
 
 
+def said(out, line: str):
+    print(line)
+    return out
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -282,4 +306,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    result = main()  # a command's result (the sampled text, the folder written) is for Python callers; the shell gets
+    sys.exit(result if isinstance(result, int) else 0)  # 0 (serve and rl return their exit status)

@@ -136,10 +136,14 @@ def setup(args) -> Run:
     that failed there joins the agreement below it (main), so bad input stops every rank alike, at once."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = check_args(args, world)
-    for line in notes(args) if int(os.environ.get("RANK", "0")) == 0 else []:  # Megatron flags: what runs instead
+    say = int(os.environ.get("RANK", "0")) == 0 and not args.check_only
+    for line in notes(args) if say else []:  # Megatron flags: what runs instead
         print(line, flush=True)
     mf = model_file(args.model)
     start = checkpoint.plan_start(args)  # verified checkpoints; refuses a missing --load, an overwrite
+    if say and args.task != "pretrain" and start.base is None and start.resume is None:
+        print(f"note: --task {args.task} starts from random weights: no --pretrained-checkpoint RUN (or --finetune "
+              "--load RUN) to post-train", flush=True)
     corpus = data.build_data(args, mf.dataset, start.tokenizer_file, start.vocab_size, samples=args.task == "pretrain")
     tasks = task_module(args.task)  # a post-training task's module (config.TASKS); None: pretraining
     if tasks is not None:  # the task's samples (posttraining/recipes.py section 1, rl.py's prompts)
@@ -147,6 +151,8 @@ def setup(args) -> Run:
         corpus = dataclasses.replace(corpus, train=train_ds, valid=valid_ds)
     config = model_config(mf, args, corpus.vocab_size, corpus.tokenizer)
     checkpoint.check_same_model(args, start, mf, corpus.vocab_size)
+    if args.check_only:  # (make train runs this in one process before torchrun starts the ranks)
+        raise SystemExit(0)
     # ---- nothing above made a process group; everything below may
     keep_freed_memory()
     device = P.init_distributed(world, args.distributed_backend, args.distributed_timeout_minutes)
@@ -190,11 +196,10 @@ def setup(args) -> Run:
                    f"{len(corpus.train)} train samples of {args.seq_length} tokens, "
                    f"{len(corpus.valid) if corpus.valid else 0} valid"
                    + (f", {len(corpus.test)} test" if corpus.test else "") + f"; device {device}")
-    run_dir = args.save or time.strftime(f"runs/{args.model}-%Y%m%d-%H%M%S")  # no --save: a fresh directory
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         tokenizer_files.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
-    log = Logger(run_dir, rank, first, args.train_iters, resume=start.continues,  # keeps lines <= first
+    log = Logger(args.save, rank, first, args.train_iters, resume=start.continues,  # keeps lines <= first
                  tensorboard_dir=args.tensorboard_dir)
     return Run(args, mf, start, corpus, config, grid, chunks, model, mesh, device, rank, optimizer, scaler, fp8, task,
                reference_base, p2p_shape, autocast, first, progress, log)
@@ -331,6 +336,10 @@ def train(args) -> Run:
         gc.collect()
     try:
         n, signaled = loop(run, t0, signals)
+    except BaseException:
+        if run.rank == 0:
+            log.bar.close()  # its line ends: the error that stopped the loop is printed on a line of its own
+        raise
     finally:
         signals.restore()  # (also when the loop raises: a rank that must die on torchrun's SIGTERM then does)
         if a.manual_gc:
@@ -380,7 +389,8 @@ def loop(run: Run, t0: float, signals: ExitSignals):
             checkpoint.save_checkpoint(a.save, n, run.chunks, run.optimizer, run.scaler, run.mesh, run.settings,
                                        run.start.lora_base, progress=dict(
                                            consumed_train_samples=run.progress.consumed_samples,
-                                           opt_param_scheduler=dict(num_steps=run.progress.lr_steps)))
+                                           opt_param_scheduler=dict(num_steps=run.progress.lr_steps)),
+                                       keep=a.keep_last_checkpoints)
         if stop:
             break
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
@@ -395,8 +405,8 @@ def parse(argv):
 
 
 # What main says in one line `train.py: error: ...` (exit 2): bad input (interop's ExportError and LoRA's LoRAError
-# are ConfigErrors), or a run that cannot go on
-ERRORS = (ConfigError, data.DataError, TrainingError)
+# are ConfigErrors), or a run that cannot go on (or cannot save)
+ERRORS = (ConfigError, data.DataError, TrainingError, checkpoint.SaveError)
 
 
 def report(error: Exception):

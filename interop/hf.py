@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import types
 from collections.abc import Mapping
@@ -88,12 +89,17 @@ def read_folder(path) -> Folder:
 
 
 def _header(path) -> dict:
-    """A safetensors file's JSON header (8 bytes of length, then the JSON): names, dtypes, shapes, offsets."""
+    """A safetensors file's JSON header (8 bytes of length, then the JSON): names, dtypes, shapes, offsets. A file
+    shorter than its header says (a truncated copy or download) is refused here, before any tensor is read."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if not 0 < n < 100_000_000:
             raise ValueError(f"header length {n}")
-        return json.loads(f.read(n))
+        header = json.loads(f.read(n))
+    end = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if os.path.getsize(path) < end:
+        raise ValueError(f"truncated: {os.path.getsize(path):,} bytes, its header describes {end:,}")
+    return header
 
 
 # ---------------------------------------------------------------------------------------------- the folder as a state dict

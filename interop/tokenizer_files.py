@@ -79,6 +79,12 @@ def save_tokenizer(tok, path):
         side.write_text(json.dumps(dataclasses.asdict(roles), indent=1) + "\n")
 
 
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizer files tokenize alike: the same JSON once loaded (as get_tokenizer loads them)."""
+    load = lambda p: json.loads(add_missing_specials(_load_tokenizer(p)).to_str())
+    return Path(a).resolve() == Path(b).resolve() or load(a) == load(b)
+
+
 def _load_tokenizer(path):
     """A tokenizer.json, with the Roles saved beside it (save_tokenizer) if there are any."""
     if not os.path.isfile(path):

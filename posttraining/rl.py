@@ -488,7 +488,7 @@ def evaluate(load, samples: int = 8, max_new_tokens: int = 8, prompts: int | Non
     """A saved run's mean reward on the shipped task's held-out prompts (the first `prompts` of them; all: None):
     (greedy, sampled) — its greedy answers, and `samples` answers of each at temperature 1 (the rollouts'
     distribution, the one GRPO and PPO optimise), seeded."""
-    run = checkpoint.load_model(load)
+    run = checkpoint.load_model(load, reward_model=False)
     eod, records = tokenizer_files.special_ids(run.tok)["eod"], bracket_records(held_out=True)[:prompts]
     prompts = [recipes.chat_prompt_ids([{"role": "user", "content": r["prompt"]}], run.tok) for r in records]
     out = []

@@ -31,6 +31,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -398,6 +399,14 @@ def main(argv=None):
                           f"world size {world} (torchrun --nproc_per_node)")
     if not 1 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} must be in 1..65535")
+    if rank == 0:  # the address is free before the model loads and before "serving ... at" is said
+        with socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+            try:
+                s.bind((a.host, a.port))
+            except OSError as e:
+                raise ConfigError(f"--host {a.host} --port {a.port}: cannot listen there ({e.strerror or e}): another "
+                                  "server on that port? pass --port N") from None
     if world > 1:
         dist.init_process_group("gloo")
         if rank:  # the ranks follow rank 0, which stops them itself after draining
@@ -405,7 +414,7 @@ def main(argv=None):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-    run = checkpoint.load_model(a.load, tp=tp, ep=ep)
+    run = checkpoint.load_model(a.load, tp=tp, ep=ep, reward_model=False)
     if run.model_file.sample_ids is None:
         raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot be served: only a causal language "
                           "model generates (its model file declares no sample_ids)")

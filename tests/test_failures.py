@@ -222,3 +222,177 @@ def test_every_models_defaults_take_tp2(model):
     """`make train MODEL=X NPROC=2 TP=2`: the model's default Config takes TP=2 (Mamba: 8 groups, as Megatron)."""
     a = arguments.check_args(arguments.parse_args(["--model", model, "--tensor-model-parallel-size", "2"]), 2)
     arguments.model_config(contract.model_file(model), a, vocab_size=8192).check_layout(2, 1, 1)
+
+
+# ------------------------------------------------------------------------------------------ files, runs and launches
+@pytest.fixture(scope="module")
+def run(corpus, cache, tmp_path_factory):
+    """A tiny pretraining run (seq 32, so its context is 32 positions), checkpoints at iterations 2 and 4."""
+    d = tmp_path_factory.mktemp("failures") / "run"
+    train.main(tiny(corpus, cache, d, "--save-interval", "2", iters=4))
+    return d
+
+
+def test_a_truncated_safetensors_file_is_named_before_any_tensor_is_read(tmp_path):
+    from safetensors.torch import save_file
+
+    from interop import hf
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"w": torch.ones(64, 64)}, str(tmp_path / "model.safetensors"))
+    hf.read_folder(tmp_path)  # whole: reads
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(5000)
+    with pytest.raises(contract.ConfigError, match=r"model\.safetensors: not a readable safetensors file \(truncated: "
+                       r"5,000 bytes, its header describes 16,\d+\)"):
+        hf.read_folder(tmp_path)
+
+
+def test_a_run_is_refused_where_it_is_the_wrong_kind_and_a_reward_model_says_its_accuracy(run, corpus, cache,
+                                                                                         tmp_path, capsys):
+    """score needs a reward model; the server and sample need a model that generates (load_model's reward_model).
+    A post-training task from random weights says so at the start and in its final line, with its accuracy."""
+    line = fails(["score", "--load", str(run), "--data-path", str(tmp_path / "x.jsonl")], capsys, tools.main, "tools.py")
+    assert line == f"tools.py: error: --load {run} is a --task pretrain run, not a reward model (--task rm)"
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(f'{{"prompt": "{i} + 1", "chosen": "{i + 1}", "rejected": "0"}}\n' for i in range(16)))
+    capsys.readouterr()
+    train.main(tiny(corpus, cache, tmp_path / "rm", "--task", "rm", "--data-path", str(prefs), iters=3))
+    out = capsys.readouterr().out
+    assert "note: --task rm starts from random weights" in out.splitlines()[0], out
+    assert re.search(r"iteration 3: validation loss [\d.]+, accuracy [\d.]+", out), out
+    done = next(ln for ln in out.splitlines() if ln.startswith("done: "))
+    assert "; validation accuracy " in done and done.endswith("note: --task rm trained from random weights"), done
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    line = fails(["serve", "--load", str(tmp_path / "rm"), "--port", port], capsys, tools.main, "tools.py")
+    assert line.endswith("is a reward model (--task rm): it scores text (tools.py score), it does not generate or "
+                         "export as a causal LM"), line
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(f'{{"prompt": "{i} + 1", "response": "{i + 1}"}}\n' for i in range(4)))
+    assert len(tools.main(["score", "--load", str(tmp_path / "rm"), "--data-path", str(answers)])) == 4
+
+
+def test_export_refuses_a_directory_that_is_not_empty(run, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    line = fails(["export", "--load", str(run), "--hf-out", str(tmp_path / "out")], capsys, tools.main, "tools.py")
+    assert f"--hf-out {tmp_path / 'out'} is not an empty directory" in line and "--overwrite" in line, line
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]  # nothing written
+    tools.main(["export", "--load", str(run), "--hf-out", str(tmp_path / "out"), "--overwrite"])
+    said = capsys.readouterr().out
+    assert f"exported {run} to {tmp_path / 'out'}" in said and "from_pretrained" in said, said  # what to run next
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine" and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_sample_stays_within_the_context(run, capsys):
+    line = fails(["sample", "--load", str(run), "--max-new-tokens", "100000"], capsys, tools.main, "tools.py")
+    assert "--max-new-tokens=100000 with a 2-token prompt: more than the model's context (--max-position-embeddings " \
+           "32) leaves; at most 30" in line, line
+    text = tools.main(["sample", "--load", str(run), "--temperature", "0"])  # the default: what the context leaves
+    assert text.startswith("def ")
+
+
+def test_the_command_line_says_what_it_wrote_and_exits_0(run, tmp_path):
+    """`python tools.py export` (the shell's view: exit status 0, one line naming the folder and what to run next)."""
+    r = subprocess.run([sys.executable, "tools.py", "export", "--load", str(run), "--hf-out", str(tmp_path / "hf")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr.strip() == "", r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1].startswith(f"exported {run} to {tmp_path / 'hf'} "), r.stdout
+
+
+def test_resuming_with_another_tokenizer_is_refused(run, corpus, cache, tmp_path, capsys):
+    import shutil
+
+    from interop import tokenizer_files
+    other = tokenizer_files.get_tokenizer(["hello world foo bar " * 50, "lorem ipsum dolor " * 40], None, 384)
+    tokenizer_files.save_tokenizer(other, tmp_path / "other.json")
+    shutil.copytree(run, tmp_path / "run")
+    line = fails(tiny(corpus, cache, tmp_path / "run", "--load", str(tmp_path / "run"), "--tokenizer-file",
+                      str(tmp_path / "other.json"), iters=5), capsys)
+    assert line == (f"train.py: error: --tokenizer-file {tmp_path / 'other.json'} is not the tokenizer "
+                    f"{tmp_path / 'run' / 'tokenizer.json'} the model was trained with (its ids would mean other "
+                    "tokens): leave --tokenizer-file out")
+    shutil.copy(run / "tokenizer.json", tmp_path / "same.json")  # the same tokenizer from another file: resumes
+    train.main(tiny(corpus, cache, tmp_path / "run", "--load", str(tmp_path / "run"), "--tokenizer-file",
+                    str(tmp_path / "same.json"), iters=5))
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+
+
+@pytest.mark.parametrize("where, expect", [("file", "is a file, not a directory"),
+                                           ("under a file", "cannot write there (Not a directory)")])
+def test_a_save_directory_that_cannot_be_written_is_refused_before_training(corpus, cache, tmp_path, capsys, where,
+                                                                           expect):
+    (tmp_path / "file").write_text("mine")
+    save = tmp_path / "file" if where == "file" else tmp_path / "file" / "run"
+    line = fails(tiny(corpus, cache, save, iters=2), capsys)
+    assert line == f"train.py: error: --save {save}: {expect}".replace(": is a file", " is a file"), line
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_failed_save_says_why_and_keeps_the_previous_checkpoint(corpus, cache, tmp_path, capsys, monkeypatch):
+    """A full disk at the second save (torch.save raising ENOSPC, as a full file system does): one line naming the
+    cause and the checkpoint kept; the partial directory gone; the run resumes from the kept one."""
+    import checkpoint
+    real = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        if "iter_0000004" in str(f):  # (the RNG file, written after the shards)
+            raise OSError(28, "No space left on device")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    line = fails(tiny(corpus, cache, tmp_path / "run", "--save-interval", "2", iters=4), capsys)
+    assert line == (f"train.py: error: saving iteration 4 to {tmp_path / 'run'} failed (OSError: [Errno 28] No space "
+                    f"left on device; {line.split('; ')[1].split(')')[0]}): the previous checkpoint "
+                    f"{tmp_path / 'run' / 'iter_0000002'} is intact (latest_checkpointed_iteration.txt names it)"), line
+    assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == ["iter_0000002"]
+    monkeypatch.setattr(checkpoint.torch, "save", real)
+    assert checkpoint.find_checkpoint(tmp_path / "run").meta["iteration"] == 2  # verified against its manifest
+
+
+def test_keep_last_checkpoints_deletes_the_older_ones_and_the_size_is_said(corpus, cache, tmp_path, capsys):
+    train.main(tiny(corpus, cache, tmp_path / "run", "--save-interval", "1", "--keep-last-checkpoints", "2", iters=4))
+    assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    done = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("done: ")]
+    assert re.search(r"; checkpoints \d+\.\d MiB on disk$", done[0]), done
+
+
+def test_make_train_checks_before_torchrun_starts(corpus, cache, tmp_path):
+    """make train NPROC=2: a bad flag is the first line of the output, the whole output short (train.py --check-only
+    in one process before torchrun); a good layout trains."""
+    make = ["make", "--no-print-directory", "-o", ".venv/.stamp", "train", "NPROC=2", "TP=2", f"RUN={tmp_path / 'r'}"]
+    r = subprocess.run(make + [f"ARGS={' '.join(tiny(corpus, cache, tmp_path / 'r', iters=1)[:-2])} "
+                               "--num-attention-heads 3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and lines[0] == "train.py: error: hidden_size=64 is not divisible by num_attention_heads=3" \
+        and len(lines) <= 5, lines
+
+
+@pytest.mark.parametrize("make_args, expect", [
+    (["PROMPT="], "tools.py: error: --prompt is empty: give the text to continue"),
+    (["TP=2"], "make sample runs one process on a run saved at any layout: leave out NPROC=1 TP=2"),
+])
+def test_make_sample_refuses_an_empty_prompt_and_a_layout(run, make_args, expect):
+    r = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.stamp", "sample", f"RUN={run}", *make_args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and expect in r.stderr, r.stderr
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(run, capsys):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = fails(["serve", "--load", str(run), "--host", "127.0.0.1", "--port", str(port)], capsys, tools.main,
+                     "tools.py")
+    assert line == (f"tools.py: error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use): "
+                    "another server on that port? pass --port N")
+
+
+def test_a_run_without_save_writes_no_files(corpus, cache, tmp_path, capsys, monkeypatch):
+    """No --save: no run directory appears (Megatron writes nothing without --save); the final line says so."""
+    monkeypatch.chdir(tmp_path)
+    train.main(tiny(corpus, cache, "unused", iters=1)[:-2])
+    assert list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("no --save: no files written")

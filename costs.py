@@ -170,73 +170,82 @@ def state_bytes(c, layout: Layout, stage: int, accounting: str = "gpu") -> dict:
 
 
 def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) -> int:
-    """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, §4 and Table 2), the paper's items
-    with our dims (s/c tokens per CP rank; GQA's g key/value heads; f, SwiGLU's 2f): B bytes a value, masks 1 byte
-    ("gpu"); this CPU: fp32 dropout masks, math SDPA's q·scale, kᵀ copy and fp32 a·s²·b tensors, LayerNorm's
-    mean and rstd (DESIGN.md §6). Selective: the attention core recomputed; full: see stage_activations."""
-    cpu = accounting == "cpu"
-    B, t, sp = BYTES[layout.dtype], layout.tp, layout.sequence_parallel and layout.tp > 1
+    """Bytes layer i keeps for backward per micro-batch (Korthikanti et al. 2022, §4 and Table 2): the paper's items
+    with our dims (s/c tokens per CP rank; GQA's g key/value heads; f, SwiGLU's 2f), B bytes a value and masks 1 byte
+    ("gpu"); this CPU's items (DESIGN.md §6): dropout masks of B bytes, LayerNorm's mean and rstd, and the math SDPA
+    (taken with attention dropout): fp32 q·scale, kᵀ (and v, from 16-bit) and three fp32 a·s²·b tensors."""
+    cpu, B, t = accounting == "cpu", BYTES[layout.dtype], layout.tp
+    sp = layout.sequence_parallel and t > 1
     s, b, h, n, g, d = layout.seq // layout.cp, layout.micro_batch, c.hidden_size, c.num_attention_heads, \
         c.num_query_groups, c.kv_channels
-    f = (2 if c.gated_linear_unit else 1) * c.ffn_hidden_size  # fc1's output width (SwiGLU: [gate; up])
-    if c.is_moe_layer(i):  # the experts see top-k copies of each token (an estimate: the router's and dispatch's
-        f = c.moe_router_topk * (2 if c.gated_linear_unit else 1) * c.moe_ffn_hidden_size  # buffers left out)
-    mask = (B if cpu else 1) * (c.hidden_dropout > 0)  # bytes of one dropout mask value
+    up = 2 if c.gated_linear_unit else 1
+    f = c.ffn_hidden_size
+    if c.is_moe_layer(i):  # the experts see top-k copies of each token (an estimate: the router's and the
+        f = c.moe_router_topk * c.moe_ffn_hidden_size  # dispatcher's buffers are left out)
+    mask = (B if cpu else 1) * (c.hidden_dropout > 0)  # one dropout mask value
     sb = s * b
-    whole = sb * h * (2 * B + 2 * mask + 2 * B)  # LayerNorm inputs, hidden-dropout masks, linear_qkv/fc1 inputs
-    split = sb * (B * (n + 2 * g) * d + B * n * d + B * f + B * f // (2 if c.gated_linear_unit else 1))  # QKV
-    # output; linear_proj's input; fc1's output (the activation's input); the activation's output (fc2's input)
-    core = n * s * s * b * ((3 * B if cpu else 2 * B + 1) if c.attention_dropout > 0 else 0)  # softmax, its dropout
-    # mask, the dropped probabilities (the paper's 5·a·s²·b; without dropout CPU SDPA is the flash kernel: none)
-    if cpu and c.attention_dropout > 0:  # the math SDPA's q·scale and contiguous kᵀ
-        split += sb * B * (n + g) * d
-    if layout.recompute == "selective":
-        core, split = 0, split - (sb * B * (n + g) * d if cpu and c.attention_dropout > 0 else 0)
-    stats = 2 * 2 * 4 * sb if cpu and c.normalization == "LayerNorm" else 0  # two norms' mean, rstd [s, b, 1] fp32
+    whole = sb * h * (2 * B + 2 * mask + 2 * B)  # LayerNorm inputs; hidden-dropout masks; linear_qkv's, fc1's inputs
+    qkv = sb * B * (n + 2 * g) * d  # linear_qkv's output: q, k, v [s, b, (n + 2g)·d]
+    split = sb * B * (n * d + up * f + f)  # linear_proj's input; fc1's output (the activation's input); fc2's input
+    core = 0
+    if c.attention_dropout > 0 and layout.recompute != "selective":  # softmax, dropout mask, dropped probabilities
+        core = n * s * s * b * (12 if cpu else 2 * B + 1)  # (the paper's 5·a·s²·b; CPU: math SDPA, all fp32)
+        if cpu:  # the math SDPA's fp32 copies: q·scale and a contiguous kᵀ; from 16-bit q, k, v also v (and the
+            qkv = sb * 4 * ((n + g) * d + ((n + 2 * g) * d if B == 4 else g * d))  # 16-bit output is not kept)
+    stats = 2 * 2 * B * sb if cpu and c.normalization == "LayerNorm" else 0  # two norms' mean and rstd [s, b, 1]
     if sp:  # sequence parallelism: every item is a sequence shard
-        return (whole + split + core + stats) // t
-    return whole + split // t + core // t + stats
+        return (whole + qkv + split + core + stats) // t
+    return whole + (qkv + split + core) // t + stats
 
 
-def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, accounting: str = "gpu") -> int:
-    """Bytes one virtual chunk keeps per micro-batch: its layers (under full recomputation only each recomputed
-    unit's input), the embedding's (first chunk) and the output layer's and loss's (last chunk)."""
+def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, accounting: str = "gpu"):
+    """(kept, peak): the bytes one virtual chunk keeps per micro-batch after its forward — its layers (under full
+    recomputation only each recomputed unit's input), the embedding's (first chunk), the output layer's and the
+    loss's (last chunk) — and their peak during its backward (full recomputation: one unit's layers recomputed)."""
     cpu, B, t = accounting == "cpu", BYTES[layout.dtype], layout.tp
     sp = layout.sequence_parallel and t > 1
     s, b, h, V = layout.seq // layout.cp, layout.micro_batch, c.hidden_size, c.padded_vocab_size
     sb, x = s * b, s * b * h * B // (t if sp else 1)  # x: one hidden state [s(/t), b, h]
-    if layout.recompute == "full":  # transformer.Decoder.recomputed: uniform = chunks of N layers, block = the first N
-        N, L = c.recompute_num_layers or 1, len(layers)
-        units = -(-L // N) if c.recompute_method != "block" else min(N, L)
-        total = units * x + sum(layer_activations(c, layout, accounting, i) for i in list(layers)[units:]) \
-            * (c.recompute_method == "block")
-    else:
-        total = sum(layer_activations(c, layout, accounting, i) for i in layers)
-    if not cpu:  # Megatron's theoretical_memory_usage.py: ids 8·s·b and the embedding dropout mask s·b·h; the
+    if cpu:  # the ids: int64 (t = 1: the micro-batch's own [b, s + 1] tensor; cp: its [b, s/c] copy; t > 1: their
+        # masked [b, s] copy and the bool mask); position ids; the embedding's dropout mask
+        ids = 8 * b * (layout.seq + 1) if t == 1 and layout.cp == 1 else 8 * sb + sb * (t > 1)
+        head = pre * (ids + 8 * s * (c.position_embedding_type == "learned_absolute") + x * (c.hidden_dropout > 0))
+        # final LayerNorm input + mean, rstd; the output layer's input; the fp32 softmax [s, b, V/t] (the logits'
+        # own buffer, parallel.vocab_parallel_cross_entropy), the target index (int64) and its bool mask
+        tail = post * (x + 2 * B * sb // (t if sp else 1) * (c.normalization == "LayerNorm") + x + 4 * sb * V // t
+                       + 8 * sb + sb)
+    else:  # Megatron's theoretical_memory_usage.py: the ids 8·s·b and the embedding's dropout mask s·b·h; the
         # output layer's input and the fp32 logits 4·s·b·(h + V); all / t
-        return total + (pre * (8 * sb + sb * h * (c.hidden_dropout > 0)) + post * 4 * sb * (h + V)) // t
-    if pre:  # the word ids (int64), TP: their masked copy and the bool mask; position ids; the dropout mask
-        total += 8 * sb + (sb if t > 1 else 0) + 8 * s * (c.position_embedding_type == "learned_absolute")
-        total += x * (c.hidden_dropout > 0)
-    if post:  # final LayerNorm input + mean, rstd; the output layer's input; the fp32 softmax [s, b, V/t] (the
-        # logits' own buffer, parallel.vocab_parallel_cross_entropy), the target index (int64) and its bool mask
-        total += x + 8 * sb // (t if sp else 1) + x + 4 * sb * V // t + 8 * sb + sb
-    return total
+        head, tail = pre * (8 * sb + sb * h * (c.hidden_dropout > 0)) // t, post * 4 * sb * (h + V) // t
+    full = [layer_activations(c, layout, accounting, i) for i in layers]
+    if layout.recompute != "full":
+        return head + sum(full) + tail, head + sum(full) + tail
+    N, L = c.recompute_num_layers or 1, len(layers)  # transformer.Decoder.recomputed: uniform = units of N layers,
+    units = [range(k, min(k + N, L)) for k in range(0, L, N)] if c.recompute_method != "block" else \
+        [range(k, k + 1) for k in range(min(N, L))]  # block = the first N layers one by one, the rest as usual
+    rest = sum(full[len(units) if c.recompute_method == "block" else L:])
+    kept = head + len(units) * x + rest + tail
+    # backward of unit k: the units before it keep their inputs, unit k's layers are all recomputed (its input among
+    # them); the layers after it and the tail are freed
+    peak = max([kept] + [head + k * x + sum(full[i] for i in u) for k, u in enumerate(units)])
+    return kept, peak
 
 
-def in_flight(chunk_bytes: list[int], layout: Layout, stage: int) -> int:
-    """The peak of the bytes kept by the micro-batches in flight on pipeline rank `stage`: its schedule's actions
-    (parallel.schedule_1f1b: p − r micro-batches at most; interleaved: (p − r − 1)·2 + (v − 1)·p + 1 chunks), each
-    forward adding its chunk's bytes, each backward freeing them."""
+def in_flight(chunk_bytes: list[tuple[int, int]], layout: Layout, stage: int) -> int:
+    """The peak bytes of the micro-batches in flight on pipeline rank `stage`, from its schedule's actions
+    (parallel.schedule_1f1b: p − r micro-batches at most; interleaved: (p − r − 1)·2 + (v − 1)·p + 1 chunks; no
+    pipeline: one micro-batch): each forward adds its chunk's kept bytes, each backward peaks, then frees them."""
     M = max(1, layout.micro_batches)
     if layout.pp == 1:
-        return chunk_bytes[0]  # forward_backward_no_pipelining: one micro-batch at a time
-    actions = P.schedule_1f1b(layout.pp, stage, M) if layout.vpp == 1 else \
-        P.schedule_interleaved(layout.pp, stage, M, layout.vpp)
+        actions = [a for k in range(M) for a in (("F", k, 0), ("B", k, 0))]  # forward_backward_no_pipelining
+    else:
+        actions = P.schedule_1f1b(layout.pp, stage, M) if layout.vpp == 1 else \
+            P.schedule_interleaved(layout.pp, stage, M, layout.vpp)
     live = peak = 0
     for kind, _, v in actions:
-        live += chunk_bytes[v] if kind == "F" else -chunk_bytes[v]
-        peak = max(peak, live)
+        kept, backward = chunk_bytes[v]
+        peak = max(peak, live + kept if kind == "F" else live - kept + backward)
+        live += kept if kind == "F" else -kept
     return peak
 
 

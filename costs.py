@@ -187,15 +187,31 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) ->
     whole = sb * h * (2 * B + 2 * mask + 2 * B)  # LayerNorm inputs; hidden-dropout masks; linear_qkv's, fc1's inputs
     qkv = sb * B * (n + 2 * g) * d  # linear_qkv's output: q, k, v [s, b, (n + 2g)·d]
     split = sb * B * (n * d + up * f + f)  # linear_proj's input; fc1's output (the activation's input); fc2's input
+    split += sb * B * f * (cpu and up == 2)  # CPU SwiGLU: also the activation of the gate (transformer.SwiGLU)
     core = 0
     if c.attention_dropout > 0 and layout.recompute != "selective":  # softmax, dropout mask, dropped probabilities
         core = n * s * s * b * (12 if cpu else 2 * B + 1)  # (the paper's 5·a·s²·b; CPU: math SDPA, all fp32)
-        if cpu:  # the math SDPA's fp32 copies: q·scale and a contiguous kᵀ; from 16-bit q, k, v also v (and the
-            qkv = sb * 4 * ((n + g) * d + ((n + 2 * g) * d if B == 4 else g * d))  # 16-bit output is not kept)
-    stats = 2 * 2 * B * sb if cpu and c.normalization == "LayerNorm" else 0  # two norms' mean and rstd [s, b, 1]
+        if cpu:  # the math SDPA's own fp32 q·scale, kᵀ and v of n heads each, where fp32 multi-head attention's v
+            # is a view of the QKV output (which is then kept too)
+            qkv = sb * 4 * (2 * n * d + (n + 2 * g) * d if B == 4 and g == n else 3 * n * d)
+    if cpu and c.qk_layernorm:  # the q and k norms' statistics, per head
+        qkv += norm_extra(c, B, sb * (n + g) * d, sb * (n + g))
+    if c.attention_dropout == 0 and cpu and layout.recompute != "selective":  # CPU SDPA without dropout, the flash kernel: its logsumexp [b, n, s]
+        core = 4 * b * n * s  # (it keeps its q, k, v: new tensors, not views of the QKV output, after RoPE or q/k norms)
+        new_qk = c.qk_layernorm or c.position_embedding_type in ("rope", "yarn")
+        qkv += sb * B * (n + g) * d * new_qk
+        if layout.cp > 1:  # context parallelism, the p2p ring (parallel._RingAttention): q, the last K/V block held
+            qkv += sb * B * (2 * g * d - g * d * new_qk)  # [2, b, g, s/c, d] (not k itself), its logsumexp
+    stats = 2 * norm_extra(c, B, sb * h, sb) if cpu else 0  # the two norms' statistics
     if sp:  # sequence parallelism: every item is a sequence shard
         return (whole + qkv + split + core + stats) // t
     return whole + (qkv + split + core) // t + stats
+
+
+def norm_extra(c, B: int, values: int, rows: int) -> int:
+    """What this CPU's norm keeps besides its input: LayerNorm its mean and rstd [s, b, 1]; RMSNorm (torch's
+    composite) its rstd [s, b, 1] in fp32 and the normalized input [s, b, h]."""
+    return 2 * B * rows if c.normalization == "LayerNorm" else 4 * rows + B * values
 
 
 def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, accounting: str = "gpu"):
@@ -212,8 +228,9 @@ def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, a
         head = pre * (ids + 8 * s * (c.position_embedding_type == "learned_absolute") + x * (c.hidden_dropout > 0))
         # final LayerNorm input + mean, rstd; the output layer's input; the fp32 softmax [s, b, V/t] (the logits'
         # own buffer, parallel.vocab_parallel_cross_entropy), the target index (int64) and its bool mask
-        tail = post * (x + 2 * B * sb // (t if sp else 1) * (c.normalization == "LayerNorm") + x + 4 * sb * V // t
-                       + 8 * sb + sb)
+        tail = post * (x + norm_extra(c, B, x // B, sb // (t if sp else 1)) + x + 4 * sb * V // t + 8 * sb + sb)
+        rope = c.position_embedding_type in ("rope", "yarn")  # the chunk's RoPE angles cos, sin [s, 1, 1, r] fp32
+        head += 2 * 4 * s * int(c.kv_channels * c.rotary_percent) * rope
     else:  # Megatron's theoretical_memory_usage.py: the ids 8·s·b and the embedding's dropout mask s·b·h; the
         # output layer's input and the fp32 logits 4·s·b·(h + V); all / t
         head, tail = pre * (8 * sb + sb * h * (c.hidden_dropout > 0)) // t, post * 4 * sb * (h + V) // t

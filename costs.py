@@ -188,20 +188,19 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) ->
     qkv = sb * B * (n + 2 * g) * d  # linear_qkv's output: q, k, v [s, b, (n + 2g)·d]
     split = sb * B * (n * d + up * f + f)  # linear_proj's input; fc1's output (the activation's input); fc2's input
     split += sb * B * f * (cpu and up == 2)  # CPU SwiGLU: also the activation of the gate (transformer.SwiGLU)
-    core = 0
-    if c.attention_dropout > 0 and layout.recompute != "selective":  # softmax, dropout mask, dropped probabilities
-        core = n * s * s * b * (12 if cpu else 2 * B + 1)  # (the paper's 5·a·s²·b; CPU: math SDPA, all fp32)
-        if cpu:  # the math SDPA's own fp32 q·scale, kᵀ and v of n heads each, where fp32 multi-head attention's v
-            # is a view of the QKV output (which is then kept too)
-            qkv = sb * 4 * (2 * n * d + (n + 2 * g) * d if B == 4 and g == n else 3 * n * d)
+    core, new_qk = 0, c.qk_layernorm or c.position_embedding_type in ("rope", "yarn")  # q, k no views of the QKV output
     if cpu and c.qk_layernorm:  # the q and k norms' statistics, per head
         qkv += norm_extra(c, B, sb * (n + g) * d, sb * (n + g))
-    if c.attention_dropout == 0 and cpu and layout.recompute != "selective":  # CPU SDPA without dropout, the flash kernel: its logsumexp [b, n, s]
-        core = 4 * b * n * s  # (it keeps its q, k, v: new tensors, not views of the QKV output, after RoPE or q/k norms)
-        new_qk = c.qk_layernorm or c.position_embedding_type in ("rope", "yarn")
-        qkv += sb * B * (n + g) * d * new_qk
-        if layout.cp > 1:  # context parallelism, the p2p ring (parallel._RingAttention): q, the last K/V block held
-            qkv += sb * B * (2 * g * d - g * d * new_qk)  # [2, b, g, s/c, d] (not k itself), its logsumexp
+    if layout.recompute == "selective":  # the core recomputed: it keeps only its inputs q, k, v
+        pass
+    elif c.attention_dropout > 0:  # softmax, its dropout mask, the dropped probabilities: the paper's 5·a·s²·b
+        core = n * s * s * b * (12 if cpu else 2 * B + 1)  # (CPU: SDPA's math path, all fp32)
+        if cpu:  # the math path's own fp32 q·scale, kᵀ and v of n heads each, but fp32 multi-head attention's v, a
+            qkv = sb * 4 * (2 * n * d + (n + 2 * g) * d if B == 4 and g == n else 3 * n * d)  # view of the QKV output
+    elif cpu:  # without dropout: CPU SDPA's flash kernel, its logsumexp [b, n, s] and its q, k, v
+        core, qkv = 4 * b * n * s, qkv + sb * B * (n + g) * d * new_qk
+        if layout.cp > 1:  # context parallelism's p2p ring (parallel._RingAttention): q, the last K/V block it held
+            qkv += sb * B * (2 * g * d - g * d * new_qk)  # [2, b, g, s/c, d] (not k), the merged logsumexp
     stats = 2 * norm_extra(c, B, sb * h, sb) if cpu else 0  # the two norms' statistics
     if sp:  # sequence parallelism: every item is a sequence shard
         return (whole + qkv + split + core + stats) // t

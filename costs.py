@@ -143,30 +143,24 @@ def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> li
 
 
 def state_bytes(c, layout: Layout, stage: int, accounting: str = "gpu") -> dict:
-    """Parameters, gradients and optimizer state on pipeline rank `stage` (Rajbhandari et al. 2020, ZeRO; DESIGN.md §4).
-    16-bit parameters keep fp32 main grads and fp32 master weights; AdamW two fp32 moments; Muon one momentum on its
-    matrices (the CPU's parallel.Muon keeps AdamW's layout: both moments, exp_avg_sq zero on the matrices); the
-    distributed optimizer keeps master weights and moments for its 1/(dp·cp) slice of each padded bucket."""
-    ps, B = stage_parameters(c, layout, stage), BYTES[layout.dtype]
-    low = B < 4  # 16-bit parameters: fp32 main grads and a separate fp32 master copy
-    muon = layout.optimizer == "muon"
-    moments = lambda p: (0 if layout.optimizer == "sgd" else 1 if muon and p.muon and accounting == "gpu" else 2)
-    own = lambda p: 4 if p.fp32 else B
-    if not layout.distributed_optimizer:  # parallel.Optimizer / Muon: whole parameters, torch's AdamW state
-        mom = 4 if accounting == "gpu" or not low else B  # (torch's AdamW keeps its moments in the parameter's dtype)
-        return {"parameters": sum(p.numel * own(p) for p in ps),
-                "gradients": sum(p.numel * (4 if accounting == "gpu" else own(p)) for p in ps),
-                "optimizer": sum(p.numel * (moments(p) * mom + (4 if low and not p.fp32 and accounting == "gpu" else 0))
+    """Parameters, gradients and optimizer state on pipeline rank `stage` (Rajbhandari et al. 2020, ZeRO; DESIGN.md
+    §4): fp32 main grads and fp32 master weights for 16-bit parameters; AdamW's two fp32 moments, Muon's one momentum
+    on its matrices ("gpu"; this CPU's parallel.Muon keeps AdamW's layout, two); the distributed optimizer keeps
+    master weights and moments for its 1/(d·c) slice of each padded bucket (parallel.DDP's flat buffers)."""
+    ps, B, gpu = stage_parameters(c, layout, stage), BYTES[layout.dtype], accounting == "gpu"
+    low = B < 4  # 16-bit parameters
+    moments = lambda p: {"sgd": 0, "adam": 2, "muon": 1 if p.muon and gpu else 2}[layout.optimizer]
+    own = lambda p: 4 if p.fp32 else B  # (the MoE router is fp32 whatever the dtype)
+    if not layout.distributed_optimizer:  # parallel.Optimizer / Muon: whole parameters; torch's AdamW keeps its
+        return {"parameters": sum(p.numel * own(p) for p in ps),  # moments in the parameter's dtype
+                "gradients": sum(p.numel * (4 if gpu else own(p)) for p in ps),
+                "optimizer": sum(p.numel * (moments(p) * (4 if gpu else own(p)) + 4 * (gpu and own(p) < 4))
                                  for p in ps)}
     sizes = buckets(ps, layout)
-    n = sum(k for k, _ in sizes)  # the flat buffers' length (parallel.DDP), padding included
-    shard = sum(k // size for k, size in sizes)  # this rank's slices
-    per = (1 if muon and accounting == "gpu" else 2) * 4 + (4 if low else 0)  # (gpu Muon: see below)
-    if muon and accounting == "gpu":  # one momentum on the matrices' share of the shard, two moments elsewhere
-        frac = sum(p.numel for p in ps if p.muon) / max(1, sum(p.numel for p in ps))
-        return {"parameters": n * B, "gradients": n * 4,
-                "optimizer": round(shard * ((4 + 4 * (1 - frac)) + (4 if low else 0)))}
-    return {"parameters": n * B, "gradients": n * (4 if low else B), "optimizer": shard * per}
+    n, shard = sum(k for k, _ in sizes), sum(k // size for k, size in sizes)  # buffer length; this rank's slices
+    mean_moments = sum(p.numel * moments(p) for p in ps) / max(1, sum(p.numel for p in ps))  # (exact unless gpu Muon)
+    return {"parameters": n * B, "gradients": n * (4 if low or gpu else B),
+            "optimizer": shard * 4 * low + round(shard * 4 * mean_moments)}
 
 
 def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) -> int:

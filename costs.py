@@ -76,7 +76,8 @@ class Param(typing.NamedTuple):
 
 
 def layer_parameters(c, layout: Layout, i: int) -> list[Param]:
-    """Global layer i's parameters on one TP (and EP) rank, in the model's order (transformer.TransformerLayer)."""
+    """Global layer i's parameters on one TP (and EP) rank, in the model's order (transformer.TransformerLayer;
+    multi-latent attention and MTP are not itemised)."""
     t, h, n, g, d, f = layout.tp, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels, \
         c.ffn_hidden_size
     norm = lambda size: [Param(size)] * (2 if c.normalization == "LayerNorm" else 1)  # weight (+ bias)
@@ -101,10 +102,9 @@ def layer_parameters(c, layout: Layout, i: int) -> list[Param]:
 def chunks(c, layout: Layout, stage: int) -> list[tuple[bool, bool, range]]:
     """(pre_process, post_process, global layers) of each virtual chunk on pipeline rank `stage` (parallel.stage_layers)."""
     p, v = layout.pp, layout.vpp
-    per = c.num_layers // (p * v)
-    return [(stage == 0 and k == 0, stage == p - 1 and k == v - 1, range(k * (c.num_layers // v) + stage * per,
-                                                                           k * (c.num_layers // v) + (stage + 1) * per))
-            for k in range(v)]
+    per = c.num_layers // (p * v)  # layers per chunk
+    first = lambda k: k * (c.num_layers // v) + stage * per  # chunk k's first global layer
+    return [(stage == 0 and k == 0, stage == p - 1 and k == v - 1, range(first(k), first(k) + per)) for k in range(v)]
 
 
 def stage_parameters(c, layout: Layout, stage: int) -> list[Param]:
@@ -127,8 +127,8 @@ def stage_parameters(c, layout: Layout, stage: int) -> list[Param]:
     return ps
 
 
-def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> list[int]:
-    """The sizes of DDP's buckets (parallel.DDP: parameters in reverse order, a bucket closed at bucket_size elements,
+def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> list[tuple[int, int]]:
+    """(size, group size) of DDP's buckets (parallel.DDP: parameters in reverse order, a bucket closed at bucket_size elements,
     padded to a multiple of its group's size: dp·cp, experts expert_dp = dp/ep·cp)."""
     out = []
     for group, limit in (("dense", bucket_size), ("expert", bucket_size), ("tied", math.inf)):
@@ -185,8 +185,8 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) ->
     core, new_qk = 0, c.qk_layernorm or c.position_embedding_type in ("rope", "yarn")  # q, k no views of the QKV output
     if cpu and c.qk_layernorm:  # the q and k norms' statistics, per head
         qkv += norm_extra(c, B, sb * (n + g) * d, sb * (n + g))
-    if layout.recompute == "selective":  # the core recomputed: it keeps only its inputs q, k, v
-        pass
+    if layout.recompute == "selective" and not (cpu and layout.cp > 1):  # the core recomputed: it keeps its inputs
+        pass  # q, k, v only (but transformer.Attention's CP path is not recomputed)
     elif c.attention_dropout > 0:  # softmax, its dropout mask, the dropped probabilities: the paper's 5·a·s²·b
         core = n * s * s * b * (12 if cpu else 2 * B + 1)  # (CPU: SDPA's math path, all fp32)
         if cpu:  # the math path's own fp32 q·scale, kᵀ and v of n heads each, but fp32 multi-head attention's v, a

@@ -17,13 +17,15 @@ Run:    .venv/bin/python tools.py plan --help
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
+import typing
 
 import torch
 
 import metrics
-
+import parallel as P
 
 # ---------------------------------------------------------------------------------------------- 1. the layout
 # Megatron's names for each field (the planner's JSON uses them).
@@ -62,9 +64,206 @@ class Layout:
 
 
 # ---------------------------------------------------------------------------------------------- 2. memory per rank
-# memory(c, layout, accounting) -> dict of bytes on the rank that holds the most (keys: "parameters", "gradients",
-# "optimizer", "activations", "total"); accounting "cpu" is what this CPU keeps (fp32, fp32 dropout masks),
-# "gpu" the 16-bit accounting of the paper. kv_cache_bytes(c, batch, seq, dtype_bytes) for serving.
+# memory(c, layout, accounting) -> bytes on the pipeline rank that holds the most: "parameters", "gradients",
+# "optimizer", "activations", "total" (+ "stage", that rank). accounting "cpu" is what this CPU keeps, checked to the
+# byte (tests/test_costs_memory.py); "gpu" is the papers' 16-bit accounting (Korthikanti et al. 2022, Table 2;
+# Megatron's theoretical_memory_usage.py), DESIGN.md §6 lists both and where they differ.
+# kv_cache_bytes(c, batch, seq, dtype_bytes, tp) for serving.
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class Param(typing.NamedTuple):
+    """One parameter of one rank: its element count, and what the optimizers and DDP's buckets ask of it."""
+    numel: int
+    muon: bool = False  # parallel.muon_eligible: a hidden matrix
+    group: str = "dense"  # DDP's bucket: "dense" (over dp·cp), "expert" (over expert_dp), "tied" (the stages' copy)
+    fp32: bool = False  # kept in fp32 whatever the dtype (the MoE router)
+
+
+def layer_parameters(c, layout: Layout, i: int) -> list[Param]:
+    """Global layer i's parameters on one TP (and EP) rank, in the model's order (transformer.TransformerLayer)."""
+    t, h, n, g, d, f = layout.tp, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels, \
+        c.ffn_hidden_size
+    norm = lambda size: [Param(size)] * (2 if c.normalization == "LayerNorm" else 1)  # weight (+ bias)
+    bias = lambda size, on: [Param(size)] if on else []
+    ps = norm(h) + [Param(h * (n + 2 * g) * d // t, True)] + bias((n + 2 * g) * d // t, c.add_qkv_bias)  # linear_qkv
+    ps += [Param(n * d // t * h, True)] + bias(h, c.add_bias_linear)  # linear_proj
+    ps += (norm(d) + norm(d) if c.qk_layernorm else []) + norm(h)  # q/k norms, pre_mlp_layernorm
+    up = 2 if c.gated_linear_unit else 1  # SwiGLU's fc1 is [gate; up]
+    if not c.is_moe_layer(i):  # the MLP: fc1 [up·f/t, h], fc2 [h, f/t]
+        return ps + [Param(up * f // t * h, True)] + bias(up * f // t, c.add_bias_linear) + \
+            [Param(h * f // t, True)] + bias(h, c.add_bias_linear)
+    E, fe, etp = c.num_experts, c.moe_ffn_hidden_size, layout.tp  # experts split over TP as the MLP (etp = tp)
+    ps += [Param(E * h, True, fp32=True)] + ([Param(E, fp32=True)] if c.add_bias_linear else [])  # the router
+    ps += [Param(up * fe // etp * h, True, "expert"), Param(h * fe // etp, True, "expert")] * (E // layout.ep)
+    if c.moe_shared_expert_intermediate_size:
+        fs = c.moe_shared_expert_intermediate_size
+        ps += [Param(up * fs // t * h, True)] + bias(up * fs // t, c.add_bias_linear) + [Param(h * fs // t, True)] + \
+            bias(h, c.add_bias_linear) + ([Param(h)] if c.moe_shared_expert_gate else [])
+    return ps
+
+
+def chunks(c, layout: Layout, stage: int) -> list[tuple[bool, bool, range]]:
+    """(pre_process, post_process, global layers) of each virtual chunk on pipeline rank `stage` (parallel.stage_layers)."""
+    p, v = layout.pp, layout.vpp
+    per = c.num_layers // (p * v)
+    return [(stage == 0 and k == 0, stage == p - 1 and k == v - 1, range(k * (c.num_layers // v) + stage * per,
+                                                                           k * (c.num_layers // v) + (stage + 1) * per))
+            for k in range(v)]
+
+
+def stage_parameters(c, layout: Layout, stage: int) -> list[Param]:
+    """Every parameter pipeline rank `stage` holds: embedding (first chunk), layers, final norm and output layer
+    (last chunk; the tied embedding's copy when the first chunk is elsewhere), in the model's order (gpt.Model)."""
+    t, h, V = layout.tp, c.hidden_size, c.padded_vocab_size
+    tied = c.share_embeddings_and_output_weights
+    ps = []
+    for pre, post, layers in chunks(c, layout, stage):
+        if pre:
+            ps.append(Param(V // t * h, group="tied" if tied and not post else "dense"))  # word embeddings [V/t, h]
+            ps += [Param(c.max_position_embeddings * h)] if c.position_embedding_type == "learned_absolute" else []
+            ps += [Param(c.num_tokentypes * h)] if c.num_tokentypes else []
+        for i in layers:
+            ps += layer_parameters(c, layout, i)
+        if post:
+            ps += [Param(h)] * (2 if c.normalization == "LayerNorm" else 1)  # final_layernorm
+            if not (tied and pre):  # output layer [V/t, h]: its own weight, or the tied embedding's last-stage copy
+                ps.append(Param(V // t * h, group="tied" if tied else "dense"))
+    return ps
+
+
+def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> list[int]:
+    """The sizes of DDP's buckets (parallel.DDP: parameters in reverse order, a bucket closed at bucket_size elements,
+    padded to a multiple of its group's size: dp·cp, experts expert_dp = dp/ep·cp)."""
+    out = []
+    for group, limit in (("dense", bucket_size), ("expert", bucket_size), ("tied", math.inf)):
+        size = layout.dp * layout.cp // (layout.ep if group == "expert" else 1)
+        n, members = 0, [p for p in reversed(ps) if p.group == group]
+        for k, p in enumerate(members):
+            n += p.numel
+            if n >= limit or k == len(members) - 1:
+                out.append((-(-n // size) * size, size))
+                n = 0
+    return out
+
+
+def state_bytes(c, layout: Layout, stage: int, accounting: str = "gpu") -> dict:
+    """Parameters, gradients and optimizer state on pipeline rank `stage` (Rajbhandari et al. 2020, ZeRO; DESIGN.md §4).
+    16-bit parameters keep fp32 main grads and fp32 master weights; AdamW two fp32 moments; Muon one momentum on its
+    matrices (the CPU's parallel.Muon keeps AdamW's layout: both moments, exp_avg_sq zero on the matrices); the
+    distributed optimizer keeps master weights and moments for its 1/(dp·cp) slice of each padded bucket."""
+    ps, B = stage_parameters(c, layout, stage), BYTES[layout.dtype]
+    low = B < 4  # 16-bit parameters: fp32 main grads and a separate fp32 master copy
+    muon = layout.optimizer == "muon"
+    moments = lambda p: (0 if layout.optimizer == "sgd" else 1 if muon and p.muon and accounting == "gpu" else 2)
+    own = lambda p: 4 if p.fp32 else B
+    if not layout.distributed_optimizer:  # parallel.Optimizer / Muon: whole parameters, torch's AdamW state
+        mom = 4 if accounting == "gpu" or not low else B  # (torch's AdamW keeps its moments in the parameter's dtype)
+        return {"parameters": sum(p.numel * own(p) for p in ps),
+                "gradients": sum(p.numel * (4 if accounting == "gpu" else own(p)) for p in ps),
+                "optimizer": sum(p.numel * (moments(p) * mom + (4 if low and not p.fp32 and accounting == "gpu" else 0))
+                                 for p in ps)}
+    sizes = buckets(ps, layout)
+    n = sum(k for k, _ in sizes)  # the flat buffers' length (parallel.DDP), padding included
+    shard = sum(k // size for k, size in sizes)  # this rank's slices
+    per = (1 if muon and accounting == "gpu" else 2) * 4 + (4 if low else 0)  # (gpu Muon: see below)
+    if muon and accounting == "gpu":  # one momentum on the matrices' share of the shard, two moments elsewhere
+        frac = sum(p.numel for p in ps if p.muon) / max(1, sum(p.numel for p in ps))
+        return {"parameters": n * B, "gradients": n * 4,
+                "optimizer": round(shard * ((4 + 4 * (1 - frac)) + (4 if low else 0)))}
+    return {"parameters": n * B, "gradients": n * (4 if low else B), "optimizer": shard * per}
+
+
+def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) -> int:
+    """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, §4 and Table 2), the paper's items
+    with our dims (s/c tokens per CP rank; GQA's g key/value heads; f, SwiGLU's 2f): B bytes a value, masks 1 byte
+    ("gpu"); this CPU: fp32 dropout masks, math SDPA's q·scale, kᵀ copy and fp32 a·s²·b tensors, LayerNorm's
+    mean and rstd (DESIGN.md §6). Selective: the attention core recomputed; full: see stage_activations."""
+    cpu = accounting == "cpu"
+    B, t, sp = BYTES[layout.dtype], layout.tp, layout.sequence_parallel and layout.tp > 1
+    s, b, h, n, g, d = layout.seq // layout.cp, layout.micro_batch, c.hidden_size, c.num_attention_heads, \
+        c.num_query_groups, c.kv_channels
+    f = (2 if c.gated_linear_unit else 1) * c.ffn_hidden_size  # fc1's output width (SwiGLU: [gate; up])
+    if c.is_moe_layer(i):  # the experts see top-k copies of each token (an estimate: the router's and dispatch's
+        f = c.moe_router_topk * (2 if c.gated_linear_unit else 1) * c.moe_ffn_hidden_size  # buffers left out)
+    mask = (B if cpu else 1) * (c.hidden_dropout > 0)  # bytes of one dropout mask value
+    sb = s * b
+    whole = sb * h * (2 * B + 2 * mask + 2 * B)  # LayerNorm inputs, hidden-dropout masks, linear_qkv/fc1 inputs
+    split = sb * (B * (n + 2 * g) * d + B * n * d + B * f + B * f // (2 if c.gated_linear_unit else 1))  # QKV
+    # output; linear_proj's input; fc1's output (the activation's input); the activation's output (fc2's input)
+    core = n * s * s * b * ((3 * B if cpu else 2 * B + 1) if c.attention_dropout > 0 else 0)  # softmax, its dropout
+    # mask, the dropped probabilities (the paper's 5·a·s²·b; without dropout CPU SDPA is the flash kernel: none)
+    if cpu and c.attention_dropout > 0:  # the math SDPA's q·scale and contiguous kᵀ
+        split += sb * B * (n + g) * d
+    if layout.recompute == "selective":
+        core, split = 0, split - (sb * B * (n + g) * d if cpu and c.attention_dropout > 0 else 0)
+    stats = 2 * 2 * 4 * sb if cpu and c.normalization == "LayerNorm" else 0  # two norms' mean, rstd [s, b, 1] fp32
+    if sp:  # sequence parallelism: every item is a sequence shard
+        return (whole + split + core + stats) // t
+    return whole + split // t + core // t + stats
+
+
+def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, accounting: str = "gpu") -> int:
+    """Bytes one virtual chunk keeps per micro-batch: its layers (under full recomputation only each recomputed
+    unit's input), the embedding's (first chunk) and the output layer's and loss's (last chunk)."""
+    cpu, B, t = accounting == "cpu", BYTES[layout.dtype], layout.tp
+    sp = layout.sequence_parallel and t > 1
+    s, b, h, V = layout.seq // layout.cp, layout.micro_batch, c.hidden_size, c.padded_vocab_size
+    sb, x = s * b, s * b * h * B // (t if sp else 1)  # x: one hidden state [s(/t), b, h]
+    if layout.recompute == "full":  # transformer.Decoder.recomputed: uniform = chunks of N layers, block = the first N
+        N, L = c.recompute_num_layers or 1, len(layers)
+        units = -(-L // N) if c.recompute_method != "block" else min(N, L)
+        total = units * x + sum(layer_activations(c, layout, accounting, i) for i in list(layers)[units:]) \
+            * (c.recompute_method == "block")
+    else:
+        total = sum(layer_activations(c, layout, accounting, i) for i in layers)
+    if not cpu:  # Megatron's theoretical_memory_usage.py: ids 8·s·b and the embedding dropout mask s·b·h; the
+        # output layer's input and the fp32 logits 4·s·b·(h + V); all / t
+        return total + (pre * (8 * sb + sb * h * (c.hidden_dropout > 0)) + post * 4 * sb * (h + V)) // t
+    if pre:  # the word ids (int64), TP: their masked copy and the bool mask; position ids; the dropout mask
+        total += 8 * sb + (sb if t > 1 else 0) + 8 * s * (c.position_embedding_type == "learned_absolute")
+        total += x * (c.hidden_dropout > 0)
+    if post:  # final LayerNorm input + mean, rstd; the output layer's input; the fp32 softmax [s, b, V/t] (the
+        # logits' own buffer, parallel.vocab_parallel_cross_entropy), the target index (int64) and its bool mask
+        total += x + 8 * sb // (t if sp else 1) + x + 4 * sb * V // t + 8 * sb + sb
+    return total
+
+
+def in_flight(chunk_bytes: list[int], layout: Layout, stage: int) -> int:
+    """The peak of the bytes kept by the micro-batches in flight on pipeline rank `stage`: its schedule's actions
+    (parallel.schedule_1f1b: p − r micro-batches at most; interleaved: (p − r − 1)·2 + (v − 1)·p + 1 chunks), each
+    forward adding its chunk's bytes, each backward freeing them."""
+    M = max(1, layout.micro_batches)
+    if layout.pp == 1:
+        return chunk_bytes[0]  # forward_backward_no_pipelining: one micro-batch at a time
+    actions = P.schedule_1f1b(layout.pp, stage, M) if layout.vpp == 1 else \
+        P.schedule_interleaved(layout.pp, stage, M, layout.vpp)
+    live = peak = 0
+    for kind, _, v in actions:
+        live += chunk_bytes[v] if kind == "F" else -chunk_bytes[v]
+        peak = max(peak, live)
+    return peak
+
+
+def memory(c, layout: Layout, accounting: str = "gpu") -> dict:
+    """Bytes per rank on the pipeline rank that holds the most (every TP, DP, CP rank of a stage holds the same;
+    EP ranks the same count of experts)."""
+    if accounting not in ("cpu", "gpu"):
+        raise ValueError(f"accounting={accounting!r}: 'cpu' or 'gpu'")
+    best = None
+    for r in range(layout.pp):
+        out = state_bytes(c, layout, r, accounting)
+        out["activations"] = in_flight([chunk_activations(c, layout, *ch, accounting) for ch in chunks(c, layout, r)],
+                                       layout, r)
+        out["total"], out["stage"] = sum(out.values()), r
+        best = out if best is None or out["total"] > best["total"] else best
+    return best
+
+
+def kv_cache_bytes(c, batch: int, seq: int, dtype_bytes: int = 2, tp: int = 1) -> int:
+    """The KV cache of serving: keys and values [b, g/t, seq, d] of every layer (transformer.InferenceContext
+    preallocates them to its max_sequence_length)."""
+    return 2 * c.num_layers * batch * (c.num_query_groups // tp) * seq * c.kv_channels * dtype_bytes
 
 
 # ---------------------------------------------------------------------------------------------- 3. time per iteration
@@ -110,10 +309,6 @@ def cpu_gpu(seconds: float = 0.3) -> GPU:
                alpha_intra=50e-6, alpha_inter=50e-6)
 
 
-def bytes_per_value(layout: Layout) -> int:
-    return 4 if layout.dtype == "fp32" else 2
-
-
 def flops_per_iteration(c, layout: Layout, causal: bool = True) -> float:
     """metrics.flops with the recomputation's extra forward: full, every layer's (not the output layer's: Eq. 3's
     V/(16lh) term has no recomputation); selective, the attention core's. causal=False: the core over the whole
@@ -141,7 +336,7 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False) -> dict:
     lo = layout
     t, p, v, d, cp, e, b, m = lo.tp, lo.pp, lo.vpp, lo.dp, lo.cp, lo.ep, lo.micro_batch, lo.micro_batches
     h, a, s, L, V = c.hidden_size, c.num_attention_heads, lo.seq / cp, c.num_layers, c.padded_vocab_size
-    by, sp, full = bytes_per_value(lo), lo.sequence_parallel, lo.recompute == "full"
+    by, sp, full = BYTES[lo.dtype], lo.sequence_parallel, lo.recompute == "full"
     passes = 4 if full else 3  # forward, backward's two GEMMs per forward one (dgrad, wgrad), recomputed forward
     # compute of one micro-batch on one rank: its L/p layers (all v chunks) and, on the last stage, the logits
     moe = [c.is_moe_layer(i) for i in range(L)] if c.num_experts else [False] * L
@@ -196,14 +391,60 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False) -> dict:
             "pp_comm": pp_comm, "dp_comm": dp, "dp_exposed": dp_exposed, "optimizer": optimizer}
 
 
-def params_per_rank(c, layout: Layout) -> float:
-    """Parameters on the rank holding the most: its L/p layers' share over TP (experts over EP) and the embedding."""
-    h, L, t = c.hidden_size, c.num_layers, layout.tp
-    attn = metrics.self_attention_flops(c, 0, causal=True)  # multiply-adds per token = weights, with s = 0
-    mlp = metrics.mlp_flops(c, False)
-    layer = (attn + mlp) / t + 4 * h  # (norms, biases)
-    return L / layout.pp * layer + c.padded_vocab_size * h / t
+def params_per_rank(c, layout: Layout) -> int:
+    """Parameters of the pipeline rank holding the most (section 2's stage_parameters: the first or the last)."""
+    return max(sum(x.numel for x in stage_parameters(c, layout, r)) for r in {0, layout.pp - 1})
 
 
 # ---------------------------------------------------------------------------------------------- 4. the planner
 # plan(c, gpu, gpus, ...) -> the layouts that fit, best predicted throughput first (tools.py plan prints them).
+# The share of a GPU's memory a layout may plan for: the rest is the CUDA context, NCCL's buffers and the allocator's
+# fragmentation (an assumption, DESIGN.md §13: with 1.0 the paper's layout is in the top three of 7 of Table 1's rows).
+USABLE = 0.85
+SEARCH = {"micro_batch": (1, 2, 4, 8), "recompute": (None, "selective", "full"), "distributed_optimizer": (False, True),
+          "vpp": (1, 2, 4), "cp": (1, 2, 4, 8)}
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(c, gpus: int, per_node: int, seq: int, global_batch: int, dtype: str, **fixed):
+    """Every layout of `gpus` ranks the model allows (TP within a node and dividing the heads and groups; PP dividing
+    the layers; interleaving with m divisible by p, as Megatron asks; CP over 2·cp chunks; EP dividing the experts
+    and DP·CP); `fixed` pins fields (a value, or a tuple of the values to try)."""
+    pick = lambda k, default: fixed[k] if isinstance(fixed.get(k), tuple) else (fixed[k],) if k in fixed else default
+    experts = c.num_experts or 1
+    for tp in pick("tp", [t for t in divisors(gpus) if per_node % t == 0 and c.num_attention_heads % t == 0
+                          and c.num_query_groups % t == 0]):
+        for pp in pick("pp", [p for p in divisors(gpus // tp) if c.num_layers % p == 0]):
+            for cp in pick("cp", [k for k in SEARCH["cp"] if (gpus // (tp * pp)) % k == 0 and seq % (2 * k) == 0]):
+                dp = gpus // (tp * pp * cp)
+                if tp * pp * cp * dp != gpus:
+                    continue
+                for ep in pick("ep", [e for e in divisors(dp * cp) if experts % e == 0] if c.num_experts else [1]):
+                    for b in pick("micro_batch", [b for b in SEARCH["micro_batch"] if global_batch % (b * dp) == 0]):
+                        m = global_batch // (b * dp)
+                        for v in pick("vpp", [v for v in SEARCH["vpp"] if v == 1 or pp > 1 and m % pp == 0
+                                              and c.num_layers % (pp * v) == 0]):
+                            for r in pick("recompute", SEARCH["recompute"]):
+                                for zero in pick("distributed_optimizer", (False, True) if dp > 1 else (False,)):
+                                    yield Layout(seq, tp, pp, v, dp, cp, ep, b, global_batch, pick(
+                                        "sequence_parallel", (tp > 1,))[0], r, zero, dtype=dtype)
+
+
+def evaluate(c, layout: Layout, gpu: GPU, accounting: str = "gpu", paper: bool = False) -> dict:
+    """One layout's memory (the largest rank's) and time, with its flags under Megatron's names."""
+    mem, time_ = memory(c, layout, accounting), step_time(c, layout, gpu, paper)
+    flags = {MEGATRON_NAMES[k]: getattr(layout, k) for k in MEGATRON_NAMES}
+    return {"memory_bytes": mem["total"], "tflops_per_gpu": time_["tflops_per_gpu"],
+            "seconds_per_iteration": time_["seconds_per_iteration"], **flags, "memory": mem, "time": time_,
+            "fits": mem["total"] <= USABLE * gpu.memory}
+
+
+def plan(c, gpu: GPU, gpus: int, seq: int, global_batch: int, dtype: str = "bf16", accounting: str = "gpu",
+         paper: bool = False, top: int | None = None, **fixed) -> list[dict]:
+    """The layouts that fit in gpu.memory, fastest first (seconds per iteration: the same global batch for all)."""
+    found = [evaluate(c, lo, gpu, accounting, paper) for lo in layouts(c, gpus, gpu.per_node, seq, global_batch,
+                                                                       dtype, **fixed)]
+    return sorted((x for x in found if x["fits"]), key=lambda x: x["seconds_per_iteration"])[:top]

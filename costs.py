@@ -433,9 +433,9 @@ def layouts(c, gpus: int, per_node: int, seq: int, global_batch: int, dtype: str
                                         "sequence_parallel", (tp > 1,))[0], r, zero, dtype=dtype)
 
 
-def evaluate(c, layout: Layout, gpu: GPU, accounting: str = "gpu", paper: bool = False) -> dict:
+def evaluate(c, layout: Layout, gpu: GPU, accounting: str = "gpu", paper: bool = False, time_=None) -> dict:
     """One layout's memory (the largest rank's) and time, with its flags under Megatron's names."""
-    mem, time_ = memory(c, layout, accounting), step_time(c, layout, gpu, paper)
+    mem, time_ = memory(c, layout, accounting), time_ or step_time(c, layout, gpu, paper)
     flags = {MEGATRON_NAMES[k]: getattr(layout, k) for k in MEGATRON_NAMES}
     return {"memory_bytes": mem["total"], "tflops_per_gpu": time_["tflops_per_gpu"],
             "seconds_per_iteration": time_["seconds_per_iteration"], **flags, "memory": mem, "time": time_,
@@ -444,7 +444,76 @@ def evaluate(c, layout: Layout, gpu: GPU, accounting: str = "gpu", paper: bool =
 
 def plan(c, gpu: GPU, gpus: int, seq: int, global_batch: int, dtype: str = "bf16", accounting: str = "gpu",
          paper: bool = False, top: int | None = None, **fixed) -> list[dict]:
-    """The layouts that fit in gpu.memory, fastest first (seconds per iteration: the same global batch for all)."""
-    found = [evaluate(c, lo, gpu, accounting, paper) for lo in layouts(c, gpus, gpu.per_node, seq, global_batch,
-                                                                       dtype, **fixed)]
-    return sorted((x for x in found if x["fits"]), key=lambda x: x["seconds_per_iteration"])[:top]
+    """The `top` fastest layouts that fit in USABLE of gpu.memory (seconds per iteration: the same global batch for
+    all). Timed first, all of them; memory (section 2 walks the schedule: slower) in that order until `top` fit."""
+    timed = sorted(((step_time(c, lo, gpu, paper), lo) for lo in layouts(c, gpus, gpu.per_node, seq, global_batch,
+                                                                          dtype, **fixed)),
+                   key=lambda x: x[0]["seconds_per_iteration"])
+    found = []
+    for time_, lo in timed:
+        if top is not None and len(found) == top:
+            break
+        entry = evaluate(c, lo, gpu, accounting, paper, time_)
+        found += [entry] if entry["fits"] else []
+    return found
+
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                "--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size")
+
+
+def layout_of(args, c, gpus: int, dtype: str) -> Layout:
+    """The layout train.py's flags name, over `gpus` ranks (DP takes the rest, as Megatron's)."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    dp = gpus // (tp * pp * cp)
+    if dp < 1 or tp * pp * cp * dp != gpus:
+        raise ValueError(f"--gpus {gpus} is not a multiple of TP·PP·CP = {tp * pp * cp}")
+    per = args.num_layers_per_virtual_pipeline_stage
+    recompute = args.recompute_granularity or ("selective" if args.recompute_activations else None)
+    return Layout(args.seq_length, tp, pp, c.num_layers // (pp * per) if per else 1, dp, cp,
+                  args.expert_model_parallel_size, args.micro_batch_size,
+                  args.global_batch_size or args.micro_batch_size * dp, args.sequence_parallel, recompute,
+                  args.use_distributed_optimizer, dtype=dtype)
+
+
+def report(entries: list[dict], gpu: GPU, gpus: int) -> str:
+    """tools.py plan's text: one layout's memory and time, or a table of the layouts ranked."""
+    G = 1e9
+    name = lambda x: (f"TP {x['tensor_model_parallel_size']} PP {x['pipeline_model_parallel_size']} "
+                      f"VPP {x['num_virtual_stages_per_pipeline_rank']} DP {x['data_parallel_size']} "
+                      f"CP {x['context_parallel_size']} EP {x['expert_model_parallel_size']} "
+                      f"mb {x['micro_batch_size']} recompute {x['recompute_granularity'] or '-'} "
+                      f"dist-opt {'on' if x['use_distributed_optimizer'] else 'off'}")
+    if len(entries) != 1:
+        lines = [f"{len(entries)} layouts fit {gpus} x {gpu.name} ({USABLE:.0%} of {gpu.memory / G:.0f} GB), fastest "
+                 "first:"]
+        lines += [f"{i + 1:3d}. {name(x)}: {x['memory_bytes'] / G:.1f} GB, {x['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
+                  f"{x['seconds_per_iteration']:.3g} s per iteration" for i, x in enumerate(entries)]
+        return "\n".join(lines)
+    x = entries[0]
+    mem, t = x["memory"], x["time"]
+    parts = ", ".join(f"{k} {mem[k] / G:.2f} GB" for k in ("parameters", "gradients", "optimizer", "activations"))
+    return "\n".join([
+        f"{name(x)} on {gpus} x {gpu.name}",
+        f"memory per GPU (pipeline rank {mem['stage']}, the largest): {parts}; total {mem['total'] / G:.2f} GB of "
+        f"{gpu.memory / G:.0f} GB ({'fits' if x['fits'] else 'does NOT fit'} in {USABLE:.0%})",
+        f"time per iteration: {t['seconds_per_iteration']:.3g} s = compute {t['compute']:.3g} (TP communication "
+        f"{t['tp_comm']:.3g} in it) + bubble {t['bubble']:.3g} ({t['bubble_fraction']:.1%}) + PP sends "
+        f"{t['pp_comm']:.3g} + DP {t['dp_exposed']:.3g} exposed of {t['dp_comm']:.3g} + optimizer {t['optimizer']:.3g}",
+        f"{x['tflops_per_gpu']:.0f} TFLOP/s per GPU ({t['flops'] / 1e15:.4g} PFLOP an iteration, recomputation "
+        "included)"])
+
+
+def plot(entry: dict, path: str):
+    """A PNG bar chart of one layout's memory per GPU."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = ["parameters", "gradients", "optimizer", "activations", "total"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(keys, [entry["memory"][k] / 1e9 for k in keys], color=["C0", "C1", "C2", "C3", "C7"])
+    ax.set_ylabel("GB per GPU")
+    ax.set_title(f"TP {entry['tensor_model_parallel_size']} PP {entry['pipeline_model_parallel_size']} "
+                 f"DP {entry['data_parallel_size']}: {entry['seconds_per_iteration']:.3g} s/iteration")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

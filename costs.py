@@ -295,18 +295,21 @@ HBM_PASSES = 2.45
 
 
 def cpu_gpu(seconds: float = 0.3) -> GPU:
-    """This machine as a GPU: peak = torch's measured fp32 GEMM rate (bench/bench_gemm.py's ceiling, one square
-    2048³ GEMM here), all of RAM, gloo over loopback for every link (bench/README "Cost model": measured)."""
-    a = torch.randn(2048, 2048)
-    a @ a
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ a
-        n += 1
-    rate = n * 2 * 2048 ** 3 / (time.perf_counter() - t0)
+    """This machine as a GPU, measured here with torch's threads: peak = a 2048³ fp32 GEMM's rate / GEMM_EFFICIENCY
+    (bench/bench_gemm.py's peak), memory bandwidth = a 64 MB copy's, all of RAM. Its links are gloo over loopback:
+    ~0.4 GB/s and ~1 ms a message, as bench/README measured ("One process vs DP 2 vs TP 2", "Pipeline bubble")."""
+    def rate(f, work):
+        f()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 2:
+            f()
+            n += 1
+        return n * work / (time.perf_counter() - t0)
+    a, x, y = torch.randn(2048, 2048), torch.empty(2 ** 24), torch.empty(2 ** 24)
+    gemm, copy = rate(lambda: a @ a, 2 * 2048 ** 3), rate(lambda: y.copy_(x), 2 * 4 * 2 ** 24)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return GPU("cpu", rate / GEMM_EFFICIENCY, 10e9, ram, 2e9, 2e9, per_node=os.cpu_count() or 1,
-               alpha_intra=50e-6, alpha_inter=50e-6)
+    return GPU("cpu", gemm / GEMM_EFFICIENCY, copy, ram, 0.4e9, 0.4e9, per_node=os.cpu_count() or 1,
+               alpha_intra=1e-3, alpha_inter=1e-3)
 
 
 def flops_per_iteration(c, layout: Layout, causal: bool = True) -> float:

@@ -331,11 +331,12 @@ def allreduce_time(n_bytes: float, ranks: int, bw: float, alpha: float) -> float
     return 0.0 if ranks == 1 else 2 * (ranks - 1) * (alpha + n_bytes / ranks / bw)
 
 
-def step_time(c, layout: Layout, gpu: GPU, paper: bool = False) -> dict:
+def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | None = None) -> dict:
     """Seconds per iteration on the slowest rank, and its parts. paper=True: as Narayanan et al. 2021 ran (the
     attention core over the whole s×s square, no flash attention; nothing overlapped); else the core is causal
     and the DP reduction overlaps the last micro-batch's backward (--overlap-grad-reduce), CP's exchange the core.
-    tflops_per_gpu counts flops_per_iteration as Megatron's papers do (Eq. 3 for paper=True)."""
+    tflops_per_gpu counts flops_per_iteration as Megatron's papers do (Eq. 3 for paper=True). n_params: the
+    largest rank's parameters, when the caller knows them (params_per_rank)."""
     lo = layout
     t, p, v, d, cp, e, b, m = lo.tp, lo.pp, lo.vpp, lo.dp, lo.cp, lo.ep, lo.micro_batch, lo.micro_batches
     h, a, s, L, V = c.hidden_size, c.num_attention_heads, lo.seq / cp, c.num_layers, c.padded_vocab_size
@@ -376,7 +377,7 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False) -> dict:
     bubble = (p - 1) / (m * v) * compute  # 1F1B / interleaved: (p-1)/(m·v) of the ideal time (the paper's §2.2)
     # data parallelism: the gradients (fp32 main grads) all-reduced, or reduce-scattered and the 16-bit parameters
     # all-gathered (distributed optimizer); over NVLink inside a node, else over the NICs of the group's members there
-    n_params = params_per_rank(c, lo)
+    n_params = n_params or params_per_rank(c, lo)
     g = max(1, min(d, gpu.per_node // (t * cp) if t * cp <= gpu.per_node else 1))
     inter_d = t * cp * d > gpu.per_node
     dbw, dalpha = (gpu.ib * g, gpu.alpha_inter) if inter_d else (gpu.nvlink, gpu.alpha_intra)
@@ -449,13 +450,20 @@ def plan(c, gpu: GPU, gpus: int, seq: int, global_batch: int, dtype: str = "bf16
          paper: bool = False, top: int | None = None, **fixed) -> list[dict]:
     """The `top` fastest layouts that fit in USABLE of gpu.memory (seconds per iteration: the same global batch for
     all). Timed first, all of them; memory (section 2 walks the schedule: slower) in that order until `top` fit."""
-    timed = sorted(((step_time(c, lo, gpu, paper), lo) for lo in layouts(c, gpus, gpu.per_node, seq, global_batch,
-                                                                          dtype, **fixed)),
-                   key=lambda x: x[0]["seconds_per_iteration"])
+    counts = {}  # (tp, pp, vpp, ep) -> params_per_rank
+
+    def count(lo):
+        key = lo.tp, lo.pp, lo.vpp, lo.ep
+        counts[key] = counts[key] if key in counts else params_per_rank(c, lo)
+        return counts[key]
+    timed = sorted(((step_time(c, lo, gpu, paper, count(lo)), lo) for lo in layouts(
+        c, gpus, gpu.per_node, seq, global_batch, dtype, **fixed)), key=lambda x: x[0]["seconds_per_iteration"])
     found = []
     for time_, lo in timed:
         if top is not None and len(found) == top:
             break
+        if sum(state_bytes(c, lo, 0, accounting).values()) > USABLE * gpu.memory:
+            continue  # (a cheap bound first: the first stage's state alone does not fit)
         entry = evaluate(c, lo, gpu, accounting, paper, time_)
         found += [entry] if entry["fits"] else []
     return found

@@ -281,7 +281,7 @@ class GPU:
     alpha_inter: float = 10e-6
 
 
-# Data sheets (DESIGN.md §13 lists them): NVIDIA A100 80GB SXM (312 TFLOP/s bf16/fp16 dense, HBM2e 2,039 GB/s, NVLink
+# Data sheets (DESIGN.md §12 lists them): NVIDIA A100 80GB SXM (312 TFLOP/s bf16/fp16 dense, HBM2e 2,039 GB/s, NVLink
 # 600 GB/s both ways); H100 SXM5 (989 dense, HBM3 3.35 TB/s, NVLink 900 GB/s); H200 SXM (989, 141 GB HBM3e 4.8 TB/s,
 # NVLink 900 GB/s); nodes of 8 with one NIC per GPU: DGX A100 / Selene (ConnectX-6 HDR 200 Gb/s, the paper's §5),
 # DGX H100/H200 (ConnectX-7 NDR 400 Gb/s). Latencies: assumed (NCCL's small-message order of magnitude).
@@ -403,7 +403,7 @@ def params_per_rank(c, layout: Layout) -> int:
 # ---------------------------------------------------------------------------------------------- 4. the planner
 # plan(c, gpu, gpus, ...) -> the layouts that fit, best predicted throughput first (tools.py plan prints them).
 # The share of a GPU's memory a layout may plan for: the rest is the CUDA context, NCCL's buffers and the allocator's
-# fragmentation (an assumption, DESIGN.md §13: with 1.0 the paper's layout is in the top three of 7 of Table 1's rows).
+# fragmentation (an assumption, DESIGN.md §12: with 1.0 the paper's layout is in the top three of 7 of Table 1's rows).
 USABLE = 0.85
 SEARCH = {"micro_batch": (1, 2, 4, 8), "recompute": (None, "selective", "full"), "distributed_optimizer": (False, True),
           "vpp": (1, 2, 4), "cp": (1, 2, 4, 8)}
@@ -495,8 +495,8 @@ def report(entries: list[dict], gpu: GPU, gpus: int) -> str:
                       f"mb {x['micro_batch_size']} recompute {x['recompute_granularity'] or '-'} "
                       f"dist-opt {'on' if x['use_distributed_optimizer'] else 'off'}")
     if len(entries) != 1:
-        lines = [f"{len(entries)} layouts fit {gpus} x {gpu.name} ({USABLE:.0%} of {gpu.memory / G:.0f} GB), fastest "
-                 "first:"]
+        lines = [f"the {len(entries)} fastest layouts that fit {gpus} x {gpu.name} ({USABLE:.0%} of "
+                 f"{gpu.memory / G:.0f} GB):"]
         lines += [f"{i + 1:3d}. {name(x)}: {x['memory_bytes'] / G:.1f} GB, {x['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
                   f"{x['seconds_per_iteration']:.3g} s per iteration" for i, x in enumerate(entries)]
         return "\n".join(lines)

@@ -179,3 +179,13 @@ def test_plan_ranks_layouts_and_refuses_what_does_not_divide(capsys):
     with pytest.raises(SystemExit):
         tools.main(["plan", "--gpus", "6", *small, "--tensor-model-parallel-size", "4"])
     assert "is not a multiple of TP·PP·CP = 4" in capsys.readouterr().err
+
+
+def test_plan_on_this_cpu(capsys):
+    """--gpu cpu: this machine's measured GEMM rate and RAM, fp32, the CPU's memory accounting, 2 processes."""
+    tools.main(["plan", "--gpu", "cpu", "--gpus", "2", "--json", "--top", "3", "--num-layers", "2", "--hidden-size",
+                "64", "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "8"])
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    assert layouts and all(x["tensor_model_parallel_size"] * x["pipeline_model_parallel_size"]
+                           * x["data_parallel_size"] * x["context_parallel_size"] == 2 for x in layouts)
+    assert all(0 < x["memory_bytes"] < 1e9 and x["seconds_per_iteration"] > 0 for x in layouts)

@@ -347,10 +347,12 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | 
     dense = b * s * 2 * (metrics.self_attention_flops(c, lo.seq, causal=not paper)  # one layer, FLOPs forward
                          + sum(metrics.mlp_flops(c, x) for x in moe) / L)
     core = 4 * b * s * (lo.seq if paper else lo.seq / 2) * a * c.kv_channels  # QKᵀ and PV (inside `dense` too)
-    acts = b * s * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t)) * by / 2  # Korthikanti's bytes per layer
+    # Korthikanti's activation bytes per layer; the 5·a·s² of the score matrices only without flash attention (paper)
+    scores = 5 * a * s * s * b / t * by / 2 if paper else 0
+    acts = b * s * h * (34 / t if sp else 10 + 24 / t) * by / 2 + scores
     sel = 1 if lo.recompute == "selective" else 0
     layer = (dense * passes + core * sel) / (t * gpu.peak * GEMM_EFFICIENCY) + \
-        HBM_PASSES * (acts * passes + 5 * a * s * s * b * by / 2 / t * sel) / gpu.hbm
+        HBM_PASSES * (acts * passes + scores * sel) / gpu.hbm
     logits = (6 * b * s * h * V / t) / (gpu.peak * GEMM_EFFICIENCY) + HBM_PASSES * 3 * b * s * V / t * 4 / gpu.hbm
     # tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more recomputing (SP: a reduce-scatter and
     # an all-gather each, the same volume, and one more all-gather per column-parallel linear in backward)

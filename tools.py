@@ -13,12 +13,13 @@ file of its own so that train.py is only the training loop. Each command loads t
     python tools.py export-megatron --load runs/gpt --save runs/gpt-mcore   # a Megatron-core torch_dist checkpoint
     python tools.py import-megatron --load runs/gpt-mcore --save runs/gpt-from-mcore --model gpt \
         --tokenizer-file runs/gpt/tokenizer.json    # a Megatron-core checkpoint as a run (architecture flags: see below)
+    python tools.py plan --gpus 16 --num-layers 24 --hidden-size 2048 --num-attention-heads 16  # layouts (costs.py)
 
 sample --chat: one user turn in the chat template SFT trains on (or a Hugging Face folder's own), only the answer
 printed; export: what serving needs (weights, config.json, the tokenizer, the chat template as Jinja) — DESIGN.md §1,
 "Post-training". export-megatron / import-megatron: Megatron-core's torch_dist checkpoints, written and read with
 torch.distributed.checkpoint alone; import-megatron's flags after --save are train.py's model flags — DESIGN.md §8,
-"Megatron-core checkpoints".
+"Megatron-core checkpoints". plan: DESIGN.md §12.
 Bad input ends with one line `tools.py: error: ...`.
 """
 from __future__ import annotations

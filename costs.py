@@ -295,16 +295,17 @@ HBM_PASSES = 2.45
 
 
 def cpu_gpu(seconds: float = 0.3) -> GPU:
-    """This machine as a GPU, measured here with torch's threads: peak = a 2048³ fp32 GEMM's rate / GEMM_EFFICIENCY
+    """This machine as a GPU, measured here with torch's threads: peak = a 2048³ fp32 GEMM's best rate / GEMM_EFFICIENCY
     (bench/bench_gemm.py's peak), memory bandwidth = a 64 MB copy's, all of RAM. Its links are gloo over loopback:
     ~0.4 GB/s and ~1 ms a message, as bench/README measured ("One process vs DP 2 vs TP 2", "Pipeline bubble")."""
-    def rate(f, work):
+    def rate(f, work):  # the best of short bursts: a ceiling, less hurt by other processes on a shared machine
         f()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 2:
+        best, end = 0.0, time.perf_counter() + seconds / 2
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
             f()
-            n += 1
-        return n * work / (time.perf_counter() - t0)
+            best = max(best, work / (time.perf_counter() - t0))
+        return best
     a, x, y = torch.randn(2048, 2048), torch.empty(2 ** 24), torch.empty(2 ** 24)
     gemm, copy = rate(lambda: a @ a, 2 * 2048 ** 3), rate(lambda: y.copy_(x), 2 * 4 * 2 ** 24)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -331,12 +332,13 @@ def allreduce_time(n_bytes: float, ranks: int, bw: float, alpha: float) -> float
     return 0.0 if ranks == 1 else 2 * (ranks - 1) * (alpha + n_bytes / ranks / bw)
 
 
-def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | None = None) -> dict:
-    """Seconds per iteration on the slowest rank, and its parts. paper=True: as Narayanan et al. 2021 ran (the
-    attention core over the whole s×s square, no flash attention; nothing overlapped); else the core is causal
-    and the DP reduction overlaps the last micro-batch's backward (--overlap-grad-reduce), CP's exchange the core.
-    tflops_per_gpu counts flops_per_iteration as Megatron's papers do (Eq. 3 for paper=True). n_params: the
-    largest rank's parameters, when the caller knows them (params_per_rank)."""
+def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | None = None,
+              overlap: bool | None = None) -> dict:
+    """Seconds per iteration on the slowest rank, and its parts (DESIGN.md §12). paper=True: as Narayanan et al.
+    2021 ran (the attention core over the whole s×s square, no flash attention; nothing overlapped); else the core is
+    causal (flash attention), CP's exchange overlaps the core and, with `overlap` (--overlap-grad-reduce; default:
+    not paper), the DP reduction the last micro-batch's backward. tflops_per_gpu counts flops_per_iteration as
+    Megatron's papers do (Eq. 3 for paper=True). n_params: the largest rank's parameters (params_per_rank), if known."""
     lo = layout
     t, p, v, d, cp, e, b, m = lo.tp, lo.pp, lo.vpp, lo.dp, lo.cp, lo.ep, lo.micro_batch, lo.micro_batches
     h, a, s, L, V = c.hidden_size, c.num_attention_heads, lo.seq / cp, c.num_layers, c.padded_vocab_size
@@ -386,7 +388,7 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | 
     grads = n_params * 4
     dp = allreduce_time(grads, d, dbw, dalpha) if not lo.distributed_optimizer else \
         allreduce_time(grads, d, dbw, dalpha) / 2 + allreduce_time(n_params * by, d, dbw, dalpha) / 2
-    dp_exposed = dp if paper else max(0.0, dp - per_mb * 2 / passes)
+    dp_exposed = max(0.0, dp - per_mb * 2 / passes) if (not paper if overlap is None else overlap) else dp
     # the optimizer step: Adam reads and writes ~30 bytes a parameter (fp32 master, grad, moments; the 16-bit copy)
     optimizer = 30 * n_params / (d if lo.distributed_optimizer else 1) / gpu.hbm
     total = compute + bubble + pp_comm + dp_exposed + optimizer

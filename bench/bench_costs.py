@@ -1,7 +1,8 @@
 """The time model on this CPU: costs.step_time's predicted step time, communication and pipeline bubble against a real
 train.py run of DP 2, TP 2 and PP 2 (bench/bench_scaling.py's measure: torchrun, gloo, one thread a rank, every
 collective inside train.train_step timed). The prediction's GPU is costs.cpu_gpu(): this machine's fp32 GEMM rate
-on one thread (measured here, as a rank has), gloo over loopback as every link (assumed bandwidth and latency).
+on one thread (measured here, as a rank has), gloo over loopback as every link (bandwidth and latency as bench/README
+measured them); the DP reduction not overlapped (train.py's default: no --overlap-grad-reduce).
 What a measured collective's time holds: its transfer and the wait for the other rank — for PP 2 the bubble is in it
 (a stage waits in recv), so PP's column compares predicted sends + bubble with it. Megatron's counterpart: none (its
 papers' Table 1 is the GPU check, tests/test_costs_time.py).
@@ -56,7 +57,7 @@ def predicted(name: str, a, gpu: costs.GPU) -> dict:
     lo = costs.Layout(args.seq_length, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dp=dp,
                       micro_batch=args.micro_batch_size if name == "pp2" else a.global_batch // dp,
                       global_batch=a.global_batch, recompute=args.recompute_granularity, dtype="fp32")
-    return costs.step_time(c, lo, gpu)
+    return costs.step_time(c, lo, gpu, overlap=args.overlap_grad_reduce)
 
 
 def table1():

@@ -81,7 +81,8 @@ class Param(typing.NamedTuple):
 
 
 def layer_parameters(c, layout: Layout, i: int) -> list[Param]:
-    """Global layer i's parameters on one TP (and EP) rank, in the model's order (transformer.TransformerLayer)."""
+    """Global layer i's parameters on one TP (and EP) rank, in the model's order (transformer.TransformerLayer;
+    multi-latent attention and MTP are not itemised)."""
     t, h, n, g, d, f = layout.tp, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels, \
         c.ffn_hidden_size
     norm = lambda size: [Param(size)] * (2 if c.normalization == "LayerNorm" else 1)  # weight (+ bias)
@@ -106,10 +107,9 @@ def layer_parameters(c, layout: Layout, i: int) -> list[Param]:
 def chunks(c, layout: Layout, stage: int) -> list[tuple[bool, bool, range]]:
     """(pre_process, post_process, global layers) of each virtual chunk on pipeline rank `stage` (parallel.stage_layers)."""
     p, v = layout.pp, layout.vpp
-    per = c.num_layers // (p * v)
-    return [(stage == 0 and k == 0, stage == p - 1 and k == v - 1, range(k * (c.num_layers // v) + stage * per,
-                                                                           k * (c.num_layers // v) + (stage + 1) * per))
-            for k in range(v)]
+    per = c.num_layers // (p * v)  # layers per chunk
+    first = lambda k: k * (c.num_layers // v) + stage * per  # chunk k's first global layer
+    return [(stage == 0 and k == 0, stage == p - 1 and k == v - 1, range(first(k), first(k) + per)) for k in range(v)]
 
 
 def stage_parameters(c, layout: Layout, stage: int) -> list[Param]:
@@ -132,8 +132,8 @@ def stage_parameters(c, layout: Layout, stage: int) -> list[Param]:
     return ps
 
 
-def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> list[int]:
-    """The sizes of DDP's buckets (parallel.DDP: parameters in reverse order, a bucket closed at bucket_size elements,
+def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> list[tuple[int, int]]:
+    """(size, group size) of DDP's buckets (parallel.DDP: parameters in reverse order, a bucket closed at bucket_size elements,
     padded to a multiple of its group's size: dp·cp, experts expert_dp = dp/ep·cp)."""
     out = []
     for group, limit in (("dense", bucket_size), ("expert", bucket_size), ("tied", math.inf)):
@@ -148,100 +148,119 @@ def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> li
 
 
 def state_bytes(c, layout: Layout, stage: int, accounting: str = "gpu") -> dict:
-    """Parameters, gradients and optimizer state on pipeline rank `stage` (Rajbhandari et al. 2020, ZeRO; DESIGN.md §4).
-    16-bit parameters keep fp32 main grads and fp32 master weights; AdamW two fp32 moments; Muon one momentum on its
-    matrices (the CPU's parallel.Muon keeps AdamW's layout: both moments, exp_avg_sq zero on the matrices); the
-    distributed optimizer keeps master weights and moments for its 1/(dp·cp) slice of each padded bucket."""
-    ps, B = stage_parameters(c, layout, stage), BYTES[layout.dtype]
-    low = B < 4  # 16-bit parameters: fp32 main grads and a separate fp32 master copy
-    muon = layout.optimizer == "muon"
-    moments = lambda p: (0 if layout.optimizer == "sgd" else 1 if muon and p.muon and accounting == "gpu" else 2)
-    own = lambda p: 4 if p.fp32 else B
-    if not layout.distributed_optimizer:  # parallel.Optimizer / Muon: whole parameters, torch's AdamW state
-        mom = 4 if accounting == "gpu" or not low else B  # (torch's AdamW keeps its moments in the parameter's dtype)
-        return {"parameters": sum(p.numel * own(p) for p in ps),
-                "gradients": sum(p.numel * (4 if accounting == "gpu" else own(p)) for p in ps),
-                "optimizer": sum(p.numel * (moments(p) * mom + (4 if low and not p.fp32 and accounting == "gpu" else 0))
+    """Parameters, gradients and optimizer state on pipeline rank `stage` (Rajbhandari et al. 2020, ZeRO; DESIGN.md
+    §4): fp32 main grads and fp32 master weights for 16-bit parameters; AdamW's two fp32 moments, Muon's one momentum
+    on its matrices ("gpu"; this CPU's parallel.Muon keeps AdamW's layout, two); the distributed optimizer keeps
+    master weights and moments for its 1/(d·c) slice of each padded bucket (parallel.DDP's flat buffers)."""
+    ps, B, gpu = stage_parameters(c, layout, stage), BYTES[layout.dtype], accounting == "gpu"
+    low = B < 4  # 16-bit parameters
+    moments = lambda p: {"sgd": 0, "adam": 2, "muon": 1 if p.muon and gpu else 2}[layout.optimizer]
+    own = lambda p: 4 if p.fp32 else B  # (the MoE router is fp32 whatever the dtype)
+    if not layout.distributed_optimizer:  # parallel.Optimizer / Muon: whole parameters; torch's AdamW keeps its
+        return {"parameters": sum(p.numel * own(p) for p in ps),  # moments in the parameter's dtype
+                "gradients": sum(p.numel * (4 if gpu else own(p)) for p in ps),
+                "optimizer": sum(p.numel * (moments(p) * (4 if gpu else own(p)) + 4 * (gpu and own(p) < 4))
                                  for p in ps)}
     sizes = buckets(ps, layout)
-    n = sum(k for k, _ in sizes)  # the flat buffers' length (parallel.DDP), padding included
-    shard = sum(k // size for k, size in sizes)  # this rank's slices
-    per = (1 if muon and accounting == "gpu" else 2) * 4 + (4 if low else 0)  # (gpu Muon: see below)
-    if muon and accounting == "gpu":  # one momentum on the matrices' share of the shard, two moments elsewhere
-        frac = sum(p.numel for p in ps if p.muon) / max(1, sum(p.numel for p in ps))
-        return {"parameters": n * B, "gradients": n * 4,
-                "optimizer": round(shard * ((4 + 4 * (1 - frac)) + (4 if low else 0)))}
-    return {"parameters": n * B, "gradients": n * (4 if low else B), "optimizer": shard * per}
+    n, shard = sum(k for k, _ in sizes), sum(k // size for k, size in sizes)  # buffer length; this rank's slices
+    mean_moments = sum(p.numel * moments(p) for p in ps) / max(1, sum(p.numel for p in ps))  # (exact unless gpu Muon)
+    return {"parameters": n * B, "gradients": n * (4 if low or gpu else B),
+            "optimizer": shard * 4 * low + round(shard * 4 * mean_moments)}
 
 
 def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) -> int:
-    """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, §4 and Table 2), the paper's items
-    with our dims (s/c tokens per CP rank; GQA's g key/value heads; f, SwiGLU's 2f): B bytes a value, masks 1 byte
-    ("gpu"); this CPU: fp32 dropout masks, math SDPA's q·scale, kᵀ copy and fp32 a·s²·b tensors, LayerNorm's
-    mean and rstd (DESIGN.md §6). Selective: the attention core recomputed; full: see stage_activations."""
-    cpu = accounting == "cpu"
-    B, t, sp = BYTES[layout.dtype], layout.tp, layout.sequence_parallel and layout.tp > 1
+    """Bytes layer i keeps for backward per micro-batch (Korthikanti et al. 2022, §4 and Table 2): the paper's items
+    with our dims (s/c tokens per CP rank; GQA's g key/value heads; f, SwiGLU's 2f), B bytes a value and masks 1 byte
+    ("gpu"); this CPU's items (DESIGN.md §6): dropout masks of B bytes, LayerNorm's mean and rstd, and the math SDPA
+    (taken with attention dropout): fp32 q·scale, kᵀ (and v, from 16-bit) and three fp32 a·s²·b tensors."""
+    cpu, B, t = accounting == "cpu", BYTES[layout.dtype], layout.tp
+    sp = layout.sequence_parallel and t > 1
     s, b, h, n, g, d = layout.seq // layout.cp, layout.micro_batch, c.hidden_size, c.num_attention_heads, \
         c.num_query_groups, c.kv_channels
-    f = (2 if c.gated_linear_unit else 1) * c.ffn_hidden_size  # fc1's output width (SwiGLU: [gate; up])
-    if c.is_moe_layer(i):  # the experts see top-k copies of each token (an estimate: the router's and dispatch's
-        f = c.moe_router_topk * (2 if c.gated_linear_unit else 1) * c.moe_ffn_hidden_size  # buffers left out)
-    mask = (B if cpu else 1) * (c.hidden_dropout > 0)  # bytes of one dropout mask value
+    up = 2 if c.gated_linear_unit else 1
+    f = c.ffn_hidden_size
+    if c.is_moe_layer(i):  # the experts see top-k copies of each token (an estimate: the router's and the
+        f = c.moe_router_topk * c.moe_ffn_hidden_size  # dispatcher's buffers are left out)
+    mask = (B if cpu else 1) * (c.hidden_dropout > 0)  # one dropout mask value
     sb = s * b
-    whole = sb * h * (2 * B + 2 * mask + 2 * B)  # LayerNorm inputs, hidden-dropout masks, linear_qkv/fc1 inputs
-    split = sb * (B * (n + 2 * g) * d + B * n * d + B * f + B * f // (2 if c.gated_linear_unit else 1))  # QKV
-    # output; linear_proj's input; fc1's output (the activation's input); the activation's output (fc2's input)
-    core = n * s * s * b * ((3 * B if cpu else 2 * B + 1) if c.attention_dropout > 0 else 0)  # softmax, its dropout
-    # mask, the dropped probabilities (the paper's 5·a·s²·b; without dropout CPU SDPA is the flash kernel: none)
-    if cpu and c.attention_dropout > 0:  # the math SDPA's q·scale and contiguous kᵀ
-        split += sb * B * (n + g) * d
-    if layout.recompute == "selective":
-        core, split = 0, split - (sb * B * (n + g) * d if cpu and c.attention_dropout > 0 else 0)
-    stats = 2 * 2 * 4 * sb if cpu and c.normalization == "LayerNorm" else 0  # two norms' mean, rstd [s, b, 1] fp32
+    whole = sb * h * (2 * B + 2 * mask + 2 * B)  # LayerNorm inputs; hidden-dropout masks; linear_qkv's, fc1's inputs
+    qkv = sb * B * (n + 2 * g) * d  # linear_qkv's output: q, k, v [s, b, (n + 2g)·d]
+    split = sb * B * (n * d + up * f + f)  # linear_proj's input; fc1's output (the activation's input); fc2's input
+    split += sb * B * f * (cpu and up == 2)  # CPU SwiGLU: also the activation of the gate (transformer.SwiGLU)
+    core, new_qk = 0, c.qk_layernorm or c.position_embedding_type in ("rope", "yarn")  # q, k no views of the QKV output
+    if cpu and c.qk_layernorm:  # the q and k norms' statistics, per head
+        qkv += norm_extra(c, B, sb * (n + g) * d, sb * (n + g))
+    if layout.recompute == "selective" and not (cpu and layout.cp > 1):  # the core recomputed: it keeps its inputs
+        pass  # q, k, v only (but transformer.Attention's CP path is not recomputed)
+    elif c.attention_dropout > 0:  # softmax, its dropout mask, the dropped probabilities: the paper's 5·a·s²·b
+        core = n * s * s * b * (12 if cpu else 2 * B + 1)  # (CPU: SDPA's math path, all fp32)
+        if cpu:  # the math path's own fp32 q·scale, kᵀ and v of n heads each, but fp32 multi-head attention's v, a
+            qkv = sb * 4 * (2 * n * d + (n + 2 * g) * d if B == 4 and g == n else 3 * n * d)  # view of the QKV output
+    elif cpu:  # without dropout: CPU SDPA's flash kernel, its logsumexp [b, n, s] and its q, k, v
+        core, qkv = 4 * b * n * s, qkv + sb * B * (n + g) * d * new_qk
+        if layout.cp > 1:  # context parallelism's p2p ring (parallel._RingAttention): q, the last K/V block it held
+            qkv += sb * B * (2 * g * d - g * d * new_qk)  # [2, b, g, s/c, d] (not k), the merged logsumexp
+    stats = 2 * norm_extra(c, B, sb * h, sb) if cpu else 0  # the two norms' statistics
     if sp:  # sequence parallelism: every item is a sequence shard
-        return (whole + split + core + stats) // t
-    return whole + split // t + core // t + stats
+        return (whole + qkv + split + core + stats) // t
+    return whole + (qkv + split + core) // t + stats
 
 
-def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, accounting: str = "gpu") -> int:
-    """Bytes one virtual chunk keeps per micro-batch: its layers (under full recomputation only each recomputed
-    unit's input), the embedding's (first chunk) and the output layer's and loss's (last chunk)."""
+def norm_extra(c, B: int, values: int, rows: int) -> int:
+    """What this CPU's norm keeps besides its input: LayerNorm its mean and rstd [s, b, 1]; RMSNorm (torch's
+    composite) its rstd [s, b, 1] in fp32 and the normalized input [s, b, h]."""
+    return 2 * B * rows if c.normalization == "LayerNorm" else 4 * rows + B * values
+
+
+def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, accounting: str = "gpu"):
+    """(kept, peak): the bytes one virtual chunk keeps per micro-batch after its forward — its layers (under full
+    recomputation only each recomputed unit's input), the embedding's (first chunk), the output layer's and the
+    loss's (last chunk) — and their peak during its backward (full recomputation: one unit's layers recomputed)."""
     cpu, B, t = accounting == "cpu", BYTES[layout.dtype], layout.tp
     sp = layout.sequence_parallel and t > 1
     s, b, h, V = layout.seq // layout.cp, layout.micro_batch, c.hidden_size, c.padded_vocab_size
     sb, x = s * b, s * b * h * B // (t if sp else 1)  # x: one hidden state [s(/t), b, h]
-    if layout.recompute == "full":  # transformer.Decoder.recomputed: uniform = chunks of N layers, block = the first N
-        N, L = c.recompute_num_layers or 1, len(layers)
-        units = -(-L // N) if c.recompute_method != "block" else min(N, L)
-        total = units * x + sum(layer_activations(c, layout, accounting, i) for i in list(layers)[units:]) \
-            * (c.recompute_method == "block")
-    else:
-        total = sum(layer_activations(c, layout, accounting, i) for i in layers)
-    if not cpu:  # Megatron's theoretical_memory_usage.py: ids 8·s·b and the embedding dropout mask s·b·h; the
+    if cpu:  # the ids: int64 (t = 1: the micro-batch's own [b, s + 1] tensor; cp: its [b, s/c] copy; t > 1: their
+        # masked [b, s] copy and the bool mask); position ids; the embedding's dropout mask
+        ids = 8 * b * (layout.seq + 1) if t == 1 and layout.cp == 1 else 8 * sb + sb * (t > 1)
+        head = pre * (ids + 8 * s * (c.position_embedding_type == "learned_absolute") + x * (c.hidden_dropout > 0))
+        # final LayerNorm input + mean, rstd; the output layer's input; the fp32 softmax [s, b, V/t] (the logits'
+        # own buffer, parallel.vocab_parallel_cross_entropy), the target index (int64) and its bool mask
+        tail = post * (x + norm_extra(c, B, x // B, sb // (t if sp else 1)) + x + 4 * sb * V // t + 8 * sb + sb)
+        rope = c.position_embedding_type in ("rope", "yarn")  # the chunk's RoPE angles cos, sin [s, 1, 1, r] fp32
+        head += 2 * 4 * s * int(c.kv_channels * c.rotary_percent) * rope
+    else:  # Megatron's theoretical_memory_usage.py: the ids 8·s·b and the embedding's dropout mask s·b·h; the
         # output layer's input and the fp32 logits 4·s·b·(h + V); all / t
-        return total + (pre * (8 * sb + sb * h * (c.hidden_dropout > 0)) + post * 4 * sb * (h + V)) // t
-    if pre:  # the word ids (int64), TP: their masked copy and the bool mask; position ids; the dropout mask
-        total += 8 * sb + (sb if t > 1 else 0) + 8 * s * (c.position_embedding_type == "learned_absolute")
-        total += x * (c.hidden_dropout > 0)
-    if post:  # final LayerNorm input + mean, rstd; the output layer's input; the fp32 softmax [s, b, V/t] (the
-        # logits' own buffer, parallel.vocab_parallel_cross_entropy), the target index (int64) and its bool mask
-        total += x + 8 * sb // (t if sp else 1) + x + 4 * sb * V // t + 8 * sb + sb
-    return total
+        head, tail = pre * (8 * sb + sb * h * (c.hidden_dropout > 0)) // t, post * 4 * sb * (h + V) // t
+    full = [layer_activations(c, layout, accounting, i) for i in layers]
+    if layout.recompute != "full":
+        return head + sum(full) + tail, head + sum(full) + tail
+    N, L = c.recompute_num_layers or 1, len(layers)  # transformer.Decoder.recomputed: uniform = units of N layers,
+    units = [range(k, min(k + N, L)) for k in range(0, L, N)] if c.recompute_method != "block" else \
+        [range(k, k + 1) for k in range(min(N, L))]  # block = the first N layers one by one, the rest as usual
+    rest = sum(full[len(units) if c.recompute_method == "block" else L:])
+    kept = head + len(units) * x + rest + tail
+    # backward of unit k: the units before it keep their inputs, unit k's layers are all recomputed (its input among
+    # them); the layers after it and the tail are freed
+    peak = max([kept] + [head + k * x + sum(full[i] for i in u) for k, u in enumerate(units)])
+    return kept, peak
 
 
-def in_flight(chunk_bytes: list[int], layout: Layout, stage: int) -> int:
-    """The peak of the bytes kept by the micro-batches in flight on pipeline rank `stage`: its schedule's actions
-    (parallel.schedule_1f1b: p − r micro-batches at most; interleaved: (p − r − 1)·2 + (v − 1)·p + 1 chunks), each
-    forward adding its chunk's bytes, each backward freeing them."""
+def in_flight(chunk_bytes: list[tuple[int, int]], layout: Layout, stage: int) -> int:
+    """The peak bytes of the micro-batches in flight on pipeline rank `stage`, from its schedule's actions
+    (parallel.schedule_1f1b: p − r micro-batches at most; interleaved: (p − r − 1)·2 + (v − 1)·p + 1 chunks; no
+    pipeline: one micro-batch): each forward adds its chunk's kept bytes, each backward peaks, then frees them."""
     M = max(1, layout.micro_batches)
     if layout.pp == 1:
-        return chunk_bytes[0]  # forward_backward_no_pipelining: one micro-batch at a time
-    actions = P.schedule_1f1b(layout.pp, stage, M) if layout.vpp == 1 else \
-        P.schedule_interleaved(layout.pp, stage, M, layout.vpp)
+        actions = [a for k in range(M) for a in (("F", k, 0), ("B", k, 0))]  # forward_backward_no_pipelining
+    else:
+        actions = P.schedule_1f1b(layout.pp, stage, M) if layout.vpp == 1 else \
+            P.schedule_interleaved(layout.pp, stage, M, layout.vpp)
     live = peak = 0
     for kind, _, v in actions:
-        live += chunk_bytes[v] if kind == "F" else -chunk_bytes[v]
-        peak = max(peak, live)
+        kept, backward = chunk_bytes[v]
+        peak = max(peak, live + kept if kind == "F" else live - kept + backward)
+        live += kept if kind == "F" else -kept
     return peak
 
 

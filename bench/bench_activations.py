@@ -14,7 +14,7 @@ s sequence, b batch, h hidden, a heads, t tensor-parallel size, in fp16 (2 bytes
     TP + SP             s·b·h·(34 + 5·a·s/h) / t
     TP + SP, selective  34·s·b·h / t                 (the a·s² attention core recomputed)
     full recompute      2·s·b·h (/t with SP)         (the layer input only)
-Ours differs, and `ours()` below is the formula that matches the measurement byte for byte; see DESIGN.md §6.
+Ours differs: `ours()` below, costs.py's memory model, matches the measurement byte for byte; see DESIGN.md §6.
 """
 import argparse
 import os
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import costs  # noqa: E402
 import gpt  # noqa: E402
 import parallel as P  # noqa: E402
 from transformer import Decoder  # noqa: E402
@@ -65,33 +66,22 @@ def measure(grid, t, sp, rc, listing):
     return sum(n for n, _, _ in seen.values())
 
 
+def layer_bytes(t, sp, rc, accounting):
+    """One layer's bytes by costs.py's memory model: "cpu" ours, "gpu" the paper's 16-bit items (DESIGN.md §6)."""
+    c = gpt.Config(num_layers=1, hidden_size=H, num_attention_heads=A, vocab_size=128, max_position_embeddings=S,
+                   hidden_dropout=0.1, attention_dropout=0.1, **RECOMPUTE[rc])
+    layout = costs.Layout(seq=S, micro_batch=B, tp=t, sequence_parallel=sp, recompute=None if rc == "off" else rc,
+                          dtype="fp32" if accounting == "cpu" else "bf16")
+    return costs.chunk_activations(c, layout, False, False, range(1), accounting)[0]  # (kept after forward)
+
+
 def ours(t, sp, rc):
-    """Our layer's bytes (DESIGN.md §6): fp32 everywhere, torch's CPU dropout masks included (fp32, not bool)."""
-    s, b, h, a = S, B, H, A
-    sbh, as2b, sb = s * b * h, a * s * s * b, s * b
-    if rc == "full":
-        return 4 * sbh // (t if sp else 1)  # the layer input, kept by the checkpoint
-    repl = 4 + 4 + 4 + 4  # the LayerNorm inputs (x, x + attn) and the two hidden-dropout masks: whole on every rank
-    inputs = 4 + 4  # the inputs of linear_qkv and linear_fc1 (under SP: their sequence shards, gathered again in
-    # backward, parallel.py's _LinearWithSequenceGather)
-    shard = 12 + 4 + 4 + 4 + 16 + 16  # QKV output; q·scale and a contiguous kᵀ (math SDPA); proj input; GeLU in, out
-    core = 3 * 4 * as2b  # softmax output, its dropout mask, the dropped probabilities (math SDPA, fp32)
-    stats = 2 * 2 * 4 * sb  # the two LayerNorms' mean and rstd [s, b, 1]
-    if rc == "selective":
-        core, shard = 0, shard - 8  # the core keeps only its inputs q, k, v (views of the QKV output)
-    if sp:  # every item split: s·b·h·(80/t) + 12·a·s²·b/t
-        return (repl + inputs + shard) * sbh // t + core // t + stats // t
-    return (repl + inputs) * sbh + shard * sbh // t + core // t + stats
+    """Our layer's bytes: fp32 everywhere, torch's CPU dropout masks included (fp32, not bool)."""
+    return layer_bytes(t, sp, rc, "cpu")
 
 
 def paper(t, sp, rc):
-    s, b, h, a = S, B, H, A
-    if rc == "full":
-        return 2 * s * b * h // (t if sp else 1)
-    core = 0 if rc == "selective" else 5 * a * s / h
-    if sp:
-        return s * b * h * (34 + core) / t
-    return s * b * h * (10 + 24 / t + core / t)
+    return layer_bytes(t, sp, rc, "gpu")
 
 
 def worker(rank, world, port, out, tps, listing):

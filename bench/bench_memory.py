@@ -5,7 +5,8 @@ Run:  .venv/bin/python bench/bench_memory.py        (spawns d = 1, 2, 4 gloo ran
 Counted on rank 0 from the real buffers: model parameters, the fp32 gradient buffer, fp32 master weights (a
 separate copy only when the parameters are bf16) and the two Adam moments. Formula (DESIGN.md §4, d = DP size):
 fp32 parameters 4 + 4 + (4+4)/d = 8 + 8/d;  bf16 parameters + fp32 grads 2 + 4 + (4+4+4)/d = 6 + 12/d.
-Buckets are padded to a multiple of d, so the measured value may exceed the formula by a few elements per bucket.
+Buckets are padded to a multiple of d, so the measured value may exceed the formula by a few elements per bucket;
+costs.py's memory model (costs.state_bytes, accounting "cpu") counts the padding too and must equal it (asserted).
 """
 import argparse
 import os
@@ -16,16 +17,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import costs  # noqa: E402
 import gpt  # noqa: E402
 import parallel as P  # noqa: E402
+
+
+def config(dtype):
+    return gpt.Config(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192, params_dtype=dtype)
 
 
 def worker(rank, d, dtype, port, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=d, init_method=f"tcp://127.0.0.1:{port}")
     grid = P.Grid(dp=d)
-    model = gpt.Model(gpt.Config(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192,
-                                 params_dtype=dtype), grid)
+    model = gpt.Model(config(dtype), grid)
     ddp = P.DDP([model], grid, distributed_optimizer=True)
     opt = P.DistributedOptimizer(ddp)
     n = sum(p.numel() for p in model.parameters())
@@ -33,7 +38,7 @@ def worker(rank, d, dtype, port, out):
     separate_master = [m for m in opt.master if m.data_ptr() != ddp.param_buffer.data_ptr() and m.dtype != dtype]
     total = el([ddp.param_buffer, ddp.grad_buffer]) + el(separate_master) + el(opt.exp_avg) + el(opt.exp_avg_sq)
     if rank == 0:
-        out.put(total / n)
+        out.put((total, n))
     dist.destroy_process_group()
 
 
@@ -47,7 +52,7 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     ctx = mp.get_context("spawn")
-    print("| params | d | bytes/param measured | formula |\n|---|---|---|---|")
+    print("| params | d | bytes/param measured | formula | costs.py |\n|---|---|---|---|---|")
     for dtype, formula in [(torch.float32, lambda d: 8 + 8 / d), (torch.bfloat16, lambda d: 6 + 12 / d)]:
         for d in args.dp:
             q = ctx.Queue()
@@ -55,10 +60,14 @@ def main():
             procs = [ctx.Process(target=worker, args=(r, d, dtype, port, q)) for r in range(d)]
             for p in procs:
                 p.start()
-            measured = q.get()
+            total, n = q.get()
             for p in procs:
                 p.join()
-            print(f"| {str(dtype).split('.')[1]} | {d} | {measured:.4f} | {formula(d):.4f} |")
+            layout = costs.Layout(seq=1, dp=d, distributed_optimizer=True, dtype="bf16" if dtype == torch.bfloat16
+                                  else "fp32")
+            model = sum(costs.state_bytes(config(dtype), layout, 0, "cpu").values())
+            assert total == model, f"d={d} {dtype}: measured {total:,} B, costs.py says {model:,} B"
+            print(f"| {str(dtype).split('.')[1]} | {d} | {total / n:.4f} | {formula(d):.4f} | {model / n:.4f} |")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,22 @@ def test_hand_worked_collectives_and_bubble():
     assert t1["pp_comm"] == pytest.approx(2 * 48 * send, rel=1e-12)
 
 
+def test_hand_worked_compute_and_dp():
+    """The 1.7B row (t = p = 1, d 32, m 16): compute and the DP all-reduce by hand, from DESIGN.md §12's formulas."""
+    c, lo = config(*TABLE1[0][1:4]), paper_layout(TABLE1[0])
+    r = costs.step_time(c, lo, A100, paper=True)
+    s, h, a, L, V, m = 2048, 2304, 24, 24, 51200, 16
+    E, k, peak, hbm = costs.GEMM_EFFICIENCY, costs.HBM_PASSES, 312e12, 2.039e12
+    gemm = 4 * 24 * s * h * h * (1 + s / (6 * h)) / (peak * E)  # 4 passes (full recomputation) of 24·s·h²(1 + s/6h)
+    elementwise = k * 4 * s * h * (34 + 5 * a * s / h) / hbm  # Korthikanti's bytes, t = 1, x 4 passes
+    logits = 6 * s * h * V / (peak * E) + k * 3 * s * V * 4 / hbm
+    assert r["compute"] == pytest.approx(m * (L * (gemm + elementwise) + logits), rel=1e-12)
+    # DP: fp32 gradients over 32 ranks, 8 of a group in each node: 8 NICs of 25 GB/s, 10 µs a message
+    grads = 4 * costs.params_per_rank(c, lo)
+    assert r["dp_comm"] == pytest.approx(2 * 31 * (10e-6 + grads / 32 / (8 * 25e9)), rel=1e-12)
+    assert r["seconds_per_iteration"] == pytest.approx(r["compute"] + r["dp_comm"] + r["optimizer"], rel=1e-12)
+
+
 def test_a_bubble_and_communication_cost_time():
     """The same model and GPUs: a smaller batch (fewer micro-batches) has a larger bubble, lower TFLOP/s; without
     overlap (paper=True) the DP reduction is all exposed, with it (the default) the last backward hides part."""

@@ -1,8 +1,9 @@
 """The time model on this CPU: costs.step_time's predicted step time, communication and pipeline bubble against a real
 train.py run of DP 2, TP 2 and PP 2 (bench/bench_scaling.py's measure: torchrun, gloo, one thread a rank, every
-collective inside train.train_step timed). The prediction's GPU is costs.cpu_gpu(): this machine's fp32 GEMM rate
-on one thread (measured here, as a rank has), gloo over loopback as every link (bandwidth and latency as bench/README
-measured them); the DP reduction not overlapped (train.py's default: no --overlap-grad-reduce).
+collective inside train.train_step timed). The prediction's GPU is costs.cpu_gpu() on one thread (as a rank has),
+its GEMM rate that of the rank's own GEMM shapes (bench/bench_gemm.py's ceiling, split over TP), gloo over loopback
+as every link (bandwidth and latency as bench/README measured them); the DP reduction not overlapped (train.py's
+default: no --overlap-grad-reduce).
 What a measured collective's time holds: its transfer and the wait for the other rank — for PP 2 the bubble is in it
 (a stage waits in recv), so PP's column compares predicted sends + bubble with it. Megatron's counterpart: none (its
 papers' Table 1 is the GPU check, tests/test_costs_time.py).
@@ -13,6 +14,7 @@ papers' Table 1 is the GPU check, tests/test_costs_time.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -22,6 +24,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "tests")]
 
+import bench_gemm  # noqa: E402
 import bench_scaling  # noqa: E402
 import torch  # noqa: E402
 
@@ -48,8 +51,22 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def gemm_ceiling(c, tokens: int, tp: int) -> float:
+    """FLOP/s of one rank's weight GEMMs at their shapes (bench_gemm.model_gemms, split over TP: column-parallel
+    linears' outputs, row-parallel ones' inputs), timed here on one thread, FLOP-weighted."""
+    col, axis = ("linear_qkv", "linear_fc1", "output_layer"), {"fwd": "kn", "dgrad": "nk", "wgrad": "nm"}
+    flops = secs = 0.0
+    for g in bench_gemm.model_gemms(c, tokens, 1):
+        name, kind = g.name.split()
+        split = axis[kind][name in col]  # the dimension TP divides
+        g = g._replace(**{split: getattr(g, split) // tp})
+        flops, secs = flops + g.flops * g.count, secs + bench_gemm.time_gemm(g, 1, 5) * g.count
+    return flops / secs
+
+
 def predicted(name: str, a, gpu: costs.GPU) -> dict:
-    """costs.step_time of the layout the run has (train.py's default model and these flags, fp32, causal core)."""
+    """costs.step_time of the layout the run has (train.py's default model and these flags, fp32, causal core), the
+    GEMM rate that of the rank's own GEMM shapes."""
     flags = [*bench_scaling.LAYOUTS[name][1], *shlex.split(a.train_args)]
     args = arguments.parse_args(["--global-batch-size", str(a.global_batch), *flags])
     c = arguments.model_config(model_file(args.model), args)
@@ -57,7 +74,9 @@ def predicted(name: str, a, gpu: costs.GPU) -> dict:
     lo = costs.Layout(args.seq_length, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dp=dp,
                       micro_batch=args.micro_batch_size if name == "pp2" else a.global_batch // dp,
                       global_batch=a.global_batch, recompute=args.recompute_granularity, dtype="fp32")
-    return costs.step_time(c, lo, gpu, overlap=args.overlap_grad_reduce)
+    rate = gemm_ceiling(c, lo.micro_batch * lo.seq, lo.tp)
+    return costs.step_time(c, lo, dataclasses.replace(gpu, peak=rate / costs.GEMM_EFFICIENCY),
+                           overlap=args.overlap_grad_reduce) | {"gemm_rate": rate}
 
 
 def table1():
@@ -94,14 +113,14 @@ def main():
         for name in a.layouts:
             m, p = bench_scaling.measure(name, scaling, Path(tmp)), predicted(name, a, gpu)
             comm = p["dp_exposed"] + p["tp_comm"] + p["pp_comm"] + p["bubble"]
-            rows.append(f"| {name} | {p['seconds_per_iteration']:.3f} | {m['step_s']:.3f} | "
+            rows.append(f"| {name} | {p['gemm_rate'] / 1e9:.1f} | {p['seconds_per_iteration']:.3f} | {m['step_s']:.3f} | "
                         f"{p['seconds_per_iteration'] / m['step_s'] - 1:+.0%} | {comm:.3f} (bubble {p['bubble']:.3f}) "
                         f"| {m['collective_s']:.3f} |")
             print(f"  {name}: {m['wall']:.0f} s", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end; medians over iterations {a.warmup + 1}-{a.iters}, the "
           "slower rank's\n")
-    print("| layout | predicted s / iteration | measured | error | predicted communication + bubble s | measured in "
-          "collectives s |\n|---|---|---|---|---|---|")
+    print("| layout | GEMM GFLOP/s at its shapes | predicted s / iteration | measured | error | predicted communication "
+          "+ bubble s | measured in collectives s |\n|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

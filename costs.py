@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import time
 import typing
 
+import torch
+
+import metrics
 import parallel as P
 
 # ---------------------------------------------------------------------------------------------- 1. the layout
@@ -281,9 +286,268 @@ def kv_cache_bytes(c, batch: int, seq: int, dtype_bytes: int = 2, tp: int = 1) -
 
 
 # ---------------------------------------------------------------------------------------------- 3. time per iteration
-# GPUS (data-sheet peaks and links, sources cited); step_time(c, layout, gpu) -> dict with at least
-# "seconds_per_iteration", "tflops_per_gpu" and the parts (compute, bubble, communication per collective, overlapped).
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """One accelerator and its links: bytes/s per direction per GPU; alpha: a message's latency (α-β model)."""
+    name: str
+    peak: float  # dense 16-bit tensor-core FLOP/s (cpu: its measured fp32 GEMM rate)
+    hbm: float  # memory bandwidth, bytes/s
+    memory: float  # bytes
+    nvlink: float  # intra-node, per GPU
+    ib: float  # inter-node, per GPU (one NIC each)
+    per_node: int = 8
+    alpha_intra: float = 5e-6
+    alpha_inter: float = 10e-6
+
+
+# Data sheets (DESIGN.md §12 lists them): NVIDIA A100 80GB SXM (312 TFLOP/s bf16/fp16 dense, HBM2e 2,039 GB/s, NVLink
+# 600 GB/s both ways); H100 SXM5 (989 dense, HBM3 3.35 TB/s, NVLink 900 GB/s); H200 SXM (989, 141 GB HBM3e 4.8 TB/s,
+# NVLink 900 GB/s); nodes of 8 with one NIC per GPU: DGX A100 / Selene (ConnectX-6 HDR 200 Gb/s, the paper's §5),
+# DGX H100/H200 (ConnectX-7 NDR 400 Gb/s). Latencies: assumed (NCCL's small-message order of magnitude).
+GPUS = {"a100-80gb": GPU("a100-80gb", 312e12, 2.039e12, 80e9, 300e9, 25e9),
+        "h100-80gb": GPU("h100-80gb", 989e12, 3.35e12, 80e9, 450e9, 50e9),
+        "h200": GPU("h200", 989e12, 4.8e12, 141e9, 450e9, 50e9)}
+# Fitted on two rows of Table 1 (1.7B and 1T, tests/test_costs_time.py), tested on the other eight: the fraction of
+# peak the large GEMMs reach, and how many times each activation byte (Korthikanti's count) crosses HBM per pass.
+GEMM_EFFICIENCY = 0.71
+HBM_PASSES = 2.45
+
+
+def cpu_gpu(seconds: float = 0.3) -> GPU:
+    """This machine as a GPU, measured here with torch's threads: peak = a 2048³ fp32 GEMM's best rate / GEMM_EFFICIENCY
+    (bench/bench_gemm.py's peak), memory bandwidth = a 64 MB copy's, all of RAM. Its links are gloo over loopback:
+    ~0.4 GB/s and ~1 ms a message, as bench/README measured ("One process vs DP 2 vs TP 2", "Pipeline bubble")."""
+    def rate(f, work):  # the best of short bursts: a ceiling, less hurt by other processes on a shared machine
+        f()
+        best, end = 0.0, time.perf_counter() + seconds / 2
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            f()
+            best = max(best, work / (time.perf_counter() - t0))
+        return best
+    a, x, y = torch.randn(2048, 2048), torch.empty(2 ** 24), torch.empty(2 ** 24)
+    gemm, copy = rate(lambda: a @ a, 2 * 2048 ** 3), rate(lambda: y.copy_(x), 2 * 4 * 2 ** 24)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return GPU("cpu", gemm / GEMM_EFFICIENCY, copy, ram, 0.4e9, 0.4e9, per_node=os.cpu_count() or 1,
+               alpha_intra=1e-3, alpha_inter=1e-3)
+
+
+def flops_per_iteration(c, layout: Layout, causal: bool = True) -> float:
+    """metrics.flops with the recomputation's extra forward: full, every layer's (not the output layer's: Eq. 3's
+    V/(16lh) term has no recomputation); selective, the attention core's. causal=False: the core over the whole
+    s×s square, as the paper's Eq. 3 counts it (and as its kernels ran it)."""
+    B, s, L = layout.global_batch, layout.seq, c.num_layers
+    f = metrics.flops(c, B, s)
+    if not causal:  # the core over all s keys instead of s/2
+        f += 6 * B * s * L * (metrics.self_attention_flops(c, s, False) - metrics.self_attention_flops(c, s, True))
+    core = 2 * B * s * L * 2 * (s if not causal else s / 2) * c.num_attention_heads * c.kv_channels
+    moe = [c.is_moe_layer(i) for i in range(L)] if c.num_experts else [False] * L
+    layers = 2 * B * s * sum(metrics.self_attention_flops(c, s, causal) + metrics.mlp_flops(c, x) for x in moe)
+    return f + {"full": layers, "selective": core}.get(layout.recompute, 0.0)
+
+
+def allreduce_time(n_bytes: float, ranks: int, bw: float, alpha: float) -> float:
+    """Ring all-reduce (Patarasuk & Yuan 2009; NCCL's ring): 2(n-1) steps, each moving n_bytes/n over each link."""
+    return 0.0 if ranks == 1 else 2 * (ranks - 1) * (alpha + n_bytes / ranks / bw)
+
+
+def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | None = None,
+              overlap: bool | None = None) -> dict:
+    """Seconds per iteration on the slowest rank, and its parts (DESIGN.md §12). paper=True: as Narayanan et al.
+    2021 ran (the attention core over the whole s×s square, no flash attention; nothing overlapped); else the core is
+    causal (flash attention), CP's exchange overlaps the core and, with `overlap` (--overlap-grad-reduce; default:
+    not paper), the DP reduction the last micro-batch's backward. tflops_per_gpu counts flops_per_iteration as
+    Megatron's papers do (Eq. 3 for paper=True). n_params: the largest rank's parameters (params_per_rank), if known."""
+    lo = layout
+    t, p, v, d, cp, e, b, m = lo.tp, lo.pp, lo.vpp, lo.dp, lo.cp, lo.ep, lo.micro_batch, lo.micro_batches
+    h, a, s, L, V = c.hidden_size, c.num_attention_heads, lo.seq / cp, c.num_layers, c.padded_vocab_size
+    by, sp, full = BYTES[lo.dtype], lo.sequence_parallel, lo.recompute == "full"
+    passes = 4 if full else 3  # forward, backward's two GEMMs per forward one (dgrad, wgrad), recomputed forward
+    # compute of one micro-batch on one rank: its L/p layers (all v chunks) and, on the last stage, the logits
+    moe = [c.is_moe_layer(i) for i in range(L)] if c.num_experts else [False] * L
+    dense = b * s * 2 * (metrics.self_attention_flops(c, lo.seq, causal=not paper)  # one layer, FLOPs forward
+                         + sum(metrics.mlp_flops(c, x) for x in moe) / L)
+    core = 4 * b * s * (lo.seq if paper else lo.seq / 2) * a * c.kv_channels  # QKᵀ and PV (inside `dense` too)
+    # Korthikanti's activation bytes per layer; the 5·a·s² of the score matrices only without flash attention (paper)
+    scores = 5 * a * s * s * b / t * by / 2 if paper else 0
+    acts = b * s * h * (34 / t if sp else 10 + 24 / t) * by / 2 + scores
+    sel = 1 if lo.recompute == "selective" else 0
+    layer = (dense * passes + core * sel) / (t * gpu.peak * GEMM_EFFICIENCY) + \
+        HBM_PASSES * (acts * passes + scores * sel) / gpu.hbm
+    logits = (6 * b * s * h * V / t) / (gpu.peak * GEMM_EFFICIENCY) + HBM_PASSES * 3 * b * s * V / t * 4 / gpu.hbm
+    # tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more recomputing (SP: a reduce-scatter and
+    # an all-gather each, the same volume, and one more all-gather per column-parallel linear in backward)
+    intra_t = t <= gpu.per_node
+    tbw, talpha = (gpu.nvlink, gpu.alpha_intra) if intra_t else (gpu.ib, gpu.alpha_inter)
+    act_bytes = b * s * h * by
+    tp_layer = ((2 + full) * 2 + sp) * allreduce_time(act_bytes, t, tbw, talpha)  # (SP: 2 all-gathers = 1)
+    # context parallelism: the K/V ring, forward once and backward twice (dK, dV), overlapped with the core
+    kv = 2 * b * s * c.num_query_groups * c.kv_channels / t * by
+    cp_layer = 3 * (cp - 1) * (gpu.alpha_intra + kv / gpu.nvlink)
+    cp_exposed = max(0.0, cp_layer - core * passes / (t * gpu.peak * GEMM_EFFICIENCY) / cp) if not paper else cp_layer
+    # expert parallelism: dispatch and combine all-to-alls of the top-k tokens' hidden states, forward and backward
+    moe_layers = sum(c.is_moe_layer(i) for i in range(L)) if c.num_experts else 0
+    ep_layer = 0.0 if e == 1 else (2 + full) * 2 * (e - 1) / e * (
+        gpu.alpha_inter + b * s * c.moe_router_topk * h * by / (gpu.ib if t * e > gpu.per_node else gpu.nvlink))
+    per_mb = L / p * (layer + tp_layer + cp_exposed) + moe_layers / p * ep_layer + logits
+    # pipeline: each chunk sends its output forward and receives its gradient back: 2·v sends per micro-batch,
+    # inter-node once t·d·cp fills a node; the paper's scatter-gather (its §4.1): each of the t ranks sends 1/t
+    inter_p = t * d * cp >= gpu.per_node
+    send = 0.0 if p == 1 else (gpu.alpha_inter if inter_p else gpu.alpha_intra) + \
+        act_bytes / t / (gpu.ib if inter_p else gpu.nvlink) + (0 if sp else act_bytes * (t - 1) / t / tbw)
+    pp_comm = 2 * v * send * m
+    compute = m * per_mb
+    bubble = (p - 1) / (m * v) * compute  # 1F1B / interleaved: (p-1)/(m·v) of the ideal time (the paper's §2.2)
+    # data parallelism: the gradients (fp32 main grads) all-reduced, or reduce-scattered and the 16-bit parameters
+    # all-gathered (distributed optimizer); over NVLink inside a node, else over the NICs of the group's members there
+    n_params = n_params or params_per_rank(c, lo)
+    g = max(1, min(d, gpu.per_node // (t * cp) if t * cp <= gpu.per_node else 1))
+    inter_d = t * cp * d > gpu.per_node
+    dbw, dalpha = (gpu.ib * g, gpu.alpha_inter) if inter_d else (gpu.nvlink, gpu.alpha_intra)
+    grads = n_params * 4
+    dp = allreduce_time(grads, d, dbw, dalpha) if not lo.distributed_optimizer else \
+        allreduce_time(grads, d, dbw, dalpha) / 2 + allreduce_time(n_params * by, d, dbw, dalpha) / 2
+    dp_exposed = max(0.0, dp - per_mb * 2 / passes) if (not paper if overlap is None else overlap) else dp
+    # the optimizer step: Adam reads and writes ~30 bytes a parameter (fp32 master, grad, moments; the 16-bit copy)
+    optimizer = 30 * n_params / (d if lo.distributed_optimizer else 1) / gpu.hbm
+    total = compute + bubble + pp_comm + dp_exposed + optimizer
+    counted = flops_per_iteration(c, lo, causal=not paper)
+    return {"seconds_per_iteration": total, "tflops_per_gpu": counted / total / lo.world / 1e12,
+            "flops": counted, "compute": compute, "bubble": bubble, "bubble_fraction": (p - 1) / (m * v),
+            "tp_comm": m * L / p * tp_layer, "cp_comm": m * L / p * cp_layer, "ep_comm": m * moe_layers / p * ep_layer,
+            "pp_comm": pp_comm, "dp_comm": dp, "dp_exposed": dp_exposed, "optimizer": optimizer}
+
+
+def params_per_rank(c, layout: Layout) -> int:
+    """Parameters of the pipeline rank holding the most (section 2's stage_parameters: the first or the last)."""
+    return max(sum(x.numel for x in stage_parameters(c, layout, r)) for r in {0, layout.pp - 1})
 
 
 # ---------------------------------------------------------------------------------------------- 4. the planner
 # plan(c, gpu, gpus, ...) -> the layouts that fit, best predicted throughput first (tools.py plan prints them).
+# The share of a GPU's memory a layout may plan for: the rest is the CUDA context, NCCL's buffers and the allocator's
+# fragmentation (an assumption, DESIGN.md §12: with 1.0 the paper's layout is in the top three of 7 of Table 1's rows).
+USABLE = 0.85
+SEARCH = {"micro_batch": (1, 2, 4, 8), "recompute": (None, "selective", "full"), "distributed_optimizer": (False, True),
+          "vpp": (1, 2, 4), "cp": (1, 2, 4, 8)}
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(c, gpus: int, per_node: int, seq: int, global_batch: int, dtype: str, **fixed):
+    """Every layout of `gpus` ranks the model allows (TP within a node and dividing the heads and groups; PP dividing
+    the layers; interleaving with m divisible by p, as Megatron asks; CP over 2·cp chunks; EP dividing the experts
+    and DP·CP); `fixed` pins fields (a value, or a tuple of the values to try)."""
+    pick = lambda k, default: fixed[k] if isinstance(fixed.get(k), tuple) else (fixed[k],) if k in fixed else default
+    experts = c.num_experts or 1
+    for tp in pick("tp", [t for t in divisors(gpus) if per_node % t == 0 and c.num_attention_heads % t == 0
+                          and c.num_query_groups % t == 0]):
+        for pp in pick("pp", [p for p in divisors(gpus // tp) if c.num_layers % p == 0]):
+            for cp in pick("cp", [k for k in SEARCH["cp"] if (gpus // (tp * pp)) % k == 0 and seq % (2 * k) == 0]):
+                dp = gpus // (tp * pp * cp)
+                if tp * pp * cp * dp != gpus:
+                    continue
+                for ep in pick("ep", [e for e in divisors(dp * cp) if experts % e == 0] if c.num_experts else [1]):
+                    for b in pick("micro_batch", [b for b in SEARCH["micro_batch"] if global_batch % (b * dp) == 0]):
+                        m = global_batch // (b * dp)
+                        for v in pick("vpp", [v for v in SEARCH["vpp"] if v == 1 or pp > 1 and m % pp == 0
+                                              and c.num_layers % (pp * v) == 0]):
+                            for r in pick("recompute", SEARCH["recompute"]):
+                                for zero in pick("distributed_optimizer", (False, True) if dp > 1 else (False,)):
+                                    yield Layout(seq, tp, pp, v, dp, cp, ep, b, global_batch, pick(
+                                        "sequence_parallel", (tp > 1,))[0], r, zero, dtype=dtype)
+
+
+def evaluate(c, layout: Layout, gpu: GPU, accounting: str = "gpu", paper: bool = False, time_=None) -> dict:
+    """One layout's memory (the largest rank's) and time, with its flags under Megatron's names."""
+    mem, time_ = memory(c, layout, accounting), time_ or step_time(c, layout, gpu, paper)
+    flags = {MEGATRON_NAMES[k]: getattr(layout, k) for k in MEGATRON_NAMES}
+    return {"memory_bytes": mem["total"], "tflops_per_gpu": time_["tflops_per_gpu"],
+            "seconds_per_iteration": time_["seconds_per_iteration"], **flags, "memory": mem, "time": time_,
+            "fits": mem["total"] <= USABLE * gpu.memory}
+
+
+def plan(c, gpu: GPU, gpus: int, seq: int, global_batch: int, dtype: str = "bf16", accounting: str = "gpu",
+         paper: bool = False, top: int | None = None, **fixed) -> list[dict]:
+    """The `top` fastest layouts that fit in USABLE of gpu.memory (seconds per iteration: the same global batch for
+    all). Timed first, all of them; memory (section 2 walks the schedule: slower) in that order until `top` fit."""
+    counts = {}  # (tp, pp, vpp, ep) -> params_per_rank
+
+    def count(lo):
+        key = lo.tp, lo.pp, lo.vpp, lo.ep
+        counts[key] = counts[key] if key in counts else params_per_rank(c, lo)
+        return counts[key]
+    timed = sorted(((step_time(c, lo, gpu, paper, count(lo)), lo) for lo in layouts(
+        c, gpus, gpu.per_node, seq, global_batch, dtype, **fixed)), key=lambda x: x[0]["seconds_per_iteration"])
+    found = []
+    for time_, lo in timed:
+        if top is not None and len(found) == top:
+            break
+        if sum(state_bytes(c, lo, 0, accounting).values()) > USABLE * gpu.memory:
+            continue  # (a cheap bound first: the first stage's state alone does not fit)
+        entry = evaluate(c, lo, gpu, accounting, paper, time_)
+        found += [entry] if entry["fits"] else []
+    return found
+
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                "--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size")
+
+
+def layout_of(args, c, gpus: int, dtype: str) -> Layout:
+    """The layout train.py's flags name, over `gpus` ranks (DP takes the rest, as Megatron's)."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    dp = gpus // (tp * pp * cp)
+    if dp < 1 or tp * pp * cp * dp != gpus:
+        raise ValueError(f"--gpus {gpus} is not a multiple of TP·PP·CP = {tp * pp * cp}")
+    per = args.num_layers_per_virtual_pipeline_stage
+    recompute = args.recompute_granularity or ("selective" if args.recompute_activations else None)
+    return Layout(args.seq_length, tp, pp, c.num_layers // (pp * per) if per else 1, dp, cp,
+                  args.expert_model_parallel_size, args.micro_batch_size,
+                  args.global_batch_size or args.micro_batch_size * dp, args.sequence_parallel, recompute,
+                  args.use_distributed_optimizer, dtype=dtype)
+
+
+def report(entries: list[dict], gpu: GPU, gpus: int) -> str:
+    """tools.py plan's text: one layout's memory and time, or a table of the layouts ranked."""
+    G = 1e9
+    name = lambda x: (f"TP {x['tensor_model_parallel_size']} PP {x['pipeline_model_parallel_size']} "
+                      f"VPP {x['num_virtual_stages_per_pipeline_rank']} DP {x['data_parallel_size']} "
+                      f"CP {x['context_parallel_size']} EP {x['expert_model_parallel_size']} "
+                      f"mb {x['micro_batch_size']} recompute {x['recompute_granularity'] or '-'} "
+                      f"dist-opt {'on' if x['use_distributed_optimizer'] else 'off'}")
+    if len(entries) != 1:
+        lines = [f"the {len(entries)} fastest layouts that fit {gpus} x {gpu.name} ({USABLE:.0%} of "
+                 f"{gpu.memory / G:.0f} GB):"]
+        lines += [f"{i + 1:3d}. {name(x)}: {x['memory_bytes'] / G:.1f} GB, {x['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
+                  f"{x['seconds_per_iteration']:.3g} s per iteration" for i, x in enumerate(entries)]
+        return "\n".join(lines)
+    x = entries[0]
+    mem, t = x["memory"], x["time"]
+    parts = ", ".join(f"{k} {mem[k] / G:.2f} GB" for k in ("parameters", "gradients", "optimizer", "activations"))
+    return "\n".join([
+        f"{name(x)} on {gpus} x {gpu.name}",
+        f"memory per GPU (pipeline rank {mem['stage']}, the largest): {parts}; total {mem['total'] / G:.2f} GB of "
+        f"{gpu.memory / G:.0f} GB ({'fits' if x['fits'] else 'does NOT fit'} in {USABLE:.0%})",
+        f"time per iteration: {t['seconds_per_iteration']:.3g} s = compute {t['compute']:.3g} (TP communication "
+        f"{t['tp_comm']:.3g} in it) + bubble {t['bubble']:.3g} ({t['bubble_fraction']:.1%}) + PP sends "
+        f"{t['pp_comm']:.3g} + DP {t['dp_exposed']:.3g} exposed of {t['dp_comm']:.3g} + optimizer {t['optimizer']:.3g}",
+        f"{x['tflops_per_gpu']:.0f} TFLOP/s per GPU ({t['flops'] / 1e15:.4g} PFLOP an iteration, recomputation "
+        "included)"])
+
+
+def plot(entry: dict, path: str):
+    """A PNG bar chart of one layout's memory per GPU."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = ["parameters", "gradients", "optimizer", "activations", "total"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(keys, [entry["memory"][k] / 1e9 for k in keys], color=["C0", "C1", "C2", "C3", "C7"])
+    ax.set_ylabel("GB per GPU")
+    ax.set_title(f"TP {entry['tensor_model_parallel_size']} PP {entry['pipeline_model_parallel_size']} "
+                 f"DP {entry['data_parallel_size']}: {entry['seconds_per_iteration']:.3g} s/iteration")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -13,17 +13,19 @@ file of its own so that train.py is only the training loop. Each command loads t
     python tools.py export-megatron --load runs/gpt --save runs/gpt-mcore   # a Megatron-core torch_dist checkpoint
     python tools.py import-megatron --load runs/gpt-mcore --save runs/gpt-from-mcore --model gpt \
         --tokenizer-file runs/gpt/tokenizer.json    # a Megatron-core checkpoint as a run (architecture flags: see below)
+    python tools.py plan --gpus 16 --num-layers 24 --hidden-size 2048 --num-attention-heads 16  # layouts (costs.py)
 
 sample --chat: one user turn in the chat template SFT trains on (or a Hugging Face folder's own), only the answer
 printed; export: what serving needs (weights, config.json, the tokenizer, the chat template as Jinja) — DESIGN.md §1,
 "Post-training". export-megatron / import-megatron: Megatron-core's torch_dist checkpoints, written and read with
 torch.distributed.checkpoint alone; import-megatron's flags after --save are train.py's model flags — DESIGN.md §8,
-"Megatron-core checkpoints".
+"Megatron-core checkpoints". plan: DESIGN.md §12.
 Bad input ends with one line `tools.py: error: ...`.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -31,8 +33,10 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import costs
 import data
 from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args, run_flags
+from config import model_file
 from interop import convert, hf, tokenizer_files
 from posttraining import lora, recipes
 
@@ -228,6 +232,31 @@ APPS = {"serve": "an OpenAI-compatible HTTP server for a run (serving/server.py;
         "rl": "the shipped RL task: --sft-out FILE writes its SFT records, --eval RUN a run's held-out reward"}
 
 
+def plan(a, model_flags):
+    """The layouts of --gpus GPUs that fit, fastest first; with layout flags, that layout's memory and time (costs.py).
+    The model is train.py's flags (or a Megatron script's); 16-bit on a GPU (--fp16, else bf16), the run's on cpu."""
+    args = parse_args(model_flags)
+    c = model_config(model_file(args.model), args)
+    gpu = costs.cpu_gpu() if a.gpu == "cpu" else costs.GPUS[a.gpu]
+    dtype = "fp16" if args.fp16 else "bf16" if args.bf16 or a.gpu != "cpu" else "fp32"
+    accounting = "cpu" if a.gpu == "cpu" else "gpu"
+    try:
+        single = any(f.split("=")[0] in costs.LAYOUT_FLAGS for f in model_flags)
+        if single:
+            entries = [costs.evaluate(c, costs.layout_of(args, c, a.gpus, dtype), gpu, accounting)]
+        else:
+            entries = costs.plan(c, gpu, a.gpus, args.seq_length, args.global_batch_size or
+                                 args.micro_batch_size * a.gpus, dtype, accounting, top=a.top)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not entries:
+        raise ConfigError(f"no layout of {a.gpus} x {gpu.name} fits this model")
+    if a.plot:
+        costs.plot(entries[0], a.plot)
+    print(json.dumps(entries[0] if single else {"layouts": entries}, indent=1)
+          if a.json else costs.report(entries, gpu, a.gpus))
+
+
 def parse(argv):
     p = ArgumentParser(prog="tools.py", description="Sample from, merge, export or score a run train.py saved.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -276,10 +305,20 @@ def parse(argv):
     c.add_argument("--load", required=True, help="the reward model's run")
     c.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
     c.set_defaults(run=score)
+    n = sub.add_parser("plan", help="rank the layouts of N GPUs that fit a model by predicted throughput (costs.py); "
+                       "train.py's model flags follow (layout flags: that layout's memory and time)")
+    n.add_argument("--gpu", default="a100-80gb", choices=["a100-80gb", "h100-80gb", "h200", "cpu"],
+                   help="cpu: this machine, its measured GEMM rate, one process a rank")
+    n.add_argument("--gpus", type=int, default=8, help="the GPUs (cpu: processes)")
+    n.add_argument("--top", type=int, default=10, help="how many ranked layouts to print")
+    n.add_argument("--json", action="store_true", help="print JSON: memory_bytes, tflops_per_gpu, "
+                   "seconds_per_iteration and the layout's Megatron flags ({\"layouts\": [...]} when ranking)")
+    n.add_argument("--plot", default=None, help="a PNG bar chart of the (best) layout's memory per GPU")
+    n.set_defaults(run=plan)
     for name, what in APPS.items():  # their own parsers take the rest of the line (tools.py serve --help)
         sub.add_parser(name, help=what, add_help=False)
     a, rest = p.parse_known_args(argv)
-    if a.command != "import-megatron" and rest:
+    if a.command not in ("import-megatron", "plan") and rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     return a, rest
 
@@ -299,7 +338,7 @@ def main(argv=None):
             from posttraining import rl
             return rl.main(argv[1:])
         a, model_flags = parse(argv)
-        return a.run(a, model_flags) if a.command == "import-megatron" else a.run(a)
+        return a.run(a, model_flags) if a.command in ("import-megatron", "plan") else a.run(a)
     except (ConfigError, data.DataError, convert.MegatronDistError) as e:  # (ExportError, LoRAError: ConfigErrors)
         print(f"tools.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -91,7 +91,9 @@ BENCH = {  # size flags appended to each bench script
                       "small_corpus"],
     "bench_scaling.py": ["--iters", "2", "--warmup", "1", "--global-batch", "2", "--layouts", "single", "dp2",
                          "--train-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-                         "--data-path small_corpus"]}
+                         "--data-path small_corpus"],
+    "bench_costs.py": ["--iters", "2", "--warmup", "1", "--global-batch", "4", "--layouts", "pp2", "--train-args",
+                       "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --data-path small_corpus"]}
 # The files the documents name as the reader's own, made in the scratch copy: a few records of each kind
 RECORDS = {"sft": {"prompt": "Add 2 and 3.", "response": "5"}, "dpo": {"prompt": "Add 2 and 3.", "chosen": "5",
            "rejected": "6"}, "kto": {"prompt": "Add 2 and 3.", "completion": "5", "label": True}}

@@ -50,13 +50,13 @@ from pathlib import Path
 import pytest
 from commands import ROOT, Command, documented
 from test_posttrain_data import FILES as EXAMPLE_FILES
-from test_train import SNIPPET
 
 import arguments
 import data
 import harness
 import tools
 import train
+from harness import SNIPPET
 from interop import tokenizer_files
 from posttraining import rl
 

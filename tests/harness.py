@@ -83,7 +83,11 @@ def _train_worker(rank, world, inq, outq):
         job = inq.get()
         if job is None:
             break
-        argv, port, cwd = job
+        argv, port, cwd, patch = job
+        saved = {name: getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])
+                 for name in patch}
+        for name, value in patch.items():  # this run's patches (launch's `patch`), undone after it
+            setattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], value)
         parallel._GROUPS.clear()  # a fresh process's state: the last run's groups died with its process group
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -98,6 +102,8 @@ def _train_worker(rank, world, inq, outq):
             code = traceback.format_exc()
         finally:
             os.chdir(home)
+            for name, value in saved.items():
+                setattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], value)
         text = out.getvalue()
         outq.put((rank, code, text if len(text) <= 20000 else text[:10000] + "\n...\n" + text[-10000:]))
 
@@ -186,16 +192,27 @@ class Pools:
 _LAUNCHERS: dict[int, Pool] = {}  # world size -> warm train.py ranks, for the whole session (daemons: end with it)
 
 
-def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None):
+class Returns:
+    """A picklable `lambda: list(value)`: a function's stand-in that launch's `patch` can send to the ranks."""
+
+    def __init__(self, value):
+        self.value = list(value)
+
+    def __call__(self):
+        return list(self.value)
+
+
+def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None, patch=None):
     """train.main(argv) on n warm ranks, as `torchrun --nproc_per_node n train.py argv` run in `cwd` (default: where
     the ranks started, the repository root); raises CaseFailed (with the ranks' output) unless every rank returns 0.
+    `patch` {"module.name": value} sets those names on the ranks for this run only (as monkeypatch does here).
     Returns each rank's output {rank: text} (the first and last 10,000 characters of a longer one)."""
     if n not in _LAUNCHERS:
         _LAUNCHERS[n] = Pool(n, timeout, target=_train_worker)
     pool = _LAUNCHERS[n]
     port = _free_port()
     for r in range(n):
-        pool.inqs[r].put((list(argv), port, None if cwd is None else str(cwd)))
+        pool.inqs[r].put((list(argv), port, None if cwd is None else str(cwd), dict(patch or {})))
     codes, outs, deadline = {}, {}, time.monotonic() + timeout
     while len(outs) < n:
         try:

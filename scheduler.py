@@ -7,7 +7,7 @@ num_microbatches_calculator.py (RampupBatchsizeNumMicroBatchesCalculator), the s
 validate_args, megatron/core/optimizer/grad_scaler.py (the dynamic loss scale), and megatron/training/
 dist_signal_handler.py with training.py's exit checks (the stop all ranks agree on). Its own file because three
 places read it and none owns it: arguments.py checks the flags (check_schedule_args), train.py drives the optimizer
-and stops with it, tests/test_schedules.py checks it against megatron-core.
+and stops with it, tests/test_lr_schedule.py checks it against megatron-core.
 
     python train.py --lr-decay-style WSD --lr-wsd-decay-iters 100 --save runs/wsd   # hold --lr, anneal at the end
 """

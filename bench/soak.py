@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # test_train imports the project modules
-from test_train import SNIPPET  # noqa: E402  the test suite's synthetic corpus, so the soak trains on the same files
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # harness imports the project modules
+from harness import SNIPPET  # noqa: E402  the test suite's synthetic corpus, so the soak trains on the same files
 
 LIVE = []  # process groups of running launches, killed on exit
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the worker pool (once per session) and the hypothesis profiles.
+"""Shared fixtures: the worker pools (once per session), the tiny runs' corpus and token cache (once per module),
+and the hypothesis profiles.
 
 HYPOTHESIS_PROFILE=deep runs many more examples (60 a property) than CI's fixed, derandomized profile (3).
 """
@@ -10,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import Pools  # noqa: E402
+from harness import SNIPPET, Pools  # noqa: E402
 
 settings.register_profile("ci", max_examples=3, derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -25,3 +26,18 @@ def pool():
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """40 small Python files (harness.SNIPPET): the tiny runs' corpus (harness.tiny)."""
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(40):
+        (d / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
+    return d
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The tiny runs' token cache (--data-cache-dir), one per test module."""
+    return tmp_path_factory.mktemp("data_cache")

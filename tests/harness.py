@@ -15,22 +15,28 @@ WORLD_SIZE, MASTER_ADDR/PORT on a fresh port), so train.py makes and destroys it
 torchrun; parallel.py's cache of process groups is emptied before each run, as a fresh process has it. A failed or
 hung run tears the ranks down like a failed case. tests/test_failures.py and test_train.py's TP=2 test keep launching
 the real torchrun (what torchrun itself does: every rank stopped, the error said once, its exit code).
+
+The tiny train.py runs the tests share: `tiny(corpus, cache, save, *flags)` (a 2-layer model on conftest.py's
+`corpus` of SNIPPETs, its tokens cached in `cache`), `metrics(run)` (its logged losses), `torchrun(n, argv)`.
 """
 from __future__ import annotations
 
 import importlib
 import io
+import json
 import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
 import sys
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = Path(HERE).parent
 
 
 def _free_port() -> int:
@@ -40,7 +46,7 @@ def _free_port() -> int:
 
 
 def _worker(rank, world, port, inq, outq):
-    sys.path[:0] = [ROOT, HERE]
+    sys.path[:0] = [str(ROOT), HERE]
     import torch
     import torch.distributed as dist
 
@@ -64,7 +70,7 @@ def _worker(rank, world, port, inq, outq):
 def _train_worker(rank, world, inq, outq):
     """A warm torchrun rank: for each job, train.main(argv) under torchrun's environment; no process group between."""
     os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for nproc > 1
-    sys.path[:0] = [ROOT, HERE]
+    sys.path[:0] = [str(ROOT), HERE]
     import contextlib
 
     import torch
@@ -77,7 +83,11 @@ def _train_worker(rank, world, inq, outq):
         job = inq.get()
         if job is None:
             break
-        argv, port, cwd = job
+        argv, port, cwd, patch = job
+        saved = {name: getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])
+                 for name in patch}
+        for name, value in patch.items():  # this run's patches (launch's `patch`), undone after it
+            setattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], value)
         parallel._GROUPS.clear()  # a fresh process's state: the last run's groups died with its process group
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -92,6 +102,8 @@ def _train_worker(rank, world, inq, outq):
             code = traceback.format_exc()
         finally:
             os.chdir(home)
+            for name, value in saved.items():
+                setattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], value)
         text = out.getvalue()
         outq.put((rank, code, text if len(text) <= 20000 else text[:10000] + "\n...\n" + text[-10000:]))
 
@@ -180,16 +192,27 @@ class Pools:
 _LAUNCHERS: dict[int, Pool] = {}  # world size -> warm train.py ranks, for the whole session (daemons: end with it)
 
 
-def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None):
+class Returns:
+    """A picklable `lambda: list(value)`: a function's stand-in that launch's `patch` can send to the ranks."""
+
+    def __init__(self, value):
+        self.value = list(value)
+
+    def __call__(self):
+        return list(self.value)
+
+
+def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None, patch=None):
     """train.main(argv) on n warm ranks, as `torchrun --nproc_per_node n train.py argv` run in `cwd` (default: where
     the ranks started, the repository root); raises CaseFailed (with the ranks' output) unless every rank returns 0.
+    `patch` {"module.name": value} sets those names on the ranks for this run only (as monkeypatch does here).
     Returns each rank's output {rank: text} (the first and last 10,000 characters of a longer one)."""
     if n not in _LAUNCHERS:
         _LAUNCHERS[n] = Pool(n, timeout, target=_train_worker)
     pool = _LAUNCHERS[n]
     port = _free_port()
     for r in range(n):
-        pool.inqs[r].put((list(argv), port, None if cwd is None else str(cwd)))
+        pool.inqs[r].put((list(argv), port, None if cwd is None else str(cwd), dict(patch or {})))
     codes, outs, deadline = {}, {}, time.monotonic() + timeout
     while len(outs) < n:
         try:
@@ -209,3 +232,46 @@ def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None):
         rank = min(bad)
         raise CaseFailed(f"train.py on {n} warm ranks failed on rank {rank}: {bad[rank]}\n{outs.get(rank, '')}")
     return outs
+
+
+# ---------------------------------------------------------------------------------------------- tiny train.py runs
+SNIPPET = '''def add_{i}(a, b):
+    """Return a + b."""
+    return a + b * {i}
+
+
+class Point{i}:
+    def __init__(self, x=0, y=0):
+        self.x, self.y = x, y
+'''
+
+
+def tiny(corpus, cache, save, *extra, iters=6):
+    return ["--data-path", str(corpus), "--data-cache-dir", str(cache), "--vocab-size", "384",
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "3e-3",
+            "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2",
+            "--save", str(save), *extra]
+
+
+def metrics(run_dir):
+    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r for r in recs if "loss" in r}, {r["iteration"]: r["val_loss"] for r in recs
+                                                               if "val_loss" in r}
+
+
+def assert_close(a, b, rtol, what):
+    assert abs(a - b) <= rtol * abs(b), f"{what}: {a} vs {b} (relative {abs(a - b) / abs(b):.2e} > {rtol})"
+
+
+def torchrun(nproc, argv, real=False):
+    """train.py under torchrun: on warm ranks (launch: torchrun's environment, no process starts) unless `real`,
+    which launches torch.distributed.run itself (test_train.py's TP=2 test keeps that path under test)."""
+    if not real:
+        return launch(nproc, argv)
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(port),
+           str(ROOT / "train.py"), *argv]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"torchrun failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

@@ -13,15 +13,12 @@ import os
 import shutil
 
 import pytest
-import test_train
 import torch
-from test_train import metrics, tiny
 
 import checkpoint
 import train
 from arguments import ConfigError
-
-corpus, cache = test_train.corpus, test_train.cache  # its fixtures: the synthetic corpus, the token cache
+from harness import metrics, tiny
 
 
 @pytest.fixture(scope="module")

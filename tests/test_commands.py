@@ -25,6 +25,10 @@ What "at a tiny size" changes, and nothing else:
 What runs where: in a scratch copy of the repository (its tracked files, this checkout's .venv linked, one data cache
 for the session), so no command touches your runs/; the commands run in document order, so a run one command makes
 is there for the next (a command that starts a run in a directory it does not resume starts from an empty one).
+Each distinct train.py run once: a run whose signature (its flags and values, numbers and paths by kind, less what
+the tiny size overrides; its world size and model) equals an earlier run's, and whose directory no other command
+names, has its flags parsed and checked (arguments.check_args) instead of training again; so has a run COVERED names
+(a test trains its code path at its layout, e.g. the 4-rank cp 2 x tp 2 run). COMMANDS=all trains them all.
 `python` and `torchrun` are .venv's. To stay within make test's budget, train.py, tools.py and data.py commands (and
 `python -c` code) run in this process (train.main, ...), torchrun's on warm ranks (harness.launch: torchrun's
 environment), and a make target runs the recipe `make -n` prints (so the Makefile's expansion is what runs); `make
@@ -50,13 +54,14 @@ from pathlib import Path
 import pytest
 from commands import ROOT, Command, documented
 from test_posttrain_data import FILES as EXAMPLE_FILES
-from test_train import SNIPPET
 
 import arguments
+import config
 import data
 import harness
 import tools
 import train
+from harness import SNIPPET
 from interop import tokenizer_files
 from posttraining import rl
 
@@ -178,12 +183,70 @@ def tiny_train(argv: list[str], work: Path) -> list[str]:
     return argv + extra
 
 
+PATHS = {"--save", "--load", "--pretrained-checkpoint", "--retro-bert-load", "--tokenizer-file", "--data-path",
+         "--data-cache-dir"}
+RAN: list[tuple[frozenset, str]] = []  # the train.py runs made so far: (their signature, where documented)
+NOW: list = [None]  # the command being run
+
+
+def _number(word: str) -> bool:
+    return re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?|\[[\d, ]*\]", word, re.I) is not None
+
+
+def signature(argv: list[str], tiny: list[str], work: Path, nproc: int) -> frozenset:
+    """What decides the code a tiny train.py run takes: each documented flag with its value, less what the tiny size
+    appends (its values win), a number's value (any number takes the same path), a path's (its kind: a directory, a
+    file's suffix, a run that exists or not); plus the world size and the model the run builds."""
+    appended = {w for w in tiny[len(argv):] if w.startswith("--")}
+    out, i = {("nproc", nproc), ("model", next((tiny[j + 1] for j in range(len(tiny) - 1) if tiny[j] == "--model"),
+                                               "gpt"))}, 0
+    while i < len(argv):
+        flag, values = argv[i], []
+        while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            i += 1
+            values.append(argv[i])
+        i += 1
+        if not flag.startswith("--") or flag in appended:
+            continue
+        if flag in PATHS:
+            paths = [work / v for v in values]
+            values = ["dir" if q.is_dir() else q.suffix or ("prefix" if q.with_suffix(".bin").exists() else "none")
+                      for q in paths]
+        out.add((flag, tuple("#" if _number(v) else v for v in values)))
+    return frozenset(out)
+
+
+def needed(save: str | None) -> bool:
+    """Another documented command names this run's directory (it loads, samples or exports it)."""
+    return save is not None and any(re.search(rf"(?<![\w/.-]){re.escape(save)}(?![\w/.-])", c.text)
+                                    for c in COMMANDS if c is not NOW[0])
+
+
+# A documented run whose code path a test trains already, at its layout (the key: a part of exactly one documented
+# command, test_covered_runs_name_one_command_each): its flags parsed and checked for its world, not trained again
+COVERED = {
+    "RUN=runs/cp2tp2 ": "tests/test_context_parallel.py's torchrun run at cp 2 x tp 2 + SP on 4 ranks",
+    "RUN=runs/dsv3_aux ": "runs/dsv3's (the same model, expert bias for aux loss) and tests/test_moe_routing.py's "
+                          "DeepSeek router with aux loss (sigmoid, shared expert, [0,1,1,1])",
+}
+
+
 def run_train(argv, work, nproc=1):
-    argv = tiny_train(argv, work)
+    tiny = tiny_train(argv, work)
+    sig = signature(argv, tiny, work, nproc)
+    twin = next((where for done, where in RAN if sig == done), None)
+    covered = next((why for key, why in COVERED.items() if NOW[0] is not None and key in NOW[0].text + " "), None)
+    if (twin or covered) and not FULL and not needed(arguments.parse_args(tiny, known_only=True).save):
+        with inside(work):  # the same code path as a run made already: the flags parsed and checked only
+            arguments.check_args(arguments.parse_args(tiny), nproc)
+        raise Skipped((f"the same code path as {twin}'s run" if twin else f"trained by {covered}")
+                      + ": its flags parsed and checked only")
+    RAN.append((sig, NOW[0].where if NOW[0] else "?"))
+    argv, examples = tiny, harness.Returns(EXAMPLE_FILES)  # "the stdlib" of a task's examples (the module docstring)
     if nproc > 1:
-        return harness.launch(nproc, argv, cwd=work)
+        return harness.launch(nproc, argv, cwd=work, patch={"data.default_corpus_files": examples})
     with inside(work), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(data, "default_corpus_files", lambda: list(EXAMPLE_FILES))  # (see the module docstring)
+        mp.setattr(data, "default_corpus_files", examples)
         code = train.main(argv)
     assert code == 0, f"train.py exited {code}"
 
@@ -358,6 +421,7 @@ def run_make(words: list[str], work: Path):
 
 def run(command: Command, work: Path):
     """Run one documented command (its parts, if joined by &&) at a tiny size; Skipped says why one is not run."""
+    NOW[0] = command
     if command.text.startswith("d=$(mktemp"):
         raise Skipped("a fresh clone of this checkout: " + ("CI's own command (this suite)" if ".ci/run" in
                       command.text else "then make train, which runs here as its own command"))
@@ -445,3 +509,28 @@ def test_a_broken_documented_flag_is_caught(scratch):
     broken = Command(command.text.replace("--save", "--save-dir"), command.where)
     with pytest.raises(SystemExit, match="^2$"):
         run(broken, scratch)
+
+
+def test_covered_runs_name_one_command_each():
+    """Each COVERED key is part of exactly one documented command (a stale key, or one that would match two, fails)."""
+    for key in COVERED:
+        assert sum(key in c.text + " " for c in COMMANDS) == 1, key
+
+
+def test_a_twin_run_is_parsed_not_run_and_a_broken_twin_still_fails(scratch):
+    """The signature tells runs apart by what changes their code path (a layout flag, a data format, a flag's
+    choice), not by numbers or names; a twin of a run made already is parsed only, and a renamed flag in it fails."""
+    sig = lambda *argv, nproc=1: signature(list(argv), tiny_train(list(argv), scratch), scratch, nproc)
+    assert sig("--save", "runs/a", "--lr", "1e-3") == sig("--save", "runs/b", "--lr", "3e-4")
+    assert sig("--save", "runs/a", "--train-iters", "500") == sig("--save", "runs/b")  # (the tiny size's value wins)
+    assert sig("--save", "runs/a", nproc=2) != sig("--save", "runs/a", "--tensor-model-parallel-size", "2", nproc=2)
+    assert sig("--data-path", "DESIGN.md") != sig("--data-path", "tests")
+    assert sig("--optimizer", "adam") != sig("--optimizer", "muon")
+    RAN.append((sig("--save", "runs/twin-a", "--optimizer", "adam", "--lr", "1e-3"), "here"))
+    NOW[0] = Command("python train.py --save runs/twin-b --optimizer adam --lr 3e-4", "here")
+    with pytest.raises(Skipped, match="the same code path as here's run"):
+        run_train(["--save", "runs/twin-b", "--optimizer", "adam", "--lr", "3e-4"], scratch)
+    with pytest.raises(config.ConfigError, match="--lr=-1.0 must be >= 0"):  # a twin, with a rate check_args refuses
+        run_train(["--save", "runs/twin-b", "--optimizer", "adam", "--lr", "-1"], scratch)
+    RAN.pop()
+    assert not (scratch / "runs" / "twin-b").exists()  # nothing trained

@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from test_data_parallel import CFG, CLIP, LLAMA, OPT, full_grads, merge, reference
-from test_train import assert_close, cache, corpus, metrics, tiny, torchrun  # noqa: F401 (fixtures)
 
 import arguments
 import gpt
 import parallel as P
 import train
 from equivalence import assert_same, clipped_steps, make_batch, rel_err
+from harness import assert_close, metrics, tiny, torchrun
 
 
 # --------------------------------------------------------------------------------------- 1. attention variants
@@ -300,7 +300,7 @@ def test_models_with_their_own_layer_stack_are_refused_at_build():
 
 
 # --------------------------------------------------------------------------------------- 4. through torchrun
-def test_torchrun_cp2_tp2_sp_resumes_at_cp1_on_the_same_curve(corpus, cache, tmp_path):  # noqa: F811
+def test_torchrun_cp2_tp2_sp_resumes_at_cp1_on_the_same_curve(corpus, cache, tmp_path):
     """`make train NPROC=4 TP=2 ARGS="--context-parallel-size 2 --sequence-parallel"`, tiny, 2 iterations, a checkpoint
     after each. One process (cp 1) resumes from the first and runs iteration 2: its loss, grad norm and validation
     loss equal the cp 2 run's (float32, 1e-5) — the cp 2 checkpoint loads at cp 1, and a cp 2 step is a cp 1 step."""

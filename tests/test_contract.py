@@ -10,8 +10,6 @@ Tolerance: float32 TP 2 + SP vs one process, 1e-5 relative (reduction order only
 from __future__ import annotations
 
 import pytest
-import test_train
-from test_train import ROOT, assert_close, metrics, tiny, torchrun
 
 import arguments
 import config as contract
@@ -19,8 +17,7 @@ import gpt
 import metrics as M
 import tools
 import train
-
-corpus, cache = test_train.corpus, test_train.cache  # test_train's fixtures: the synthetic corpus, its token cache
+from harness import ROOT, assert_close, metrics, tiny, torchrun
 
 
 def test_every_model_file_resolves_with_its_hooks_and_the_defaults():

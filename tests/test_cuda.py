@@ -20,11 +20,11 @@ import sys
 
 import pytest
 import torch
-from test_train import ROOT, assert_close, metrics, tiny
 
 import gpt
 import parallel as P
 from equivalence import assert_same, make_batch, train_steps
+from harness import ROOT, assert_close, metrics, tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
@@ -76,7 +76,7 @@ def run_train(argv, cuda: bool, nproc: int = 1):
 
 @pytest.fixture(scope="module")
 def corpus_and_cache(tmp_path_factory):
-    from test_train import SNIPPET
+    from harness import SNIPPET
     d = tmp_path_factory.mktemp("corpus")
     for i in range(40):
         (d / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))

@@ -15,16 +15,13 @@ import subprocess
 import sys
 
 import pytest
-import test_train
 import torch
-from test_train import ROOT, SNIPPET, metrics, tiny
 
 import arguments
 import config as contract
 import tools
 import train
-
-corpus, cache = test_train.corpus, test_train.cache  # test_train's fixtures: the synthetic corpus, its token cache
+from harness import ROOT, SNIPPET, metrics, tiny
 
 NAN = ["--lr", "1e6", "--min-lr", "0", "--lr-warmup-iters", "1", "--save-interval", "1"]
 

@@ -19,7 +19,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_train import SNIPPET, tiny
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -32,6 +31,7 @@ import parallel as P
 import t5
 import train
 import transformer
+from harness import SNIPPET, tiny
 from interop import tokenizer_files
 
 B, S = 3, 16  # sequences, sequence length

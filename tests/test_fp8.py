@@ -24,12 +24,12 @@ import types
 
 import pytest
 import torch
-from test_train import cache, corpus, metrics, tiny, torchrun  # noqa: F401 (cache, corpus: fixtures)
 
 import gpt
 import parallel as P
 import train
 from equivalence import assert_same, make_batch, named_full, train_steps
+from harness import metrics, tiny, torchrun
 
 U = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3}  # unit roundoff 2^-(mantissa bits + 1)
 ETA = {torch.float8_e4m3fn: 2.0**-10, torch.float8_e5m2: 2.0**-17}  # half the smallest subnormal
@@ -387,7 +387,7 @@ def test_train_fp8_tp2_torchrun_logs_the_single_process_losses(request, tmp_path
     for that reason). Measured on the 2-core CPU: iterations 1-6 bit-equal, then ≤ 1.2e-4 (lr 3e-3 from
     iteration 2); with train.py's default warm-up, 20 iterations: 1-9 bit-equal, ≤ 2.5e-4 by iteration 20 —
     the same 2.5e-4 as with CPU torch._scaled_mm before parallel._scaled_mm's fp32 GEMM of the FP8 values."""
-    text, cache_dir = request.getfixturevalue("corpus"), request.getfixturevalue("cache")  # test_train's fixtures
+    text, cache_dir = request.getfixturevalue("corpus"), request.getfixturevalue("cache")  # (conftest.py's fixtures)
     size = ("--fp8", "--num-layers", "4", "--micro-batch-size", "4", "--eval-interval", "100")
     train.main(tiny(text, cache_dir, tmp_path / "one", *size, iters=10))
     torchrun(2, tiny(text, cache_dir, tmp_path / "tp2", *size, "--tensor-model-parallel-size", "2", iters=10))

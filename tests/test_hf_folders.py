@@ -143,7 +143,15 @@ def tiny_tokenizer_folder(path, model):
 
 
 def run_argv(base, save, *extra):
-    return ["--pretrained-checkpoint", str(base), "--save", str(save), "--seq-length", "32", "--micro-batch-size", "2",
+    """A 2-step run from the imported folder `base`, on harness.SNIPPET's 40 small files (made beside `save`, with
+    their token cache): the stdlib would cost each family's tokenizer a pass over ~12 MB, and prove nothing more."""
+    corpus = Path(save).parent / "corpus"
+    if not corpus.is_dir():
+        corpus.mkdir(parents=True)
+        for i in range(40):
+            (corpus / f"m{i:02d}.py").write_text(harness.SNIPPET.format(i=i))
+    return ["--data-path", str(corpus), "--data-cache-dir", str(corpus.parent / "data_cache"),
+            "--pretrained-checkpoint", str(base), "--save", str(save), "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--log-interval", "1",
             "--eval-interval", "2", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0", *extra]
 

@@ -14,13 +14,13 @@ import torch
 import transformers
 from hypothesis import given
 from hypothesis import strategies as st
-from test_train import SNIPPET, metrics, torchrun
 
 import data
 import llava
 import parallel as P
 import tools
 from equivalence import assert_same, rel_err, train_steps
+from harness import SNIPPET, metrics, torchrun
 from interop import tokenizer_files
 
 

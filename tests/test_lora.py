@@ -269,7 +269,7 @@ def tiny(corpus, cache, save, *extra, iters=4):
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
-    from test_train import SNIPPET
+    from harness import SNIPPET
 
     corpus = tmp_path_factory.mktemp("corpus")
     for i in range(40):
@@ -334,7 +334,7 @@ def test_lora_run_resumes_merges_and_finetunes(base_run, lora_whole, tmp_path, c
 def test_torchrun_tp2_sp_lora_matches_one_process_and_merges_at_tp1(base_run, lora_whole, tmp_path):
     """`make train NPROC=2 TP=2 ARGS="--lora-rank 8 --pretrained-checkpoint ..."` in small: float32, 1e-5 relative
     (reduction order only; measured ~1e-7); the TP-sharded adapters then load in one process (tools.py merge)."""
-    from test_train import torchrun
+    from harness import torchrun
 
     corpus, cache, base = base_run
     torchrun(2, tiny(corpus, cache, tmp_path / "tp2", *LORA_FLAGS, str(base), "--tensor-model-parallel-size", "2",

@@ -35,14 +35,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import SNIPPET
 
 import arguments
 import checkpoint
 import tools
 import train
 from equivalence import rel_err
-from harness import _free_port
+from harness import SNIPPET, _free_port
 from interop import convert, tokenizer_files
 
 HERE = Path(__file__).resolve().parent

@@ -18,19 +18,16 @@ import argparse
 import pytest
 import test_data_parallel as tdp
 import test_megatron_parity as mp
-import test_train
 import torch
 import torch.nn.functional as F
-from test_train import tiny
 
 import arguments
 import config as contract
 import gpt
 import transformer
 from equivalence import clipped_steps, make_batch, reference_steps, rel_err
+from harness import metrics, tiny
 from interop import megatron_flags
-
-corpus, cache = test_train.corpus, test_train.cache  # the synthetic corpus and its token cache (module fixtures)
 
 
 def checked(argv: list[str], world: int = 1):
@@ -308,7 +305,7 @@ def test_resume_flags_no_load_optim_no_load_rng_use_checkpoint_args(corpus, cach
     import train
     run = tmp_path / "run"
     train.main(tiny(corpus, cache, run, "--kv-channels", "8", iters=2))
-    first, _ = test_train.metrics(run)
+    first, _ = metrics(run)
     with pytest.raises(SystemExit):
         train.main(tiny(corpus, cache, run, "--load", str(run), "--no-use-checkpoint-args", iters=3))
     assert "kv_channels" in capsys.readouterr().err
@@ -320,13 +317,13 @@ def test_resume_flags_no_load_optim_no_load_rng_use_checkpoint_args(corpus, cach
     fresh = tmp_path / "fresh"
     train.main(tiny(corpus, cache, fresh, "--load", str(run), "--no-load-optim", "--no-load-rng", iters=3))
     assert "--no-load-optim: a fresh optimizer" in capsys.readouterr().out and "optim" not in calls
-    got, _ = test_train.metrics(fresh)
+    got, _ = metrics(fresh)
     assert got[3]["lr"] == first[1]["lr"] != first[2]["lr"]
     verified, calls[:] = calls.count("rng"), []  # (find_checkpoint reads the RNG files to verify them)
     plain = tmp_path / "plain"
     train.main(tiny(corpus, cache, plain, "--load", str(run), iters=3))
     assert calls.count("optim") == 1 and calls.count("rng") == verified + 1  # + the one load_checkpoint restores
-    got, _ = test_train.metrics(plain)
+    got, _ = metrics(plain)
     assert got[3]["lr"] != first[1]["lr"]
 
 
@@ -491,7 +488,7 @@ def test_t5_script_model_flags_train(corpus, cache, tmp_path, capsys):
     run = train.train(train.parse(base + script))
     out = capsys.readouterr().out
     assert out.count("note: --transformer-impl transformer_engine:") == 1 and "note: --attention-backend" not in out
-    got, _ = test_train.metrics(tmp_path / "run")
+    got, _ = metrics(tmp_path / "run")
     assert sorted(got) == [1, 2] and all(r["loss"] == r["loss"] for r in got.values())
     assert (run.config.encoder_num_layers, run.config.decoder_num_layers) == (2, 1)
     assert (run.config.kv_channels, run.config.decoder_seq_length) == (8, 16)
@@ -523,5 +520,5 @@ def test_mamba_script_model_flags_train(corpus, cache, tmp_path, capsys):
         assert sum(ln.startswith(f"note: {flag}") for ln in out.splitlines()) == 1, (flag, out)
     assert run.args.hybrid_layer_pattern == "".join(_allocate_auto(13, 0.08, 0.5))
     assert run.args.hybrid_layer_pattern.count("*") == 1 and run.args.num_query_groups == 2
-    got, _ = test_train.metrics(tmp_path / "run")
+    got, _ = metrics(tmp_path / "run")
     assert sorted(got) == [1] and got[1]["loss"] == got[1]["loss"]

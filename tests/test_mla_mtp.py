@@ -30,13 +30,13 @@ import transformers
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_pipeline import merge, pipeline_case, train_pipelined
-from test_train import assert_close, cache, corpus, metrics, tiny, torchrun  # noqa: F401 (fixtures)
 
 import arguments
 import deepseek
 import gpt
 import parallel as P
 from equivalence import assert_same, make_batch, named_full, rel_err
+from harness import assert_close, metrics, tiny, torchrun
 from interop import convert
 
 
@@ -272,7 +272,7 @@ FLAGS = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "1
          "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--mtp-num-layers", "1"]
 
 
-def test_train_tp2_mla_mtp_logs_the_single_process_losses(corpus, cache, tmp_path):  # noqa: F811 (fixtures)
+def test_train_tp2_mla_mtp_logs_the_single_process_losses(corpus, cache, tmp_path):
     import train
     one, tp2 = tmp_path / "one", tmp_path / "tp2"
     train.main(tiny(corpus, cache, one, *FLAGS, "--eval-iters", "0", iters=3))

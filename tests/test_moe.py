@@ -419,9 +419,8 @@ def test_moe_layer_frequency():
 def test_train_py_logs_expert_load_and_ep2_matches_single_process(tmp_path):
     """train.py with --num-experts: per-expert token counts and aux losses in metrics.jsonl; torchrun with dp 2 and
     --expert-model-parallel-size 2 (all-to-all) logs the same losses, grad norms and loads as one process (fp32)."""
-    from test_train import SNIPPET, metrics, tiny, torchrun
-
     import train
+    from harness import SNIPPET, metrics, tiny, torchrun
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -442,7 +442,7 @@ def test_bad_task_flags_give_one_line(tmp_path, capsys, monkeypatch, extra, expe
 
 
 def test_resuming_with_another_task_is_refused(tmp_path, capsys):
-    from test_train import SNIPPET
+    from harness import SNIPPET
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -484,7 +484,7 @@ class HandBuilt:
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
-    from test_train import SNIPPET
+    from harness import SNIPPET
 
     corpus = tmp_path_factory.mktemp("corpus")
     for i in range(8):
@@ -540,8 +540,8 @@ def test_torchrun_tp2_dpo_matches_one_process(tmp_path):
     import json
 
     from test_posttrain_data import FILES
-    from test_train import torchrun
 
+    from harness import torchrun
     from interop import tokenizer_files
 
     def losses(run):

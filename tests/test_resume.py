@@ -7,19 +7,17 @@ of several buckets; dropout on, so the per-rank RNG streams matter too): a run s
 stopped, and its final checkpoint holds the same parameters, moments and steps, and RNG states. Tolerance: none
 (bit-equal): the resumed run repeats the same operations on the same values; what a checkpoint fails to restore (the optimizer's
 slices, checkpoint.load_checkpoint -> DistributedOptimizer.load_full_state) changes the next update.
-The helpers are test_train.py's (imported, so the two files build their runs alike).
+The helpers are harness.py's (shared, so the test files build their runs alike).
 """
 from pathlib import Path
 
-import test_train
 import torch
-from test_train import metrics, tiny, torchrun
 
 import checkpoint
+from harness import metrics, tiny, torchrun
 
 ZERO1 = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
          "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-corpus = test_train.corpus  # test_train's fixture: the synthetic corpus
 
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:

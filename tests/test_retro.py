@@ -261,7 +261,7 @@ def test_train_hooks_samples_carry_other_document_neighbours(tmp_path):
 
 def test_train_py_retro_with_a_trained_bert_embedder(tmp_path, monkeypatch):
     """`--retro-bert-load`: a 3-iteration BERT run, then a 2-iteration Retro run that embeds its chunks with it."""
-    from test_train import SNIPPET, metrics, tiny
+    from harness import SNIPPET, metrics, tiny
 
     src = tmp_path / "corpus"
     src.mkdir()

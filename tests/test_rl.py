@@ -52,7 +52,6 @@ import pytest
 import torch
 from einops import rearrange
 from test_posttrain import OPT, _adapt, _merged, _trainable_grads
-from test_train import SNIPPET
 
 import arguments
 import checkpoint
@@ -62,6 +61,7 @@ import harness
 import parallel as P
 import train
 from equivalence import assert_same
+from harness import SNIPPET
 from interop import tokenizer_files
 from posttraining import lora, recipes, rl
 

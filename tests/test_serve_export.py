@@ -37,7 +37,6 @@ import json
 import pytest
 import torch
 import transformers
-from test_train import SNIPPET
 
 import checkpoint
 import gpt
@@ -45,6 +44,7 @@ import mamba
 import tools
 import train
 from equivalence import rel_err
+from harness import SNIPPET
 from interop import convert, tokenizer_files
 from posttraining import recipes
 

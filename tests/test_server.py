@@ -29,11 +29,11 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from test_train import SNIPPET
 
 import checkpoint
 import gpt
 from arguments import parse_args
+from harness import SNIPPET
 from interop import tokenizer_files
 from posttraining import recipes
 from serving import engine as serve

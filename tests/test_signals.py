@@ -21,13 +21,11 @@ import threading
 import time
 
 import pytest
-import test_train
-from test_train import ROOT, metrics, tiny
 
 import harness
 import train
+from harness import ROOT, metrics, tiny, torchrun
 
-corpus, cache = test_train.corpus, test_train.cache  # test_train's fixtures: the synthetic corpus, its token cache
 ITERS = 1000  # the runs' --train-iters (the LR schedule's length); every run stops long before, by signal or
 # --exit-interval, so the interrupted, the resumed and the uninterrupted runs share one schedule
 
@@ -116,9 +114,9 @@ def test_signal_to_torchrun_stops_every_rank_saves_and_resumes_bit_exactly(corpu
     n = int(said[0].split()[3].rstrip(":"))
     assert n >= k and said[0].endswith(f"saved {run}/iter_{n:07d}; to resume, run the same command"), said
     assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == str(n)
-    test_train.torchrun(2, [*argv, "--exit-interval", str(n + 2)])  # the same command, on warm ranks
+    torchrun(2, [*argv, "--exit-interval", str(n + 2)])  # the same command, on warm ranks
     ref = tmp_path / "ref"
-    test_train.torchrun(2, [*run_argv(corpus, cache, ref, *layout, "--log-interval", "1"), "--exit-interval",
+    torchrun(2, [*run_argv(corpus, cache, ref, *layout, "--log-interval", "1"), "--exit-interval",
                             str(n + 2)])
     same_steps(run, ref, after=n)
 

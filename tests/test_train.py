@@ -8,7 +8,6 @@ Tolerance: float32 TP vs single process, 1e-5 relative (reduction order only; me
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,68 +18,11 @@ import torch
 import arguments
 import checkpoint
 import data
-import harness
 import scheduler
 import tools
 import train
+from harness import ROOT, SNIPPET, assert_close, metrics, tiny, torchrun  # noqa: F401 (shared)
 from interop import tokenizer_files
-
-ROOT = Path(__file__).resolve().parent.parent
-SNIPPET = '''def add_{i}(a, b):
-    """Return a + b."""
-    return a + b * {i}
-
-
-class Point{i}:
-    def __init__(self, x=0, y=0):
-        self.x, self.y = x, y
-'''
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    for i in range(40):
-        (d / f"m{i:02d}.py").write_text(SNIPPET.format(i=i))
-    return d
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("data_cache")
-
-
-def tiny(corpus, cache, save, *extra, iters=6):
-    return ["--data-path", str(corpus), "--data-cache-dir", str(cache), "--vocab-size", "384",
-            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "3e-3",
-            "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2",
-            "--save", str(save), *extra]
-
-
-def metrics(run_dir):
-    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r for r in recs if "loss" in r}, {r["iteration"]: r["val_loss"] for r in recs
-                                                               if "val_loss" in r}
-
-
-def assert_close(a, b, rtol, what):
-    assert abs(a - b) <= rtol * abs(b), f"{what}: {a} vs {b} (relative {abs(a - b) / abs(b):.2e} > {rtol})"
-
-
-def torchrun(nproc, argv, real=False):
-    """train.py under torchrun: on warm ranks (harness.launch: torchrun's environment, no process starts) unless
-    `real`, which launches torch.distributed.run itself (the TP=2 test below keeps that path under test)."""
-    if not real:
-        return harness.launch(nproc, argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(port),
-           str(ROOT / "train.py"), *argv]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"torchrun failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -270,7 +212,7 @@ def test_fp16_overflow_skips_step_and_bf16_runs(corpus, cache, tmp_path):
 
 
 def test_learning_rate_schedule():
-    """Megatron's schedule, written out (tests/test_schedules.py compares it with Megatron-core's scheduler): steps
+    """Megatron's schedule, written out (tests/test_lr_schedule.py compares it with Megatron-core's scheduler): steps
     count samples (16 an iteration here); iteration i trains at the rate of the 16·i samples before it, so the first
     at --lr-warmup-init (0), the 11th at the peak; cosine to --min-lr at iteration 110, then --min-lr."""
     a = arguments.check_args(arguments.parse_args(["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "10",

@@ -19,15 +19,12 @@
 """
 
 import pytest
-import test_train
 import torch
-from test_train import assert_close, metrics, torchrun
 
 import arguments
 import scheduler
 import train
-
-corpus = test_train.corpus  # test_train's fixture: the synthetic corpus
+from harness import assert_close, metrics, torchrun
 
 
 @pytest.fixture(scope="module")

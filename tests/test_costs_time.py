@@ -5,9 +5,9 @@ GPT, V 51,200, s 2,048, A100-80GB, fp16, full recomputation; its ten rows (param
 GPUs, batch, achieved TFLOP/s per GPU), transcribed from the paper (the same ten rows, with their % of peak and
 aggregate PFLOP/s, as several public transcriptions of the table give them). Micro-batch 1 and the plain 1F1B
 schedule are assumptions (the table does not give them). TFLOP/s are counted as the paper counts them (its Eq. 3,
-recomputation included): predicted within ±15 % on every row, costs.py's two constants (GEMM_EFFICIENCY, HBM_PASSES) fitted on the 1.7B and 1T rows only
-(test_constants_are_fitted_on_two_rows re-derives them). The planner ranks the paper's (TP, PP) among its top three
-in at least 8 of the 10 rows.
+recomputation included): predicted within ±15 % on every row, costs.py's two constants (GEMM_EFFICIENCY,
+HBM_PASSES) fitted on the 1.7B and 1T rows only (test_constants_are_fitted_on_two_rows re-derives them). The planner
+ranks the paper's (TP, PP) among its top three in at least 8 of the 10 rows.
 
     .venv/bin/python -m pytest -q tests/test_costs_time.py
 """

@@ -753,8 +753,6 @@ def check_args(args, world: int) -> Args:
                           "drop --no-check-for-nan-in-loss-and-grad")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive")
-    if args.profile and not (args.save or args.tensorboard_dir):
-        raise ConfigError("--profile writes its trace into the TensorBoard directory: give --save or --tensorboard-dir")
     args.fp8 = args.fp8 or args.fp8_format is not None  # Megatron turns FP8 on by --fp8-format; ours: --fp8 = hybrid
     args.fp8_format = args.fp8_format or ("hybrid" if args.fp8 else None)
     if args.fp8 and args.fp16:
@@ -770,6 +768,8 @@ def check_args(args, world: int) -> Args:
         vp = args.num_layers // (pp * per)
     args.virtual_pipeline_model_parallel_size = vp
     vars(args).update(megatron_flags.derived(args))  # Megatron's flags: their refusals, what they set
+    if args.profile and not (args.save or args.tensorboard_dir):
+        raise ConfigError("--profile writes its trace into the TensorBoard directory: give --save or --tensorboard-dir")
     check_long_context_args(args)
     args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
     if args.optimizer == "muon" and (args.task != "pretrain" or args.lora_rank is not None):

@@ -53,7 +53,7 @@ GIVEN = {
     "--log-throughput": ["--log-throughput"],
     "--no-create-attention-mask-in-dataloader": ["--no-create-attention-mask-in-dataloader"],
     "--empty-unused-memory-level": ["--empty-unused-memory-level", "1"],
-    "--profile": ["--profile"],
+    "--profile": ["--profile", "--tensorboard-dir", "tb"],  # (the trace's directory: refused without one)
     "--moe-grouped-gemm": ["--moe-grouped-gemm"],
     "--num-query-groups": ["--num-query-groups", "2"],
     "--no-position-embedding": ["--no-position-embedding"],
@@ -522,3 +522,10 @@ def test_mamba_script_model_flags_train(corpus, cache, tmp_path, capsys):
     assert run.args.hybrid_layer_pattern.count("*") == 1 and run.args.num_query_groups == 2
     got, _ = metrics(tmp_path / "run")
     assert sorted(got) == [1] and got[1]["loss"] == got[1]["loss"]
+
+
+def test_profile_without_a_directory_is_refused():
+    """No --save (a run that writes no files) and no --tensorboard-dir: the trace would have nowhere to go."""
+    with pytest.raises(arguments.ConfigError, match="^--profile writes its trace into the TensorBoard directory: give "
+                       "--save or --tensorboard-dir$"):
+        checked(["--profile"], 1)

@@ -519,8 +519,11 @@ def main(argv=None) -> int:
         p.error(f"--samples={a.samples} and --prompts={a.prompts} must be >= 1")
     if a.sft_out:
         Path(a.sft_out).parent.mkdir(parents=True, exist_ok=True)
+        records = bracket_records()
         Path(a.sft_out).write_text("".join(json.dumps({"prompt": r["prompt"], "response": r["answer"]}) + "\n"
-                                           for r in bracket_records()))
+                                           for r in records))
+        print(f"wrote {len(records)} SFT records of the bracket task to {a.sft_out}; train on them: make train "
+              f"ARGS=\"--task sft --pretrained-checkpoint RUN --data-path {a.sft_out}\"")
     if a.eval:
         greedy, sampled = evaluate(a.eval, a.samples, prompts=a.prompts)
         print(f"{a.eval}: held-out reward {greedy:.3f} greedy, {sampled:.3f} sampled (temperature 1, {a.samples} each; "

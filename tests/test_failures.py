@@ -393,3 +393,11 @@ def test_a_run_without_save_writes_no_files(corpus, cache, tmp_path, capsys, mon
     train.main(tiny(corpus, cache, "unused", iters=1)[:-2])
     assert list(tmp_path.iterdir()) == []
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("no --save: no files written")
+
+
+def test_writing_the_rl_tasks_sft_records_says_where_and_what_next(tmp_path, capsys):
+    assert tools.main(["rl", "--sft-out", str(tmp_path / "b.jsonl")]) == 0
+    out = capsys.readouterr().out.strip()
+    n = len((tmp_path / "b.jsonl").read_text().splitlines())
+    assert n > 0 and out.startswith(f"wrote {n} SFT records of the bracket task to {tmp_path / 'b.jsonl'}; train on "
+                                    "them: make train ARGS="), out

@@ -32,7 +32,7 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
   12   1982-2245  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
   13   2246-2363  Muon                                            megatron/core/optimizer/muon.py
-  14   2364-2582  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
+  14   2364-2609  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -2466,13 +2466,15 @@ class FSDP(DDP):
                 u.register_forward_pre_hook(lambda m, args: self.gather(m, prefetch=1) if self.zero3 else None)
                 u.register_forward_hook(self._after_forward)
             units[-1].register_forward_pre_hook(lambda m, args: self.gather(m) if self.zero3 else None)
-        self.launch_log = []
+        self.launch_log, self.gather_log = [], []
         self.zero_grad()
 
     # ---------------------------------------------------------------- parameters: gathered for use, freed after (ZeRO-3)
     def gather(self, unit: nn.Module, prefetch: int = 0, wait: bool = True):
-        """All-gather unit's buckets (wait: until they are whole); prefetch ±1: start the neighbouring unit's."""
+        """All-gather unit's buckets (wait: until they are whole); prefetch ±1: start the neighbouring unit's.
+        gather_log: (bucket, whether an earlier call had launched its all-gather) for each bucket made whole here."""
         for b in unit.fsdp_buckets:
+            prefetched = b.gathering is not None
             if b.full.untyped_storage().size() == 0 and b.gathering is None:
                 b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
                 if b.group.size == 1:
@@ -2483,6 +2485,7 @@ class FSDP(DDP):
             if wait and b.gathering is not None:
                 b.gathering.wait()
                 b.gathering = None
+                self.gather_log.append((self.buckets.index(b), prefetched))
         units = next(us for us in self.units if unit in us)
         i = units.index(unit) + prefetch
         if prefetch and self.prefetch and 0 <= i < len(units) - 1:  # (the root unit is never prefetched)
@@ -2512,6 +2515,7 @@ class FSDP(DDP):
             for p in b.params:
                 p.grad = None
         self.launch_log.clear()
+        self.gather_log.clear()
 
     def _hook(self, p):
         b, n = self.bucket_of[p], p.numel()
@@ -2571,7 +2575,8 @@ class FSDP(DDP):
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every parameter whole inside the block (a checkpoint's save, an evaluation outside the step)."""
+        """Every parameter whole inside the block; ZeRO-3: the owned slices taken from them after, then freed (what
+        a checkpoint loaded into the block is kept)."""
         for units in self.units:
             for u in units:
                 self.gather(u)
@@ -2579,4 +2584,26 @@ class FSDP(DDP):
             yield
         finally:
             for b in self.buckets if self.zero3 else []:
+                n = b.param_shard.numel()
+                b.param_shard.copy_(b.full[b.group.rank * n:(b.group.rank + 1) * n])
                 self.free(b)
+
+
+class _Gathering:  # before DistributedOptimizer / DistributedMuon in the MRO: ZeRO-3's checkpoints
+    def full_state(self):
+        """The checkpoint reads whole parameters (and a load writes them): gathered until load_full_state or the
+        step's finish_grad_sync frees them."""
+        self._gathered = self.ddp.gathered()
+        self._gathered.__enter__()
+        return super().full_state()
+
+    def load_full_state(self):
+        self._gathered.__exit__(None, None, None)  # the owned slices from the loaded parameters, then freed
+        super().load_full_state()
+
+
+def optimizer_over(buffers: DDP, optimizer_class, **kw):
+    """optimizer_class (DistributedOptimizer or DistributedMuon) over DDP's or FSDP's buckets; with ZeRO-3 its
+    checkpoints gather the parameters."""
+    zero3 = getattr(buffers, "zero3", False)
+    return (type(optimizer_class.__name__, (_Gathering, optimizer_class), {}) if zero3 else optimizer_class)(buffers, **kw)

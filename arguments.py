@@ -744,9 +744,9 @@ def check_fsdp_args(args, vp: int) -> dict:
     by name. Returns the flags they set."""
     s = args.data_parallel_sharding_strategy
     if args.use_torch_fsdp2:
-        raise ConfigError("--use-torch-fsdp2 is not supported: torch's fully_shard is not wired here (its DTensor "
-                          "parameters bypass the TP layers' own sharding); use --use-megatron-fsdp "
-                          "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3)")
+        raise ConfigError("--use-torch-fsdp2 is not supported: torch's fully_shard runs on this gloo backend but is "
+                          "not wired in (its DTensor parameters would need their own optimizer and checkpoint path); "
+                          "use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (ZeRO-3)")
     if s != "no_shard" and not args.use_megatron_fsdp:
         raise ConfigError(f"--data-parallel-sharding-strategy {s} is Megatron-FSDP's: add --use-megatron-fsdp")
     fsdp = args.use_megatron_fsdp and s in ("optim_grads", "optim_grads_params")

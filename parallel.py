@@ -32,7 +32,7 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
   12   1982-2245  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
   13   2246-2363  Muon                                            megatron/core/optimizer/muon.py
-  14   2364-2609  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
+  14   2364-2613  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -2508,10 +2508,10 @@ class FSDP(DDP):
 
     # ---------------------------------------------------------------- gradients: reduce-scattered per micro-batch
     def zero_grad(self, num_micro_batches: int = 1):
-        self.M, self.hooks_fired = num_micro_batches, 0
+        self.M, self.hooks_fired, self.inflight = num_micro_batches, 0, []
         for b in self.buckets:
             b.grad_shard.zero_()
-            b.ready, b.handle, b.launched, b.grad = 0, None, False, None
+            b.ready, b.launched, b.handle, b.grad, b.recv, b.sent = 0, False, None, None, None, None
             for p in b.params:
                 p.grad = None
         self.launch_log.clear()
@@ -2536,6 +2536,7 @@ class FSDP(DDP):
             b.handle.wait()
             b.grad_shard.add_(b.recv)
             b.handle = b.recv = b.sent = None
+            self.inflight.remove(b)
 
     def _launch(self, b: _Bucket):
         self._drain(b)
@@ -2547,6 +2548,9 @@ class FSDP(DDP):
             b.recv, b.sent = b.grad.new_empty(b.grad_shard.numel()), b.grad
             _log("reduce_scatter", b.group, b.grad)
             b.handle = reduce_scatter_single(b.recv, b.grad, group=b.group.pg, async_op=True)
+            self.inflight.append(b)
+            if len(self.inflight) > 2:  # at most two in flight: the whole gradients they read are freed as they end
+                self._drain(self.inflight[0])
         b.grad = None  # ZeRO-2: the whole gradient is gone (once the reduce-scatter has read it)
 
     def finish_grad_sync(self):

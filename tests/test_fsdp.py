@@ -11,6 +11,7 @@ import re
 
 import pytest
 import test_train
+import torch
 from test_data_parallel import CFG, CLIP, LLAMA, OPT, make_batch, merge, reference
 from test_muon import MOE, MUON
 from test_muon import reference as muon_reference
@@ -20,7 +21,7 @@ import arguments
 import gpt
 import parallel as P
 import train
-from equivalence import assert_same, clipped_steps, rel_err
+from equivalence import assert_same, clipped_steps, forward_step, rel_err
 
 
 def fsdp_case(rank, n, cfg, tp, pp, vp, M, sp, strategy, steps=3, sabotage=None, count=False, b=8, s=8, ep=1,
@@ -60,6 +61,7 @@ def _drain_into_wrong_shard(fsdp, bk):
         bk.handle.wait()
         bk.grad_shard.add_(bk.recv.roll(1))  # a gradient reduced into the wrong elements of the shard
         bk.handle = bk.recv = bk.sent = None
+        fsdp.inflight.remove(bk)
 
 
 def full_grads(chunks, fsdp, grid, keep):
@@ -119,6 +121,104 @@ def test_zero3_without_the_gather_before_backward_fails(pool):
                  sabotage="no_regather")
 
 
+# ---- memory and communication per rank ---------------------------------------------------------------------------
+def budget_case(rank, n, strategy, M=1, prefetch=True):
+    """One training iteration of CFG (4 layers) at DP n, float64, inside count_collectives. Measured: the bytes of
+    every storage the parameters, gradients and optimizer state hold after the step, the peak of the gathered
+    buckets and of the whole gradients alive during it, the collectives, the all-gathers a prefetch had launched."""
+    grid = P.Grid(dp=n)
+    chunks = [gpt.Model(gpt.Config(**CFG), grid)]
+    if strategy in ("no_shard", "optim"):
+        buffers = P.DDP(chunks, grid, distributed_optimizer=strategy == "optim")
+    else:
+        buffers = P.FSDP(chunks, grid, strategy, prefetch=prefetch)
+    opt = P.optimizer_over(buffers, P.DistributedOptimizer, **OPT)
+    peak = dict(gathered=0, grads=0)
+    if strategy.startswith("optim_grads"):
+        gather, launch = buffers.gather, buffers._launch
+
+        def gathering(*a, **k):
+            gather(*a, **k)
+            peak["gathered"] = max(peak["gathered"], sum(b.full.untyped_storage().nbytes() for b in buffers.buckets))
+
+        def launching(b):  # the whole gradients alive: those being made and those a reduce-scatter still reads
+            alive = sum(x.nbytes for bk in buffers.buckets for x in (bk.grad, bk.sent) if x is not None)
+            peak["grads"] = max(peak["grads"], alive)
+            launch(b)
+        buffers.gather, buffers._launch = gathering, launching
+    micro = list(make_batch(CFG["vocab_size"], 8, 8, 11).chunk(n)[rank].chunk(M))
+    with P.count_collectives() as log:
+        opt.zero_grad(M)
+        P.forward_backward(chunks, micro, forward_step, 8 * 8, grid, (8, micro[0].shape[0], 32), torch.float64)
+        opt.finish_grad_sync()
+        opt.clip_grad_norm(CLIP)
+        opt.step()
+    storages = {}  # data_ptr -> bytes: each storage once
+    held = lambda ts: sum(storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                          for t in ts if t.untyped_storage().data_ptr() not in storages)
+    bks = buffers.buckets
+    params = held([p for p in chunks[0].parameters()] + [b.param_shard for b in bks])
+    grads = held([b.grad_shard for b in bks] + ([buffers.grad_buffer] if hasattr(buffers, "grad_buffer") else []))
+    optim = held(opt.exp_avg + opt.exp_avg_sq + opt.master)
+    units = [[b.end - b.start for b in u.fsdp_buckets] for u in getattr(buffers, "units", [[]])[0]]
+    return dict(params=params, grads=grads, optim=optim, numel=buffers.numel, log=log, peak=peak, units=units,
+                prefetched=sum(p for _, p in getattr(buffers, "gather_log", [])))
+
+
+def volume(log, kind):
+    return sum(nbytes for k, g, nbytes in log if k == kind and g == "dp_cp")
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_memory_per_rank_is_the_formula(pool, strategy):
+    """Bytes per rank after a step (float64, e = 8 bytes; N: the flat buffers' elements, each bucket padded to a
+    multiple of DP): parameters, gradients, optimizer (Adam's two moments; fp32 master weights are the parameters)
+         no_shard  N·e + N·e + 2N·e         optim (ZeRO-1)  N·e + N·e + 2N·e/DP
+         optim_grads (ZeRO-2)  N·e + N·e/DP + 2N·e/DP       optim_grads_params (ZeRO-3)  (N·e + N·e + 2N·e)/DP
+    ZeRO-3 also holds, at the peak of the step, its gathered buckets: the root group (embedding, final norm, output
+    layer: gathered from the first forward to the step's end) and two layers (the one computing, the one prefetched);
+    ZeRO-2/3 the whole gradients of at most the root group and three layers (one being made, two reduce-scattering)."""
+    dp = 2
+    r = pool.run(budget_case, dp, strategy=strategy)[0]
+    N, e = r["numel"], 8
+    want = {"no_shard": (N * e, N * e, 2 * N * e), "optim": (N * e, N * e, 2 * N * e // dp),
+            "optim_grads": (N * e, N * e // dp, 2 * N * e // dp),
+            "optim_grads_params": (N * e // dp, N * e // dp, 2 * N * e // dp)}[strategy]
+    assert (r["params"], r["grads"], r["optim"]) == want, (strategy, (r["params"], r["grads"], r["optim"]), want)
+    if strategy.startswith("optim_grads"):
+        root, layer = r["units"][-1][0] * e, max(u[0] for u in r["units"][:-1]) * e
+        assert r["peak"]["grads"] <= root + 3 * layer, r["peak"]
+    if strategy == "optim_grads_params":
+        assert r["peak"]["gathered"] == root + 2 * layer, (r["peak"], root, layer)
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_zero3_moves_three_times_the_parameters(pool, M):
+    """Bytes per rank over DP in one step (the comm audit's convention: a collective logs the bytes of the whole
+    tensor it works on): plain DP all-reduces N·e (a ring moves 2N·e: reduce-scatter + all-gather); ZeRO-1 and ZeRO-2
+    reduce-scatter N·e and all-gather N·e (2N·e); ZeRO-3 all-gathers every layer before its forward and again before
+    its backward and reduce-scatters its gradients, per micro-batch — 3N·e at M = 1 but for the root group, gathered
+    once per step (kept from its forward to its backward, as torch FSDP2 keeps its root module). Each layer's
+    all-gathers but the first's, in either direction, were prefetched; with prefetch off none is (the check can fail)."""
+    e, norm = 8, 16  # (+ the gradient norm's all-reduce of [dense, expert] float64)
+    dp = {s: pool.run(budget_case, 2, strategy=s, M=M)[0] for s in ("no_shard", "optim", "optim_grads",
+                                                                   "optim_grads_params")}
+    N = dp["optim_grads"]["numel"]
+    assert volume(dp["no_shard"]["log"], "all_reduce") == dp["no_shard"]["numel"] * e
+    for s in ("optim", "optim_grads"):
+        rs = dp[s]["numel"] * e * (M if s == "optim_grads" else 1)  # ZeRO-2: each micro-batch's gradients
+        assert (volume(dp[s]["log"], "reduce_scatter"), volume(dp[s]["log"], "all_gather")) == (rs, dp[s]["numel"] * e)
+        assert volume(dp[s]["log"], "all_reduce") == norm
+    z3, root = dp["optim_grads_params"], dp["optim_grads_params"]["units"][-1][0]
+    layers = N - root
+    assert volume(z3["log"], "reduce_scatter") == M * N * e
+    assert volume(z3["log"], "all_gather") == (root + 2 * M * layers) * e
+    if M == 1:
+        assert volume(z3["log"], "all_gather") + volume(z3["log"], "reduce_scatter") == 3 * N * e - root * e
+    assert z3["prefetched"] == 2 * M * (len(z3["units"]) - 2)  # L − 1 layers prefetched forward, L − 1 backward
+    assert pool.run(budget_case, 2, strategy="optim_grads_params", M=M, prefetch=False)[0]["prefetched"] == 0
+
+
 # ---- train.py: the flags, a loss curve, a resumed run -----------------------------------------------------------
 corpus = test_train.corpus  # test_train's fixture: the synthetic corpus
 
@@ -145,7 +245,8 @@ def test_train_at_dp2_matches_one_process_resumes_exactly_and_loads_anywhere(cor
 
 
 @pytest.mark.parametrize("argv,error", [
-    (["--use-torch-fsdp2"], "--use-torch-fsdp2 is not supported: torch's fully_shard is not wired here"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2 is not supported: torch's fully_shard runs on this gloo backend but is "
+                            "not wired in"),
     (["--data-parallel-sharding-strategy", "optim_grads"], "is Megatron-FSDP's: add --use-megatron-fsdp"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--recompute-granularity",
       "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],

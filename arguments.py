@@ -738,7 +738,7 @@ RANGES.update({**dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "q
                                 "mtp_num_layers"], _AT_LEAST_1), "mtp_loss_scaling_factor": _AT_LEAST_0})  # deepseek.py
 
 
-def check_fsdp_args(args, vp: int) -> dict:
+def check_fsdp_args(args) -> dict:
     """--use-megatron-fsdp's strategies: no_shard is plain DP, optim the distributed optimizer (ZeRO-1); optim_grads
     (ZeRO-2) and optim_grads_params (ZeRO-3) are parallel.FSDP (use_fsdp). What they do not compose with is refused
     by name. Returns the flags they set."""
@@ -751,9 +751,7 @@ def check_fsdp_args(args, vp: int) -> dict:
         raise ConfigError(f"--data-parallel-sharding-strategy {s} is Megatron-FSDP's: add --use-megatron-fsdp")
     fsdp = args.use_megatron_fsdp and s in ("optim_grads", "optim_grads_params")
     refused = {"--fp16": args.fp16, "--decoupled-lr": args.decoupled_lr is not None, "--fp8": args.fp8,
-               f"--context-parallel-size={args.context_parallel_size}": args.context_parallel_size > 1,
-               "--num-layers-per-virtual-pipeline-stage": vp > 1, "--lora-rank": args.lora_rank is not None,
-               f"--task {args.task}": args.task != "pretrain",
+               "--lora-rank": args.lora_rank is not None, f"--task {args.task}": args.task != "pretrain",
                "--recompute-granularity full": s == "optim_grads_params" and args.recompute_granularity == "full"}
     for flag, on in refused.items() if fsdp else ():
         if on:
@@ -801,7 +799,7 @@ def check_args(args, world: int) -> Args:
     args.virtual_pipeline_model_parallel_size = vp
     vars(args).update(megatron_flags.derived(args))  # Megatron's flags: their refusals, what they set
     check_long_context_args(args)
-    vars(args).update(check_fsdp_args(args, vp))  # --use-megatron-fsdp's strategies: what they set
+    vars(args).update(check_fsdp_args(args))  # --use-megatron-fsdp's strategies: what they set
     args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce or args.use_fsdp
     if args.optimizer == "muon" and (args.task != "pretrain" or args.lora_rank is not None):
         raise ConfigError("--optimizer muon is for pretraining whole weights (the hidden layers' matrices), not "

@@ -25,11 +25,12 @@ from equivalence import assert_same, clipped_steps, forward_step, rel_err
 
 
 def fsdp_case(rank, n, cfg, tp, pp, vp, M, sp, strategy, steps=3, sabotage=None, count=False, b=8, s=8, ep=1,
-              muon=False):
-    """muon: DistributedMuon (else DistributedOptimizer's AdamW); ep: expert parallelism (cfg with experts).
+              muon=False, cp=1):
+    """muon: DistributedMuon (else DistributedOptimizer's AdamW); ep: expert parallelism (cfg with experts); cp:
+    context parallelism (ring attention; the cp ranks of a DP rank take the same rows).
     sabotage: "wrong_shard" adds each reduce-scatter's result into the neighbour's slice; "no_regather" skips the
     all-gather before backward (ZeRO-3)."""
-    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp), ep=ep)
+    grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp * cp), ep=ep, cp=cp)
     c = gpt.Config(**cfg, sequence_parallel=sp)
     chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid, vp)
     fsdp = P.FSDP(chunks, grid, strategy)
@@ -42,7 +43,7 @@ def fsdp_case(rank, n, cfg, tp, pp, vp, M, sp, strategy, steps=3, sabotage=None,
         P.optimizer_over(fsdp, P.DistributedOptimizer, **OPT)
     batch = make_batch(cfg["vocab_size"], b, s, 11)
     micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
-    shape = (s // tp if c.sequence_parallel and tp > 1 else s, micro[0].shape[0], c.hidden_size)
+    shape = (s // cp // (tp if c.sequence_parallel else 1), micro[0].shape[0], c.hidden_size)
     keep = lambda m, k: not (k == "output_layer.weight" and c.share_embeddings_and_output_weights)
 
     def first_step(log):
@@ -82,15 +83,16 @@ def full_grads(chunks, fsdp, grid, keep):
 
 
 CASES = {"dp2": (2, CFG, 1, 1, 1, 2, False), "tp2-sp-dp2": (4, LLAMA, 2, 1, 1, 2, True),
-         "pp2-dp2": (4, CFG, 1, 2, 1, 2, False)}
+         "pp2-dp2": (4, CFG, 1, 2, 1, 2, False), "vpp2-dp2": (4, LLAMA, 1, 2, 2, 2, False),
+         "cp2-dp2": (4, LLAMA, 1, 1, 1, 2, False, 2)}
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp_equals_single_process(pool, case, strategy):
-    n, cfg, tp, pp, vp, M, sp = CASES[case]
-    res = pool.run(fsdp_case, n, cfg=cfg, tp=tp, pp=pp, vp=vp, M=M, sp=sp, strategy=strategy)
-    ref = reference(cfg, M * n // (tp * pp))
+    n, cfg, tp, pp, vp, M, sp, cp = (CASES[case] + (1,))[:8]
+    res = pool.run(fsdp_case, n, cfg=cfg, tp=tp, pp=pp, vp=vp, M=M, sp=sp, strategy=strategy, cp=cp)
+    ref = reference(cfg, M * n // (tp * pp * cp))
     got = merge(res)
     assert_same(got, ref, rtol=1e-10, what=f"{case} {strategy}")
     assert rel_err(got["norms"], ref["norms"]) < 1e-10, (got["norms"], ref["norms"])
@@ -251,8 +253,8 @@ def test_train_at_dp2_matches_one_process_resumes_exactly_and_loads_anywhere(cor
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--recompute-granularity",
       "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
      "optim_grads_params with --recompute-granularity full is not supported"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--context-parallel-size", "2"],
-     "optim_grads with --context-parallel-size=2 is not supported"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--decoupled-lr", "1e-3"],
+     "optim_grads with --decoupled-lr is not supported"),
 ])
 def test_what_fsdp_does_not_compose_is_refused_in_one_line(argv, error):
     with pytest.raises(arguments.ConfigError, match=re.escape(error)):

@@ -752,7 +752,10 @@ def check_fsdp_args(args) -> dict:
     fsdp = args.use_megatron_fsdp and s in ("optim_grads", "optim_grads_params")
     refused = {"--fp16": args.fp16, "--decoupled-lr": args.decoupled_lr is not None, "--fp8": args.fp8,
                "--lora-rank": args.lora_rank is not None, f"--task {args.task}": args.task != "pretrain",
-               "--recompute-granularity full": s == "optim_grads_params" and args.recompute_granularity == "full"}
+               "--recompute-granularity full": s == "optim_grads_params" and args.recompute_granularity == "full",
+               # ZeRO-3 frees the parameters at build; only a load with the optimizer gathers them (optimizer_over)
+               "--finetune / --no-load-optim / --pretrained-checkpoint": s == "optim_grads_params" and (
+                   args.finetune or args.no_load_optim or args.pretrained_checkpoint is not None)}
     for flag, on in refused.items() if fsdp else ():
         if on:
             raise ConfigError(f"--data-parallel-sharding-strategy {s} with {flag} is not supported (not composed)")

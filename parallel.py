@@ -32,7 +32,7 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
   12   1982-2245  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
   13   2246-2363  Muon                                            megatron/core/optimizer/muon.py
-  14   2364-2613  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
+  14   2364-2614  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -2554,12 +2554,13 @@ class FSDP(DDP):
         b.grad = None  # ZeRO-2: the whole gradient is gone (once the reduce-scatter has read it)
 
     def finish_grad_sync(self):
-        """Wait for every reduce-scatter (the tied embedding's: first + last stage's sums, then reduce-scattered);
-        SP norm grads summed over TP on the owned slices; ZeRO-3: every bucket freed."""
+        """Wait for every reduce-scatter (the tied embedding's: first + last stage's sums, then reduce-scattered;
+        a bucket some of whose gradients backward did not make: what it has); SP norm grads summed over TP on the
+        owned slices; ZeRO-3: every bucket freed."""
         emb = self.grid.embedding
         for b in self.buckets:
-            if b.tied and b.grad is not None:
-                if emb is not None and emb.size > 1:
+            if b.grad is not None:
+                if b.tied and emb is not None and emb.size > 1:
                     b.grad = all_reduce(b.grad, emb)
                 self._launch(b)
         for b in self.buckets:

@@ -255,6 +255,8 @@ def test_train_at_dp2_matches_one_process_resumes_exactly_and_loads_anywhere(cor
      "optim_grads_params with --recompute-granularity full is not supported"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--decoupled-lr", "1e-3"],
      "optim_grads with --decoupled-lr is not supported"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--no-load-optim"],
+     "optim_grads_params with --finetune / --no-load-optim / --pretrained-checkpoint is not supported"),
 ])
 def test_what_fsdp_does_not_compose_is_refused_in_one_line(argv, error):
     with pytest.raises(arguments.ConfigError, match=re.escape(error)):

@@ -18,6 +18,7 @@ from test_muon import reference as muon_reference
 from test_train import assert_close, metrics, tiny, torchrun
 
 import arguments
+import costs
 import gpt
 import parallel as P
 import train
@@ -124,12 +125,12 @@ def test_zero3_without_the_gather_before_backward_fails(pool):
 
 
 # ---- memory and communication per rank ---------------------------------------------------------------------------
-def budget_case(rank, n, strategy, M=1, prefetch=True):
+def budget_case(rank, n, strategy, M=1, prefetch=True, dtype=torch.float64):
     """One training iteration of CFG (4 layers) at DP n, float64, inside count_collectives. Measured: the bytes of
     every storage the parameters, gradients and optimizer state hold after the step, the peak of the gathered
     buckets and of the whole gradients alive during it, the collectives, the all-gathers a prefetch had launched."""
     grid = P.Grid(dp=n)
-    chunks = [gpt.Model(gpt.Config(**CFG), grid)]
+    chunks = [gpt.Model(gpt.Config(**dict(CFG, params_dtype=dtype)), grid)]
     if strategy in ("no_shard", "optim"):
         buffers = P.DDP(chunks, grid, distributed_optimizer=strategy == "optim")
     else:
@@ -151,7 +152,7 @@ def budget_case(rank, n, strategy, M=1, prefetch=True):
     micro = list(make_batch(CFG["vocab_size"], 8, 8, 11).chunk(n)[rank].chunk(M))
     with P.count_collectives() as log:
         opt.zero_grad(M)
-        P.forward_backward(chunks, micro, forward_step, 8 * 8, grid, (8, micro[0].shape[0], 32), torch.float64)
+        P.forward_backward(chunks, micro, forward_step, 8 * 8, grid, (8, micro[0].shape[0], 32), dtype)
         opt.finish_grad_sync()
         opt.clip_grad_norm(CLIP)
         opt.step()
@@ -173,20 +174,25 @@ def volume(log, kind):
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_memory_per_rank_is_the_formula(pool, strategy):
-    """Bytes per rank after a step (float64, e = 8 bytes; N: the flat buffers' elements, each bucket padded to a
+    """Bytes per rank after a step (float32, e = 4 bytes; N: the flat buffers' elements, each bucket padded to a
     multiple of DP): parameters, gradients, optimizer (Adam's two moments; fp32 master weights are the parameters)
          no_shard  N·e + N·e + 2N·e         optim (ZeRO-1)  N·e + N·e + 2N·e/DP
          optim_grads (ZeRO-2)  N·e + N·e/DP + 2N·e/DP       optim_grads_params (ZeRO-3)  (N·e + N·e + 2N·e)/DP
     ZeRO-3 also holds, at the peak of the step, its gathered buckets: the root group (embedding, final norm, output
     layer: gathered from the first forward to the step's end) and two layers (the one computing, the one prefetched);
-    ZeRO-2/3 the whole gradients of at most the root group and three layers (one being made, two reduce-scattering)."""
+    ZeRO-2/3 the whole gradients of at most the root group and three layers (one being made, two reduce-scattering).
+    costs.py's memory model (costs.state_bytes, accounting "cpu", Layout.sharding) says the same bytes."""
     dp = 2
-    r = pool.run(budget_case, dp, strategy=strategy)[0]
-    N, e = r["numel"], 8
+    r = pool.run(budget_case, dp, strategy=strategy, dtype=torch.float32)[0]
+    N, e = r["numel"], 4
     want = {"no_shard": (N * e, N * e, 2 * N * e), "optim": (N * e, N * e, 2 * N * e // dp),
             "optim_grads": (N * e, N * e // dp, 2 * N * e // dp),
             "optim_grads_params": (N * e // dp, N * e // dp, 2 * N * e // dp)}[strategy]
     assert (r["params"], r["grads"], r["optim"]) == want, (strategy, (r["params"], r["grads"], r["optim"]), want)
+    if strategy != "no_shard":  # (costs.py's plain layout is parallel.Optimizer's, not DDP's)
+        layout = costs.Layout(seq=8, dp=dp, distributed_optimizer=strategy == "optim", sharding=strategy)
+        model = costs.state_bytes(gpt.Config(**dict(CFG, params_dtype=torch.float32)), layout, 0, "cpu")
+        assert (model["parameters"], model["gradients"], model["optimizer"]) == want, (strategy, model, want)
     if strategy.startswith("optim_grads"):
         root, layer = r["units"][-1][0] * e, max(u[0] for u in r["units"][:-1]) * e
         assert r["peak"]["grads"] <= root + 3 * layer, r["peak"]

@@ -291,6 +291,12 @@ def parallel_flags(g):
     a("--use-distributed-optimizer", action="store_true", help="ZeRO-1: Adam state and master weights over DP")
     a("--overlap-grad-reduce", action="store_true", help="bucketed DP reduction launched during backward")
     a("--ddp-bucket-size", type=int, default=4_000_000, help="elements per gradient bucket")
+    a("--use-megatron-fsdp", action="store_true", help="Megatron-FSDP: --data-parallel-sharding-strategy applies")
+    a("--data-parallel-sharding-strategy", default="no_shard",
+      choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+      help="no_shard: plain DP; optim: ZeRO-1 (= --use-distributed-optimizer); optim_grads: ZeRO-2, the gradients "
+           "reduce-scattered too; optim_grads_params: ZeRO-3, the parameters too (parallel.py section 14)")
+    a("--use-torch-fsdp2", action="store_true", help="refused: torch's fully_shard (use --use-megatron-fsdp)")
     a("--expert-model-parallel-size", type=int, default=1, help="MoE: experts sharded over this many DP ranks")
     a("--expert-tensor-parallel-size", type=int, default=None, help="MoE: 1 or TP (default TP)")
     # context parallelism (parallel.py section 12): the sequence split over cp ranks, attention exchanges K/V
@@ -732,6 +738,31 @@ RANGES.update({**dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "q
                                 "mtp_num_layers"], _AT_LEAST_1), "mtp_loss_scaling_factor": _AT_LEAST_0})  # deepseek.py
 
 
+def check_fsdp_args(args) -> dict:
+    """--use-megatron-fsdp's strategies: no_shard is plain DP, optim the distributed optimizer (ZeRO-1); optim_grads
+    (ZeRO-2) and optim_grads_params (ZeRO-3) are parallel.FSDP (use_fsdp). What they do not compose with is refused
+    by name. Returns the flags they set."""
+    s = args.data_parallel_sharding_strategy
+    if args.use_torch_fsdp2:
+        raise ConfigError("--use-torch-fsdp2 is not supported: torch's fully_shard runs on this gloo backend but is "
+                          "not wired in (its DTensor parameters would need their own optimizer and checkpoint path); "
+                          "use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (ZeRO-3)")
+    if s != "no_shard" and not args.use_megatron_fsdp:
+        raise ConfigError(f"--data-parallel-sharding-strategy {s} is Megatron-FSDP's: add --use-megatron-fsdp")
+    fsdp = args.use_megatron_fsdp and s in ("optim_grads", "optim_grads_params")
+    refused = {"--fp16": args.fp16, "--decoupled-lr": args.decoupled_lr is not None, "--fp8": args.fp8,
+               "--lora-rank": args.lora_rank is not None, f"--task {args.task}": args.task != "pretrain",
+               "--recompute-granularity full": s == "optim_grads_params" and args.recompute_granularity == "full",
+               # ZeRO-3 frees the parameters at build; only a load with the optimizer gathers them (optimizer_over)
+               "--finetune / --no-load-optim / --pretrained-checkpoint": s == "optim_grads_params" and (
+                   args.finetune or args.no_load_optim or args.pretrained_checkpoint is not None)}
+    for flag, on in refused.items() if fsdp else ():
+        if on:
+            raise ConfigError(f"--data-parallel-sharding-strategy {s} with {flag} is not supported (not composed)")
+    return dict(use_fsdp=fsdp, use_distributed_optimizer=args.use_distributed_optimizer or (args.use_megatron_fsdp
+                                                                                           and s == "optim"))
+
+
 def check_args(args, world: int) -> Args:
     """Every flag and combination, before any process group exists. Returns the flags read-only (Args), with the
     derived ones filled in: the data-parallel size, the micro-batches per step, the virtual pipeline size, ..."""
@@ -771,7 +802,8 @@ def check_args(args, world: int) -> Args:
     if args.profile and not (args.save or args.tensorboard_dir):
         raise ConfigError("--profile writes its trace into the TensorBoard directory: give --save or --tensorboard-dir")
     check_long_context_args(args)
-    args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce
+    vars(args).update(check_fsdp_args(args))  # --use-megatron-fsdp's strategies: what they set
+    args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce or args.use_fsdp
     if args.optimizer == "muon" and (args.task != "pretrain" or args.lora_rank is not None):
         raise ConfigError("--optimizer muon is for pretraining whole weights (the hidden layers' matrices), not "
                           + (f"--task {args.task}" if args.task != "pretrain" else "LoRA's adapters (--lora-rank)"))

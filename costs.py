@@ -51,6 +51,7 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str | None = None  # None | "selective" | "full"
     distributed_optimizer: bool = False
+    sharding: str = "no_shard"  # --use-megatron-fsdp's: "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3)
     optimizer: str = "adam"  # "adam" | "muon" | "sgd"
     dtype: str = "fp32"  # the parameters' and activations' dtype: "fp32" | "bf16" | "fp16" (16-bit keeps fp32 main grads)
 
@@ -112,24 +113,30 @@ def chunks(c, layout: Layout, stage: int) -> list[tuple[bool, bool, range]]:
     return [(stage == 0 and k == 0, stage == p - 1 and k == v - 1, range(first(k), first(k) + per)) for k in range(v)]
 
 
-def stage_parameters(c, layout: Layout, stage: int) -> list[Param]:
+def stage_parameters(c, layout: Layout, stage: int, by_unit: bool = False) -> list[Param]:
     """Every parameter pipeline rank `stage` holds: embedding (first chunk), layers, final norm and output layer
-    (last chunk; the tied embedding's copy when the first chunk is elsewhere), in the model's order (gpt.Model)."""
+    (last chunk; the tied embedding's copy when the first chunk is elsewhere), in the model's order (gpt.Model).
+    by_unit: as parallel.FSDP's units instead, a list per layer then per chunk one of the rest."""
     t, h, V = layout.tp, c.hidden_size, c.padded_vocab_size
     tied = c.share_embeddings_and_output_weights
-    ps = []
+    ps, units = [], []
     for pre, post, layers in chunks(c, layout, stage):
+        head, tail = [], []
         if pre:
-            ps.append(Param(V // t * h, group="tied" if tied and not post else "dense"))  # word embeddings [V/t, h]
-            ps += [Param(c.max_position_embeddings * h)] if c.position_embedding_type == "learned_absolute" else []
-            ps += [Param(c.num_tokentypes * h)] if c.num_tokentypes else []
+            head.append(Param(V // t * h, group="tied" if tied and not post else "dense"))  # word embeddings [V/t, h]
+            head += [Param(c.max_position_embeddings * h)] if c.position_embedding_type == "learned_absolute" else []
+            head += [Param(c.num_tokentypes * h)] if c.num_tokentypes else []
+        ps += head
         for i in layers:
-            ps += layer_parameters(c, layout, i)
+            units.append(layer_parameters(c, layout, i))
+            ps += units[-1]
         if post:
-            ps += [Param(h)] * (2 if c.normalization == "LayerNorm" else 1)  # final_layernorm
+            tail += [Param(h)] * (2 if c.normalization == "LayerNorm" else 1)  # final_layernorm
             if not (tied and pre):  # output layer [V/t, h]: its own weight, or the tied embedding's last-stage copy
-                ps.append(Param(V // t * h, group="tied" if tied else "dense"))
-    return ps
+                tail.append(Param(V // t * h, group="tied" if tied else "dense"))
+        ps += tail
+        units.append(head + tail)
+    return units if by_unit else ps
 
 
 def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> list[tuple[int, int]]:
@@ -147,24 +154,40 @@ def buckets(ps: list[Param], layout: Layout, bucket_size: int = 4_000_000) -> li
     return out
 
 
+def fsdp_buckets(c, layout: Layout, stage: int) -> list[tuple[int, int]]:
+    """(size, group size) of parallel.FSDP's buckets: one per unit (each layer; each chunk's rest) and group (dense over
+    dp·c, experts over expert_dp, the tied embedding its own), padded to a multiple of the group's size."""
+    out = []
+    for unit in stage_parameters(c, layout, stage, by_unit=True):
+        for group in ("dense", "expert", "tied"):
+            size = layout.dp * layout.cp // (layout.ep if group == "expert" else 1)
+            n = sum(p.numel for p in unit if p.group == group)
+            out += [(-(-n // size) * size, size)] if n else []
+    return out
+
+
 def state_bytes(c, layout: Layout, stage: int, accounting: str = "gpu") -> dict:
     """Parameters, gradients and optimizer state on pipeline rank `stage` (Rajbhandari et al. 2020, ZeRO; DESIGN.md
     §4): fp32 main grads and fp32 master weights for 16-bit parameters; AdamW's two fp32 moments, Muon's one momentum
     on its matrices ("gpu"; this CPU's parallel.Muon keeps AdamW's layout, two); the distributed optimizer keeps
-    master weights and moments for its 1/(d·c) slice of each padded bucket (parallel.DDP's flat buffers)."""
+    master weights and moments for its 1/(d·c) slice of each padded bucket (parallel.DDP's flat buffers); ZeRO-2
+    (sharding optim_grads) also only that slice of the gradients, ZeRO-3 (optim_grads_params) of the parameters too,
+    over parallel.FSDP's per-layer buckets (its gathered buckets, while they compute, are left out)."""
     ps, B, gpu = stage_parameters(c, layout, stage), BYTES[layout.dtype], accounting == "gpu"
     low = B < 4  # 16-bit parameters
     moments = lambda p: {"sgd": 0, "adam": 2, "muon": 1 if p.muon and gpu else 2}[layout.optimizer]
     own = lambda p: 4 if p.fp32 else B  # (the MoE router is fp32 whatever the dtype)
-    if not layout.distributed_optimizer:  # parallel.Optimizer / Muon: whole parameters; torch's AdamW keeps its
+    zero = layout.sharding in ("optim_grads", "optim_grads_params")
+    if not (layout.distributed_optimizer or zero):  # parallel.Optimizer / Muon: whole parameters; torch's AdamW keeps its
         return {"parameters": sum(p.numel * own(p) for p in ps),  # moments in the parameter's dtype
                 "gradients": sum(p.numel * (4 if gpu else own(p)) for p in ps),
                 "optimizer": sum(p.numel * (moments(p) * (4 if gpu else own(p)) + 4 * (gpu and own(p) < 4))
                                  for p in ps)}
-    sizes = buckets(ps, layout)
+    sizes = fsdp_buckets(c, layout, stage) if zero else buckets(ps, layout)
     n, shard = sum(k for k, _ in sizes), sum(k // size for k, size in sizes)  # buffer length; this rank's slices
     mean_moments = sum(p.numel * moments(p) for p in ps) / max(1, sum(p.numel for p in ps))  # (exact unless gpu Muon)
-    return {"parameters": n * B, "gradients": n * (4 if low or gpu else B),
+    return {"parameters": (shard if layout.sharding == "optim_grads_params" else n) * B,
+            "gradients": (shard if zero else n) * (4 if low or gpu else B),
             "optimizer": shard * 4 * low + round(shard * 4 * mean_moments)}
 
 

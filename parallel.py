@@ -5,37 +5,38 @@ section's fence; the last section runs to the end of the file), its title, and t
 names them (Megatron-LM's; Transformer Engine's where Megatron takes the piece from TE). tests/test_repo.py checks the
 table; after an edit to this file, refresh its line numbers: .venv/bin/python tests/test_repo.py --fix-parallel-contents
   §    lines      section                                         mirrors
-  1    77-208     Grid                                            megatron/core/parallel_state.py
-  2    209-395    Mappings                                        megatron/core/tensor_parallel/mappings.py
-  3    396-471    Initialization                                  megatron/core/tensor_parallel/layers.py
-  4    472-692    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
+  1    78-209     Grid                                            megatron/core/parallel_state.py
+  2    210-396    Mappings                                        megatron/core/tensor_parallel/mappings.py
+  3    397-472    Initialization                                  megatron/core/tensor_parallel/layers.py
+  4    473-693    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
                                                                   megatron/core/tensor_parallel/cross_entropy.py
-  5    693-756    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
-  6    757-871    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
-  7    872-911    Schedules                                       megatron/core/pipeline_parallel/schedules.py
-  8    912-1101   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+  5    694-757    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
+  6    758-872    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
+  7    873-912    Schedules                                       megatron/core/pipeline_parallel/schedules.py
+  8    913-1102   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
                                                                   megatron/core/pipeline_parallel/p2p_communication.py
-  9    1102-1402  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+  9    1103-1403  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1403-1547  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1404-1548  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1548-1751  Mixture of Experts: experts, dispatchers, the layer
+  10b  1549-1752  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1752-1980  FP8                                             megatron/core/fp8_utils.py
+  11   1753-1981  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1981-2244  Context parallelism                             megatron/core/utils.py
+  12   1982-2245  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2245-2366  Muon                                            megatron/core/optimizer/muon.py
+  13   2246-2363  Muon                                            megatron/core/optimizer/muon.py
+  14   2364-2614  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
-`transformer/moe/`, `fp8_utils.py` and `optimizer/muon.py`.
+`transformer/moe/`, `fp8_utils.py`, `optimizer/muon.py` and `distributed/fsdp/`.
 Papers: Shoeybi et al. 2019, "Megatron-LM" (tensor parallelism, the f and g operators);
         Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence parallelism);
         Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters" (1F1B, interleaving);
@@ -1210,12 +1211,8 @@ class DDP:
                  distributed_optimizer: bool = False, own_bucket=lambda p: False):  # own_bucket: --decoupled-lr's
         self.chunks = chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
         self.grid, self.dp, self.overlap, self.distopt = grid, grid.dp_cp, overlap, distributed_optimizer
-        seen, params = set(), []
-        for m in reversed(chunks):  # reverse order: the last layers' grads are ready first
-            for p in reversed(list(m.parameters())):
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
+        params = list({id(p): p for m in reversed(chunks) for p in reversed(list(m.parameters()))  # each once, in
+                       if p.requires_grad}.values())  # reverse order: the last layers' grads are ready first
         expert = lambda p: getattr(p, "expert_parallel", False)
         tied = lambda p: getattr(p, "shared_embedding", False)  # synced over stages before DP: a bucket of its own
         own = lambda p: own_bucket(p) and not (tied(p) or expert(p))  # --decoupled-lr's: a bucket steps at one lr
@@ -1231,10 +1228,10 @@ class DDP:
                     end = off + -(-n // group.size) * group.size  # a reduce-scatter splits it evenly
                     self.buckets.append(_Bucket(cur, off, end, group))
                     off, cur, n = end, [], 0
-        dtype = params[0].dtype
+        dtype, self.numel = params[0].dtype, off
         self.grad_buffer = torch.zeros(off, dtype=torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
         self.param_buffer = torch.zeros(off, dtype=dtype)  # params become views into it (all-gathered in place)
-        self.bucket_of = {}
+        self.bucket_of, self.offset = {}, {}  # the parameter's bucket, its offset in the flat buffers
         for b in self.buckets:
             o = b.start
             for p in b.params:
@@ -1242,8 +1239,9 @@ class DDP:
                 p.data = self.param_buffer[o:o + p.numel()].view_as(p)
                 p.main_grad = self.grad_buffer[o:o + p.numel()].view_as(p)
                 p.register_post_accumulate_grad_hook(self._hook)
-                self.bucket_of[p] = b
+                self.bucket_of[p], self.offset[p] = b, o
                 o += p.numel()
+            b.grad_shard, b.param_shard = self.grad_buffer[self.owned(b)], self.param_buffer[self.owned(b)]  # stepped
         self.launch_log: list[tuple[int, int]] = []  # (bucket, hooks fired so far): the overlap test reads it
         self.zero_grad()
 
@@ -1297,10 +1295,9 @@ class DDP:
         if self.grid.tp.size > 1:  # SP partial grads: sum over TP (same buffer layout on every TP rank)
             sp = [p for b in self.buckets for p in b.params if getattr(p, "sequence_parallel", False)]
             _sum_grads(sp, self.grid.tp, "main_grad")
-        for b in self.buckets:
-            for p in b.params:  # plain DP: the whole grad; distributed optimizer: valid on the own slice only
-                if p.main_grad.dtype == p.dtype:  # (bf16/fp16 params keep their fp32 grads in the buffer only)
-                    p.grad = p.main_grad
+        for p in self.bucket_of:  # plain DP: the whole grad; distributed optimizer: valid on the own slice only
+            if p.main_grad.dtype == p.dtype:  # (bf16/fp16 params keep their fp32 grads in the buffer only)
+                p.grad = p.main_grad
 
     def owned(self, b: _Bucket) -> slice:
         """The slice of the flat buffers this rank steps: its 1/size of the bucket over the bucket's group (distopt)."""
@@ -1308,6 +1305,19 @@ class DDP:
             return slice(b.start, b.end)
         n = (b.end - b.start) // b.group.size
         return slice(b.start + b.group.rank * n, b.start + (b.group.rank + 1) * n)
+
+    def per_element(self, fn, dtype=torch.float32) -> list[torch.Tensor]:  # [fn(p) on each element of this rank's
+        whole = torch.zeros(self.numel, dtype=dtype)  # slice of bucket i, for each i] (masks: decay, norm, Muon)
+        for p, o in self.offset.items():
+            whole[o:o + p.numel()] = fn(p)
+        return [whole[self.owned(b)].clone() for b in self.buckets]
+
+    def publish(self, b: _Bucket, master: torch.Tensor):  # after the step: the new parameters on every rank
+        if master.data_ptr() != b.param_shard.data_ptr():  # bf16 params: from their fp32 master weights
+            b.param_shard.copy_(master)
+        if self.distopt and b.group.size > 1:
+            _log("all_gather", b.group, self.param_buffer[b.start:b.end])
+            all_gather_single(self.param_buffer[b.start:b.end], b.param_shard.clone(), group=b.group.pg)
 
 
 class DistributedOptimizer:
@@ -1318,36 +1328,27 @@ class DistributedOptimizer:
     def __init__(self, ddp: DDP, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled_lr=None):
         self.ddp, self.lr, self.betas, self.eps, self.wd, self.step_count = ddp, lr, betas, eps, weight_decay, 0
         self.decoupled_lr = decoupled_lr  # --decoupled-lr: the lr of the buckets DDP made for own_bucket's params
-        wd_mask, count = torch.zeros_like(ddp.grad_buffer), torch.zeros_like(ddp.grad_buffer)  # count: 1 where an
-        for b in ddp.buckets:  # element counts toward the global grad norm
-            o = b.start
-            for p in b.params:
-                wd_mask[o:o + p.numel()], count[o:o + p.numel()] = float(decays(p)), float(counted_in_norm(p, ddp.grid))
-                o += p.numel()
         self.slices = [ddp.owned(b) for b in ddp.buckets]
-        fp32 = ddp.param_buffer.dtype == ddp.grad_buffer.dtype
-        self.master = [ddp.param_buffer[s] if fp32 else ddp.param_buffer[s].float() for s in self.slices]
+        fp32 = ddp.buckets[0].param_shard.dtype == ddp.buckets[0].grad_shard.dtype
+        self.master = [b.param_shard if fp32 else b.param_shard.float() for b in ddp.buckets]
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
-        self.wd_mask, self.norm_mask = [wd_mask[s] for s in self.slices], [count[s] for s in self.slices]
+        self.wd_mask = ddp.per_element(lambda p: float(decays(p)), self.master[0].dtype)  # 1 where it decays;
+        # norm_mask: 1 where an element counts toward the global gradient norm (counted_in_norm)
+        self.norm_mask = ddp.per_element(lambda p: float(counted_in_norm(p, ddp.grid)), self.master[0].dtype)
 
     @torch.no_grad()
     def step(self):
         self.step_count += 1
-        for i, (s, m, b) in enumerate(zip(self.slices, self.master, self.ddp.buckets)):
+        for i, (m, b) in enumerate(zip(self.master, self.ddp.buckets)):
             self.update(i, self.decoupled_lr if b.decoupled and self.decoupled_lr is not None else self.lr)
-            if m.data_ptr() != self.ddp.param_buffer[s].data_ptr():  # bf16 params: from their fp32 master weights
-                self.ddp.param_buffer[s].copy_(m)
-            if self.ddp.distopt and b.group.size > 1:
-                full = self.ddp.param_buffer[b.start:b.end]
-                _log("all_gather", b.group, full)
-                all_gather_single(full, self.ddp.param_buffer[s].clone(), group=b.group.pg)
+            self.ddp.publish(b, m)  # the new parameters on every rank (bf16: rounded from the master weights)
         after_step(self.ddp.chunks)  # the modules' post-step hooks (MoE: the expert bias)
 
     def update(self, i: int, lr: float):
         """AdamW on slice i: its master weights and moments, from its summed gradient."""
         (b1, b2), t = self.betas, self.step_count
-        g, m, ea, eas = self.ddp.grad_buffer[self.slices[i]], self.master[i], self.exp_avg[i], self.exp_avg_sq[i]
+        g, m, ea, eas = self.ddp.buckets[i].grad_shard, self.master[i], self.exp_avg[i], self.exp_avg_sq[i]
         m.mul_(1 - lr * self.wd * self.wd_mask[i])  # decoupled weight decay
         ea.lerp_(g, 1 - b1)
         eas.mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -1364,7 +1365,7 @@ class DistributedOptimizer:
         that any layout can read. `load_full_state` keeps this rank's slice of what a checkpoint filled in."""
         bufs = []
         for moments in (self.exp_avg, self.exp_avg_sq):
-            full = torch.zeros_like(self.ddp.grad_buffer)
+            full = torch.zeros(self.ddp.numel, dtype=moments[0].dtype)
             for s, m, b in zip(self.slices, moments, self.ddp.buckets):
                 full[s] = m
                 if self.ddp.distopt and b.group.size > 1:
@@ -1386,18 +1387,18 @@ class DistributedOptimizer:
         for moments, full in zip((self.exp_avg, self.exp_avg_sq), self._full):
             for s, m in zip(self.slices, moments):
                 m.copy_(full[s])
-        if self.master[0].data_ptr() != self.ddp.param_buffer[self.slices[0]].data_ptr():  # bf16 params
-            for s, m in zip(self.slices, self.master):
-                m.copy_(self.ddp.param_buffer[s])
+        for b, m in zip(self.ddp.buckets, self.master):
+            if m.data_ptr() != b.param_shard.data_ptr():  # bf16 params
+                m.copy_(b.param_shard)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """clip_by_global_norm over this rank's slices (norm_mask: counted_in_norm per element)."""
-        sq = torch.zeros(2, dtype=torch.float64, device=self.ddp.grad_buffer.device)  # [dense, MoE expert]
-        for s, m, b in zip(self.slices, self.norm_mask, self.ddp.buckets):
-            sq[int(b.expert)] += ((self.ddp.grad_buffer[s].double() ** 2) * m).sum()
-        return clip_by_global_norm(sq, [self.ddp.grad_buffer[s] for s in self.slices], max_norm, self.ddp.grid,
-                                   dp_sliced=self.ddp.distopt)
+        grads = [b.grad_shard for b in self.ddp.buckets]
+        sq = torch.zeros(2, dtype=torch.float64, device=grads[0].device)  # [dense, MoE expert]
+        for g, m, b in zip(grads, self.norm_mask, self.ddp.buckets):
+            sq[int(b.expert)] += ((g.double() ** 2) * m).sum()
+        return clip_by_global_norm(sq, grads, max_norm, self.ddp.grid, dp_sliced=self.ddp.distopt)
 
 
 # ============================================================================================================
@@ -2327,19 +2328,13 @@ class DistributedMuon(DistributedOptimizer):
     def __init__(self, ddp: DDP, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2, **adam):
         super().__init__(ddp, **adam)
         self.momentum, self.nesterov, self.ns_steps, self.scale = momentum, nesterov, ns_steps, scale
-        mask = torch.zeros_like(ddp.grad_buffer, dtype=torch.bool)  # True on Muon's elements
-        for b in ddp.buckets:
-            o = b.start
-            for p in b.params:
-                mask[o:o + p.numel()] = muon_eligible(p)
-                o += p.numel()
-        self.muon_mask = [mask[s] for s in self.slices]
+        self.muon_mask = ddp.per_element(muon_eligible, torch.bool)  # True on Muon's elements
 
     def update(self, i: int, lr: float):
         b, muon = self.ddp.buckets[i], self.muon_mask[i]
         if not any(muon_eligible(p) for p in b.params):  # (the same answer on every rank of the bucket's group)
             return super().update(i, lr)
-        g, m, ea = self.ddp.grad_buffer[self.slices[i]], self.master[i], self.exp_avg[i]
+        g, m, ea = self.ddp.buckets[i].grad_shard, self.master[i], self.exp_avg[i]
         buf = torch.where(muon, ea * self.momentum + g, ea)  # B = μ·B + G on Muon's elements
         u = torch.where(muon, g + self.momentum * buf if self.nesterov else buf, 0)
         o, before = self.orthogonalized_slice(i, u), m[muon]
@@ -2364,3 +2359,256 @@ class DistributedMuon(DistributedOptimizer):
                                               self.scale).flatten()
             o += p.numel()
         return out[s.start - b.start:s.stop - b.start]
+
+
+# ============================================================================================================
+# 14. Fully sharded data parallelism — mirrors megatron/core/distributed/fsdp/ (mcore_fsdp_adapter.py) and
+#     megatron/core/distributed/fsdp/src/megatron_fsdp/ (megatron_fsdp.py, param_and_grad_buffer.py): Megatron-FSDP,
+#     train.py's --use-megatron-fsdp with --data-parallel-sharding-strategy. Paper: Rajbhandari et al. 2020, "ZeRO".
+#
+#  The parameters are grouped per unit — each transformer layer (an element of a chunk's ModuleList), and the chunk's
+#  other parameters (embedding, final norm, output layer) — one flat bucket per unit and process group (dense over
+#  DP x CP, MoE experts over expert_dp, the tied embedding its own), each padded to a multiple of the group's size:
+#  rank d owns the 1/size slice d, steps it with DistributedOptimizer / DistributedMuon (section 9's, unchanged).
+#     optim               ZeRO-1: section 9's DDP with the distributed optimizer (not this class)
+#     optim_grads         ZeRO-2: each micro-batch's gradients of a bucket, once backward has made them all, are
+#                         reduce-scattered (async) into the owned slice and freed: no whole gradient buffer is kept
+#     optim_grads_params  ZeRO-3: also the parameters: only the owned slice persists; a layer's bucket is all-gathered
+#                         just before its forward and freed after it, gathered again just before its backward and freed
+#                         once its gradients are made; the next layer's all-gather is prefetched (async) meanwhile.
+#                         The chunk's other parameters are gathered at its forward and kept until the step's end.
+#  Where Megatron-FSDP differs: it reduce-scatters and all-gathers on CUDA streams with double-buffered bucket memory;
+#  here gloo's async handles, the freed storage resized to 0 and back (torch FSDP1's trick: parameter views survive).
+# ============================================================================================================
+FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
+    """A chunk's units in forward order: the elements of its ModuleLists (not nested in another unit), then the chunk
+    itself (its remaining parameters)."""
+    units = []
+    for name, m in chunk.named_modules():
+        if isinstance(m, nn.ModuleList) and not any(u in units for u in _ancestors(chunk, name)):
+            units += list(m)
+    return units + [chunk]
+
+
+def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:
+    out, m = [], root
+    for part in name.split(".")[:-1] if name else []:
+        m = getattr(m, part)
+        out.append(m)
+    return out
+
+
+class _GatherBeforeBackward(torch.autograd.Function):  # identity on a unit's output; its backward gathers the unit
+    @staticmethod
+    def forward(ctx, x, fsdp, unit):
+        ctx.fsdp, ctx.unit = fsdp, unit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fsdp.gather(ctx.unit, prefetch=-1)  # and prefetch the unit backward reaches next
+        return g, None, None
+
+
+class FSDP(DDP):
+    """ZeRO-2 (optim_grads) / ZeRO-3 (optim_grads_params) over the same interface as DDP (DistributedOptimizer reads
+    buckets' grad_shard and param_shard, per_element, publish, owned). zero_grad, finish_grad_sync as DDP's."""
+
+    def __init__(self, chunks, grid: Grid, strategy: str = "optim_grads_params", prefetch: bool = True):
+        if strategy not in FSDP_STRATEGIES[2:]:
+            raise ValueError(f"FSDP shards gradients: strategy {strategy!r} is DDP's (section 9)")
+        self.chunks = chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+        self.grid, self.dp, self.overlap, self.distopt, self.prefetch = grid, grid.dp_cp, True, True, prefetch
+        self.zero3, self.strategy = strategy == "optim_grads_params", strategy
+        expert = lambda p: getattr(p, "expert_parallel", False)
+        tied = lambda p: getattr(p, "shared_embedding", False)
+        self.buckets, self.bucket_of, self.offset, self.units, seen, off = [], {}, {}, [], set(), 0
+        for chunk in chunks:
+            units = fsdp_units(chunk)
+            self.units.append(units)
+            for u in units:
+                u.fsdp_buckets, ps = [], [p for p in u.parameters() if p.requires_grad and id(p) not in seen]
+                seen.update(id(p) for p in ps)
+                for group, sel in ((grid.dp_cp, lambda p: not (tied(p) or expert(p))), (grid.expert_dp, expert),
+                                   (grid.dp_cp, tied)):
+                    mine = [p for p in ps if sel(p)]
+                    if mine:
+                        n = sum(p.numel() for p in mine)
+                        b = _Bucket(mine, off, off + -(-n // group.size) * group.size, group)
+                        b.unit, b.root, b.tied = u, u is chunk, any(tied(p) for p in mine)
+                        self.buckets.append(b)
+                        u.fsdp_buckets.append(b)
+                        off = b.end
+        self.numel, dtype = off, self.buckets[0].params[0].dtype
+        self.grad_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        for b in self.buckets:
+            size, n, o = b.end - b.start, (b.end - b.start) // b.group.size, 0
+            b.full = torch.zeros(size, dtype=dtype)  # the bucket's whole parameters (ZeRO-3: only while gathered)
+            for p in b.params:
+                b.full[o:o + p.numel()].copy_(p.data.reshape(-1))
+                p.data = b.full[o:o + p.numel()].view_as(p)
+                self.bucket_of[p], self.offset[p] = b, b.start + o
+                p.register_post_accumulate_grad_hook(self._hook)
+                o += p.numel()
+            own = b.full[b.group.rank * n:(b.group.rank + 1) * n]
+            b.param_shard = own.clone() if self.zero3 else own  # what persists of the parameters
+            b.grad_shard = torch.zeros(n, dtype=self.grad_dtype)  # the summed gradient of the owned slice
+            b.grad, b.gathering = None, None  # a micro-batch's whole gradient while made; a pending all-gather
+            if self.zero3:
+                self.free(b)
+        for b, mask in zip(self.buckets, self.per_element(lambda p: getattr(p, "sequence_parallel", False), torch.bool)):
+            b.sp_mask = mask  # (on the owned slice)
+        for units in self.units:
+            for u in units[:-1]:
+                u.register_forward_pre_hook(lambda m, args: self.gather(m, prefetch=1) if self.zero3 else None)
+                u.register_forward_hook(self._after_forward)
+            units[-1].register_forward_pre_hook(lambda m, args: self.gather(m) if self.zero3 else None)
+        self.launch_log, self.gather_log = [], []
+        self.zero_grad()
+
+    # ---------------------------------------------------------------- parameters: gathered for use, freed after (ZeRO-3)
+    def gather(self, unit: nn.Module, prefetch: int = 0, wait: bool = True):
+        """All-gather unit's buckets (wait: until they are whole); prefetch ±1: start the neighbouring unit's.
+        gather_log: (bucket, whether an earlier call had launched its all-gather) for each bucket made whole here."""
+        for b in unit.fsdp_buckets:
+            prefetched = b.gathering is not None
+            if b.full.untyped_storage().size() == 0 and b.gathering is None:
+                b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
+                if b.group.size == 1:
+                    b.full.copy_(b.param_shard)
+                    continue
+                _log("all_gather", b.group, b.full)
+                b.gathering = all_gather_single(b.full, b.param_shard, group=b.group.pg, async_op=True)
+            if wait and b.gathering is not None:
+                b.gathering.wait()
+                b.gathering = None
+                self.gather_log.append((self.buckets.index(b), prefetched))
+        units = next(us for us in self.units if unit in us)
+        i = units.index(unit) + prefetch
+        if prefetch and self.prefetch and 0 <= i < len(units) - 1:  # (the root unit is never prefetched)
+            self.gather(units[i], wait=False)
+
+    def free(self, b: _Bucket):
+        if b.gathering is not None:
+            b.gathering.wait()
+            b.gathering = None
+        b.full.untyped_storage().resize_(0)
+
+    def _after_forward(self, unit, args, out):
+        if not self.zero3:
+            return None
+        for b in unit.fsdp_buckets:
+            self.free(b)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            return _GatherBeforeBackward.apply(out, self, unit)
+        return None
+
+    # ---------------------------------------------------------------- gradients: reduce-scattered per micro-batch
+    def zero_grad(self, num_micro_batches: int = 1):
+        self.M, self.hooks_fired, self.inflight = num_micro_batches, 0, []
+        for b in self.buckets:
+            b.grad_shard.zero_()
+            b.ready, b.launched, b.handle, b.grad, b.recv, b.sent = 0, False, None, None, None, None
+            for p in b.params:
+                p.grad = None
+        self.launch_log.clear()
+        self.gather_log.clear()
+
+    def _hook(self, p):
+        b, n = self.bucket_of[p], p.numel()
+        if b.grad is None:
+            b.grad = torch.zeros(b.end - b.start, dtype=self.grad_dtype)
+        o = self.offset[p] - b.start
+        b.grad[o:o + n].add_(p.grad.reshape(-1))
+        p.grad = None
+        self.hooks_fired += 1
+        b.ready += 1
+        if b.ready % len(b.params) == 0 and not b.tied:  # this micro-batch's grads of the bucket are all made
+            self._launch(b)
+            if self.zero3 and not b.root:
+                self.free(b)
+
+    def _drain(self, b: _Bucket):  # wait for the bucket's last reduce-scatter; add its result into the owned slice
+        if b.handle is not None:
+            b.handle.wait()
+            b.grad_shard.add_(b.recv)
+            b.handle = b.recv = b.sent = None
+            self.inflight.remove(b)
+
+    def _launch(self, b: _Bucket):
+        self._drain(b)
+        b.launched = True
+        self.launch_log.append((self.buckets.index(b), self.hooks_fired))
+        if b.group.size == 1:
+            b.grad_shard.add_(b.grad)
+        else:
+            b.recv, b.sent = b.grad.new_empty(b.grad_shard.numel()), b.grad
+            _log("reduce_scatter", b.group, b.grad)
+            b.handle = reduce_scatter_single(b.recv, b.grad, group=b.group.pg, async_op=True)
+            self.inflight.append(b)
+            if len(self.inflight) > 2:  # at most two in flight: the whole gradients they read are freed as they end
+                self._drain(self.inflight[0])
+        b.grad = None  # ZeRO-2: the whole gradient is gone (once the reduce-scatter has read it)
+
+    def finish_grad_sync(self):
+        """Wait for every reduce-scatter (the tied embedding's: first + last stage's sums, then reduce-scattered;
+        a bucket some of whose gradients backward did not make: what it has); SP norm grads summed over TP on the
+        owned slices; ZeRO-3: every bucket freed."""
+        emb = self.grid.embedding
+        for b in self.buckets:
+            if b.grad is not None:
+                if b.tied and emb is not None and emb.size > 1:
+                    b.grad = all_reduce(b.grad, emb)
+                self._launch(b)
+        for b in self.buckets:
+            self._drain(b)
+            if self.grid.tp.size > 1 and b.sp_mask.any():  # the same layout on every TP rank
+                b.grad_shard[b.sp_mask] = all_reduce(b.grad_shard[b.sp_mask], self.grid.tp)
+            if self.zero3:
+                self.free(b)
+
+    def publish(self, b: _Bucket, master: torch.Tensor):
+        """ZeRO-2: the new slice all-gathered into the bucket's whole parameters; ZeRO-3: kept (gathered at use)."""
+        if master.data_ptr() != b.param_shard.data_ptr():
+            b.param_shard.copy_(master)
+        if not self.zero3 and b.group.size > 1:
+            _log("all_gather", b.group, b.full)
+            all_gather_single(b.full, b.param_shard.clone(), group=b.group.pg)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter whole inside the block; ZeRO-3: the owned slices taken from them after, then freed (what
+        a checkpoint loaded into the block is kept)."""
+        for units in self.units:
+            for u in units:
+                self.gather(u)
+        try:
+            yield
+        finally:
+            for b in self.buckets if self.zero3 else []:
+                n = b.param_shard.numel()
+                b.param_shard.copy_(b.full[b.group.rank * n:(b.group.rank + 1) * n])
+                self.free(b)
+
+
+class _Gathering:  # before DistributedOptimizer / DistributedMuon in the MRO: ZeRO-3's checkpoints
+    def full_state(self):
+        """The checkpoint reads whole parameters (and a load writes them): gathered until load_full_state or the
+        step's finish_grad_sync frees them."""
+        self._gathered = self.ddp.gathered()
+        self._gathered.__enter__()
+        return super().full_state()
+
+    def load_full_state(self):
+        self._gathered.__exit__(None, None, None)  # the owned slices from the loaded parameters, then freed
+        super().load_full_state()
+
+
+def optimizer_over(buffers: DDP, optimizer_class, **kw):
+    """optimizer_class (DistributedOptimizer or DistributedMuon) over DDP's or FSDP's buckets; with ZeRO-3 its
+    checkpoints gather the parameters."""
+    zero3 = getattr(buffers, "zero3", False)
+    return (type(optimizer_class.__name__, (_Gathering, optimizer_class), {}) if zero3 else optimizer_class)(buffers, **kw)

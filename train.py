@@ -51,7 +51,8 @@ def make_optimizer(chunks, grid, args):
     """AdamW without weight decay on biases and norm weights (--optimizer muon: Muon for the hidden matrices, AdamW for
     the rest): parallel.Optimizer / Muon (whole parameters, the plain DP sum), or with --use-distributed-optimizer /
     --overlap-grad-reduce parallel.DistributedOptimizer / DistributedMuon over parallel.DDP's bucketed gradients (the
-    same arithmetic, the state sharded over DP). One interface: the loop never asks which."""
+    same arithmetic, the state sharded over DP), with --use-megatron-fsdp's optim_grads / optim_grads_params over
+    parallel.FSDP's (ZeRO-2 / ZeRO-3). One interface: the loop never asks which."""
     adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
                 decoupled_lr=args.decoupled_lr)
     muon = dict(momentum=args.muon_momentum, nesterov=args.muon_use_nesterov, ns_steps=args.muon_num_ns_steps,
@@ -59,11 +60,12 @@ def make_optimizer(chunks, grid, args):
     if args.use_ddp:  # (--decoupled-lr: those parameters in buckets of their own, each bucket stepping at one lr)
         own = (lambda p: getattr(p, "is_embedding_or_output_parameter", False)) if args.decoupled_lr is not None \
             else (lambda p: False)
-        ddp = P.DDP(chunks, grid, bucket_size=args.ddp_bucket_size, overlap=args.overlap_grad_reduce,
-                    distributed_optimizer=args.use_distributed_optimizer, own_bucket=own)
+        ddp = P.FSDP(chunks, grid, args.data_parallel_sharding_strategy) if args.use_fsdp else \
+            P.DDP(chunks, grid, bucket_size=args.ddp_bucket_size, overlap=args.overlap_grad_reduce,
+                  distributed_optimizer=args.use_distributed_optimizer, own_bucket=own)
         if args.optimizer == "muon":
-            return P.DistributedMuon(ddp, **muon, **adam)
-        return P.DistributedOptimizer(ddp, **adam)
+            return P.optimizer_over(ddp, P.DistributedMuon, **muon, **adam)
+        return P.optimizer_over(ddp, P.DistributedOptimizer, **adam)
     if args.optimizer == "muon":
         return P.Muon(chunks, grid, **muon, **adam)
     return P.Optimizer(chunks, grid, **adam)

@@ -423,6 +423,7 @@ def test_model_files_and_train_py_stay_short():
 # "untested" (not refused, no test), or "—" (not supported). A feature maps to the Config.UNSUPPORTED key that
 # refuses it, or to the hook a model file has or not (None: nothing refuses it, so no model may show "—").
 FEATURES = {"TP": None, "SP": None, "PP": "pipeline_parallel", "VPP": "pipeline_parallel", "DP": None, "ZeRO-1": None,
+            "ZeRO-2/3 (FSDP)": None,
             "CP": "context_parallel", "EP/MoE": None, "FP8": None, "Muon": None, "post-training tasks": "post_training",
             "generation (sample)": "sample", "HF in (from_hf)": "from_hf", "HF out (export)": "export",
             "HF folders (import-hf)": "hf_folders"}

@@ -93,7 +93,7 @@ def run_engine(model, prompts, new_tokens: int, block_size: int):
     params = serve.SamplingParams(max_tokens=new_tokens, temperature=0)
     blocks = sum(math.ceil((len(p) + new_tokens - 1) / block_size) for p in prompts)  # every worst case at once
     engine = serve.Engine(model, num_blocks=blocks, block_size=block_size, max_batch=len(prompts))
-    ids = [engine.add_request(p, params) for p in prompts]
+    reqs = [engine.requests[engine.add_request(p, params)] for p in prompts]
     peak, done = 0, {}
     allocate = engine.cache.allocate
 
@@ -106,12 +106,12 @@ def run_engine(model, prompts, new_tokens: int, block_size: int):
     sync(engine.device)
     t0 = time.perf_counter()
     while engine.has_unfinished():
-        for rid, _, finished in engine.step():
-            if finished:
-                done[rid] = time.perf_counter() - t0
+        for r in engine.step():
+            if r.finish_reason is not None:
+                done[r.id] = time.perf_counter() - t0
     sync(engine.device)
     wall = time.perf_counter() - t0
-    return [engine.requests[i].output for i in ids], [done[i] for i in ids], wall, peak, engine
+    return [r.output for r in reqs], [done[r.id] for r in reqs], wall, peak, engine
 
 
 def run_sequential(model, prompts, new_tokens: int):

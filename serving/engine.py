@@ -189,6 +189,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float()
     if params.temperature == 0:
         return int(logits.argmax())
+    return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a sampled request draws from, logits [V] -> probabilities [V] (unnormalised after top-p: multinomial
+    normalises): temperature, then top-k (the k largest logits, and any tied with the k-th), then top-p."""
     logits = logits / params.temperature
     if params.top_k is not None:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
@@ -196,7 +202,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     probs = torch.softmax(logits, -1)
     if params.top_p is not None:
         probs = probs * top_p_mask(probs, params.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
 
 
 def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
@@ -240,7 +246,8 @@ class Engine:
     """Continuous batching (Megatron's DynamicInferenceEngine; Yu et al. 2022, Orca): requests are added at any
     time; each step admits waiting requests (first come, first served) while there are fewer than max_batch running
     and the free blocks cover every running request's worst case, runs one forward over all of them, samples one
-    token per request and retires the finished ones, freeing their blocks. Admission reserves the worst case
+    token per request and retires the finished ones, freeing their blocks and forgetting them (the engine keeps
+    only unfinished requests: memory stays flat however many it serves). Admission reserves the worst case
     (prompt + max_tokens − 1 positions), so a running request never waits for a block; vLLM instead admits more
     and preempts (not done here)."""
 
@@ -251,7 +258,8 @@ class Engine:
         self.cache = PagedKVCache(num_blocks, block_size, max_requests=max_batch)
         self.device = next(model.parameters()).device
         self.context = model.config.max_position_embeddings  # the positions the model was built for
-        self.requests: dict[int, Request] = {}  # every request, by id
+        self.requests: dict[int, Request] = {}  # the unfinished requests (waiting or running), by id
+        self.next_id = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
@@ -278,10 +286,11 @@ class Engine:
             raise ValueError(f"logprobs={n!r} must be None or an int in 0..{MAX_LOGPROBS}")
         if unknown := sorted(set(inputs) - set(inspect.signature(self.model.forward).parameters)):
             raise ValueError(f"inputs {unknown}: the model's forward takes no such argument")
-        r = Request(len(self.requests), prompt, params, generator(params, self.device), inputs=inputs)
+        r = Request(self.next_id, prompt, params, generator(params, self.device), inputs=inputs)
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
                              f"positions ({r.max_positions()} positions), the pool has {self.cache.num_blocks}")
+        self.next_id += 1
         self.requests[r.id] = r
         self.waiting.append(r)
         return r.id
@@ -298,8 +307,10 @@ class Engine:
             self.running[-1].slot = self.cache.free_slots.pop()
 
     @torch.no_grad()
-    def step(self) -> list[tuple[int, int, bool]]:
-        """One forward over the running batch: (request id, sampled token, finished) for each running request."""
+    def step(self) -> list[Request]:
+        """One forward over the running batch: the requests it ran, each with its new token last in `output` and a
+        `finish_reason` if it finished. A finished request is the engine's no more: the caller's object is its only
+        reference (nothing of a request is kept after it ends)."""
         self.admit()
         if not self.running:
             return []
@@ -316,7 +327,6 @@ class Engine:
         logits = self.model(ids[None], position_ids=pos[None], mask=mask[None, None],
                             inference_context=self.cache, **inputs)[0]  # [T, V]
         last = torch.tensor(counts, device=self.device).cumsum(0) - 1  # each request's last token in the row
-        out = []
         for r, n, row in zip(batch, counts, logits[last]):
             r.cached += n
             r.output.append(sample(row, r.params, r.generator))
@@ -328,30 +338,35 @@ class Engine:
                 r.finish_reason = "length"
             if r.finish_reason is not None:
                 self.retire(r)
-            out.append((r.id, r.output[-1], r.finish_reason is not None))
-        return out
+        return batch
 
     def abort(self, request_id: int):
-        """Finish a request now (a client that went away): out of the queue or the batch, its blocks freed."""
-        r = self.requests[request_id]
-        if r.finish_reason is None:
+        """Finish a request now (a client that went away): out of the queue or the batch, its blocks freed. A request
+        already finished (or unknown) is left alone."""
+        r = self.requests.get(request_id)
+        if r is not None:
             r.finish_reason = "abort"
-            self.waiting = [w for w in self.waiting if w is not r]
             if any(w is r for w in self.running):
                 self.retire(r)
+            else:
+                self.waiting = [w for w in self.waiting if w is not r]
+                del self.requests[r.id]
 
     def retire(self, r: Request):
-        """Out of the batch: its blocks and its state slot go back to the pool at once."""
+        """Out of the batch and the engine: its blocks and its state slot go back to the pool at once."""
         self.running.remove(r)
         self.cache.release(r.blocks)
         self.cache.free_slots.append(r.slot)
         r.blocks, r.slot = [], None
+        self.requests.pop(r.id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def run(self) -> dict[int, list[int]]:
-        """Step until every request added so far has finished: request id -> its sampled tokens."""
+        """Step until every request added so far has finished: request id -> its sampled tokens (of each one not
+        finished before the call)."""
+        requests = dict(self.requests)
         while self.has_unfinished():
             self.step()
-        return {i: r.output for i, r in self.requests.items()}
+        return {i: r.output for i, r in requests.items()}

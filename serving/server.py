@@ -114,12 +114,12 @@ class Loop:
             self.live.pop(rid, None)
             self.callbacks.pop(key, None)
 
-    def advance(self, rid: int, token: int, finished: bool):
+    def advance(self, r: serve.Request):
         """The text a request's new token adds (held back while it may be the start of a stop string or of a
-        character whose bytes are not all out yet), and its end."""
+        character whose bytes are not all out yet), and its end (then nothing of it stays here)."""
+        rid, token, reason = r.id, r.output[-1], r.finish_reason
         key, stops, sent = self.live[rid]
-        r = self.engine.requests[rid]
-        reason = r.finish_reason if finished else None
+        finished = reason is not None
         ids = r.output[:-1] if reason == "stop" else r.output  # a stop token is not part of the text
         text = self.tok.decode(ids)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
@@ -150,9 +150,9 @@ class Loop:
                 return
             for c in cmds:
                 self.apply(c)
-            for rid, token, finished in self.engine.step():
-                if rid in self.live:
-                    self.advance(rid, token, finished)
+            for r in self.engine.step():
+                if r.id in self.live:
+                    self.advance(r)
 
 
 # ---------------------------------------------------------------------------------------------- the API's shapes

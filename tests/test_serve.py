@@ -23,7 +23,9 @@
   - LLaVA: a request's image (add_request(..., pixel_values=)) goes with its prompt; two image prefills in one step
     are stacked in the row's order: greedy tokens equal the whole forward's (recomputed each step, learned positions
     and RoPE) and generate_one's; negative control: the row's images in reverse order fail the comparison;
-  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities);
+  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities); top-k the k
+    largest logits (hand-built); admission counts the blocks promised to running requests (a workload that
+    overfills the pool otherwise); nothing of a request is kept once it ends (no Request alive, pool all free);
   - logprobs (N = 0..20 per request): the engine's equal generate_one's and the log_softmax of the whole sequence's
     forward (TOL32, float32); a value outside 0..20 is refused; negative control: logprobs of the tempered logits.
 Tolerance: tokens are compared exactly; the logits each token was sampled from, 1e-10 relative to the whole
@@ -60,26 +62,29 @@ def workload(seed=0, n=6):
     return out
 
 
-def serve_all(engine, work, params, each_step=None):
-    """Add each request at its arrival step, step until all finish: the tokens of each request in `work`'s order."""
-    ids, t = {}, 0
-    while len(ids) < len(work) or engine.has_unfinished():
+def serve_all(engine, work, params, each_step=None, requests=None):
+    """Add each request at its arrival step, step until all finish: the tokens of each request in `work`'s order
+    (and its Request appended to `requests`, in that order: the engine keeps none once finished)."""
+    reqs, t = {}, 0
+    while len(reqs) < len(work) or engine.has_unfinished():
         for i, (arrive, prompt, max_tokens) in enumerate(work):
             if arrive == t:
-                ids[i] = engine.add_request(prompt, params(i, max_tokens))
+                reqs[i] = engine.requests[engine.add_request(prompt, params(i, max_tokens))]
         engine.step()
         if each_step is not None:
             each_step(engine)
         t += 1
-    return [engine.requests[ids[i]].output for i in range(len(work))]
+    if requests is not None:
+        requests += [reqs[i] for i in range(len(work))]
+    return [reqs[i].output for i in range(len(work))]
 
 
 def greedy(i, max_tokens, stop=()):
     return serve.SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop)
 
 
-def assert_greedy_equals_generate(model, engine, work, stop=(), each_step=None):
-    got = serve_all(engine, work, lambda i, m: greedy(i, m, stop), each_step)
+def assert_greedy_equals_generate(model, engine, work, stop=(), each_step=None, requests=None):
+    got = serve_all(engine, work, lambda i, m: greedy(i, m, stop), each_step, requests)
     for (_, prompt, max_tokens), tokens in zip(work, got):
         ref = gpt.generate(model, torch.tensor([prompt]), max_tokens, temperature=0, eod=list(stop) or None,
                            use_cache=False)[0, len(prompt):].tolist()
@@ -101,12 +106,13 @@ def test_continuous_batching_greedy_equals_generate(cfg, monkeypatch):
     # a stop id: the 4th token the oracle gives the longest request, so that it stops early
     j = max(range(len(work)), key=lambda i: work[i][2])
     stop = (gpt.generate(model, torch.tensor([work[j][1]]), 4, temperature=0, use_cache=False)[0, -1].item(),)
-    got = assert_greedy_equals_generate(model, engine, work, stop)
+    requests = []
+    got = assert_greedy_equals_generate(model, engine, work, stop, requests=requests)
     assert got[j][-1] == stop[0] and len(got[j]) <= 4 < work[j][2]  # it stopped at the stop id
-    assert {r.finish_reason for r in engine.requests.values()} == {"stop", "length"}
+    assert {r.finish_reason for r in requests} == {"stop", "length"}
     assert len({len(t) for t in got}) >= 4, "the requests should finish at different steps"
     assert len(set(sum(got, []))) >= 8, "a degenerate generation compares nothing"
-    for r in engine.requests.values():  # the logits too: the whole sequence's forward, at each sampled position
+    for r in requests:  # the logits too: the whole sequence's forward, at each sampled position
         full = model(torch.tensor([r.prompt + r.output[:-1]]))[0, len(r.prompt) - 1:]  # [len(output), V]
         assert rel_err(torch.stack(rows[id(r.generator)]), full) <= 1e-10
     assert max(len(s) for s in steps) == 4  # max_batch requests ran together
@@ -122,7 +128,8 @@ def assert_batch_independent(model, work):
     for i, (_, prompt, max_tokens) in enumerate(work):
         alone = serve.Engine(model, 40, 4, max_batch=1)
         alone.add_request(prompt, params(i, max_tokens))
-        assert alone.run()[0] == together[i], f"request {i}: alone {alone.requests[0].output}, batched {together[i]}"
+        tokens = alone.run()[0]
+        assert tokens == together[i], f"request {i}: alone {tokens}, batched {together[i]}"
         assert serve.generate_one(model, prompt, params(i, max_tokens)) == together[i], f"request {i}: oracle"
 
 
@@ -195,11 +202,12 @@ def test_an_aborted_request_frees_its_blocks_and_the_rest_go_on():
     engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4)
     a, b, c = (engine.add_request(p, greedy(0, 8)) for p in ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10]))
     engine.step()
+    rb, rc = engine.requests[b], engine.requests[c]
     engine.abort(b)  # running: its blocks go back at once
     engine.abort(c)
     block_invariant(engine)
     out = engine.run()
-    assert engine.requests[b].finish_reason == engine.requests[c].finish_reason == "abort" and len(out[b]) == 1
+    assert rb.finish_reason == rc.finish_reason == "abort" and len(rb.output) == 1 and sorted(out) == [a]
     ref = gpt.generate(model, torch.tensor([[1, 2, 3, 4, 5]]), 8, temperature=0, use_cache=False)
     assert out[a] == ref[0, 5:].tolist()
     assert sorted(engine.cache.free) == list(range(20))
@@ -230,6 +238,60 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
     with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
         engine.add_request([1], serve.SamplingParams(top_p=0))
+
+
+def test_top_k_keeps_the_k_largest_logits():
+    """top-k on hand-built logits: the k largest (and any tied with the k-th) keep their softmax share, the others
+    none; and sample() draws from exactly them. (Mutant checked: masking `logits <= kth`, k-1 kept, fails both.)"""
+    logits = torch.tensor([1.0, 4.0, 2.0, 8.0, 1.0, 2.0]).log()  # softmax: these numbers over their sum
+    for k, kept in [(1, [3]), (2, [1, 3]), (3, [1, 2, 3, 5]), (6, list(range(6))), (9, list(range(6)))]:
+        want = torch.zeros(6)
+        want[kept] = logits.exp()[kept] / logits.exp()[kept].sum()
+        got = serve.distribution(logits, serve.SamplingParams(top_k=k))
+        assert (got - want).abs().max() <= 1e-6, (k, got, want)
+    g = torch.Generator().manual_seed(0)
+    draws = {serve.sample(logits, serve.SamplingParams(top_k=2), g) for _ in range(200)}
+    assert draws == {1, 3}, draws  # (both: token 1 has probability 1/3 each draw)
+
+
+def test_admission_counts_the_blocks_promised_to_running_requests():
+    """A workload that overfills the pool unless admission counts the blocks running requests will still take: in 4
+    blocks of 4, A (2 + 10 tokens: 3 blocks at worst) holds 1 after its prefill; B (3 + 10: 3 blocks) arrives next
+    step with 3 free, 2 of them promised to A. B waits until A ends; both are the oracle's tokens, every block free
+    or held by one. (Mutant checked: admission ignoring the promised blocks admits B, and A's third block is not
+    there: allocate's assertion.)"""
+    model = gpt.Model(gpt.Config(**GPT))
+    together = []
+    assert_greedy_equals_generate(model, serve.Engine(model, num_blocks=4, block_size=4, max_batch=4),
+                                  [(0, [1, 2], 10), (1, [3, 4, 5], 10)],
+                                  each_step=lambda e: (block_invariant(e), together.append(len(e.running))))
+    assert max(together) == 1 and len(together) == 20  # one at a time: B waited (10 steps each)
+
+
+def test_nothing_of_a_request_is_kept_after_it_ends():
+    """Many requests, ended every way (length, a stop id, aborted while waiting and while running): once they end the
+    engine holds nothing of them: no request in `requests`, the queue or the batch, every block and state slot free,
+    and no Request alive at all (weak references; the caller keeps none). (Mutant checked: `retire` leaving the
+    request in `requests`, as before, fails it.)"""
+    import gc
+    import weakref
+    model = gpt.Model(gpt.Config(**GPT))
+    engine, rng, alive = serve.Engine(model, num_blocks=12, block_size=4, max_batch=3), random.Random(5), []
+    for t in range(60):
+        if t < 40:
+            for _ in range(rng.randint(0, 2)):
+                prompt = [rng.randrange(GPT["vocab_size"]) for _ in range(rng.randint(1, 8))]
+                rid = engine.add_request(prompt, serve.SamplingParams(max_tokens=rng.randint(1, 8), temperature=1.0,
+                                                                      top_k=20, stop=(7, 11, 13)))
+                alive.append(weakref.ref(engine.requests[rid]))
+        if t % 7 == 3 and engine.requests:
+            engine.abort(rng.choice(sorted(engine.requests)))  # a waiting or a running one
+        engine.step()
+    assert not engine.has_unfinished() and len(alive) > 30
+    assert engine.requests == {} and engine.waiting == [] and engine.running == []
+    assert sorted(engine.cache.free) == list(range(12)) and sorted(engine.cache.free_slots) == [0, 1, 2]
+    gc.collect()
+    assert [w() for w in alive if w() is not None] == []
 
 
 
@@ -328,15 +390,16 @@ def image_work(model, seed=6):
 
 
 def assert_image_requests_equal_their_oracles(model):
-    engine, work, ids, t = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4), image_work(model), {}, 0
+    engine, work, reqs, t = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4), image_work(model), {}, 0
     params = lambda m: serve.SamplingParams(max_tokens=m, temperature=0, stop=(100,))  # never feed an image token
-    while len(ids) < len(work) or engine.has_unfinished():
+    while len(reqs) < len(work) or engine.has_unfinished():
         for i, (arrive, prompt, m, px) in enumerate(work):
             if arrive == t:
-                ids[i] = engine.add_request(prompt, params(m), **({} if px is None else {"pixel_values": px}))
+                reqs[i] = engine.requests[engine.add_request(prompt, params(m),
+                                                             **({} if px is None else {"pixel_values": px}))]
         engine.step()
         t += 1
-    outs = [engine.requests[ids[i]].output for i in range(len(work))]
+    outs = [reqs[i].output for i in range(len(work))]
     assert len(set(sum(outs, []))) >= 8
     for (_, prompt, m, px), tokens in zip(work, outs):
         inputs = {} if px is None else {"pixel_values": px}
@@ -377,8 +440,8 @@ def assert_logprobs_match(model):
         return serve.SamplingParams(max_tokens=max_tokens, temperature=[0, 0.9][i % 2], top_k=[None, 30][i % 2],
                                     seed=200 + i, logprobs=n_top[i])
     engine = serve.Engine(model, 40, 4, max_batch=4)
-    got = serve_all(engine, work, params)
-    requests = {r.params.seed - 200: r for r in engine.requests.values()}  # by work index (ids follow arrival)
+    requests = []
+    got = serve_all(engine, work, params, requests=requests)
     for i, ((_, prompt, max_tokens), tokens) in enumerate(zip(work, got)):
         r, oracle = requests[i], []
         assert serve.generate_one(model, prompt, params(i, max_tokens), logprobs=oracle) == tokens

@@ -7,7 +7,9 @@
   - stop strings cut the text before the first stop and end the request with finish_reason "stop"; a seeded sampled
     request is reproducible and n=2 gives two choices;
   - bad requests get a 400 in OpenAI's error shape (an unknown model, a prompt longer than the context, a negative
-    max_tokens, a wrong type, malformed JSON, an empty message list) and the server answers the next request;
+    max_tokens, a wrong type, malformed JSON, an empty message list, a token id = the vocabulary size) and the
+    server answers the next request; a non-streamed usage's total_tokens is prompt + completion;
+  - the engine loop keeps nothing of a request once it has ended (by length, stop, refusal or its client's abort);
   - SIGTERM stops the server: it exits 0 (at TP 2, every rank leaves cleanly; torchrun itself exits 1 on a signal).
 Tolerance: tokens are compared exactly. The server's logits come from a packed batch (and at TP 2 from split matmuls),
 the oracle's from one sequence's forward: float32 sums in another order, ~1e-6 apart. So the prompts are checked to
@@ -240,6 +242,55 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
     assert status == 400 and set(err["error"]) == {"message", "type", "param", "code"}, err
     assert err["error"]["type"] == "invalid_request_error" and err["error"]["param"] == param, err
     assert complete(server.client, "x", max_tokens=2)[1] == "length"  # still serving
+
+
+def test_the_vocabulary_edge_is_refused_and_usage_adds_up(server, oracle):
+    """A token id equal to the vocabulary size is refused (400, param "prompt"), the last id is served; a
+    non-streamed answer's usage: total_tokens = prompt_tokens + completion_tokens, for completions and chat. (Mutants
+    checked: the range check `<= vocabulary size` passes the first, or kills the engine thread; the non-streamed
+    total left at the prompt's count fails the second.)"""
+    _, tok = oracle
+    v = tok.get_vocab_size()
+    status, err = server.post("completions", json.dumps({"model": "run", "prompt": [5, v]}).encode())
+    assert status == 400 and err["error"]["param"] == "prompt" and f"[0, {v})" in err["error"]["message"], err
+    r = server.client.completions.create(model="run", prompt=[5, v - 1], max_tokens=3, temperature=0)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (2, 3, 5)
+    messages = [{"role": "user", "content": "hi"}]
+    c = server.client.chat.completions.create(model="run", messages=messages, max_tokens=4, temperature=0, n=2)
+    prompt = len(recipes.chat_prompt_ids(messages, tok))
+    assert c.usage.prompt_tokens == prompt and 2 <= c.usage.completion_tokens <= 8
+    assert c.usage.total_tokens == prompt + c.usage.completion_tokens
+
+
+def test_the_loop_keeps_nothing_after_requests_end(run, oracle):
+    """server.Loop (one process, no HTTP) over requests ended every way: by length, by the end-of-document id, by a
+    stop string, refused (too long), aborted by their client: once all have ended, neither the loop (callbacks,
+    live requests, keys) nor the engine holds anything of them. (Mutant checked: `advance` not dropping a finished
+    request's key fails it.)"""
+    from serving import server
+    answer, tok = oracle
+    loaded = checkpoint.load_model(run)
+    loop = server.Loop(serve.Engine(loaded.model, 32, 8, 4), loaded.tok, 1, 0)
+    eod = tokenizer_files.special_ids(tok)["eod"]
+    text, _ = answer(tok.encode(PROMPTS[2]).ids, [eod])
+    ended, gone = [], [f"gone{i}" for i in range(3)]
+    work = [(f"p{i}-{j}", PROMPTS[i], []) for i in range(len(PROMPTS)) for j in range(2)]
+    work += [("cut", PROMPTS[2], [text[4:6]]), ("long", "x " * 80, [])] + [(k, PROMPTS[0], []) for k in gone]
+
+    def on(key, ev):
+        if ev[0] == "accepted" and key in gone:
+            loop.submit(("abort", key))  # the client went away
+        if ev[0] == "error" or ev[0] == "token" and ev[3] is not None:
+            ended.append((key, ev[0] if ev[0] == "error" else ev[3]))
+            if len(ended) == len(work) - len(gone):
+                loop.submit(("stop", None))
+    for key, prompt, stops in work:
+        params = serve.SamplingParams(max_tokens=MAX, temperature=0, seed=0, stop=(eod,))
+        loop.submit(("add", key, tok.encode(prompt).ids, params, stops), lambda ev, key=key: on(key, ev))
+    loop.run()
+    assert ("cut", "stop") in ended and ("long", "error") in ended and len(ended) == len(work) - len(gone)
+    assert loop.callbacks == {} and loop.live == {} and loop.ids == {} and loop.inbox.empty()
+    assert loop.engine.requests == {} and not loop.engine.has_unfinished()
 
 
 def test_the_openai_client_raises_on_400(server):

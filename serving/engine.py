@@ -68,8 +68,13 @@ class Request:
     logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
 
     def pending(self) -> list[int]:
-        """The tokens this step feeds: the whole prompt first (prefill), then the last sampled token (decode)."""
-        return self.prompt if self.cached == 0 else self.output[-1:]
+        """The tokens this step feeds: the whole prompt first (prefill; after a preemption, the prompt and every
+        token sampled so far: their keys are recomputed), then the last sampled token (decode)."""
+        return self.prompt + self.output if self.cached == 0 else self.output[-1:]
+
+    def next_positions(self) -> int:
+        """Positions it holds once this step's tokens are cached."""
+        return self.cached + len(self.pending())
 
     def max_positions(self) -> int:
         """Positions it ever caches: the prompt and every sampled token but the last (which is never fed)."""
@@ -248,10 +253,13 @@ class Engine:
     and the free blocks cover every running request's worst case, runs one forward over all of them, samples one
     token per request and retires the finished ones, freeing their blocks and forgetting them (the engine keeps
     only unfinished requests: memory stays flat however many it serves). Admission reserves the worst case
-    (prompt + max_tokens − 1 positions), so a running request never waits for a block; vLLM instead admits more
-    and preempts (not done here)."""
+    (prompt + max_tokens − 1 positions), so a running request never waits for a block. With preempt=True, vLLM's
+    policy instead: admission asks only for the blocks of the request's first step (beside those the running
+    requests take this step), and when the pool cannot hold every running request's next block the newest is
+    preempted: its blocks and slot freed, it goes back to the head of the queue and, readmitted, recomputes its
+    keys from its prompt and the tokens it has sampled (vLLM's recompute mode); its answer is unchanged."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, max_batch: int):
+    def __init__(self, model, num_blocks: int, block_size: int, max_batch: int, preempt: bool = False):
         if min(num_blocks, block_size, max_batch) < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}, max_batch={max_batch}: each must be >= 1")
         self.model, self.max_batch = model.eval(), max_batch  # eval: no dropout while serving
@@ -262,6 +270,7 @@ class Engine:
         self.next_id = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.preempt, self.preemptions = preempt, 0  # (the count: how many times a request was preempted)
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.cache.block_size)
@@ -295,11 +304,16 @@ class Engine:
         self.waiting.append(r)
         return r.id
 
+    def needs(self, r: Request) -> int:
+        """The blocks admission keeps for a request beyond those it holds: its worst case, or (preempt) its next
+        step's."""
+        return self.blocks_for(r.next_positions() if self.preempt else r.max_positions()) - len(r.blocks)
+
     def admit(self):
-        """Move waiting requests into the batch while a slot and their worst-case blocks are free."""
-        promised = sum(self.blocks_for(r.max_positions()) - len(r.blocks) for r in self.running)
+        """Move waiting requests into the batch while a slot and the blocks they need are free."""
+        promised = sum(self.needs(r) for r in self.running)
         while self.waiting and len(self.running) < self.max_batch:
-            need = self.blocks_for(self.waiting[0].max_positions())
+            need = self.needs(self.waiting[0])
             if need > len(self.cache.free) - promised:
                 break
             promised += need
@@ -312,6 +326,12 @@ class Engine:
         `finish_reason` if it finished. A finished request is the engine's no more: the caller's object is its only
         reference (nothing of a request is kept after it ends)."""
         self.admit()
+        while self.preempt and sum(self.needs(r) for r in self.running) > len(self.cache.free):
+            r = self.running[-1]  # the newest: out of the batch, back to the head of the queue
+            self.release(r)
+            r.cached = 0
+            self.waiting.insert(0, r)
+            self.preemptions += 1
         if not self.running:
             return []
         batch, counts = list(self.running), [len(r.pending()) for r in self.running]
@@ -352,12 +372,16 @@ class Engine:
                 self.waiting = [w for w in self.waiting if w is not r]
                 del self.requests[r.id]
 
-    def retire(self, r: Request):
-        """Out of the batch and the engine: its blocks and its state slot go back to the pool at once."""
+    def release(self, r: Request):
+        """Out of the batch: its blocks and its state slot go back to the pool at once."""
         self.running.remove(r)
         self.cache.release(r.blocks)
         self.cache.free_slots.append(r.slot)
         r.blocks, r.slot = [], None
+
+    def retire(self, r: Request):
+        """Out of the batch and the engine."""
+        self.release(r)
         self.requests.pop(r.id)
 
     def has_unfinished(self) -> bool:

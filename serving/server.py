@@ -377,6 +377,9 @@ def parse_args(argv=None):
                    "max_num_seqs)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
     p.add_argument("--num-blocks", type=int, help="blocks in the KV cache (default: a full batch of full contexts)")
+    p.add_argument("--preemption", action="store_true", help="admit requests on their prompt's blocks and, when "
+                   "the cache runs short, preempt the newest and recompute it later (vLLM's policy; default: each "
+                   "request's worst case reserved at admission)")
     return p.parse_args(argv)
 
 
@@ -450,7 +453,7 @@ def main(argv=None):
                           "model generates (its model file declares no sample_ids)")
     context = run.model.config.max_position_embeddings
     blocks = a.num_blocks or a.max_batch * -(-context // a.block_size)
-    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch), run.tok, world, rank)
+    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption), run.tok, world, rank)
     if rank:
         loop.run()
     else:

@@ -26,6 +26,9 @@
   - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities); top-k the k
     largest logits (hand-built); admission counts the blocks promised to running requests (a workload that
     overfills the pool otherwise); nothing of a request is kept once it ends (no Request alive, pool all free);
+  - preemption (preempt=True, vLLM's recompute mode): in a pool too small for the running requests, the newest are
+    preempted and recomputed: greedy tokens are the oracle's, seeded sampled ones generate_one's (Llama and a Mamba
+    hybrid); negative control: recomputing from the prompt alone (the sampled tokens' keys lost) fails;
   - logprobs (N = 0..20 per request): the engine's equal generate_one's and the log_softmax of the whole sequence's
     forward (TOL32, float32); a value outside 0..20 is refused; negative control: logprobs of the tempered logits.
 Tolerance: tokens are compared exactly; the logits each token was sampled from, 1e-10 relative to the whole
@@ -475,3 +478,39 @@ def test_logprobs_out_of_range_are_refused(n):
     engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
     with pytest.raises(ValueError, match=rf"^logprobs={n} must be None or an int in 0\.\.20$"):
         engine.add_request([1], serve.SamplingParams(logprobs=n))
+
+
+# --------------------------------------------------------------------------------------- preemption
+def preempting_run(model, work, params, each_step=None):
+    """`work` through a pool too small for its requests' worst cases at once, with preemption (vLLM's recompute
+    mode): the tokens of each request, and the engine."""
+    engine = serve.Engine(model, num_blocks=7, block_size=4, max_batch=4, preempt=True)
+    got = serve_all(engine, work, params, lambda e: (block_invariant(e), slot_invariant(e),
+                                                     each_step and each_step(e)))
+    assert engine.preemptions >= 2 and sorted(engine.cache.free) == list(range(7)), engine.preemptions
+    return got, engine
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, "hybrid"], ids=["llama", "mamba-hybrid"])
+def test_preempted_requests_recompute_the_same_answer(cfg):
+    """When the pool cannot hold every running request's next block, the newest is preempted (its blocks and state
+    slot freed), requeued first and recomputed from its prompt and the tokens it had sampled: greedy, each request's
+    tokens are gpt.generate's alone; sampled with a seed, generate_one's (its own generator goes on where it was)."""
+    model = hybrid() if cfg == "hybrid" else gpt.Model(gpt.Config(**cfg))
+    work = workload(seed=6, n=8)
+    got, _ = preempting_run(model, work, lambda i, m: greedy(i, m))
+    for (_, prompt, max_tokens), tokens in zip(work, got):
+        assert tokens == serve.generate_one(model, prompt, greedy(0, max_tokens)), "greedy"
+    sampled = lambda i, m: serve.SamplingParams(max_tokens=m, temperature=0.9, top_k=40, seed=300 + i)
+    got, _ = preempting_run(model, work, sampled)
+    for i, ((_, prompt, max_tokens), tokens) in enumerate(zip(work, got)):
+        assert tokens == serve.generate_one(model, prompt, sampled(i, max_tokens)), f"request {i}: sampled"
+
+
+def test_a_preemption_that_forgets_the_sampled_tokens_is_caught(monkeypatch):
+    """Negative control: recomputing a preempted request from its prompt alone (its sampled tokens' keys lost)."""
+    monkeypatch.setattr(serve.Request, "pending", lambda r: r.prompt if r.cached == 0 else r.output[-1:])
+    model = gpt.Model(gpt.Config(**LLAMA))
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        engine = serve.Engine(model, num_blocks=7, block_size=4, max_batch=4, preempt=True)
+        assert_greedy_equals_generate(model, engine, workload(seed=6, n=8))

@@ -380,6 +380,9 @@ def parse_args(argv=None):
     p.add_argument("--preemption", action="store_true", help="admit requests on their prompt's blocks and, when "
                    "the cache runs short, preempt the newest and recompute it later (vLLM's policy; default: each "
                    "request's worst case reserved at admission)")
+    p.add_argument("--enable-prefix-caching", action="store_true", help="keep full KV blocks under their token "
+                   "prefix, for later requests that begin alike (a shared system prompt computed once; not for "
+                   "models with recurrent layers)")
     return p.parse_args(argv)
 
 
@@ -453,7 +456,8 @@ def main(argv=None):
                           "model generates (its model file declares no sample_ids)")
     context = run.model.config.max_position_embeddings
     blocks = a.num_blocks or a.max_batch * -(-context // a.block_size)
-    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption), run.tok, world, rank)
+    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption,
+                             a.enable_prefix_caching), run.tok, world, rank)
     if rank:
         loop.run()
     else:

@@ -29,6 +29,10 @@
   - preemption (preempt=True, vLLM's recompute mode): in a pool too small for the running requests, the newest are
     preempted and recomputed: greedy tokens are the oracle's, seeded sampled ones generate_one's (Llama and a Mamba
     hybrid); negative control: recomputing from the prompt alone (the sampled tokens' keys lost) fails;
+  - prefix caching: a shared system prompt's full blocks are computed once (the exact tokens saved counted), cached
+    blocks are evicted least recently used first in a small pool, the block counts right at every step, the tokens
+    the oracle's; a model with recurrent layers is refused by name; negative control: blocks cached under their own
+    tokens (not the whole prefix) fail;
   - logprobs (N = 0..20 per request): the engine's equal generate_one's and the log_softmax of the whole sequence's
     forward (TOL32, float32); a value outside 0..20 is refused; negative control: logprobs of the tempered logits.
 Tolerance: tokens are compared exactly; the logits each token was sampled from, 1e-10 relative to the whole
@@ -38,6 +42,7 @@ from repeating one token, so the comparison means something.
 """
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -514,3 +519,68 @@ def test_a_preemption_that_forgets_the_sampled_tokens_is_caught(monkeypatch):
     with pytest.raises(AssertionError, match="differ from gpt.generate's"):
         engine = serve.Engine(model, num_blocks=7, block_size=4, max_batch=4, preempt=True)
         assert_greedy_equals_generate(model, engine, workload(seed=6, n=8))
+
+
+# --------------------------------------------------------------------------------------- prefix caching
+def shared_invariant(engine):
+    """With shared blocks: each block's count is the running tables holding it, and every block is free, cached
+    and held by none (evictable), or held; a free block is in no prefix."""
+    c, held = engine.cache, collections.Counter(b for r in engine.running for b in r.blocks)
+    assert all(c.refs[b] == held[b] for b in range(c.num_blocks)), "block counts"
+    assert sorted(c.free + list(c.evictable) + list(held)) == list(range(c.num_blocks)), "blocks free, cached or held"
+    assert set(c.evictable) <= set(c.prefix_of) and not set(c.free) & set(c.prefix_of)
+
+
+SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # a "system prompt": two full blocks of 4 and two tokens
+
+
+def test_a_shared_prefix_is_computed_once():
+    """Requests beginning with one system prompt, arriving after the first has run its prompt: each takes its two
+    full blocks from the cache (8 tokens fewer computed each, 40 in all), and the tokens are gpt.generate's. An
+    identical 8-token prompt takes one block only: its last token is computed, for the logits."""
+    model = gpt.Model(gpt.Config(**LLAMA))
+    work = [(t, SYSTEM + [10 + t] * (1 + t % 3), 6) for t in range(6)] + [(6, SYSTEM[:8], 6)]
+    computed = {}
+    for caching in (False, True):
+        engine = serve.Engine(model, num_blocks=40, block_size=4, max_batch=8, prefix_caching=caching)
+        assert_greedy_equals_generate(model, engine, work, each_step=shared_invariant)
+        computed[caching] = engine.computed
+    assert computed[False] - computed[True] == 5 * 8 + 4, computed
+
+
+def test_cached_blocks_are_evicted_least_recently_used_first():
+    """A pool too small to keep every prefix: cached blocks no request holds are evicted when new ones are needed,
+    the tokens stay gpt.generate's and the block counts right at every step."""
+    model = gpt.Model(gpt.Config(**LLAMA))
+    rng = random.Random(8)
+    heads = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
+    work = [(t, heads[t % 3] + [rng.randrange(100) for _ in range(rng.randint(1, 5))], rng.randint(2, 6))
+            for t in range(12)]
+    cached = []
+    engine = serve.Engine(model, num_blocks=10, block_size=4, max_batch=2, prefix_caching=True)
+    assert_greedy_equals_generate(model, engine, work, each_step=lambda e: (
+        shared_invariant(e), cached.append(len(e.cache.prefix_of))))
+    assert any(b < a for a, b in zip(cached, cached[1:])), "no cached block was ever evicted"
+    assert engine.computed < sum(len(p) + m - 1 for _, p, m in work)  # some prefixes were reused
+
+
+def test_blocks_cached_under_their_own_tokens_alone_are_caught(monkeypatch):
+    """Negative control: a block cached under its own tokens, not the whole prefix: a prompt whose first block's
+    tokens are another's second block takes keys computed after another start, and its tokens differ."""
+    monkeypatch.setattr(serve.PagedKVCache, "key", lambda self, tokens, i: tuple(
+        tokens[i * self.block_size:(i + 1) * self.block_size]))
+    model = gpt.Model(gpt.Config(**LLAMA))
+    engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4, prefix_caching=True)
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        assert_greedy_equals_generate(model, engine, [(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], 6),
+                                                      (1, [5, 6, 7, 8, 5, 6, 7, 8, 10], 6)])
+
+
+def test_prefix_caching_refuses_recurrent_layers():
+    """A Mamba hybrid's recurrent state is not in the blocks: a cached prefix cannot be resumed, and says so."""
+    engine = serve.Engine(hybrid(), num_blocks=20, block_size=4, max_batch=2, prefix_caching=True)
+    engine.add_request(SYSTEM, greedy(0, 2))
+    engine.run()
+    engine.add_request(SYSTEM + [7], greedy(0, 2))
+    with pytest.raises(ValueError, match="prefix caching cannot serve a model with recurrent layers"):
+        engine.run()

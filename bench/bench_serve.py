@@ -17,6 +17,9 @@ The model is train.py's default GPT (arguments.py's defaults, vocabulary 8192) w
 --max-position-embeddings raised to the longest prompt + new tokens; --model-args changes its shape (train.py's
 flags); --load RUN serves a trained run instead (checkpoint.load_model; its own context must hold the requests).
 
+--soak N instead: N requests (sampled, seeded) through one engine, the largest --concurrency running, twice as many
+queued; the process's RSS after each tenth of them, and the last against the one after the first tenth.
+
     .venv/bin/python bench/bench_serve.py --concurrency 1 8 --new-tokens 16 --prompt-len 16 32        (~1 min)
     .venv/bin/python bench/bench_serve.py        (the full table: 1, 8, 32 requests of 16-128 + 64 tokens)
 """
@@ -53,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--soak", type=int, metavar="N", help="N requests through one engine, RSS after each tenth")
     return p.parse_args(argv)
 
 
@@ -138,6 +142,34 @@ def memory(engine, prompts, peak: int, new_tokens: int) -> tuple[int, int]:
     return peak * block + states, len(prompts) * max_len * block // engine.cache.block_size + states
 
 
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def soak(model, a):
+    """a.soak requests through one Engine, kept busy (max(a.concurrency) running, as many again queued): the RSS
+    after each tenth have finished."""
+    n, batch, rng = a.soak, max(a.concurrency), random.Random(a.seed)
+    engine = serve.Engine(model, batch * math.ceil((a.prompt_len[1] + a.new_tokens) / a.block_size), a.block_size,
+                          batch)
+    added = done = 0
+    marks, t0 = [], time.perf_counter()
+    while done < n:
+        while added < n and len(engine.requests) < 2 * batch:
+            prompt = [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(*a.prompt_len))]
+            engine.add_request(prompt, serve.SamplingParams(max_tokens=a.new_tokens, temperature=1.0, seed=added))
+            added += 1
+        for r in engine.step():
+            done += r.finish_reason is not None
+            if r.finish_reason is not None and done % max(n // 10, 1) == 0:
+                marks.append(rss_mib())
+                print(f"| {done:,} | {rss_mib():,.1f} MiB | {time.perf_counter() - t0:,.1f} s |", flush=True)
+    print(f"RSS after {n:,} requests / after the first {max(n // 10, 1):,}: {marks[-1] / marks[0]:.4f} "
+          f"(engine: {len(engine.requests)} requests held, {len(engine.cache.free)} of {engine.cache.num_blocks} "
+          "blocks free)")
+
+
 def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -152,6 +184,9 @@ def main(argv=None):
     vocab = model.config.vocab_size
     run_engine(model, requests(2, (4, 8), vocab, a.seed + 1), 4, a.block_size)  # warm-up
     print(f"$ .venv/bin/python bench/bench_serve.py {shlex.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    if a.soak:
+        print("| requests finished | RSS | wall |\n|---|---|---|")
+        return soak(model, a)
     what = f"--load {a.load}" if a.load else "train.py's default GPT" + (f" ({a.model_args})" if a.model_args else "")
     print(f"{what}, {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{next(model.parameters()).dtype}, {a.device}, prompts {a.prompt_len[0]}-{a.prompt_len[1]} tokens, "

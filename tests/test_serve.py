@@ -548,20 +548,24 @@ def test_a_shared_prefix_is_computed_once():
     assert computed[False] - computed[True] == 5 * 8 + 4, computed
 
 
-def test_cached_blocks_are_evicted_least_recently_used_first():
+@pytest.mark.parametrize("preempt", [False, True], ids=["reserving", "preempting"])
+def test_cached_blocks_are_evicted_least_recently_used_first(preempt):
     """A pool too small to keep every prefix: cached blocks no request holds are evicted when new ones are needed,
-    the tokens stay gpt.generate's and the block counts right at every step."""
+    the tokens stay gpt.generate's and the block counts right at every step; with preemption too (a preempted
+    request's cached blocks are there for it when it comes back, unless evicted)."""
     model = gpt.Model(gpt.Config(**LLAMA))
     rng = random.Random(8)
     heads = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
     work = [(t, heads[t % 3] + [rng.randrange(100) for _ in range(rng.randint(1, 5))], rng.randint(2, 6))
             for t in range(12)]
     cached = []
-    engine = serve.Engine(model, num_blocks=10, block_size=4, max_batch=2, prefix_caching=True)
+    engine = serve.Engine(model, num_blocks=6 if preempt else 10, block_size=4, max_batch=4 if preempt else 2,
+                          preempt=preempt, prefix_caching=True)
     assert_greedy_equals_generate(model, engine, work, each_step=lambda e: (
         shared_invariant(e), cached.append(len(e.cache.prefix_of))))
     assert any(b < a for a, b in zip(cached, cached[1:])), "no cached block was ever evicted"
     assert engine.computed < sum(len(p) + m - 1 for _, p, m in work)  # some prefixes were reused
+    assert (engine.preemptions > 0) == preempt, engine.preemptions
 
 
 def test_blocks_cached_under_their_own_tokens_alone_are_caught(monkeypatch):

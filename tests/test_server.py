@@ -308,7 +308,9 @@ def test_sigterm_stops_the_server_cleanly(server):  # (the module's server: the 
 
 
 def test_tensor_parallel_serves_the_same_tokens(run, oracle):
-    s = Server(run, 2)
+    """At TP 2, with preemption and prefix caching on and a pool of 12 blocks of 4 (three requests' worst cases): the
+    eight clients at once still get the oracle's answers."""
+    s = Server(run, 2, "--preemption", "--enable-prefix-caching", "--block-size", "4", "--num-blocks", "12")
     try:
         assert_serves_the_oracle(s.client, oracle)
     finally:

@@ -17,6 +17,11 @@ The model is train.py's default GPT (arguments.py's defaults, vocabulary 8192) w
 --max-position-embeddings raised to the longest prompt + new tokens; --model-args changes its shape (train.py's
 flags); --load RUN serves a trained run instead (checkpoint.load_model; its own context must hold the requests).
 
+--soak N instead: N requests (sampled, seeded) through one engine, the largest --concurrency running, twice as many
+queued; the process's RSS after each tenth of them, and the last against the one after the first tenth.
+--system-prompt L instead: the largest --concurrency requests, each an L-token head shared by all and a prompt of its
+own, greedy; one alone first, then the rest: tokens computed and wall time with prefix caching and without.
+
     .venv/bin/python bench/bench_serve.py --concurrency 1 8 --new-tokens 16 --prompt-len 16 32        (~1 min)
     .venv/bin/python bench/bench_serve.py        (the full table: 1, 8, 32 requests of 16-128 + 64 tokens)
 """
@@ -53,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--soak", type=int, metavar="N", help="N requests through one engine, RSS after each tenth")
+    p.add_argument("--system-prompt", type=int, metavar="L", help="a shared L-token head: prefix caching on and off")
     return p.parse_args(argv)
 
 
@@ -93,7 +100,7 @@ def run_engine(model, prompts, new_tokens: int, block_size: int):
     params = serve.SamplingParams(max_tokens=new_tokens, temperature=0)
     blocks = sum(math.ceil((len(p) + new_tokens - 1) / block_size) for p in prompts)  # every worst case at once
     engine = serve.Engine(model, num_blocks=blocks, block_size=block_size, max_batch=len(prompts))
-    ids = [engine.add_request(p, params) for p in prompts]
+    reqs = [engine.requests[engine.add_request(p, params)] for p in prompts]
     peak, done = 0, {}
     allocate = engine.cache.allocate
 
@@ -106,12 +113,12 @@ def run_engine(model, prompts, new_tokens: int, block_size: int):
     sync(engine.device)
     t0 = time.perf_counter()
     while engine.has_unfinished():
-        for rid, _, finished in engine.step():
-            if finished:
-                done[rid] = time.perf_counter() - t0
+        for r in engine.step():
+            if r.finish_reason is not None:
+                done[r.id] = time.perf_counter() - t0
     sync(engine.device)
     wall = time.perf_counter() - t0
-    return [engine.requests[i].output for i in ids], [done[i] for i in ids], wall, peak, engine
+    return [r.output for r in reqs], [done[r.id] for r in reqs], wall, peak, engine
 
 
 def run_sequential(model, prompts, new_tokens: int):
@@ -138,6 +145,56 @@ def memory(engine, prompts, peak: int, new_tokens: int) -> tuple[int, int]:
     return peak * block + states, len(prompts) * max_len * block // engine.cache.block_size + states
 
 
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def soak(model, a):
+    """a.soak requests through one Engine, kept busy (max(a.concurrency) running, as many again queued): the RSS
+    after each tenth have finished."""
+    n, batch, rng = a.soak, max(a.concurrency), random.Random(a.seed)
+    engine = serve.Engine(model, batch * math.ceil((a.prompt_len[1] + a.new_tokens) / a.block_size), a.block_size,
+                          batch)
+    added = done = 0
+    marks, t0 = [], time.perf_counter()
+    while done < n:
+        while added < n and len(engine.requests) < 2 * batch:
+            prompt = [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(*a.prompt_len))]
+            engine.add_request(prompt, serve.SamplingParams(max_tokens=a.new_tokens, temperature=1.0, seed=added))
+            added += 1
+        for r in engine.step():
+            done += r.finish_reason is not None
+            if r.finish_reason is not None and done % max(n // 10, 1) == 0:
+                marks.append(rss_mib())
+                print(f"| {done:,} | {rss_mib():,.1f} MiB | {time.perf_counter() - t0:,.1f} s |", flush=True)
+    print(f"RSS after {n:,} requests / after the first {max(n // 10, 1):,}: {marks[-1] / marks[0]:.4f} "
+          f"(engine: {len(engine.requests)} requests held, {len(engine.cache.free)} of {engine.cache.num_blocks} "
+          "blocks free)")
+
+
+def shared_head(model, a):
+    """max(a.concurrency) greedy requests, a shared a.system_prompt-token head then their own prompts: the first one
+    alone, then the rest; with and without prefix caching: (tokens computed, tokens from the cache, wall s, tokens)."""
+    n, rng = max(a.concurrency), random.Random(a.seed)
+    head = [rng.randrange(model.config.vocab_size) for _ in range(a.system_prompt)]
+    prompts = [head + p for p in requests(n, tuple(a.prompt_len), model.config.vocab_size, a.seed + 1)]
+    params = serve.SamplingParams(max_tokens=a.new_tokens, temperature=0)
+    rows = []
+    for caching in (False, True):
+        engine = serve.Engine(model, n * math.ceil((len(max(prompts, key=len)) + a.new_tokens) / a.block_size),
+                              a.block_size, n, prefix_caching=caching)
+        sync(engine.device)
+        t0 = time.perf_counter()
+        reqs = [engine.requests[engine.add_request(prompts[0], params)]]
+        engine.step()
+        reqs += [engine.requests[engine.add_request(p, params)] for p in prompts[1:]]
+        engine.run()
+        sync(engine.device)
+        rows.append((engine.computed, engine.reused, time.perf_counter() - t0, [r.output for r in reqs]))
+    return rows
+
+
 def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -147,11 +204,22 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    max_len = a.prompt_len[1] + a.new_tokens
+    max_len = a.prompt_len[1] + a.new_tokens + (a.system_prompt or 0)
     model = build(a, max_len)
     vocab = model.config.vocab_size
     run_engine(model, requests(2, (4, 8), vocab, a.seed + 1), 4, a.block_size)  # warm-up
     print(f"$ .venv/bin/python bench/bench_serve.py {shlex.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    if a.soak:
+        print("| requests finished | RSS | wall |\n|---|---|---|")
+        return soak(model, a)
+    if a.system_prompt:
+        (off, _, t_off, out_off), (on, reused, t_on, out_on) = shared_head(model, a)
+        decode = max(a.concurrency) * (a.new_tokens - 1)  # the decode steps' tokens, the same in both
+        print(f"{max(a.concurrency)} requests, a {a.system_prompt}-token head shared: prefill tokens computed "
+              f"{off - decode:,} without prefix caching, {on - decode:,} with ({reused:,} from the cache): "
+              f"{(off - decode) / (on - decode):.2f}× fewer; wall {t_off:.2f} s -> {t_on:.2f} s ({t_off / t_on:.2f}×); "
+              f"same tokens: {'yes' if out_on == out_off else 'NO'}")
+        return
     what = f"--load {a.load}" if a.load else "train.py's default GPT" + (f" ({a.model_args})" if a.model_args else "")
     print(f"{what}, {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{next(model.parameters()).dtype}, {a.device}, prompts {a.prompt_len[0]}-{a.prompt_len[1]} tokens, "

@@ -23,6 +23,7 @@ Dimension glossary
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import math
@@ -61,15 +62,26 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)  # the sampled tokens
     blocks: list[int] = dataclasses.field(default_factory=list)  # the block table: position p -> blocks[p // B]
     cached: int = 0  # positions whose keys and values are in the blocks
+    hashed: int = 0  # its first blocks offered to the prefix cache (or taken from it)
     slot: int | None = None  # its recurrent-state slot while it runs (PagedKVCache.recurrent)
     inputs: dict = dataclasses.field(default_factory=dict)  # the model's own inputs for its prompt (an image)
     finish_reason: str | None = None  # "length", "stop" or "abort" once finished
     # with params.logprobs = N, per sampled token: (its logprob, [(token id, logprob)] of the N most probable first)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
 
+    def tokens(self) -> list[int]:
+        """Its sequence: the prompt, then every sampled token."""
+        return self.prompt + self.output
+
     def pending(self) -> list[int]:
-        """The tokens this step feeds: the whole prompt first (prefill), then the last sampled token (decode)."""
-        return self.prompt if self.cached == 0 else self.output[-1:]
+        """The tokens this step feeds, those not cached: the whole prompt first (prefill; after a preemption, the
+        prompt and every token sampled so far: their keys are recomputed; with a cached prefix, the rest), then the
+        last sampled token (decode)."""
+        return self.tokens()[self.cached:]
+
+    def next_positions(self) -> int:
+        """Positions it holds once this step's tokens are cached."""
+        return self.cached + len(self.pending())
 
     def max_positions(self) -> int:
         """Positions it ever caches: the prompt and every sampled token but the last (which is never fed)."""
@@ -87,7 +99,13 @@ class PagedKVCache:
     each running request holds one of `max_requests` state slots (handed out at admission, back when it finishes,
     as Megatron's dynamic context keeps its "mamba state" per request), and each such layer a buffer per state
     tensor [max_requests, ...], allocated at its first call, never grown. A model without such layers never calls
-    it, and its slots stay bookkeeping only."""
+    it, and its slots stay bookkeeping only.
+
+    Prefix caching (vLLM's automatic prefix caching): a full block is kept under the exact tokens from the sequence's
+    start to its end (`prefixes`), and a later request whose tokens begin alike takes it instead of computing it
+    again; each block counts the block tables holding it (`refs`), and one no table holds but the prefix table does
+    is `evictable`: reusable until a new block is needed and the free list is empty, then the least recently
+    released is evicted."""
 
     def __init__(self, num_blocks: int, block_size: int, max_requests: int = 1):
         self.num_blocks, self.block_size, self.max_requests = num_blocks, block_size, max_requests
@@ -96,13 +114,58 @@ class PagedKVCache:
         self.free_slots = list(range(max_requests))[::-1]  # recurrent-state slots, the next one handed out last
         self.states = {}  # recurrent layer -> its state tensors, each [max_requests, ...]
         self.sequence_len_offset = 0  # the static cache's counter, which gpt.Model.forward advances: unused here
+        self.refs = [0] * num_blocks  # the block tables holding each block
+        self.prefixes = {}  # (prefix caching) a prefix's tokens (a whole number of blocks) -> its last block
+        self.prefix_of = {}  # the reverse: block -> its prefix
+        self.evictable = collections.OrderedDict()  # cached blocks no table holds, least recently released first
+
+    def available(self) -> int:
+        return len(self.free) + len(self.evictable)
 
     def allocate(self, n: int) -> list[int]:
-        assert n <= len(self.free), f"{n} blocks asked, {len(self.free)} free: admission should have prevented it"
-        return [self.free.pop() for _ in range(n)]
+        assert n <= self.available(), (f"{n} blocks asked, {self.available()} free: admission should have "
+                                       "prevented it")
+        out = []
+        for _ in range(n):
+            if self.free:
+                out.append(self.free.pop())
+            else:  # the least recently used cached block, forgotten
+                out.append(self.evictable.popitem(last=False)[0])
+                del self.prefixes[self.prefix_of.pop(out[-1])]
+            self.refs[out[-1]] = 1
+        return out
 
     def release(self, blocks: list[int]):
-        self.free.extend(reversed(blocks))
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if b in self.prefix_of:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+
+    def key(self, tokens: list[int], i: int) -> tuple:
+        """What block i of a sequence holds the keys and values of: every token from the start to its end."""
+        return tuple(tokens[:(i + 1) * self.block_size])
+
+    def lookup(self, tokens: list[int], most: int) -> list[int]:
+        """The cached blocks of the longest prefix of `tokens` (at most `most` blocks), taken."""
+        out = []
+        while len(out) < most and (b := self.prefixes.get(self.key(tokens, len(out)))) is not None:
+            out.append(b)
+            self.refs[b] += 1
+            self.evictable.pop(b, None)
+        return out
+
+    def offer(self, tokens: list[int], table: list[int], start: int) -> int:
+        """Cache the full blocks of a sequence (its `tokens` cached in `table`) from block `start` on; returns the
+        full blocks offered (a prefix cached already keeps its block)."""
+        full = len(tokens) // self.block_size
+        for i in range(start, full):
+            key = self.key(tokens, i)
+            if key not in self.prefixes and table[i] not in self.prefix_of:
+                self.prefixes[key], self.prefix_of[table[i]] = table[i], key
+        return max(full, start)
 
     def slots(self, table: list[int], positions: torch.Tensor):
         """(block, offset) [len(positions)] of positions in a request's block table."""
@@ -149,6 +212,9 @@ class PagedKVCache:
             starts.append(starts[-1] + n)
         out = [None] * len(self.segments)
         decodes = [i for i, (_, prefill, _) in enumerate(self.segments) if not prefill]
+        if any(self.segments[i][2] != 1 for i in decodes):
+            raise ValueError("prefix caching cannot serve a model with recurrent layers: a cached prefix holds keys "
+                             "and values, not the recurrent state after it")
         if decodes:
             rows = torch.tensor([starts[i] for i in decodes], device=xs[0].device)
             slots = torch.tensor([self.segments[i][0] for i in decodes], device=xs[0].device)
@@ -189,6 +255,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float()
     if params.temperature == 0:
         return int(logits.argmax())
+    return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a sampled request draws from, logits [V] -> probabilities [V] (unnormalised after top-p: multinomial
+    normalises): temperature, then top-k (the k largest logits, and any tied with the k-th), then top-p."""
     logits = logits / params.temperature
     if params.top_k is not None:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
@@ -196,7 +268,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     probs = torch.softmax(logits, -1)
     if params.top_p is not None:
         probs = probs * top_p_mask(probs, params.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
 
 
 def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
@@ -240,20 +312,29 @@ class Engine:
     """Continuous batching (Megatron's DynamicInferenceEngine; Yu et al. 2022, Orca): requests are added at any
     time; each step admits waiting requests (first come, first served) while there are fewer than max_batch running
     and the free blocks cover every running request's worst case, runs one forward over all of them, samples one
-    token per request and retires the finished ones, freeing their blocks. Admission reserves the worst case
-    (prompt + max_tokens − 1 positions), so a running request never waits for a block; vLLM instead admits more
-    and preempts (not done here)."""
+    token per request and retires the finished ones, freeing their blocks and forgetting them (the engine keeps
+    only unfinished requests: memory stays flat however many it serves). Admission reserves the worst case
+    (prompt + max_tokens − 1 positions), so a running request never waits for a block. With preempt=True, vLLM's
+    policy instead: admission asks only for the blocks of the request's first step (beside those the running
+    requests take this step), and when the pool cannot hold every running request's next block the newest is
+    preempted: its blocks and slot freed, it goes back to the head of the queue and, readmitted, recomputes its
+    keys from its prompt and the tokens it has sampled (vLLM's recompute mode); its answer is unchanged."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, max_batch: int):
+    def __init__(self, model, num_blocks: int, block_size: int, max_batch: int, preempt: bool = False,
+                 prefix_caching: bool = False):
         if min(num_blocks, block_size, max_batch) < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}, max_batch={max_batch}: each must be >= 1")
         self.model, self.max_batch = model.eval(), max_batch  # eval: no dropout while serving
         self.cache = PagedKVCache(num_blocks, block_size, max_requests=max_batch)
         self.device = next(model.parameters()).device
         self.context = model.config.max_position_embeddings  # the positions the model was built for
-        self.requests: dict[int, Request] = {}  # every request, by id
+        self.requests: dict[int, Request] = {}  # the unfinished requests (waiting or running), by id
+        self.next_id = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.preempt, self.preemptions = preempt, 0  # (the count: how many times a request was preempted)
+        self.prefix_caching, self.computed, self.reused = prefix_caching, 0, 0  # (tokens run through the model,
+        # tokens whose keys and values came from the prefix cache)
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.cache.block_size)
@@ -278,29 +359,50 @@ class Engine:
             raise ValueError(f"logprobs={n!r} must be None or an int in 0..{MAX_LOGPROBS}")
         if unknown := sorted(set(inputs) - set(inspect.signature(self.model.forward).parameters)):
             raise ValueError(f"inputs {unknown}: the model's forward takes no such argument")
-        r = Request(len(self.requests), prompt, params, generator(params, self.device), inputs=inputs)
+        r = Request(self.next_id, prompt, params, generator(params, self.device), inputs=inputs)
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
                              f"positions ({r.max_positions()} positions), the pool has {self.cache.num_blocks}")
+        self.next_id += 1
         self.requests[r.id] = r
         self.waiting.append(r)
         return r.id
 
+    def needs(self, r: Request) -> int:
+        """The blocks admission keeps for a request beyond those it holds: its worst case, or (preempt) its next
+        step's."""
+        return self.blocks_for(r.next_positions() if self.preempt else r.max_positions()) - len(r.blocks)
+
     def admit(self):
-        """Move waiting requests into the batch while a slot and their worst-case blocks are free."""
-        promised = sum(self.blocks_for(r.max_positions()) - len(r.blocks) for r in self.running)
+        """Move waiting requests into the batch while a slot and the blocks they need are free (with prefix caching,
+        a request first takes the cached blocks of its prompt's longest cached prefix; not its last token's)."""
+        promised = sum(self.needs(r) for r in self.running)
         while self.waiting and len(self.running) < self.max_batch:
-            need = self.blocks_for(self.waiting[0].max_positions())
-            if need > len(self.cache.free) - promised:
+            r = self.waiting[0]
+            if self.prefix_caching and not r.inputs:  # (an image's tokens say nothing of the image)
+                r.blocks = self.cache.lookup(r.tokens(), (len(r.tokens()) - 1) // self.cache.block_size)
+                r.cached, r.hashed = len(r.blocks) * self.cache.block_size, len(r.blocks)
+            need = self.needs(r)
+            if need > self.cache.available() - promised:
+                self.cache.release(r.blocks)
+                r.blocks, r.cached, r.hashed = [], 0, 0
                 break
             promised += need
             self.running.append(self.waiting.pop(0))
-            self.running[-1].slot = self.cache.free_slots.pop()
+            r.slot, self.reused = self.cache.free_slots.pop(), self.reused + r.cached
 
     @torch.no_grad()
-    def step(self) -> list[tuple[int, int, bool]]:
-        """One forward over the running batch: (request id, sampled token, finished) for each running request."""
+    def step(self) -> list[Request]:
+        """One forward over the running batch: the requests it ran, each with its new token last in `output` and a
+        `finish_reason` if it finished. A finished request is the engine's no more: the caller's object is its only
+        reference (nothing of a request is kept after it ends)."""
         self.admit()
+        while self.preempt and sum(self.needs(r) for r in self.running) > self.cache.available():
+            r = self.running[-1]  # the newest: out of the batch, back to the head of the queue
+            self.release(r)
+            r.cached = r.hashed = 0
+            self.waiting.insert(0, r)
+            self.preemptions += 1
         if not self.running:
             return []
         batch, counts = list(self.running), [len(r.pending()) for r in self.running]
@@ -316,9 +418,11 @@ class Engine:
         logits = self.model(ids[None], position_ids=pos[None], mask=mask[None, None],
                             inference_context=self.cache, **inputs)[0]  # [T, V]
         last = torch.tensor(counts, device=self.device).cumsum(0) - 1  # each request's last token in the row
-        out = []
+        self.computed += sum(counts)
         for r, n, row in zip(batch, counts, logits[last]):
             r.cached += n
+            if self.prefix_caching and not r.inputs:  # its blocks filled up to here, cached for later requests
+                r.hashed = self.cache.offer(r.tokens()[:r.cached], r.blocks, r.hashed)
             r.output.append(sample(row, r.params, r.generator))
             if r.params.logprobs is not None:
                 r.logprobs.append(token_logprobs(row, r.output[-1], r.params.logprobs))
@@ -328,30 +432,39 @@ class Engine:
                 r.finish_reason = "length"
             if r.finish_reason is not None:
                 self.retire(r)
-            out.append((r.id, r.output[-1], r.finish_reason is not None))
-        return out
+        return batch
 
     def abort(self, request_id: int):
-        """Finish a request now (a client that went away): out of the queue or the batch, its blocks freed."""
-        r = self.requests[request_id]
-        if r.finish_reason is None:
+        """Finish a request now (a client that went away): out of the queue or the batch, its blocks freed. A request
+        already finished (or unknown) is left alone."""
+        r = self.requests.get(request_id)
+        if r is not None:
             r.finish_reason = "abort"
-            self.waiting = [w for w in self.waiting if w is not r]
             if any(w is r for w in self.running):
                 self.retire(r)
+            else:
+                self.waiting = [w for w in self.waiting if w is not r]
+                del self.requests[r.id]
 
-    def retire(self, r: Request):
+    def release(self, r: Request):
         """Out of the batch: its blocks and its state slot go back to the pool at once."""
         self.running.remove(r)
         self.cache.release(r.blocks)
         self.cache.free_slots.append(r.slot)
         r.blocks, r.slot = [], None
 
+    def retire(self, r: Request):
+        """Out of the batch and the engine."""
+        self.release(r)
+        self.requests.pop(r.id)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def run(self) -> dict[int, list[int]]:
-        """Step until every request added so far has finished: request id -> its sampled tokens."""
+        """Step until every request added so far has finished: request id -> its sampled tokens (of each one not
+        finished before the call)."""
+        requests = dict(self.requests)
         while self.has_unfinished():
             self.step()
-        return {i: r.output for i, r in self.requests.items()}
+        return {i: r.output for i, r in requests.items()}

@@ -16,7 +16,8 @@ list at least once a second, so an idle server's ranks never hit the collective 
 and calls engine.step(). The model's collectives keep the ranks' logits identical, and each request carries the seed
 rank 0 chose, so every rank samples the same tokens, finishes the same requests and frees the same blocks. Rank 0
 alone answers HTTP (FastAPI on uvicorn, in the main thread; the engine loop in a thread beside it). SIGTERM or Ctrl-C:
-uvicorn stops taking requests and drains, then rank 0 broadcasts "stop" and every rank exits 0.
+uvicorn stops taking requests and drains, then rank 0 broadcasts "stop" and every rank exits 0. Without torchrun, a
+TP × EP > 1 command starts its ranks itself (`launch`), and exits 0 when signalled.
 
 Run:    make serve
         make serve NPROC=2 TP=2 ARGS="--port 8001"
@@ -32,6 +33,7 @@ import queue
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -114,12 +116,12 @@ class Loop:
             self.live.pop(rid, None)
             self.callbacks.pop(key, None)
 
-    def advance(self, rid: int, token: int, finished: bool):
+    def advance(self, r: serve.Request):
         """The text a request's new token adds (held back while it may be the start of a stop string or of a
-        character whose bytes are not all out yet), and its end."""
+        character whose bytes are not all out yet), and its end (then nothing of it stays here)."""
+        rid, token, reason = r.id, r.output[-1], r.finish_reason
         key, stops, sent = self.live[rid]
-        r = self.engine.requests[rid]
-        reason = r.finish_reason if finished else None
+        finished = reason is not None
         ids = r.output[:-1] if reason == "stop" else r.output  # a stop token is not part of the text
         text = self.tok.decode(ids)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
@@ -150,9 +152,9 @@ class Loop:
                 return
             for c in cmds:
                 self.apply(c)
-            for rid, token, finished in self.engine.step():
-                if rid in self.live:
-                    self.advance(rid, token, finished)
+            for r in self.engine.step():
+                if r.id in self.live:
+                    self.advance(r)
 
 
 # ---------------------------------------------------------------------------------------------- the API's shapes
@@ -367,13 +369,20 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model's name in the API (default: the run directory's name)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree (run under torchrun)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree (its ranks started here, "
+                   "or run under torchrun)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP degree for an MoE run: world = TP x EP ranks, each running every request")
     p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch at most (vLLM's "
                    "max_num_seqs)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
     p.add_argument("--num-blocks", type=int, help="blocks in the KV cache (default: a full batch of full contexts)")
+    p.add_argument("--preemption", action="store_true", help="admit requests on their prompt's blocks and, when "
+                   "the cache runs short, preempt the newest and recompute it later (vLLM's policy; default: each "
+                   "request's worst case reserved at admission)")
+    p.add_argument("--enable-prefix-caching", action="store_true", help="keep full KV blocks under their token "
+                   "prefix, for later requests that begin alike (a shared system prompt computed once; not for "
+                   "models with recurrent layers)")
     return p.parse_args(argv)
 
 
@@ -390,10 +399,37 @@ def fail_fast(fn):
     return run
 
 
+def launch(world: int, argv: list[str]) -> int:
+    """Serve on `world` ranks of this machine, started here as torchrun would (RANK, WORLD_SIZE, a free MASTER_PORT),
+    each in a session of its own: a SIGTERM or Ctrl-C here goes to rank 0 alone, which drains and stops the others.
+    Returns the ranks' exit status: 0 once every rank stopped cleanly (torchrun, signalled, exits 1 whatever its ranks
+    did: its SignalException); a rank that fails ends the others, and its status is returned."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(s.getsockname()[1])}
+    env.setdefault("OMP_NUM_THREADS", str(max(len(os.sched_getaffinity(0)) // world, 1)))
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools.py")
+    ranks = [subprocess.Popen([sys.executable, tools, "serve", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              start_new_session=True) for r in range(world)]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: ranks[0].send_signal(signum))
+    while not (failed := [c for c in (p.poll() for p in ranks) if c]) and any(p.poll() is None for p in ranks):
+        time.sleep(0.2)
+    for p in ranks:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    return (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     tp, ep = a.tensor_model_parallel_size, a.expert_model_parallel_size
+    if "WORLD_SIZE" not in os.environ and tp * ep > 1:  # not under torchrun: start the TP x EP ranks here
+        return launch(tp * ep, argv)
     if tp < 1 or ep < 1 or tp * ep != world:
         raise ConfigError(f"--tensor-model-parallel-size {tp} x --expert-model-parallel-size {ep} must equal the "
                           f"world size {world} (torchrun --nproc_per_node)")
@@ -420,7 +456,8 @@ def main(argv=None):
                           "model generates (its model file declares no sample_ids)")
     context = run.model.config.max_position_embeddings
     blocks = a.num_blocks or a.max_batch * -(-context // a.block_size)
-    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch), run.tok, world, rank)
+    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption,
+                             a.enable_prefix_caching), run.tok, world, rank)
     if rank:
         loop.run()
     else:

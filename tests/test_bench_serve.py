@@ -3,7 +3,8 @@ and memory figures that are the paged cache's exactly — the peak is every requ
 with the same max_tokens, so each holds ceil((prompt + max_tokens − 1) / block) blocks at the final step), a block
 is 2 (K, V) × layers × key/value heads × block size × head dim × 4 bytes (fp32), and the dense figure n × the
 longest request's positions × a position's bytes. Percentiles are nearest-rank. Negative control: a peak read after
-each step (not at each allocation) misses the final step's blocks, freed within that step.
+each step (not at each allocation) misses the final step's blocks, freed within that step. --system-prompt: the head
+is taken from the cache by every request after the first, exactly; --soak ends with the engine empty.
 Tolerance: none; blocks, bytes and tokens are integers, compared exactly.
 """
 from __future__ import annotations
@@ -71,3 +72,15 @@ def test_a_peak_read_after_each_step_is_caught():
         return max(held)
     with pytest.raises(AssertionError, match=r"peak \d+ blocks, every request's worst case held at once is \d+"):
         assert_memory_is_the_caches(after_steps)
+
+
+def test_a_shared_head_is_computed_once_and_the_soak_ends_empty(capsys):
+    """--system-prompt: every request after the first takes the head's full blocks from the cache (exactly), the
+    tokens are those without prefix caching; --soak: the engine holds nothing once the requests are done."""
+    B = bench()
+    a = B.parse_args(["--concurrency", "5", "--system-prompt", "10", *TINY])
+    model = B.build(a, a.prompt_len[1] + a.new_tokens + a.system_prompt)
+    (off, reused_off, _, out_off), (on, reused, _, out_on) = B.shared_head(model, a)
+    assert out_on == out_off and reused_off == 0 and reused == 4 * (10 // 4 * 4) and off - on == reused
+    B.main(["--soak", "20", "--concurrency", "3", *TINY])
+    assert "(engine: 0 requests held, " in capsys.readouterr().out

@@ -23,7 +23,16 @@
   - LLaVA: a request's image (add_request(..., pixel_values=)) goes with its prompt; two image prefills in one step
     are stacked in the row's order: greedy tokens equal the whole forward's (recomputed each step, learned positions
     and RoPE) and generate_one's; negative control: the row's images in reverse order fail the comparison;
-  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities);
+  - top-p keeps the smallest set of tokens whose probability reaches p (exact dyadic probabilities); top-k the k
+    largest logits (hand-built); admission counts the blocks promised to running requests (a workload that
+    overfills the pool otherwise); nothing of a request is kept once it ends (no Request alive, pool all free);
+  - preemption (preempt=True, vLLM's recompute mode): in a pool too small for the running requests, the newest are
+    preempted and recomputed: greedy tokens are the oracle's, seeded sampled ones generate_one's (Llama and a Mamba
+    hybrid); negative control: recomputing from the prompt alone (the sampled tokens' keys lost) fails;
+  - prefix caching: a shared system prompt's full blocks are computed once (the exact tokens saved counted), cached
+    blocks are evicted least recently used first in a small pool, the block counts right at every step, the tokens
+    the oracle's; a model with recurrent layers is refused by name; negative control: blocks cached under their own
+    tokens (not the whole prefix) fail;
   - logprobs (N = 0..20 per request): the engine's equal generate_one's and the log_softmax of the whole sequence's
     forward (TOL32, float32); a value outside 0..20 is refused; negative control: logprobs of the tempered logits.
 Tolerance: tokens are compared exactly; the logits each token was sampled from, 1e-10 relative to the whole
@@ -33,6 +42,7 @@ from repeating one token, so the comparison means something.
 """
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -60,26 +70,29 @@ def workload(seed=0, n=6):
     return out
 
 
-def serve_all(engine, work, params, each_step=None):
-    """Add each request at its arrival step, step until all finish: the tokens of each request in `work`'s order."""
-    ids, t = {}, 0
-    while len(ids) < len(work) or engine.has_unfinished():
+def serve_all(engine, work, params, each_step=None, requests=None):
+    """Add each request at its arrival step, step until all finish: the tokens of each request in `work`'s order
+    (and its Request appended to `requests`, in that order: the engine keeps none once finished)."""
+    reqs, t = {}, 0
+    while len(reqs) < len(work) or engine.has_unfinished():
         for i, (arrive, prompt, max_tokens) in enumerate(work):
             if arrive == t:
-                ids[i] = engine.add_request(prompt, params(i, max_tokens))
+                reqs[i] = engine.requests[engine.add_request(prompt, params(i, max_tokens))]
         engine.step()
         if each_step is not None:
             each_step(engine)
         t += 1
-    return [engine.requests[ids[i]].output for i in range(len(work))]
+    if requests is not None:
+        requests += [reqs[i] for i in range(len(work))]
+    return [reqs[i].output for i in range(len(work))]
 
 
 def greedy(i, max_tokens, stop=()):
     return serve.SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop)
 
 
-def assert_greedy_equals_generate(model, engine, work, stop=(), each_step=None):
-    got = serve_all(engine, work, lambda i, m: greedy(i, m, stop), each_step)
+def assert_greedy_equals_generate(model, engine, work, stop=(), each_step=None, requests=None):
+    got = serve_all(engine, work, lambda i, m: greedy(i, m, stop), each_step, requests)
     for (_, prompt, max_tokens), tokens in zip(work, got):
         ref = gpt.generate(model, torch.tensor([prompt]), max_tokens, temperature=0, eod=list(stop) or None,
                            use_cache=False)[0, len(prompt):].tolist()
@@ -101,12 +114,13 @@ def test_continuous_batching_greedy_equals_generate(cfg, monkeypatch):
     # a stop id: the 4th token the oracle gives the longest request, so that it stops early
     j = max(range(len(work)), key=lambda i: work[i][2])
     stop = (gpt.generate(model, torch.tensor([work[j][1]]), 4, temperature=0, use_cache=False)[0, -1].item(),)
-    got = assert_greedy_equals_generate(model, engine, work, stop)
+    requests = []
+    got = assert_greedy_equals_generate(model, engine, work, stop, requests=requests)
     assert got[j][-1] == stop[0] and len(got[j]) <= 4 < work[j][2]  # it stopped at the stop id
-    assert {r.finish_reason for r in engine.requests.values()} == {"stop", "length"}
+    assert {r.finish_reason for r in requests} == {"stop", "length"}
     assert len({len(t) for t in got}) >= 4, "the requests should finish at different steps"
     assert len(set(sum(got, []))) >= 8, "a degenerate generation compares nothing"
-    for r in engine.requests.values():  # the logits too: the whole sequence's forward, at each sampled position
+    for r in requests:  # the logits too: the whole sequence's forward, at each sampled position
         full = model(torch.tensor([r.prompt + r.output[:-1]]))[0, len(r.prompt) - 1:]  # [len(output), V]
         assert rel_err(torch.stack(rows[id(r.generator)]), full) <= 1e-10
     assert max(len(s) for s in steps) == 4  # max_batch requests ran together
@@ -122,7 +136,8 @@ def assert_batch_independent(model, work):
     for i, (_, prompt, max_tokens) in enumerate(work):
         alone = serve.Engine(model, 40, 4, max_batch=1)
         alone.add_request(prompt, params(i, max_tokens))
-        assert alone.run()[0] == together[i], f"request {i}: alone {alone.requests[0].output}, batched {together[i]}"
+        tokens = alone.run()[0]
+        assert tokens == together[i], f"request {i}: alone {tokens}, batched {together[i]}"
         assert serve.generate_one(model, prompt, params(i, max_tokens)) == together[i], f"request {i}: oracle"
 
 
@@ -195,11 +210,12 @@ def test_an_aborted_request_frees_its_blocks_and_the_rest_go_on():
     engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4)
     a, b, c = (engine.add_request(p, greedy(0, 8)) for p in ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10]))
     engine.step()
+    rb, rc = engine.requests[b], engine.requests[c]
     engine.abort(b)  # running: its blocks go back at once
     engine.abort(c)
     block_invariant(engine)
     out = engine.run()
-    assert engine.requests[b].finish_reason == engine.requests[c].finish_reason == "abort" and len(out[b]) == 1
+    assert rb.finish_reason == rc.finish_reason == "abort" and len(rb.output) == 1 and sorted(out) == [a]
     ref = gpt.generate(model, torch.tensor([[1, 2, 3, 4, 5]]), 8, temperature=0, use_cache=False)
     assert out[a] == ref[0, 5:].tolist()
     assert sorted(engine.cache.free) == list(range(20))
@@ -230,6 +246,60 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
     with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
         engine.add_request([1], serve.SamplingParams(top_p=0))
+
+
+def test_top_k_keeps_the_k_largest_logits():
+    """top-k on hand-built logits: the k largest (and any tied with the k-th) keep their softmax share, the others
+    none; and sample() draws from exactly them. (Mutant checked: masking `logits <= kth`, k-1 kept, fails both.)"""
+    logits = torch.tensor([1.0, 4.0, 2.0, 8.0, 1.0, 2.0]).log()  # softmax: these numbers over their sum
+    for k, kept in [(1, [3]), (2, [1, 3]), (3, [1, 2, 3, 5]), (6, list(range(6))), (9, list(range(6)))]:
+        want = torch.zeros(6)
+        want[kept] = logits.exp()[kept] / logits.exp()[kept].sum()
+        got = serve.distribution(logits, serve.SamplingParams(top_k=k))
+        assert (got - want).abs().max() <= 1e-6, (k, got, want)
+    g = torch.Generator().manual_seed(0)
+    draws = {serve.sample(logits, serve.SamplingParams(top_k=2), g) for _ in range(200)}
+    assert draws == {1, 3}, draws  # (both: token 1 has probability 1/3 each draw)
+
+
+def test_admission_counts_the_blocks_promised_to_running_requests():
+    """A workload that overfills the pool unless admission counts the blocks running requests will still take: in 4
+    blocks of 4, A (2 + 10 tokens: 3 blocks at worst) holds 1 after its prefill; B (3 + 10: 3 blocks) arrives next
+    step with 3 free, 2 of them promised to A. B waits until A ends; both are the oracle's tokens, every block free
+    or held by one. (Mutant checked: admission ignoring the promised blocks admits B, and A's third block is not
+    there: allocate's assertion.)"""
+    model = gpt.Model(gpt.Config(**GPT))
+    together = []
+    assert_greedy_equals_generate(model, serve.Engine(model, num_blocks=4, block_size=4, max_batch=4),
+                                  [(0, [1, 2], 10), (1, [3, 4, 5], 10)],
+                                  each_step=lambda e: (block_invariant(e), together.append(len(e.running))))
+    assert max(together) == 1 and len(together) == 20  # one at a time: B waited (10 steps each)
+
+
+def test_nothing_of_a_request_is_kept_after_it_ends():
+    """Many requests, ended every way (length, a stop id, aborted while waiting and while running): once they end the
+    engine holds nothing of them: no request in `requests`, the queue or the batch, every block and state slot free,
+    and no Request alive at all (weak references; the caller keeps none). (Mutant checked: `retire` leaving the
+    request in `requests`, as before, fails it.)"""
+    import gc
+    import weakref
+    model = gpt.Model(gpt.Config(**GPT))
+    engine, rng, alive = serve.Engine(model, num_blocks=12, block_size=4, max_batch=3), random.Random(5), []
+    for t in range(60):
+        if t < 40:
+            for _ in range(rng.randint(0, 2)):
+                prompt = [rng.randrange(GPT["vocab_size"]) for _ in range(rng.randint(1, 8))]
+                rid = engine.add_request(prompt, serve.SamplingParams(max_tokens=rng.randint(1, 8), temperature=1.0,
+                                                                      top_k=20, stop=(7, 11, 13)))
+                alive.append(weakref.ref(engine.requests[rid]))
+        if t % 7 == 3 and engine.requests:
+            engine.abort(rng.choice(sorted(engine.requests)))  # a waiting or a running one
+        engine.step()
+    assert not engine.has_unfinished() and len(alive) > 30
+    assert engine.requests == {} and engine.waiting == [] and engine.running == []
+    assert sorted(engine.cache.free) == list(range(12)) and sorted(engine.cache.free_slots) == [0, 1, 2]
+    gc.collect()
+    assert [w() for w in alive if w() is not None] == []
 
 
 
@@ -328,15 +398,16 @@ def image_work(model, seed=6):
 
 
 def assert_image_requests_equal_their_oracles(model):
-    engine, work, ids, t = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4), image_work(model), {}, 0
+    engine, work, reqs, t = serve.Engine(model, num_blocks=40, block_size=4, max_batch=4), image_work(model), {}, 0
     params = lambda m: serve.SamplingParams(max_tokens=m, temperature=0, stop=(100,))  # never feed an image token
-    while len(ids) < len(work) or engine.has_unfinished():
+    while len(reqs) < len(work) or engine.has_unfinished():
         for i, (arrive, prompt, m, px) in enumerate(work):
             if arrive == t:
-                ids[i] = engine.add_request(prompt, params(m), **({} if px is None else {"pixel_values": px}))
+                reqs[i] = engine.requests[engine.add_request(prompt, params(m),
+                                                             **({} if px is None else {"pixel_values": px}))]
         engine.step()
         t += 1
-    outs = [engine.requests[ids[i]].output for i in range(len(work))]
+    outs = [reqs[i].output for i in range(len(work))]
     assert len(set(sum(outs, []))) >= 8
     for (_, prompt, m, px), tokens in zip(work, outs):
         inputs = {} if px is None else {"pixel_values": px}
@@ -377,8 +448,8 @@ def assert_logprobs_match(model):
         return serve.SamplingParams(max_tokens=max_tokens, temperature=[0, 0.9][i % 2], top_k=[None, 30][i % 2],
                                     seed=200 + i, logprobs=n_top[i])
     engine = serve.Engine(model, 40, 4, max_batch=4)
-    got = serve_all(engine, work, params)
-    requests = {r.params.seed - 200: r for r in engine.requests.values()}  # by work index (ids follow arrival)
+    requests = []
+    got = serve_all(engine, work, params, requests=requests)
     for i, ((_, prompt, max_tokens), tokens) in enumerate(zip(work, got)):
         r, oracle = requests[i], []
         assert serve.generate_one(model, prompt, params(i, max_tokens), logprobs=oracle) == tokens
@@ -412,3 +483,108 @@ def test_logprobs_out_of_range_are_refused(n):
     engine = serve.Engine(gpt.Model(gpt.Config(**GPT)), num_blocks=3, block_size=4, max_batch=2)
     with pytest.raises(ValueError, match=rf"^logprobs={n} must be None or an int in 0\.\.20$"):
         engine.add_request([1], serve.SamplingParams(logprobs=n))
+
+
+# --------------------------------------------------------------------------------------- preemption
+def preempting_run(model, work, params, each_step=None):
+    """`work` through a pool too small for its requests' worst cases at once, with preemption (vLLM's recompute
+    mode): the tokens of each request, and the engine."""
+    engine = serve.Engine(model, num_blocks=7, block_size=4, max_batch=4, preempt=True)
+    got = serve_all(engine, work, params, lambda e: (block_invariant(e), slot_invariant(e),
+                                                     each_step and each_step(e)))
+    assert engine.preemptions >= 2 and sorted(engine.cache.free) == list(range(7)), engine.preemptions
+    return got, engine
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, "hybrid"], ids=["llama", "mamba-hybrid"])
+def test_preempted_requests_recompute_the_same_answer(cfg):
+    """When the pool cannot hold every running request's next block, the newest is preempted (its blocks and state
+    slot freed), requeued first and recomputed from its prompt and the tokens it had sampled: greedy, each request's
+    tokens are gpt.generate's alone; sampled with a seed, generate_one's (its own generator goes on where it was)."""
+    model = hybrid() if cfg == "hybrid" else gpt.Model(gpt.Config(**cfg))
+    work = workload(seed=6, n=8)
+    got, _ = preempting_run(model, work, lambda i, m: greedy(i, m))
+    for (_, prompt, max_tokens), tokens in zip(work, got):
+        assert tokens == serve.generate_one(model, prompt, greedy(0, max_tokens)), "greedy"
+    sampled = lambda i, m: serve.SamplingParams(max_tokens=m, temperature=0.9, top_k=40, seed=300 + i)
+    got, _ = preempting_run(model, work, sampled)
+    for i, ((_, prompt, max_tokens), tokens) in enumerate(zip(work, got)):
+        assert tokens == serve.generate_one(model, prompt, sampled(i, max_tokens)), f"request {i}: sampled"
+
+
+def test_a_preemption_that_forgets_the_sampled_tokens_is_caught(monkeypatch):
+    """Negative control: recomputing a preempted request from its prompt alone (its sampled tokens' keys lost)."""
+    monkeypatch.setattr(serve.Request, "pending", lambda r: r.prompt if r.cached == 0 else r.output[-1:])
+    model = gpt.Model(gpt.Config(**LLAMA))
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        engine = serve.Engine(model, num_blocks=7, block_size=4, max_batch=4, preempt=True)
+        assert_greedy_equals_generate(model, engine, workload(seed=6, n=8))
+
+
+# --------------------------------------------------------------------------------------- prefix caching
+def shared_invariant(engine):
+    """With shared blocks: each block's count is the running tables holding it, and every block is free, cached
+    and held by none (evictable), or held; a free block is in no prefix."""
+    c, held = engine.cache, collections.Counter(b for r in engine.running for b in r.blocks)
+    assert all(c.refs[b] == held[b] for b in range(c.num_blocks)), "block counts"
+    assert sorted(c.free + list(c.evictable) + list(held)) == list(range(c.num_blocks)), "blocks free, cached or held"
+    assert set(c.evictable) <= set(c.prefix_of) and not set(c.free) & set(c.prefix_of)
+
+
+SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # a "system prompt": two full blocks of 4 and two tokens
+
+
+def test_a_shared_prefix_is_computed_once():
+    """Requests beginning with one system prompt, arriving after the first has run its prompt: each takes its two
+    full blocks from the cache (8 tokens fewer computed each, 40 in all), and the tokens are gpt.generate's. An
+    identical 8-token prompt takes one block only: its last token is computed, for the logits."""
+    model = gpt.Model(gpt.Config(**LLAMA))
+    work = [(t, SYSTEM + [10 + t] * (1 + t % 3), 6) for t in range(6)] + [(6, SYSTEM[:8], 6)]
+    computed = {}
+    for caching in (False, True):
+        engine = serve.Engine(model, num_blocks=40, block_size=4, max_batch=8, prefix_caching=caching)
+        assert_greedy_equals_generate(model, engine, work, each_step=shared_invariant)
+        computed[caching] = engine.computed
+    assert computed[False] - computed[True] == 5 * 8 + 4, computed
+
+
+@pytest.mark.parametrize("preempt", [False, True], ids=["reserving", "preempting"])
+def test_cached_blocks_are_evicted_least_recently_used_first(preempt):
+    """A pool too small to keep every prefix: cached blocks no request holds are evicted when new ones are needed,
+    the tokens stay gpt.generate's and the block counts right at every step; with preemption too (a preempted
+    request's cached blocks are there for it when it comes back, unless evicted)."""
+    model = gpt.Model(gpt.Config(**LLAMA))
+    rng = random.Random(8)
+    heads = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
+    work = [(t, heads[t % 3] + [rng.randrange(100) for _ in range(rng.randint(1, 5))], rng.randint(2, 6))
+            for t in range(12)]
+    cached = []
+    engine = serve.Engine(model, num_blocks=6 if preempt else 10, block_size=4, max_batch=4 if preempt else 2,
+                          preempt=preempt, prefix_caching=True)
+    assert_greedy_equals_generate(model, engine, work, each_step=lambda e: (
+        shared_invariant(e), cached.append(len(e.cache.prefix_of))))
+    assert any(b < a for a, b in zip(cached, cached[1:])), "no cached block was ever evicted"
+    assert engine.computed < sum(len(p) + m - 1 for _, p, m in work)  # some prefixes were reused
+    assert (engine.preemptions > 0) == preempt, engine.preemptions
+
+
+def test_blocks_cached_under_their_own_tokens_alone_are_caught(monkeypatch):
+    """Negative control: a block cached under its own tokens, not the whole prefix: a prompt whose first block's
+    tokens are another's second block takes keys computed after another start, and its tokens differ."""
+    monkeypatch.setattr(serve.PagedKVCache, "key", lambda self, tokens, i: tuple(
+        tokens[i * self.block_size:(i + 1) * self.block_size]))
+    model = gpt.Model(gpt.Config(**LLAMA))
+    engine = serve.Engine(model, num_blocks=20, block_size=4, max_batch=4, prefix_caching=True)
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        assert_greedy_equals_generate(model, engine, [(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], 6),
+                                                      (1, [5, 6, 7, 8, 5, 6, 7, 8, 10], 6)])
+
+
+def test_prefix_caching_refuses_recurrent_layers():
+    """A Mamba hybrid's recurrent state is not in the blocks: a cached prefix cannot be resumed, and says so."""
+    engine = serve.Engine(hybrid(), num_blocks=20, block_size=4, max_batch=2, prefix_caching=True)
+    engine.add_request(SYSTEM, greedy(0, 2))
+    engine.run()
+    engine.add_request(SYSTEM + [7], greedy(0, 2))
+    with pytest.raises(ValueError, match="prefix caching cannot serve a model with recurrent layers"):
+        engine.run()

@@ -2,13 +2,16 @@
 
   - greedy completions and chat completions are the tokens gpt.generate gives each prompt alone (the sequential
     oracle, on the saved run loaded in one process), decoded; eight clients at once (continuous batching through HTTP)
-    each get their own prompt's answer; and the same at TP 2 (torchrun, two ranks in lock-step, rank 0 answering);
+    each get their own prompt's answer; and the same at TP 2 (two ranks in lock-step, rank 0 answering); the loop on
+    warm ranks (TP 2, EP 2, a Mamba hybrid, TP 2 with preemption, with prefix caching) gives the oracle's tokens;
   - streaming (server-sent events): the deltas join into the non-streamed text; the usage chunk counts the tokens;
   - stop strings cut the text before the first stop and end the request with finish_reason "stop"; a seeded sampled
     request is reproducible and n=2 gives two choices;
   - bad requests get a 400 in OpenAI's error shape (an unknown model, a prompt longer than the context, a negative
-    max_tokens, a wrong type, malformed JSON, an empty message list) and the server answers the next request;
-  - SIGTERM stops the server: it exits 0 (at TP 2, every rank leaves cleanly; torchrun itself exits 1 on a signal).
+    max_tokens, a wrong type, malformed JSON, an empty message list, a token id = the vocabulary size) and the
+    server answers the next request; a non-streamed usage's total_tokens is prompt + completion;
+  - the engine loop keeps nothing of a request once it has ended (by length, stop, refusal or its client's abort);
+  - SIGTERM stops the server: it exits 0 (at TP 2 too: the command starts its ranks itself, no torchrun).
 Tolerance: tokens are compared exactly. The server's logits come from a packed batch (and at TP 2 from split matmuls),
 the oracle's from one sequence's forward: float32 sums in another order, ~1e-6 apart. So the prompts are checked to
 have a top-2 logit gap above 1e-3 at every greedy step of the oracle, and a flipped argmax cannot be luck.
@@ -96,14 +99,13 @@ def free_port() -> int:
 
 
 class Server:
-    """serving/server.py (or torchrun of it) in a subprocess, up once /health answers."""
+    """serving/server.py in a subprocess (at TP > 1 it starts its ranks itself), up once /health answers."""
 
     def __init__(self, run, world=1, *extra):
         self.port = free_port()
         argv = ["tools.py", "serve", "--load", str(run), "--port", str(self.port), *extra]
         if world > 1:
-            argv = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *argv,
-                    "--tensor-model-parallel-size", str(world)]
+            argv += ["--tensor-model-parallel-size", str(world)]
         self.proc = subprocess.Popen([PY, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
         deadline = time.monotonic() + 120
@@ -132,7 +134,8 @@ class Server:
             return e.code, json.load(e)
 
     def stop(self) -> tuple[int, str]:
-        """SIGTERM (to torchrun, which passes it on), then the exit code and the output."""
+        """SIGTERM (at TP > 1 to the launching process, which passes it on to rank 0), then the exit code and the
+        output."""
         self.proc.send_signal(signal.SIGTERM)
         try:
             out, _ = self.proc.communicate(timeout=60)
@@ -242,6 +245,55 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
     assert complete(server.client, "x", max_tokens=2)[1] == "length"  # still serving
 
 
+def test_the_vocabulary_edge_is_refused_and_usage_adds_up(server, oracle):
+    """A token id equal to the vocabulary size is refused (400, param "prompt"), the last id is served; a
+    non-streamed answer's usage: total_tokens = prompt_tokens + completion_tokens, for completions and chat. (Mutants
+    checked: the range check `<= vocabulary size` passes the first, or kills the engine thread; the non-streamed
+    total left at the prompt's count fails the second.)"""
+    _, tok = oracle
+    v = tok.get_vocab_size()
+    status, err = server.post("completions", json.dumps({"model": "run", "prompt": [5, v]}).encode())
+    assert status == 400 and err["error"]["param"] == "prompt" and f"[0, {v})" in err["error"]["message"], err
+    r = server.client.completions.create(model="run", prompt=[5, v - 1], max_tokens=3, temperature=0)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (2, 3, 5)
+    messages = [{"role": "user", "content": "hi"}]
+    c = server.client.chat.completions.create(model="run", messages=messages, max_tokens=4, temperature=0, n=2)
+    prompt = len(recipes.chat_prompt_ids(messages, tok))
+    assert c.usage.prompt_tokens == prompt and 2 <= c.usage.completion_tokens <= 8
+    assert c.usage.total_tokens == prompt + c.usage.completion_tokens
+
+
+def test_the_loop_keeps_nothing_after_requests_end(run, oracle):
+    """server.Loop (one process, no HTTP) over requests ended every way: by length, by the end-of-document id, by a
+    stop string, refused (too long), aborted by their client: once all have ended, neither the loop (callbacks,
+    live requests, keys) nor the engine holds anything of them. (Mutant checked: `advance` not dropping a finished
+    request's key fails it.)"""
+    from serving import server
+    answer, tok = oracle
+    loaded = checkpoint.load_model(run)
+    loop = server.Loop(serve.Engine(loaded.model, 32, 8, 4), loaded.tok, 1, 0)
+    eod = tokenizer_files.special_ids(tok)["eod"]
+    text, _ = answer(tok.encode(PROMPTS[2]).ids, [eod])
+    ended, gone = [], [f"gone{i}" for i in range(3)]
+    work = [(f"p{i}-{j}", PROMPTS[i], []) for i in range(len(PROMPTS)) for j in range(2)]
+    work += [("cut", PROMPTS[2], [text[4:6]]), ("long", "x " * 80, [])] + [(k, PROMPTS[0], []) for k in gone]
+
+    def on(key, ev):
+        if ev[0] == "accepted" and key in gone:
+            loop.submit(("abort", key))  # the client went away
+        if ev[0] == "error" or ev[0] == "token" and ev[3] is not None:
+            ended.append((key, ev[0] if ev[0] == "error" else ev[3]))
+            if len(ended) == len(work) - len(gone):
+                loop.submit(("stop", None))
+    for key, prompt, stops in work:
+        params = serve.SamplingParams(max_tokens=MAX, temperature=0, seed=0, stop=(eod,))
+        loop.submit(("add", key, tok.encode(prompt).ids, params, stops), lambda ev, key=key: on(key, ev))
+    loop.run()
+    assert ("cut", "stop") in ended and ("long", "error") in ended and len(ended) == len(work) - len(gone)
+    assert loop.callbacks == {} and loop.live == {} and loop.ids == {} and loop.inbox.empty()
+    assert loop.engine.requests == {} and not loop.engine.has_unfinished()
+
+
 def test_the_openai_client_raises_on_400(server):
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         server.client.completions.create(model="nope", prompt="x")
@@ -256,29 +308,33 @@ def test_sigterm_stops_the_server_cleanly(server):  # (the module's server: the 
 
 
 def test_tensor_parallel_serves_the_same_tokens(run, oracle):
-    s = Server(run, 2)
+    """At TP 2, with preemption and prefix caching on and a pool of 12 blocks of 4 (three requests' worst cases): the
+    eight clients at once still get the oracle's answers."""
+    s = Server(run, 2, "--preemption", "--enable-prefix-caching", "--block-size", "4", "--num-blocks", "12")
     try:
         assert_serves_the_oracle(s.client, oracle)
     finally:
         code, out = s.stop()
-    # torchrun itself exits 1 on a SIGTERM it received (its SignalException), after passing it on to the ranks: the
-    # ranks' own exit is what is checked: rank 0 drained, told rank 1 to stop, both left the process group
-    assert "stopped: every request answered, 2 rank(s) done" in out and "ChildFailedError" not in out, out[-3000:]
+    # rank 0 drained, told rank 1 to stop, both left the process group, and the launching process exits 0 (torchrun,
+    # signalled, would exit 1: its SignalException)
+    assert code == 0 and "stopped: every request answered, 2 rank(s) done" in out, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- the loop on warm ranks
-def loop_case(rank, n, run, tp, ep):
-    """server.Loop on n = tp x ep warm ranks, no HTTP: rank 0 submits half the prompts, the rest once the first answer
-    has its first token (so they join a running batch), and "stop" once every answer has ended. Rank 0 returns
-    [(text, finish reason)] in PROMPTS' order."""
+def loop_case(rank, n, run, tp, ep, blocks=64, preempt=False, head=""):
+    """server.Loop on n = tp x ep warm ranks, no HTTP: rank 0 submits half the prompts (each after `head`; with one,
+    prefix caching on), the rest once the first answer has its first token (so they join a running batch), and
+    "stop" once every answer has ended. Rank 0 returns [(text, finish reason)] in PROMPTS' order, the engine's
+    preemptions and the prompt tokens it took from the prefix cache."""
     from serving import server
     loaded = checkpoint.load_model(run, tp=tp, ep=ep)
-    loop = server.Loop(serve.Engine(loaded.model, 64, 8, 4), loaded.tok, n, rank)
+    loop = server.Loop(serve.Engine(loaded.model, blocks, 8, 4, preempt=preempt, prefix_caching=bool(head)),
+                       loaded.tok, n, rank)
     eod, got = tokenizer_files.special_ids(loaded.tok)["eod"], {}
 
     def add(i):
         params = serve.SamplingParams(max_tokens=MAX, temperature=0, seed=i, stop=(eod,))
-        loop.submit(("add", str(i), loaded.tok.encode(PROMPTS[i]).ids, params, []), lambda ev, i=i: on(i, ev))
+        loop.submit(("add", str(i), loaded.tok.encode(head + PROMPTS[i]).ids, params, []), lambda ev, i=i: on(i, ev))
 
     def on(i, ev):
         if ev[0] == "token":
@@ -293,21 +349,30 @@ def loop_case(rank, n, run, tp, ep):
         for i in range(len(PROMPTS) // 2):
             add(i)
     loop.run()
-    return [got[i] for i in range(len(PROMPTS))] if rank == 0 else None
+    return ([got[i] for i in range(len(PROMPTS))], loop.engine.preemptions, loop.engine.reused) if rank == 0 else None
 
 
 MAMBA = ["--model", "mamba", "--hybrid-layer-pattern", "M*", "--mamba-num-groups", "2", "--mamba-head-dim", "16",
          "--mamba-state-dim", "16", "--mamba-chunk-size", "16"]
 
 
-@pytest.mark.parametrize("tp, ep, flags", [(2, 1, []), (1, 2, ["--num-experts", "4", "--moe-router-topk", "2"]),
-                                           (2, 1, MAMBA)], ids=["tp2", "moe-ep2", "mamba-hybrid-tp2"])
-def test_ranks_in_lock_step_serve_the_oracle(pool, root, tp, ep, flags):
+HEAD = "# Write Python code, short.\n"  # a shared "system prompt": 27 tokens, 3 full blocks of 8
+
+
+@pytest.mark.parametrize("tp, ep, flags, preempt, head", [
+    (2, 1, [], False, ""), (1, 2, ["--num-experts", "4", "--moe-router-topk", "2"], False, ""), (2, 1, MAMBA, False, ""),
+    (2, 1, [], True, ""), (2, 1, [], False, HEAD)], ids=["tp2", "moe-ep2", "mamba-hybrid-tp2", "tp2-preemption",
+                                                          "tp2-prefix-caching"])
+def test_ranks_in_lock_step_serve_the_oracle(pool, root, tp, ep, flags, preempt, head):
     """Continuous batching on ranks in lock-step (rank 0's commands broadcast each step): at TP 2 (a GPT, and a
     Mamba hybrid: its recurrent-state slots beside the paged KV cache), and an MoE run with its experts split over EP
-    2 ranks that both run every request, are each request's tokens alone."""
-    run = save_run(root, f"run-{tp}-{ep}", *flags)
+    2 ranks that both run every request, are each request's tokens alone; and at TP 2 with preemption (a pool of 6
+    blocks: too few for 4 running requests, so the newest are preempted and recomputed, alike on both ranks) and
+    with prefix caching (every prompt after one shared head: the later ones take its blocks from the cache)."""
+    run = save_run(root, f"run-{tp}-{ep}" + ("-preempt" if preempt else "") + ("-prefix" if head else ""), *flags)
     answer, tok = make_oracle(run)
     eod = tokenizer_files.special_ids(tok)["eod"]
-    got = pool.run(loop_case, tp * ep, run=run, tp=tp, ep=ep)[0]
-    assert got == [answer(tok.encode(p).ids, [eod]) for p in PROMPTS]
+    got, preemptions, reused = pool.run(loop_case, tp * ep, run=run, tp=tp, ep=ep, blocks=6 if preempt else 64,
+                                        preempt=preempt, head=head)[0]
+    assert got == [answer(tok.encode(head + p).ids, [eod]) for p in PROMPTS]
+    assert (preemptions > 0) == preempt and (reused >= 16 * (len(PROMPTS) // 2)) == bool(head), (preemptions, reused)

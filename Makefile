@@ -60,10 +60,9 @@ sample: $(STAMP)
 	$(PY) tools.py sample --load $(RUN) $(if $(filter undefined,$(origin PROMPT)),,--prompt "$(PROMPT)") $(ARGS)
 
 # An OpenAI-compatible HTTP server for the run in RUN (serving/server.py; port 8000 unless ARGS="--port N"; NPROC=2 TP=2 serves
-# it at TP 2: tools.py serve starts its TP x EP ranks itself, no torchrun); Ctrl-C or SIGTERM stops it after the requests in
-# flight are answered, and it exits 0
+# it at TP 2); Ctrl-C or SIGTERM stops it after the requests in flight are answered
 serve: $(STAMP)
-	$(PY) tools.py serve --load $(RUN) --tensor-model-parallel-size $(TP) $(ARGS)
+	$(LAUNCH) tools.py serve --load $(RUN) --tensor-model-parallel-size $(TP) $(ARGS)
 
 # Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs
 # Hugging Face transformers (GPT-2, Llama, BERT, T5, Mamba-2 rows, each in a fresh process), fp32 (bench/bench_hf.py;

@@ -228,7 +228,7 @@ def score(a):
     return rewards
 
 
-APPS = {"serve": "an OpenAI-compatible HTTP server for a run (serving/server.py; TP > 1: it starts its ranks)",
+APPS = {"serve": "an OpenAI-compatible HTTP server for a run (serving/server.py; torchrun it for TP > 1)",
         "rl": "the shipped RL task: --sft-out FILE writes its SFT records, --eval RUN a run's held-out reward"}
 
 

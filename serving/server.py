@@ -16,8 +16,7 @@ list at least once a second, so an idle server's ranks never hit the collective 
 and calls engine.step(). The model's collectives keep the ranks' logits identical, and each request carries the seed
 rank 0 chose, so every rank samples the same tokens, finishes the same requests and frees the same blocks. Rank 0
 alone answers HTTP (FastAPI on uvicorn, in the main thread; the engine loop in a thread beside it). SIGTERM or Ctrl-C:
-uvicorn stops taking requests and drains, then rank 0 broadcasts "stop" and every rank exits 0. Without torchrun, a
-TP × EP > 1 command starts its ranks itself (`launch`), and exits 0 when signalled.
+uvicorn stops taking requests and drains, then rank 0 broadcasts "stop" and every rank exits 0.
 
 Run:    make serve
         make serve NPROC=2 TP=2 ARGS="--port 8001"
@@ -33,7 +32,6 @@ import queue
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -369,8 +367,7 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model's name in the API (default: the run directory's name)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree (its ranks started here, "
-                   "or run under torchrun)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree (run under torchrun)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP degree for an MoE run: world = TP x EP ranks, each running every request")
     p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch at most (vLLM's "
@@ -399,37 +396,10 @@ def fail_fast(fn):
     return run
 
 
-def launch(world: int, argv: list[str]) -> int:
-    """Serve on `world` ranks of this machine, started here as torchrun would (RANK, WORLD_SIZE, a free MASTER_PORT),
-    each in a session of its own: a SIGTERM or Ctrl-C here goes to rank 0 alone, which drains and stops the others.
-    Returns the ranks' exit status: 0 once every rank stopped cleanly (torchrun, signalled, exits 1 whatever its ranks
-    did: its SignalException); a rank that fails ends the others, and its status is returned."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        env = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(s.getsockname()[1])}
-    env.setdefault("OMP_NUM_THREADS", str(max(len(os.sched_getaffinity(0)) // world, 1)))
-    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools.py")
-    ranks = [subprocess.Popen([sys.executable, tools, "serve", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              start_new_session=True) for r in range(world)]
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _: ranks[0].send_signal(signum))
-    while not (failed := [c for c in (p.poll() for p in ranks) if c]) and any(p.poll() is None for p in ranks):
-        time.sleep(0.2)
-    for p in ranks:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    return (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
-
-
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     tp, ep = a.tensor_model_parallel_size, a.expert_model_parallel_size
-    if "WORLD_SIZE" not in os.environ and tp * ep > 1:  # not under torchrun: start the TP x EP ranks here
-        return launch(tp * ep, argv)
     if tp < 1 or ep < 1 or tp * ep != world:
         raise ConfigError(f"--tensor-model-parallel-size {tp} x --expert-model-parallel-size {ep} must equal the "
                           f"world size {world} (torchrun --nproc_per_node)")

@@ -339,7 +339,6 @@ def run_server(argv: list[str], work: Path, nproc: int = 1):
 
     from serving import server
     a = server.parse_args(argv)
-    nproc = max(nproc, a.tensor_model_parallel_size * a.expert_model_parallel_size)  # (TP > 1: it starts its ranks)
     if nproc > 1 and not FULL:
         raise Skipped(f"tools.py serve on {nproc} ranks: its arguments parsed (tests/test_server.py serves at TP 2)")
     with socket.socket() as sock:

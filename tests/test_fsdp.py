@@ -10,12 +10,10 @@ from __future__ import annotations
 import re
 
 import pytest
-import test_train
 import torch
 from test_data_parallel import CFG, CLIP, LLAMA, OPT, make_batch, merge, reference
 from test_muon import MOE, MUON
 from test_muon import reference as muon_reference
-from test_train import assert_close, metrics, tiny, torchrun
 
 import arguments
 import costs
@@ -23,6 +21,7 @@ import gpt
 import parallel as P
 import train
 from equivalence import assert_same, clipped_steps, forward_step, rel_err
+from harness import assert_close, metrics, tiny, torchrun
 
 
 def fsdp_case(rank, n, cfg, tp, pp, vp, M, sp, strategy, steps=3, sabotage=None, count=False, b=8, s=8, ep=1,
@@ -228,7 +227,6 @@ def test_zero3_moves_three_times_the_parameters(pool, M):
 
 
 # ---- train.py: the flags, a loss curve, a resumed run -----------------------------------------------------------
-corpus = test_train.corpus  # test_train's fixture: the synthetic corpus
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])

@@ -1,6 +1,7 @@
 """Pools of gloo worker ranks, started once per test session, that run test functions on every rank of a world.
 
-Starting ranks is slow on 2 cores (8 ranks ≈ 11 s), so a world of n ranks is made once (on first use) and every
+Starting ranks is slow on 2 cores, so a world of n ranks is made once (on first use; each rank forked from
+multiprocessing's fork server, which imported torch and train.py once for the session) and every
 n-rank test case is sent to it: `pools.run(fn, n, **kwargs)` calls `fn(rank, n, **kwargs)` on ranks 0..n-1 and
 returns their results in rank order; n = 1 runs in this process. `fn` must be a module-level function of an
 importable module (a test file); it builds its own `parallel.Grid(...)` over the world, as Megatron's
@@ -45,7 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, inq, outq):
+def _worker(env, rank, world, port, inq, outq):
+    os.environ.clear()
+    os.environ.update(env)  # the parent's environment when the rank started, as a spawned process has it
     sys.path[:0] = [str(ROOT), HERE]
     import torch
     import torch.distributed as dist
@@ -67,9 +70,10 @@ def _worker(rank, world, port, inq, outq):
             outq.put((rank, "error", traceback.format_exc()))
 
 
-def _train_worker(rank, world, inq, outq):
+def _train_worker(env, rank, world, inq, outq):
     """A warm torchrun rank: for each job, train.main(argv) under torchrun's environment; no process group between."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for nproc > 1
+    os.environ.clear()
+    os.environ.update(env, OMP_NUM_THREADS="1")  # as torchrun sets it for nproc > 1
     sys.path[:0] = [str(ROOT), HERE]
     import contextlib
 
@@ -118,13 +122,14 @@ class Pool:
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")  # ranks forked from one process that imported torch and train.py once
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "train"])
         port = _free_port()
         self.inqs = [ctx.Queue() for _ in range(self.world)]
         self.outq = ctx.Queue()
         port = (port,) if self.target is _worker else ()  # _train_worker's runs each make their own process group
-        self.procs = [ctx.Process(target=self.target, args=(r, self.world, *port, self.inqs[r], self.outq), daemon=True)
-                      for r in range(self.world)]
+        self.procs = [ctx.Process(target=self.target, args=(dict(os.environ), r, self.world, *port, self.inqs[r],
+                                                            self.outq), daemon=True) for r in range(self.world)]
         for p in self.procs:
             p.start()
 

@@ -123,7 +123,7 @@ class Pool:
 
     def _start(self):
         ctx = mp.get_context("forkserver")  # ranks forked from one process that imported torch and train.py once
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "train"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "train", "transformers"])  # (the test files import it)
         port = _free_port()
         self.inqs = [ctx.Queue() for _ in range(self.world)]
         self.outq = ctx.Queue()

@@ -1,6 +1,7 @@
 """Pools of gloo worker ranks, started once per test session, that run test functions on every rank of a world.
 
-Starting ranks is slow on 2 cores (8 ranks ≈ 11 s), so a world of n ranks is made once (on first use) and every
+Starting ranks is slow on 2 cores, so a world of n ranks is made once (on first use; each rank forked from
+multiprocessing's fork server, which imported torch and train.py once for the session) and every
 n-rank test case is sent to it: `pools.run(fn, n, **kwargs)` calls `fn(rank, n, **kwargs)` on ranks 0..n-1 and
 returns their results in rank order; n = 1 runs in this process. `fn` must be a module-level function of an
 importable module (a test file); it builds its own `parallel.Grid(...)` over the world, as Megatron's
@@ -13,8 +14,9 @@ cannot be trusted), and the first rank's traceback is raised in the parent.
 first use, `train` imported once) run `train.main(argv)` with the environment torchrun gives (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR/PORT on a fresh port), so train.py makes and destroys its own process group each run, as under
 torchrun; parallel.py's cache of process groups is emptied before each run, as a fresh process has it. A failed or
-hung run tears the ranks down like a failed case. tests/test_failures.py and test_train.py's TP=2 test keep launching
-the real torchrun (what torchrun itself does: every rank stopped, the error said once, its exit code).
+hung run tears the ranks down like a failed case (`fails=True`: a run meant to fail, kept warm when every rank
+answered). tests/test_failures.py and test_signals.py keep launching the real torchrun (what torchrun itself does:
+its report of a rank's exit code, the signal it passes on to its ranks).
 
 The tiny train.py runs the tests share: `tiny(corpus, cache, save, *flags)` (a 2-layer model on conftest.py's
 `corpus` of SNIPPETs, its tokens cached in `cache`), `metrics(run)` (its logged losses), `torchrun(n, argv)`.
@@ -28,7 +30,6 @@ import multiprocessing as mp
 import os
 import queue
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -45,7 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, inq, outq):
+def _worker(env, rank, world, port, inq, outq):
+    os.environ.clear()
+    os.environ.update(env)  # the parent's environment when the rank started, as a spawned process has it
     sys.path[:0] = [str(ROOT), HERE]
     import torch
     import torch.distributed as dist
@@ -67,9 +70,10 @@ def _worker(rank, world, port, inq, outq):
             outq.put((rank, "error", traceback.format_exc()))
 
 
-def _train_worker(rank, world, inq, outq):
+def _train_worker(env, rank, world, inq, outq):
     """A warm torchrun rank: for each job, train.main(argv) under torchrun's environment; no process group between."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for nproc > 1
+    os.environ.clear()
+    os.environ.update(env, OMP_NUM_THREADS="1")  # as torchrun sets it for nproc > 1
     sys.path[:0] = [str(ROOT), HERE]
     import contextlib
 
@@ -118,13 +122,14 @@ class Pool:
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")  # ranks forked from one process that imported torch and train.py once
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "train", "transformers"])  # (the test files import it)
         port = _free_port()
         self.inqs = [ctx.Queue() for _ in range(self.world)]
         self.outq = ctx.Queue()
         port = (port,) if self.target is _worker else ()  # _train_worker's runs each make their own process group
-        self.procs = [ctx.Process(target=self.target, args=(r, self.world, *port, self.inqs[r], self.outq), daemon=True)
-                      for r in range(self.world)]
+        self.procs = [ctx.Process(target=self.target, args=(dict(os.environ), r, self.world, *port, self.inqs[r],
+                                                            self.outq), daemon=True) for r in range(self.world)]
         for p in self.procs:
             p.start()
 
@@ -202,11 +207,14 @@ class Returns:
         return list(self.value)
 
 
-def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None, patch=None):
+def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None, patch=None, fails=False):
     """train.main(argv) on n warm ranks, as `torchrun --nproc_per_node n train.py argv` run in `cwd` (default: where
     the ranks started, the repository root); raises CaseFailed (with the ranks' output) unless every rank returns 0.
     `patch` {"module.name": value} sets those names on the ranks for this run only (as monkeypatch does here).
-    Returns each rank's output {rank: text} (the first and last 10,000 characters of a longer one)."""
+    Returns each rank's output {rank: text} (the first and last 10,000 characters of a longer one).
+    `fails`: a run meant to stop with an error: every rank must answer (exit code, or a traceback) within `timeout`,
+    none hang or die (else CaseFailed); returns {rank: (code, text)}, and the ranks stay warm (train.main destroyed
+    its process group on the way out)."""
     if n not in _LAUNCHERS:
         _LAUNCHERS[n] = Pool(n, timeout, target=_train_worker)
     pool = _LAUNCHERS[n]
@@ -224,8 +232,10 @@ def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None, patch=None
                              f"timeout after {timeout}s; ranks that answered: {sorted(outs)}")
                 break
             continue
-        if codes[rank] not in (0, None):  # the other ranks may hang in a collective: do not wait for them
+        if codes[rank] not in (0, None) and not fails:  # the others may hang in a collective: do not wait for them
             break
+    if fails and -1 not in codes:
+        return {r: (codes[r], outs[r]) for r in range(n)}
     bad = {r: c for r, c in codes.items() if c not in (0, None)}
     if bad:
         pool.restart()
@@ -264,14 +274,6 @@ def assert_close(a, b, rtol, what):
     assert abs(a - b) <= rtol * abs(b), f"{what}: {a} vs {b} (relative {abs(a - b) / abs(b):.2e} > {rtol})"
 
 
-def torchrun(nproc, argv, real=False):
-    """train.py under torchrun: on warm ranks (launch: torchrun's environment, no process starts) unless `real`,
-    which launches torch.distributed.run itself (test_train.py's TP=2 test keeps that path under test)."""
-    if not real:
-        return launch(nproc, argv)
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(port),
-           str(ROOT / "train.py"), *argv]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"torchrun failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+def torchrun(nproc, argv):
+    """train.py under torchrun, on warm ranks (launch: torchrun's environment, no process starts)."""
+    return launch(nproc, argv)

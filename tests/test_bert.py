@@ -37,9 +37,11 @@ def make_batch(vocab, b, s, seed=0, binary_head=True):
 
 
 # --------------------------------------------------------------------------------------- 1. Hugging Face
-def hf_bert(cls=transformers.BertForPreTraining, tied=True):
+def hf_bert(cls="BertForPreTraining", tied=True):
+    """A tiny random transformers.`cls` (named, not imported here: the worker ranks that import this file for its
+    cases would otherwise each load Hugging Face's model code, seconds of CPU a rank)."""
     torch.manual_seed(0)
-    return cls(transformers.BertConfig(
+    return getattr(transformers, cls)(transformers.BertConfig(
         vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=40, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
         tie_word_embeddings=tied)).eval()
@@ -55,8 +57,8 @@ def hf_inputs():
     return ids, am, tt
 
 
-@pytest.mark.parametrize("cls,tied", [(transformers.BertForPreTraining, True), (transformers.BertForPreTraining, False),
-                                      (transformers.BertForMaskedLM, True)], ids=["pretraining", "untied", "mlm"])
+@pytest.mark.parametrize("cls,tied", [("BertForPreTraining", True), ("BertForPreTraining", False),
+                                      ("BertForMaskedLM", True)], ids=["pretraining", "untied", "mlm"])
 def test_from_hf_logits_match(cls, tied):
     hf = hf_bert(cls, tied)
     ours = bert.from_hf(hf).eval()
@@ -66,7 +68,7 @@ def test_from_hf_logits_match(cls, tied):
     lm_ref = ref.prediction_logits if hasattr(ref, "prediction_logits") else ref.logits
     assert lm.shape == lm_ref.shape == (3, 20, 300)
     assert (lm - lm_ref).abs().max() < 1e-4, (lm - lm_ref).abs().max()
-    if cls is transformers.BertForPreTraining:
+    if cls == "BertForPreTraining":
         assert binary.shape == (3, 2) and (binary - ref.seq_relationship_logits).abs().max() < 1e-4
     else:
         assert binary is None

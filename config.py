@@ -56,7 +56,7 @@ class Config:
     # the infrastructure asks (contract.ModelFile.unsupported) and never names a model. The features:
     #   pipeline_parallel, context_parallel, document_packing (--reset-position-ids / --reset-attention-mask /
     #   --eod-mask-loss), post_training (--task sft/dpo/kto/rm), sft_packing (--packing), multi_latent_attention,
-    #   multi_token_prediction
+    #   multi_token_prediction, prefix_caching (serving's --enable-prefix-caching)
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
     num_layers: int = 4
     hidden_size: int = 256

@@ -5,9 +5,8 @@ mamba_block.py (MambaStack), mamba_hybrid_layer_allocation.py (the pattern symbo
 with the same parameter names and tensor layouts. Megatron runs the scan in CUDA/Triton kernels (mamba_ssm's
 mamba_chunk_scan_combined); here it is the chunked SSD algorithm in einsums (`ssd_chunked`), checked against the
 sequential recurrence (`ssd_sequential`, which is also the generation step), so it runs wherever torch does.
-Papers: Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces";
-        Dao & Gu 2024, "Transformers are SSMs" (Mamba-2 and SSD; `ssd_chunked` follows its Listing 1, ssd_minimal).
-Official implementation: github.com/state-spaces/mamba (mamba_ssm/modules/mamba2.py, modules/ssd_minimal.py).
+Papers: Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces"; Dao & Gu 2024, "Transformers
+are SSMs" (Mamba-2, SSD; `ssd_chunked` follows its Listing 1: state-spaces/mamba's mamba_ssm/modules/ssd_minimal.py).
 
 Run:    make train MODEL=mamba        (a small hybrid: --hybrid-layer-pattern "M-M*-M"; see README)
 
@@ -143,6 +142,7 @@ class Config(gpt.Config):
                             "block-diagonal mask)",
         "sft_packing": "the scan's state would cross from one packed sample into the next (a recurrence has no "
                        "block-diagonal mask)",
+        "prefix_caching": "a cached prefix holds keys and values, not the recurrent state after it",
         **gpt.DEEPSEEK_UNSUPPORTED}
     num_layers: int | None = None  # None = the pattern's length
     hybrid_layer_pattern: str | None = None  # e.g. "M-M*-M", "MM*|M-M-"; None = "M" * num_layers

@@ -424,6 +424,8 @@ def main(argv=None):
     if run.model_file.sample_ids is None:
         raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot be served: only a causal language "
                           "model generates (its model file declares no sample_ids)")
+    if a.enable_prefix_caching:
+        run.model_file.refuse("prefix_caching", "--enable-prefix-caching")
     context = run.model.config.max_position_embeddings
     blocks = a.num_blocks or a.max_batch * -(-context // a.block_size)
     loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption,

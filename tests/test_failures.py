@@ -410,3 +410,20 @@ def test_writing_the_rl_tasks_sft_records_says_where_and_what_next(tmp_path, cap
     n = len((tmp_path / "b.jsonl").read_text().splitlines())
     assert n > 0 and out.startswith(f"wrote {n} SFT records of the bracket task to {tmp_path / 'b.jsonl'}; train on "
                                     "them: make train ARGS="), out
+
+
+def test_prefix_caching_is_refused_at_start_for_a_model_that_cannot_have_it(monkeypatch):
+    """mamba.py declares prefix_caching unsupported (a cached prefix holds keys and values, not a recurrent state):
+    the server refuses the flag before it serves, instead of failing at the first cache hit."""
+    import types
+
+    import checkpoint
+    from serving import server
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: types.SimpleNamespace(
+        model_file=contract.model_file("mamba")))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    with pytest.raises(contract.ConfigError, match="^--model mamba with --enable-prefix-caching: a cached prefix holds "
+                       "keys and values, not the recurrent state after it$"):
+        server.main(["--load", "any", "--port", port, "--enable-prefix-caching"])

@@ -256,7 +256,7 @@ def _saved_on_every_rank(step, save_dir, it: int, tmp: Path):
     error = None
     try:
         step()
-    except (OSError, RuntimeError, BaseException) as e:  # (DCP's CheckpointException is a BaseException)
+    except BaseException as e:  # a full disk: OSError, torch's RuntimeError, DCP's CheckpointException (a BaseException)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         e = next(iter(getattr(e, "failures", {}).values()), (e,))[0]  # DCP's: {rank: (exception, its traceback)}

@@ -213,8 +213,10 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) ->
     core, new_qk = 0, c.qk_layernorm or c.position_embedding_type in ("rope", "yarn")  # q, k no views of the QKV output
     if cpu and c.qk_layernorm:  # the q and k norms' statistics, per head
         qkv += norm_extra(c, B, sb * (n + g) * d, sb * (n + g))
-    if layout.recompute == "selective" and not (cpu and layout.cp > 1):  # the core recomputed: it keeps its inputs
-        pass  # q, k, v only (but transformer.Attention's CP path is not recomputed)
+    # selective recomputation: the core keeps its inputs q, k, v only (transformer.Attention's CP path is not recomputed)
+    recomputed = layout.recompute == "selective" and not (cpu and layout.cp > 1)
+    if recomputed:
+        core = 0
     elif c.attention_dropout > 0:  # softmax, its dropout mask, the dropped probabilities: the paper's 5·a·s²·b
         core = n * s * s * b * (12 if cpu else 2 * B + 1)  # (CPU: SDPA's math path, all fp32)
         if cpu:  # the math path's own fp32 q·scale, kᵀ and v of n heads each, but fp32 multi-head attention's v, a

@@ -33,7 +33,8 @@ MEGATRON_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_para
                   "vpp": "num_virtual_stages_per_pipeline_rank", "dp": "data_parallel_size",
                   "cp": "context_parallel_size", "ep": "expert_model_parallel_size", "micro_batch": "micro_batch_size",
                   "global_batch": "global_batch_size", "sequence_parallel": "sequence_parallel",
-                  "recompute": "recompute_granularity", "distributed_optimizer": "use_distributed_optimizer"}
+                  "recompute": "recompute_granularity", "distributed_optimizer": "use_distributed_optimizer",
+                  "sharding": "data_parallel_sharding_strategy"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +173,8 @@ def state_bytes(c, layout: Layout, stage: int, accounting: str = "gpu") -> dict:
     on its matrices ("gpu"; this CPU's parallel.Muon keeps AdamW's layout, two); the distributed optimizer keeps
     master weights and moments for its 1/(d·c) slice of each padded bucket (parallel.DDP's flat buffers); ZeRO-2
     (sharding optim_grads) also only that slice of the gradients, ZeRO-3 (optim_grads_params) of the parameters too,
-    over parallel.FSDP's per-layer buckets (its gathered buckets, while they compute, are left out)."""
+    over parallel.FSDP's per-layer buckets; "gpu" adds ZeRO-3's two gathered buckets at a time (the one computing, the
+    next prefetched: the largest, twice), which this CPU's count leaves out (it is taken between layers)."""
     ps, B, gpu = stage_parameters(c, layout, stage), BYTES[layout.dtype], accounting == "gpu"
     low = B < 4  # 16-bit parameters
     moments = lambda p: {"sgd": 0, "adam": 2, "muon": 1 if p.muon and gpu else 2}[layout.optimizer]
@@ -186,7 +188,8 @@ def state_bytes(c, layout: Layout, stage: int, accounting: str = "gpu") -> dict:
     sizes = fsdp_buckets(c, layout, stage) if zero else buckets(ps, layout)
     n, shard = sum(k for k, _ in sizes), sum(k // size for k, size in sizes)  # buffer length; this rank's slices
     mean_moments = sum(p.numel * moments(p) for p in ps) / max(1, sum(p.numel for p in ps))  # (exact unless gpu Muon)
-    return {"parameters": (shard if layout.sharding == "optim_grads_params" else n) * B,
+    zero3 = layout.sharding == "optim_grads_params"
+    return {"parameters": (shard + 2 * max(k for k, _ in sizes) * gpu if zero3 else n) * B,
             "gradients": (shard if zero else n) * (4 if low or gpu else B),
             "optimizer": shard * 4 * low + round(shard * 4 * mean_moments)}
 
@@ -430,11 +433,21 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | 
     inter_d = t * cp * d > gpu.per_node
     dbw, dalpha = (gpu.ib * g, gpu.alpha_inter) if inter_d else (gpu.nvlink, gpu.alpha_intra)
     grads = n_params * 4
-    dp = allreduce_time(grads, d, dbw, dalpha) if not lo.distributed_optimizer else \
-        allreduce_time(grads, d, dbw, dalpha) / 2 + allreduce_time(n_params * by, d, dbw, dalpha) / 2
-    dp_exposed = max(0.0, dp - per_mb * 2 / passes) if (not paper if overlap is None else overlap) else dp
+    rs, ag = allreduce_time(grads, d, dbw, dalpha) / 2, allreduce_time(n_params * by, d, dbw, dalpha) / 2
+    hide = not paper if overlap is None else overlap
+    if lo.sharding == "no_shard":
+        dp = 2 * rs if not lo.distributed_optimizer else rs + ag
+        dp_exposed = max(0.0, dp - per_mb * 2 / passes) if hide else dp
+    else:  # Megatron-FSDP: each micro-batch's gradients reduce-scattered during its backward; ZeRO-3 also all-gathers
+        # each layer's parameters before its forward and again before its backward, the next layer's prefetched; ZeRO-2
+        # all-gathers the updated parameters once after the step, as the distributed optimizer (section 14 of parallel.py)
+        zero3 = lo.sharding == "optim_grads_params"
+        per_mb_comm = rs + 2 * ag * zero3
+        dp = m * per_mb_comm + ag * (not zero3)
+        first = ag / (L / p) if zero3 else ag  # what no compute hides: the first layer's gather, or the last all-gather
+        dp_exposed = m * max(0.0, per_mb_comm - per_mb) + first if hide else dp
     # the optimizer step: Adam reads and writes ~30 bytes a parameter (fp32 master, grad, moments; the 16-bit copy)
-    optimizer = 30 * n_params / (d if lo.distributed_optimizer else 1) / gpu.hbm
+    optimizer = 30 * n_params / (d if lo.distributed_optimizer or lo.sharding != "no_shard" else 1) / gpu.hbm
     total = compute + bubble + pp_comm + dp_exposed + optimizer
     counted = flops_per_iteration(c, lo, causal=not paper)
     return {"seconds_per_iteration": total, "tflops_per_gpu": counted / total / lo.world / 1e12,
@@ -455,6 +468,7 @@ def params_per_rank(c, layout: Layout) -> int:
 USABLE = 0.85
 SEARCH = {"micro_batch": (1, 2, 4, 8), "recompute": (None, "selective", "full"), "distributed_optimizer": (False, True),
           "vpp": (1, 2, 4), "cp": (1, 2, 4, 8)}
+SHARDING = ("no_shard", "optim_grads", "optim_grads_params")  # with the distributed optimizer: ZeRO-1, -2, -3
 
 
 def divisors(n: int) -> list[int]:
@@ -481,8 +495,9 @@ def layouts(c, gpus: int, per_node: int, seq: int, global_batch: int, dtype: str
                                               and c.num_layers % (pp * v) == 0]):
                             for r in pick("recompute", SEARCH["recompute"]):
                                 for zero in pick("distributed_optimizer", (False, True) if dp > 1 else (False,)):
-                                    yield Layout(seq, tp, pp, v, dp, cp, ep, b, global_batch, pick(
-                                        "sequence_parallel", (tp > 1,))[0], r, zero, dtype=dtype)
+                                    for shard in pick("sharding", SHARDING if zero else ("no_shard",)):
+                                        yield Layout(seq, tp, pp, v, dp, cp, ep, b, global_batch, pick(
+                                            "sequence_parallel", (tp > 1,))[0], r, zero, shard, dtype=dtype)
 
 
 def evaluate(c, layout: Layout, gpu: GPU, accounting: str = "gpu", paper: bool = False, time_=None) -> dict:
@@ -490,7 +505,8 @@ def evaluate(c, layout: Layout, gpu: GPU, accounting: str = "gpu", paper: bool =
     mem, time_ = memory(c, layout, accounting), time_ or step_time(c, layout, gpu, paper)
     flags = {MEGATRON_NAMES[k]: getattr(layout, k) for k in MEGATRON_NAMES}
     return {"memory_bytes": mem["total"], "tflops_per_gpu": time_["tflops_per_gpu"],
-            "seconds_per_iteration": time_["seconds_per_iteration"], **flags, "memory": mem, "time": time_,
+            "seconds_per_iteration": time_["seconds_per_iteration"], **flags,
+            "use_megatron_fsdp": layout.sharding != "no_shard", "memory": mem, "time": time_,
             "fits": mem["total"] <= USABLE * gpu.memory}
 
 
@@ -528,10 +544,12 @@ def layout_of(args, c, gpus: int, dtype: str) -> Layout:
         raise ValueError(f"--gpus {gpus} is not a multiple of TP·PP·CP = {tp * pp * cp}")
     per = args.num_layers_per_virtual_pipeline_stage
     recompute = args.recompute_granularity or ("selective" if args.recompute_activations else None)
+    sharding = args.data_parallel_sharding_strategy
+    fsdp = args.use_megatron_fsdp and sharding in SHARDING[1:]
     return Layout(args.seq_length, tp, pp, c.num_layers // (pp * per) if per else 1, dp, cp,
                   args.expert_model_parallel_size, args.micro_batch_size,
                   args.global_batch_size or args.micro_batch_size * dp, args.sequence_parallel, recompute,
-                  args.use_distributed_optimizer, dtype=dtype)
+                  args.use_distributed_optimizer or fsdp, sharding if fsdp else "no_shard", dtype=dtype)
 
 
 def report(entries: list[dict], gpu: GPU, gpus: int) -> str:
@@ -541,7 +559,8 @@ def report(entries: list[dict], gpu: GPU, gpus: int) -> str:
                       f"VPP {x['num_virtual_stages_per_pipeline_rank']} DP {x['data_parallel_size']} "
                       f"CP {x['context_parallel_size']} EP {x['expert_model_parallel_size']} "
                       f"mb {x['micro_batch_size']} recompute {x['recompute_granularity'] or '-'} "
-                      f"dist-opt {'on' if x['use_distributed_optimizer'] else 'off'}")
+                      f"dist-opt {'on' if x['use_distributed_optimizer'] else 'off'}"
+                      + (f" fsdp {x['data_parallel_sharding_strategy']}" if x["use_megatron_fsdp"] else ""))
     if len(entries) != 1:
         lines = [f"the {len(entries)} fastest layouts that fit {gpus} x {gpu.name} ({USABLE:.0%} of "
                  f"{gpu.memory / G:.0f} GB):"]

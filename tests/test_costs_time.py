@@ -136,6 +136,43 @@ def test_a_bubble_and_communication_cost_time():
     assert plain["dp_exposed"] == plain["dp_comm"] > 0 and overlapped["dp_exposed"] < overlapped["dp_comm"]
 
 
+def test_hand_worked_fsdp_communication():
+    """Megatron-FSDP on the 1.7B row (d 32, m 16): ZeRO-2 reduce-scatters each micro-batch's fp32 gradients (half an
+    all-reduce) and all-gathers the 16-bit parameters once after the step; ZeRO-3 also all-gathers them before each
+    micro-batch's forward and again before its backward. Without overlap (paper=True) all of it is exposed; with it,
+    a micro-batch's compute hides its communication and only the first layer's gather (ZeRO-3) or the last
+    all-gather (ZeRO-2) shows."""
+    c, lo = config(*TABLE1[0][1:4]), paper_layout(TABLE1[0])
+    n = costs.params_per_rank(c, lo)
+    rs = 31 * (10e-6 + 4 * n / 32 / (8 * 25e9))  # (n-1) steps of (α + N/(n·β)), N the fp32 gradients
+    ag = 31 * (10e-6 + 2 * n / 32 / (8 * 25e9))  # the same for the fp16 parameters
+    zero2, zero3 = (costs.step_time(c, dataclasses.replace(lo, distributed_optimizer=True, sharding=s), A100,
+                                    paper=True) for s in ("optim_grads", "optim_grads_params"))
+    assert zero2["dp_comm"] == pytest.approx(16 * rs + ag, rel=1e-12) and zero2["dp_exposed"] == zero2["dp_comm"]
+    assert zero3["dp_comm"] == pytest.approx(16 * (rs + 2 * ag), rel=1e-12) and zero3["dp_exposed"] == zero3["dp_comm"]
+    hidden = costs.step_time(c, dataclasses.replace(lo, distributed_optimizer=True, sharding="optim_grads_params"),
+                             A100)
+    assert hidden["dp_exposed"] == pytest.approx(ag / 24, rel=1e-12)  # compute hides all but the first of 24 layers
+    slow = dataclasses.replace(A100, ib=A100.ib / 1000)  # a link too slow to hide: the excess shows per micro-batch
+    t = costs.step_time(c, dataclasses.replace(lo, distributed_optimizer=True, sharding="optim_grads_params"), slow)
+    ag_slow = 31 * (10e-6 + 2 * n / 32 / (8 * 25e6))
+    assert t["dp_exposed"] == pytest.approx(t["dp_comm"] - t["compute"] + ag_slow / 24, rel=1e-12)
+
+
+def test_planner_shards_what_does_not_fit_otherwise():
+    """GPT-3 175B on 128 A100s without model parallelism (TP = PP = 1): only ZeRO-3 fits (its parameters, gradients
+    and optimizer state / 128); with the sharding strategies taken away nothing fits (the negative control)."""
+    c = config(96, 12288, 96)
+    kw = dict(paper=False, top=1, tp=1, pp=1, cp=1, vpp=1, micro_batch=1, recompute="full")
+    best = costs.plan(c, A100, 128, 2048, 1536, "bf16", **kw)
+    assert best and best[0]["data_parallel_sharding_strategy"] == "optim_grads_params" and best[0]["use_megatron_fsdp"]
+    sizes = costs.fsdp_buckets(c, costs.Layout(2048, dp=128, sharding="optim_grads_params"), 0)
+    layer = 12 * 12288 ** 2 + 13 * 12288  # the largest bucket: one layer (QKV, projection, MLP, norms, biases)
+    assert max(k for k, _ in sizes) == layer  # the shard, and two layers gathered (computing, prefetched), 16-bit:
+    assert best[0]["memory"]["parameters"] == 2 * (sum(k // 128 for k, _ in sizes) + 2 * layer)
+    assert costs.plan(c, A100, 128, 2048, 1536, "bf16", sharding="no_shard", **kw) == []
+
+
 def test_table1_within_15_percent():
     errs = errors()
     assert all(abs(errs[TABLE1[i][0]]) < 0.01 for i in FIT_ROWS)  # the fitted rows
@@ -164,7 +201,8 @@ def test_planner_ranks_the_papers_layouts():
     for row in TABLE1:
         _, heads, h, L, t, p, n, batch, _ = row
         best = costs.plan(config(heads, h, L), A100, n, 2048, batch, "fp16", paper=True, top=3, micro_batch=1,
-                          recompute="full", distributed_optimizer=False, vpp=1, cp=1, sequence_parallel=False)
+                          recompute="full", distributed_optimizer=False, vpp=1, cp=1, sequence_parallel=False,
+                          sharding="no_shard")
         hits[row[0]] = (t, p) in [(x["tensor_model_parallel_size"], x["pipeline_model_parallel_size"]) for x in best]
     assert sum(hits.values()) >= 8, hits
 
@@ -181,6 +219,24 @@ def test_plan_one_layout_json_and_plot(capsys, tmp_path):
     assert out["data_parallel_size"] == 1 and 20e9 < out["memory_bytes"] < 80e9
     assert 100 < out["tflops_per_gpu"] < 200 and out["seconds_per_iteration"] > 0
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_prices_megatron_fsdp_flags(capsys):
+    """tools.py plan reads --use-megatron-fsdp --data-parallel-sharding-strategy: ZeRO-3 at TP 1 holds less than
+    the distributed optimizer alone and moves more over DP (the parameters all-gathered twice per micro-batch, not
+    once per step)."""
+    flat = [*GPT3, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--global-batch-size", "128", "--recompute-granularity", "selective"]
+    out = {}
+    for name, extra in (("optim", ["--use-distributed-optimizer"]),
+                        ("zero3", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"])):
+        tools.main(["plan", "--gpu", "h100-80gb", "--gpus", "128", "--json", *flat, *extra])
+        out[name] = json.loads(capsys.readouterr().out)
+    assert out["zero3"]["data_parallel_sharding_strategy"] == "optim_grads_params" and out["zero3"]["use_megatron_fsdp"]
+    assert out["optim"]["data_parallel_sharding_strategy"] == "no_shard" and not out["optim"]["use_megatron_fsdp"]
+    assert out["zero3"]["memory_bytes"] < out["optim"]["memory_bytes"] / 4
+    # one micro-batch (128 / DP 128): rs + 2·ag against rs + ag, the 16-bit all-gather half the fp32 reduce-scatter
+    assert out["zero3"]["time"]["dp_comm"] == pytest.approx(4 / 3 * out["optim"]["time"]["dp_comm"], rel=1e-3)
 
 
 def test_plan_ranks_layouts_and_refuses_what_does_not_divide(capsys):

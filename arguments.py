@@ -296,7 +296,7 @@ def parallel_flags(g):
       choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
       help="no_shard: plain DP; optim: ZeRO-1 (= --use-distributed-optimizer); optim_grads: ZeRO-2, the gradients "
            "reduce-scattered too; optim_grads_params: ZeRO-3, the parameters too (parallel.py section 14)")
-    a("--use-torch-fsdp2", action="store_true", help="refused: torch's fully_shard (use --use-megatron-fsdp)")
+    a("--use-torch-fsdp2", action="store_true", help="torch's FSDP2 (fully_shard) over DP x CP (parallel.TorchFSDP2)")
     a("--expert-model-parallel-size", type=int, default=1, help="MoE: experts sharded over this many DP ranks")
     a("--expert-tensor-parallel-size", type=int, default=None, help="MoE: 1 or TP (default TP)")
     # context parallelism (parallel.py section 12): the sequence split over cp ranks, attention exchanges K/V
@@ -738,15 +738,24 @@ RANGES.update({**dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "q
                                 "mtp_num_layers"], _AT_LEAST_1), "mtp_loss_scaling_factor": _AT_LEAST_0})  # deepseek.py
 
 
-def check_fsdp_args(args) -> dict:
+def check_fsdp_args(args, world: int) -> dict:
     """--use-megatron-fsdp's strategies: no_shard is plain DP, optim the distributed optimizer (ZeRO-1); optim_grads
-    (ZeRO-2) and optim_grads_params (ZeRO-3) are parallel.FSDP (use_fsdp). What they do not compose with is refused
-    by name. Returns the flags they set."""
+    (ZeRO-2) and optim_grads_params (ZeRO-3) are parallel.FSDP (use_fsdp). --use-torch-fsdp2: parallel.TorchFSDP2
+    (torch's fully_shard over DP x CP). What they do not compose with is refused by name. Returns the flags they set."""
     s = args.data_parallel_sharding_strategy
-    if args.use_torch_fsdp2:
-        raise ConfigError("--use-torch-fsdp2 is not supported: torch's fully_shard runs on this gloo backend but is "
-                          "not wired in (its DTensor parameters would need their own optimizer and checkpoint path); "
-                          "use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (ZeRO-3)")
+    fsdp2 = {"--use-megatron-fsdp": args.use_megatron_fsdp,
+             "one process (it shards over DP x CP: run under torchrun)": world == 1,
+             "--tensor-model-parallel-size > 1": args.tensor_model_parallel_size > 1,
+             "--pipeline-model-parallel-size > 1": args.pipeline_model_parallel_size > 1,
+             "--num-experts (MoE)": bool(args.num_experts),
+             "--optimizer muon (torch's AdamW steps the shards: add --optimizer adam)": args.optimizer == "muon",
+             "--fp16": args.fp16, "--fp8": args.fp8, "--lora-rank": args.lora_rank is not None,
+             f"--task {args.task}": args.task != "pretrain", "--decoupled-lr": args.decoupled_lr is not None,
+             "--use-distributed-optimizer / --overlap-grad-reduce": args.use_distributed_optimizer
+             or args.overlap_grad_reduce, "--recompute-granularity full": args.recompute_granularity == "full"}
+    for flag, on in fsdp2.items() if args.use_torch_fsdp2 else ():
+        if on:
+            raise ConfigError(f"--use-torch-fsdp2 with {flag} is not supported (not composed)")
     if s != "no_shard" and not args.use_megatron_fsdp:
         raise ConfigError(f"--data-parallel-sharding-strategy {s} is Megatron-FSDP's: add --use-megatron-fsdp")
     fsdp = args.use_megatron_fsdp and s in ("optim_grads", "optim_grads_params")
@@ -802,7 +811,7 @@ def check_args(args, world: int) -> Args:
     if args.profile and not (args.save or args.tensorboard_dir):
         raise ConfigError("--profile writes its trace into the TensorBoard directory: give --save or --tensorboard-dir")
     check_long_context_args(args)
-    vars(args).update(check_fsdp_args(args))  # --use-megatron-fsdp's strategies: what they set
+    vars(args).update(check_fsdp_args(args, world))  # --use-megatron-fsdp's strategies: what they set
     args.use_ddp = args.use_distributed_optimizer or args.overlap_grad_reduce or args.use_fsdp
     if args.optimizer == "muon" and (args.task != "pretrain" or args.lora_rank is not None):
         raise ConfigError("--optimizer muon is for pretraining whole weights (the hidden layers' matrices), not "

@@ -66,8 +66,8 @@ def checkpoint_state(chunks, optimizer, mesh, fp8: bool = True, only=None):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def as_dtensor(t, p, dim):
-        if mesh is None or not getattr(p, "tensor_model_parallel", False):
-            return t
+        if mesh is None or not getattr(p, "tensor_model_parallel", False) or isinstance(t, DTensor):
+            return t  # (a DTensor already: torch FSDP2's DP shard, parallel.TorchFSDP2, at TP 1)
         return DTensor.from_local(t, mesh, [Replicate(), Shard(dim)], run_check=False)
 
     def view(t, p):

@@ -5,34 +5,34 @@ section's fence; the last section runs to the end of the file), its title, and t
 names them (Megatron-LM's; Transformer Engine's where Megatron takes the piece from TE). tests/test_repo.py checks the
 table; after an edit to this file, refresh its line numbers: .venv/bin/python tests/test_repo.py --fix-parallel-contents
   §    lines      section                                         mirrors
-  1    78-209     Grid                                            megatron/core/parallel_state.py
-  2    210-396    Mappings                                        megatron/core/tensor_parallel/mappings.py
-  3    397-472    Initialization                                  megatron/core/tensor_parallel/layers.py
-  4    473-693    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
+  1    79-210     Grid                                            megatron/core/parallel_state.py
+  2    211-397    Mappings                                        megatron/core/tensor_parallel/mappings.py
+  3    398-473    Initialization                                  megatron/core/tensor_parallel/layers.py
+  4    474-694    Tensor-parallel layers                          megatron/core/tensor_parallel/layers.py
                                                                   megatron/core/tensor_parallel/cross_entropy.py
-  5    694-757    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
-  6    758-872    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
-  7    873-912    Schedules                                       megatron/core/pipeline_parallel/schedules.py
-  8    913-1102   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
+  5    695-758    RNG tracker and dropout                         megatron/core/tensor_parallel/random.py
+  6    759-873    Gradient finalization and shard gathering       megatron/core/distributed/finalize_model_grads.py
+  7    874-913    Schedules                                       megatron/core/pipeline_parallel/schedules.py
+  8    914-1103   Pipeline parallelism                            megatron/core/pipeline_parallel/schedules.py
                                                                   megatron/core/pipeline_parallel/p2p_communication.py
-  9    1103-1403  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
+  9    1104-1404  Data parallelism and the distributed optimizer  megatron/core/distributed/distributed_data_parallel.py
                                                                   megatron/core/distributed/param_and_grad_buffer.py
                                                                   megatron/core/distributed/finalize_model_grads.py
                                                                   megatron/core/optimizer/distrib_optimizer.py
-  10a  1404-1548  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
+  10a  1405-1549  Mixture of Experts: the router                  megatron/core/transformer/moe/router.py
                                                                   megatron/core/transformer/moe/moe_utils.py
-  10b  1549-1752  Mixture of Experts: experts, dispatchers, the layer
+  10b  1550-1753  Mixture of Experts: experts, dispatchers, the layer
                                                                   megatron/core/transformer/moe/token_dispatcher.py
                                                                   megatron/core/transformer/moe/experts.py
                                                                   megatron/core/transformer/moe/moe_utils.py
                                                                   megatron/core/transformer/moe/shared_experts.py
                                                                   megatron/core/transformer/moe/moe_layer.py
-  11   1753-1981  FP8                                             megatron/core/fp8_utils.py
+  11   1754-1982  FP8                                             megatron/core/fp8_utils.py
                                                                   transformer_engine/pytorch/fp8.py
-  12   1982-2245  Context parallelism                             megatron/core/utils.py
+  12   1983-2246  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2246-2363  Muon                                            megatron/core/optimizer/muon.py
-  14   2364-2614  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
+  13   2247-2364  Muon                                            megatron/core/optimizer/muon.py
+  14   2365-2664  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -62,6 +62,7 @@ import contextlib
 import math
 import os
 import re
+import warnings
 import zlib
 from datetime import timedelta
 
@@ -2379,6 +2380,7 @@ class DistributedMuon(DistributedOptimizer):
 #                         The chunk's other parameters are gathered at its forward and kept until the step's end.
 #  Where Megatron-FSDP differs: it reduce-scatters and all-gathers on CUDA streams with double-buffered bucket memory;
 #  here gloo's async handles, the freed storage resized to 0 and back (torch FSDP1's trick: parameter views survive).
+#  TorchFSDP2 (--use-torch-fsdp2; Megatron's torch_fully_sharded_data_parallel.py): torch's FSDP2 on the same units.
 # ============================================================================================================
 FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -2612,3 +2614,51 @@ def optimizer_over(buffers: DDP, optimizer_class, **kw):
     checkpoints gather the parameters."""
     zero3 = getattr(buffers, "zero3", False)
     return (type(optimizer_class.__name__, (_Gathering, optimizer_class), {}) if zero3 else optimizer_class)(buffers, **kw)
+
+
+class TorchFSDP2(Optimizer):
+    """--use-torch-fsdp2: each of fsdp_units (a layer), then the chunk (the root), fully_shard'ed over DP x CP, every
+    parameter a DTensor Shard(0) (SwiGLU's strided fc1 Shard(1): checkpoint.py's [2, f, h] view stays even at any DP).
+    The reduce-scatter SUMS (DESIGN.md §2; gloo has no AVG), on the last micro-batch only; torch's AdamW steps shards."""
+
+    def __init__(self, chunks, grid: Grid, **adam):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.tensor import Shard
+        mesh = DeviceMesh.from_group(grid.dp_cp.pg, next(chunks[0].parameters()).device.type)
+        place = lambda p: Shard(1) if getattr(p, "partition_stride", 1) != 1 and p.dim() > 1 else Shard(0)
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # (loss.t(): summed)
+        for chunk in chunks:
+            marks = {name: dict(p.__dict__) for name, p in chunk.named_parameters()}
+            for unit in fsdp_units(chunk):
+                fully_shard(unit, mesh=mesh, shard_placement_fn=place)
+                unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)
+            for name, p in chunk.named_parameters():  # mark()'s attributes on the new (DTensor) Parameters
+                p.__dict__.update(marks[name])
+            chunk.register_forward_pre_hook(self._count_micro_batch)
+        self.fsdp = [m for c in chunks for m in c.modules() if isinstance(m, FSDPModule)]
+        super().__init__(chunks, grid, **adam)
+
+    def _count_micro_batch(self, chunk, args):  # the last micro-batch's backward reduce-scatters (not evaluation's)
+        if torch.is_grad_enabled():
+            self.micro += 1
+            chunk.set_requires_gradient_sync(self.micro == self.M)
+
+    def zero_grad(self, num_micro_batches: int = 1):
+        self.M, self.micro = num_micro_batches, 0
+        self.adam.zero_grad(set_to_none=True)  # (FSDP2 adds each reduce-scatter into an existing sharded grad)
+
+    def finish_grad_sync(self):
+        """Nothing: the last micro-batch's backward has reduce-scattered every unit's gradients (torch waits)."""
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:  # each rank's local slices, summed over DP x CP
+        params = [p for p in self.params if p.grad is not None]
+        sq = torch.tensor([sum(p.grad.to_local().double().square().sum().item() for p in params  # [dense, MoE: none]
+                               if counted_in_norm(p, self.grid)), 0.0], dtype=torch.float64, device=params[0].device)
+        return clip_by_global_norm(sq, [p.grad for p in params], max_norm, self.grid, dp_sliced=True)
+
+    def full_state(self) -> dict:  # DTensors, saved sharded; the root resharded first (no_grad leaves it gathered)
+        for m in self.fsdp:
+            m.reshard()
+        return super().full_state()

@@ -52,7 +52,8 @@ def make_optimizer(chunks, grid, args):
     the rest): parallel.Optimizer / Muon (whole parameters, the plain DP sum), or with --use-distributed-optimizer /
     --overlap-grad-reduce parallel.DistributedOptimizer / DistributedMuon over parallel.DDP's bucketed gradients (the
     same arithmetic, the state sharded over DP), with --use-megatron-fsdp's optim_grads / optim_grads_params over
-    parallel.FSDP's (ZeRO-2 / ZeRO-3). One interface: the loop never asks which."""
+    parallel.FSDP's (ZeRO-2 / ZeRO-3); --use-torch-fsdp2: parallel.TorchFSDP2 (torch's fully_shard, its DTensor
+    parameters stepped by torch's AdamW). One interface: the loop never asks which."""
     adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
                 decoupled_lr=args.decoupled_lr)
     muon = dict(momentum=args.muon_momentum, nesterov=args.muon_use_nesterov, ns_steps=args.muon_num_ns_steps,
@@ -68,7 +69,7 @@ def make_optimizer(chunks, grid, args):
         return P.optimizer_over(ddp, P.DistributedOptimizer, **adam)
     if args.optimizer == "muon":
         return P.Muon(chunks, grid, **muon, **adam)
-    return P.Optimizer(chunks, grid, **adam)
+    return (P.TorchFSDP2 if args.use_torch_fsdp2 else P.Optimizer)(chunks, grid, **adam)
 
 
 # ============================================================================================================

@@ -1,7 +1,8 @@
 """Fully sharded data parallelism (parallel.py section 14: ZeRO-2 `optim_grads`, ZeRO-3 `optim_grads_params`) against
 the single process, through the same loop and comparison as tests/test_data_parallel.py: float64 at 1e-10 relative —
 the loss, every gradient after the first backward, the clipping norm at every step, all parameters after 3 steps of
-AdamW with clipping. Then the negative controls, the memory per rank and the communication volume per step.
+AdamW with clipping. Then the negative controls, the memory per rank and the communication volume per step. Then
+torch's FSDP2 (--use-torch-fsdp2, parallel.TorchFSDP2) the same way (1e-12), through train.py, and what it refuses.
 
 Run:  .venv/bin/python -m pytest -q tests/test_fsdp.py
 """
@@ -226,6 +227,44 @@ def test_zero3_moves_three_times_the_parameters(pool, M):
     assert pool.run(budget_case, 2, strategy="optim_grads_params", M=M, prefetch=False)[0]["prefetched"] == 0
 
 
+# ---- torch's FSDP2 (--use-torch-fsdp2: parallel.TorchFSDP2, fully_shard's DTensor parameters) --------------------
+def fsdp2_case(rank, n, cfg, M, cp=1, steps=3, average=False):
+    """TorchFSDP2 over DP x CP (cp: ring attention, the cp ranks of a DP rank take the same rows), float64, the same
+    loop as fsdp_case; gradients and parameters gathered whole with DTensor.full_tensor(). average: every unit's
+    gradient divided by DP x CP (fully_shard's default, the mean) instead of the sum the loss normalization needs."""
+    grid = P.Grid(dp=n // cp, cp=cp)
+    c = gpt.Config(**cfg)
+    chunks = [gpt.Model(c, grid)]
+    opt = P.TorchFSDP2(chunks, grid, **OPT)
+    for m in opt.fsdp if average else ():
+        m.set_gradient_divide_factor(float(n))
+    batch = make_batch(cfg["vocab_size"], 8, 8, 11)
+    micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
+    whole = lambda get: {chunks[0].global_name(k): get(p).full_tensor().clone() for k, p in chunks[0].named_parameters()}
+    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), (8 // cp, micro[0].shape[0], c.hidden_size),
+                        c.params_dtype, CLIP, steps, lambda log: dict(grads=whole(lambda p: p.grad)))
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in chunks[0].parameters())  # sharded by torch
+    return dict(out, params=whole(lambda p: p))
+
+
+@pytest.mark.parametrize("case,n,cfg,cp", [("dp2", 2, CFG, 1), ("cp2-dp2", 4, LLAMA, 2)])
+def test_torch_fsdp2_equals_single_process(pool, case, n, cfg, cp):
+    """fully_shard per layer then the root, gradient accumulation 2 (the reduce-scatter on the last micro-batch only),
+    clipping over the shards, torch's AdamW on the DTensors: loss, gradients, parameters after 3 steps to 1e-12."""
+    got, ref = merge(pool.run(fsdp2_case, n, cfg=cfg, M=2, cp=cp)), reference(cfg, 2 * n // cp)
+    assert_same(got, ref, rtol=1e-12, what=f"torch fsdp2 {case}")
+    assert rel_err(got["norms"], ref["norms"]) < 1e-12 and ref["norms"].min() > CLIP, (got["norms"], ref["norms"])
+
+
+def test_torch_fsdp2_averaging_instead_of_summing_halves_the_gradients(pool):
+    """fully_shard's default divides the reduced gradient by DP; the loss is already divided by the global count
+    (DESIGN.md §2), so the mean is half the gradient at DP 2: the comparison fails at a gradient, by exactly 2."""
+    got, ref = merge(pool.run(fsdp2_case, 2, cfg=CFG, M=2, steps=1, average=True)), reference(CFG, 4, steps=1)
+    with pytest.raises(AssertionError, match="at grad "):
+        assert_same(got, ref, rtol=1e-12, what="averaged")
+    assert max(rel_err(2 * got["grads"][k], g) for k, g in ref["grads"].items()) < 1e-12
+
+
 # ---- train.py: the flags, a loss curve, a resumed run -----------------------------------------------------------
 
 
@@ -250,9 +289,45 @@ def test_train_at_dp2_matches_one_process_resumes_exactly_and_loads_anywhere(cor
         assert_close(c[i]["loss"], ref[i]["loss"], 1e-5, f"{strategy}'s checkpoint in one process, iteration {i}")
 
 
+def test_train_with_torch_fsdp2_matches_one_process_resumes_exactly_and_loads_anywhere(corpus, tmp_path):
+    """train.py --use-torch-fsdp2 at DP 2 in float32 logs one process's losses and gradient norms to 1e-5 (float32
+    sums in another order: the two ranks' halves reduce-scattered, ~1e-7 per operation over 4 steps); stopped at 2
+    and resumed, the same losses bit for bit; its DTensor shards (DCP) resume in one process, and one process's
+    checkpoint resumes under FSDP2 at DP 2."""
+    cache, one, straight, stopped, back, forth = (tmp_path / n for n in ("cache", "one", "straight", "stopped", "back",
+                                                                         "forth"))
+    adam = ("--optimizer", "adam", "--save-interval", "2")  # (gpt's default optimizer is Muon)
+    fsdp2 = ("--use-torch-fsdp2", *adam)
+    train.main(tiny(corpus, cache, one, *adam, iters=4))
+    torchrun(2, tiny(corpus, cache, straight, *fsdp2, iters=4))
+    torchrun(2, tiny(corpus, cache, stopped, *fsdp2, "--exit-interval", "2", iters=4))
+    torchrun(2, tiny(corpus, cache, stopped, *fsdp2, "--load", str(stopped), iters=4))
+    train.main(tiny(corpus, cache, back, *adam, "--load", str(straight), "--ckpt-step", "2", iters=4))
+    torchrun(2, tiny(corpus, cache, forth, *fsdp2, "--load", str(one), "--ckpt-step", "2", iters=4))
+    ref, a, b, c, d = (metrics(r)[0] for r in (one, straight, stopped, back, forth))
+    for i in range(1, 5):
+        for key in ("loss", "grad_norm"):
+            assert_close(a[i][key], ref[i][key], 1e-5, f"fsdp2 {key} at iteration {i}")
+    assert sorted(b) == [1, 2, 3, 4] and all(b[i][k] == a[i][k] for i in (3, 4) for k in ("loss", "grad_norm")), \
+        f"resumed fsdp2: {[b[i]['loss'] for i in (3, 4)]} != {[a[i]['loss'] for i in (3, 4)]}"
+    for i in (3, 4):
+        assert_close(c[i]["loss"], ref[i]["loss"], 1e-5, f"fsdp2's checkpoint in one process, iteration {i}")
+        assert_close(d[i]["loss"], ref[i]["loss"], 1e-5, f"one process's checkpoint under fsdp2, iteration {i}")
+
+
 @pytest.mark.parametrize("argv,error", [
-    (["--use-torch-fsdp2"], "--use-torch-fsdp2 is not supported: torch's fully_shard runs on this gloo backend but is "
-                            "not wired in"),
+    *[(["--use-torch-fsdp2", "--optimizer", "adam", *flags], f"--use-torch-fsdp2 with {name} is not supported") for
+      flags, name in [(["--use-megatron-fsdp"], "--use-megatron-fsdp"),
+                      (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
+                      (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
+                      (["--num-experts", "4", "--expert-model-parallel-size", "2"], "--num-experts (MoE)"),
+                      (["--optimizer", "muon"], "--optimizer muon (torch's AdamW steps the shards: add --optimizer adam)"),
+                      (["--fp16"], "--fp16"), (["--fp8"], "--fp8"),
+                      (["--lora-rank", "4"], "--lora-rank"), (["--task", "sft"], "--task sft"),
+                      (["--decoupled-lr", "1e-3"], "--decoupled-lr"),
+                      (["--overlap-grad-reduce"], "--use-distributed-optimizer / --overlap-grad-reduce"),
+                      (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                        "1"], "--recompute-granularity full")]],
     (["--data-parallel-sharding-strategy", "optim_grads"], "is Megatron-FSDP's: add --use-megatron-fsdp"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--recompute-granularity",
       "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
@@ -265,6 +340,14 @@ def test_train_at_dp2_matches_one_process_resumes_exactly_and_loads_anywhere(cor
 def test_what_fsdp_does_not_compose_is_refused_in_one_line(argv, error):
     with pytest.raises(arguments.ConfigError, match=re.escape(error)):
         arguments.check_args(arguments.parse_args(["--seq-length", "32"] + argv), 4)
+
+
+def test_torch_fsdp2_in_one_process_is_refused():
+    """fully_shard shards over a process group: one process has none (train.py makes one only under torchrun)."""
+    with pytest.raises(arguments.ConfigError, match=re.escape("--use-torch-fsdp2 with one process (it shards over DP x "
+                                                              "CP: run under torchrun) is not supported")):
+        arguments.check_args(arguments.parse_args(["--use-torch-fsdp2", "--optimizer", "adam"]), 1)
+    assert arguments.check_args(arguments.parse_args(["--use-torch-fsdp2", "--optimizer", "adam"]), 2).use_torch_fsdp2
 
 
 def test_strategies_map_to_megatrons_meaning():

@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_data_parallel import CFG, CLIP, LLAMA, OPT, make_batch, merge, reference
 from test_muon import MOE, MUON
 from test_muon import reference as muon_reference
@@ -241,18 +242,27 @@ def fsdp2_case(rank, n, cfg, M, cp=1, steps=3, average=False):
     batch = make_batch(cfg["vocab_size"], 8, 8, 11)
     micro = list(batch.chunk(grid.dp_size)[grid.dp.rank].chunk(M))
     whole = lambda get: {chunks[0].global_name(k): get(p).full_tensor().clone() for k, p in chunks[0].named_parameters()}
-    out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), (8 // cp, micro[0].shape[0], c.hidden_size),
-                        c.params_dtype, CLIP, steps, lambda log: dict(grads=whole(lambda p: p.grad)))
+    made, rs = [], dist.reduce_scatter_single  # fully_shard's reduce-scatters (its DefaultReduceScatter calls this)
+    dist.reduce_scatter_single = lambda *a, **k: made.append(1) or rs(*a, **k)
+    try:
+        out = clipped_steps(chunks, grid, opt, micro, batch[:, 1:].numel(), (8 // cp, micro[0].shape[0], c.hidden_size),
+                            c.params_dtype, CLIP, steps, lambda log: dict(grads=whole(lambda p: p.grad)))
+    finally:
+        dist.reduce_scatter_single = rs
     assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in chunks[0].parameters())  # sharded by torch
-    return dict(out, params=whole(lambda p: p))
+    return dict(out, params=whole(lambda p: p), reduce_scatters=len(made), units=len(opt.fsdp))
 
 
 @pytest.mark.parametrize("case,n,cfg,cp", [("dp2", 2, CFG, 1), ("cp2-dp2", 4, LLAMA, 2)])
 def test_torch_fsdp2_equals_single_process(pool, case, n, cfg, cp):
-    """fully_shard per layer then the root, gradient accumulation 2 (the reduce-scatter on the last micro-batch only),
-    clipping over the shards, torch's AdamW on the DTensors: loss, gradients, parameters after 3 steps to 1e-12."""
-    got, ref = merge(pool.run(fsdp2_case, n, cfg=cfg, M=2, cp=cp)), reference(cfg, 2 * n // cp)
+    """fully_shard per layer then the root, gradient accumulation 2 (each unit reduce-scattered on the last micro-batch
+    only: once a step, counted), clipping over the shards, torch's AdamW on the DTensors: loss, gradients, parameters
+    after 3 steps to 1e-12."""
+    res = pool.run(fsdp2_case, n, cfg=cfg, M=2, cp=cp)
+    got, ref = merge(res), reference(cfg, 2 * n // cp)
     assert_same(got, ref, rtol=1e-12, what=f"torch fsdp2 {case}")
+    assert res[0]["reduce_scatters"] == 3 * res[0]["units"] == 3 * (cfg["num_layers"] + 1), \
+        (res[0]["reduce_scatters"], res[0]["units"])
     assert rel_err(got["norms"], ref["norms"]) < 1e-12 and ref["norms"].min() > CLIP, (got["norms"], ref["norms"])
 
 

@@ -303,7 +303,8 @@ def test_train_with_torch_fsdp2_matches_one_process_resumes_exactly_and_loads_an
     """train.py --use-torch-fsdp2 at DP 2 in float32 logs one process's losses and gradient norms to 1e-5 (float32
     sums in another order: the two ranks' halves reduce-scattered, ~1e-7 per operation over 4 steps); stopped at 2
     and resumed, the same losses bit for bit; its DTensor shards (DCP) resume in one process, and one process's
-    checkpoint resumes under FSDP2 at DP 2."""
+    checkpoint resumes under FSDP2 at DP 2. (The last save follows an evaluation, whose no_grad forward leaves the root
+    gathered: without full_state's reshard it fails, "'Parameter' object has no attribute 'partition_dim'".)"""
     cache, one, straight, stopped, back, forth = (tmp_path / n for n in ("cache", "one", "straight", "stopped", "back",
                                                                          "forth"))
     adam = ("--optimizer", "adam", "--save-interval", "2")  # (gpt's default optimizer is Muon)

@@ -84,14 +84,22 @@ class Param(typing.NamedTuple):
 
 def layer_parameters(c, layout: Layout, i: int) -> list[Param]:
     """Global layer i's parameters on one TP (and EP) rank, in the model's order (transformer.TransformerLayer;
-    multi-latent attention and MTP are not itemised)."""
+    deepseek.MLASelfAttention with multi-latent attention)."""
     t, h, n, g, d, f = layout.tp, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels, \
         c.ffn_hidden_size
     norm = lambda size: [Param(size)] * (2 if c.normalization == "LayerNorm" else 1)  # weight (+ bias)
     bias = lambda size, on: [Param(size)] if on else []
-    ps = norm(h) + [Param(h * (n + 2 * g) * d // t, True)] + bias((n + 2 * g) * d // t, c.add_qkv_bias)  # linear_qkv
-    ps += [Param(n * d // t * h, True)] + bias(h, c.add_bias_linear)  # linear_proj
-    ps += (norm(d) + norm(d) if c.qk_layernorm else []) + norm(h)  # q/k norms, pre_mlp_layernorm
+    if c.multi_latent_attention:  # the down projections replicated (whole on every TP rank), the up ones split
+        qd, rq, rkv = c.qk_head_dim + c.qk_pos_emb_head_dim, c.q_lora_rank, c.kv_lora_rank
+        ps = norm(h) + ([Param(n * qd // t * h, True)] if rq is None else  # linear_q_proj, or q's down, norm, up
+                        [Param(rq * h, True)] + norm(rq) + [Param(n * qd // t * rq, True)])
+        ps += [Param((rkv + c.qk_pos_emb_head_dim) * h, True)] + norm(rkv)  # linear_kv_down_proj, kv_layernorm
+        ps += [Param(n * (c.qk_head_dim + c.v_head_dim) // t * rkv, True)]  # linear_kv_up_proj
+        ps += [Param(n * c.v_head_dim // t * h, True)] + bias(h, c.add_bias_linear) + norm(h)  # linear_proj, pre-MLP
+    else:
+        ps = norm(h) + [Param(h * (n + 2 * g) * d // t, True)] + bias((n + 2 * g) * d // t, c.add_qkv_bias)  # QKV
+        ps += [Param(n * d // t * h, True)] + bias(h, c.add_bias_linear)  # linear_proj
+        ps += (norm(d) + norm(d) if c.qk_layernorm else []) + norm(h)  # q/k norms, pre_mlp_layernorm
     up = 2 if c.gated_linear_unit else 1  # SwiGLU's fc1 is [gate; up]
     if not c.is_moe_layer(i):  # the MLP: fc1 [up·f/t, h], fc2 [h, f/t]
         return ps + [Param(up * f // t * h, True)] + bias(up * f // t, c.add_bias_linear) + \
@@ -118,25 +126,31 @@ def stage_parameters(c, layout: Layout, stage: int, by_unit: bool = False) -> li
     """Every parameter pipeline rank `stage` holds: embedding (first chunk), layers, final norm and output layer
     (last chunk; the tied embedding's copy when the first chunk is elsewhere), in the model's order (gpt.Model).
     by_unit: as parallel.FSDP's units instead, a list per layer then per chunk one of the rest."""
-    t, h, V = layout.tp, c.hidden_size, c.padded_vocab_size
+    t, h, V, D = layout.tp, c.hidden_size, c.padded_vocab_size, c.mtp_num_layers or 0
     tied = c.share_embeddings_and_output_weights
+    norm = [Param(h)] * (2 if c.normalization == "LayerNorm" else 1)
     ps, units = [], []
     for pre, post, layers in chunks(c, layout, stage):
-        head, tail = [], []
-        if pre:
-            head.append(Param(V // t * h, group="tied" if tied and not post else "dense"))  # word embeddings [V/t, h]
-            head += [Param(c.max_position_embeddings * h)] if c.position_embedding_type == "learned_absolute" else []
+        head, tail, mtp = [], [], []
+        if pre or post and D:  # (MTP: the last stage embeds too; both ends' embeddings are one, synced as a tied one)
+            group = "tied" if (tied or D) and pre != post else "dense"
+            head.append(Param(V // t * h, group=group))  # word embeddings [V/t, h]
+            head += [Param(c.max_position_embeddings * h, group="tied" if D and pre != post else "dense")] \
+                if c.position_embedding_type == "learned_absolute" else []
             head += [Param(c.num_tokentypes * h)] if c.num_tokentypes else []
         ps += head
         for i in layers:
             units.append(layer_parameters(c, layout, i))
             ps += units[-1]
         if post:
-            tail += [Param(h)] * (2 if c.normalization == "LayerNorm" else 1)  # final_layernorm
-            if not (tied and pre):  # output layer [V/t, h]: its own weight, or the tied embedding's last-stage copy
+            tail += norm  # final_layernorm
+            if not (tied and head):  # output layer [V/t, h]: its own weight, or the tied embedding's last-stage copy
                 tail.append(Param(V // t * h, group="tied" if tied else "dense"))
-        ps += tail
-        units.append(head + tail)
+            for _ in range(D):  # deepseek.MTPLayer: enorm, hnorm, eh_proj [h/t, 2h], the last layer's kind, its norm
+                mtp.append(norm + norm + [Param(h // t * 2 * h, True)] + layer_parameters(c, layout, c.num_layers - 1)
+                           + norm)
+        ps += tail + [p for depth in mtp for p in depth]
+        units += mtp + [head + tail]
     return units if by_unit else ps
 
 
@@ -229,6 +243,11 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) ->
         if layout.cp > 1:  # context parallelism's p2p ring (parallel._RingAttention): q, the last K/V block it held
             qkv += sb * B * (2 * g * d - g * d * new_qk)  # [2, b, g, s/c, d] (not k), the merged logsumexp
     stats = 2 * norm_extra(c, B, sb * h, sb) if cpu else 0  # the two norms' statistics
+    if c.multi_latent_attention:  # an estimate in both accountings (not itemised on this CPU), the paper's rules on
+        qd, dv = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim  # MLA's tensors: the core's q, k [n·qd], v [n·dv],
+        qkv, split = sb * B * n * (2 * qd + dv), split + sb * B * n * (dv - d)  # linear_proj's input n·dv; the
+        # latents' norm and up-projection inputs and the shared rope key, replicated over TP
+        whole += sb * B * (2 * (c.q_lora_rank or 0) + 2 * c.kv_lora_rank + c.qk_pos_emb_head_dim)
     if sp:  # sequence parallelism: every item is a sequence shard
         return (whole + qkv + split + core + stats) // t
     return whole + (qkv + split + core) // t + stats
@@ -260,6 +279,9 @@ def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, a
     else:  # Megatron's theoretical_memory_usage.py: the ids 8·s·b and the embedding's dropout mask s·b·h; the
         # output layer's input and the fp32 logits 4·s·b·(h + V); all / t
         head, tail = pre * (8 * sb + sb * h * (c.hidden_dropout > 0)) // t, post * 4 * sb * (h + V) // t
+    if post and c.mtp_num_layers:  # an estimate in both accountings: each MTP depth's layer, its norms' and eh_proj's
+        tail += c.mtp_num_layers * (layer_activations(c, layout, accounting, c.num_layers - 1)  # inputs [s, b, 2h],
+                                    + 6 * x + 4 * sb * V // t)  # the output layer's input and its fp32 logits
     full = [layer_activations(c, layout, accounting, i) for i in layers]
     if layout.recompute != "full":
         return head + sum(full) + tail, head + sum(full) + tail

@@ -43,8 +43,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# The default run (train.py's defaults): a 4-layer llama-style GPT on the Python stdlib sources. The time guard stops
-# (and saves) early on a slow or busy machine so the command always ends within ~$(MINUTES)+1 minutes.
+# The default run (train.py's defaults): a 4-layer llama-style GPT on the Python stdlib sources. Given no --train-iters,
+# its learning-rate schedule (WSD) is fitted to $(MINUTES) minutes and completes on a slow machine too; the time guard
+# still stops (and saves) so the command always ends within ~$(MINUTES)+1 minutes.
 # NPROC > 1: the flags, data and checkpoints are checked in one process first (train.py --check-only), so a mistake
 # is one line before torchrun starts any rank.
 TRAIN   := train.py --model $(MODEL) --tensor-model-parallel-size $(TP) --pipeline-model-parallel-size $(PP) \

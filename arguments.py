@@ -232,7 +232,9 @@ def training_flags(g):
     a("--lr-warmup-samples", type=int, default=0)
     a("--lr-warmup-fraction", type=float, default=None, help="warmup over this fraction of the decay steps")
     a("--lr-warmup-init", type=float, default=0.0, help="the warmup's first learning rate")
-    a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+      help="default: cosine; WSD fitted to --exit-duration-in-mins where a pretraining run gives no --train-iters, "
+           "--lr-decay-iters or --train-samples (scheduler.TimeFit: --train-iters is then the most it runs)")
     a("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     a("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
     a("--lr-wsd-decay-style", default=None, choices=["exponential", "linear", "cosine", "minus_sqrt"],
@@ -477,7 +479,10 @@ def resolve(p: argparse.ArgumentParser, argv: list[str], saved: dict, known_only
     other = {"train_iters": None if sample_based else p.get_default("train_iters"),
              "lr_warmup_iters": 0 if sample_based or got["lr_warmup_fraction"] is not None or got["lr"] is not UNSET
              else p.get_default("lr_warmup_iters"),
-             "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0}
+             "lr": p.get_default("lr"), "min_lr": p.get_default("min_lr") if got["lr"] is UNSET else 0.0,
+             "lr_decay_style": "WSD" if got["train_iters"] is UNSET and not sample_based and got["task"] == "pretrain"
+             and got["lr_decay_iters"] is None and got["lr_wsd_decay_iters"] is None
+             and got["exit_duration_in_mins"] is not None else p.get_default("lr_decay_style")}
     return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()})
 
 
@@ -511,8 +516,10 @@ def run_flags(saved: dict, model: str | None = None) -> dict:
 # default run's 3e-4 and 30 beside its --lr, Megatron's 0.0 and 0 beside a command's own --lr. And --optimizer: the
 # model file's (gpt: muon) where whole weights are pretrained, adam where adapters or a post-training task train; a
 # model file's --lr and --min-lr go with the optimizer it names (gpt: muon); another optimizer takes the model file's
-# OPTIMIZER_DEFAULTS for it (bert: AdamW's own rates), else train.py's (AdamW's on the default shape).
-SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr")
+# OPTIMIZER_DEFAULTS for it (bert: AdamW's own rates), else train.py's (AdamW's on the default shape). And the decay
+# style: a pretraining run given no length (--train-iters, --lr-decay-iters, --train-samples) but a time
+# (--exit-duration-in-mins, as make train gives) fits its schedule to the time: WSD (scheduler.TimeFit).
+SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr", "lr_decay_style")
 UNSET = "(not given)"
 
 

@@ -1,5 +1,6 @@
-"""scheduler.py — how long a run trains, its learning rate at each step, its global batch during a ramp-up, fp16's
-loss scale, and what stops it sooner (a signal, --exit-duration-in-mins).
+"""scheduler.py — how long a run trains (the flags' length, or one fitted to --exit-duration-in-mins: TimeFit), its
+learning rate at each step, its global batch during a ramp-up, fp16's loss scale, and what stops it sooner (a signal,
+--exit-duration-in-mins).
 
 Mirrors megatron/core/optimizer_param_scheduler.py (OptimizerParamScheduler.get_lr: warmup, then constant / linear /
 cosine / inverse-square-root / WSD decay, counted in samples of applied steps), megatron/core/
@@ -10,6 +11,7 @@ places read it and none owns it: arguments.py checks the flags (check_schedule_a
 and stops with it, tests/test_lr_schedule.py checks it against megatron-core.
 
     python train.py --lr-decay-style WSD --lr-wsd-decay-iters 100 --save runs/wsd   # hold --lr, anneal at the end
+    python train.py --exit-duration-in-mins 8 --save runs/fit   # WSD, its cool-down fitted to the 8 minutes
 """
 from __future__ import annotations
 
@@ -101,6 +103,72 @@ def set_learning_rates(optimizer, num_steps: int, args):
         optimizer.decoupled_lr = learning_rate(num_steps, args, args.decoupled_lr, low)
 
 
+# ---------------------------------------------------------------------------------------------- a schedule fitted to the time
+COOLDOWN_SHARE = 0.2  # a fitted run's cool-down: the last fifth of its iterations
+RESERVE = 0.05  # ... planned to end at 95 % of --exit-duration-in-mins (the cool-down's timing noise, the last save)
+MEASURED = 10  # iterations a process times before it may predict from them
+
+
+def fits_time(args) -> bool:
+    """WSD with no --lr-wsd-decay-iters under --exit-duration-in-mins: the cool-down is fitted to the time (TimeFit)."""
+    return args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.train_samples is None \
+        and args.exit_duration_in_mins is not None
+
+
+class TimeFit:
+    """The schedule's length: the flags' (`args`), or, where fits_time, decided while the run trains. A fitted run
+    warms up, then holds --lr (WSD's stable phase, which needs no end) until its predicted length N is reached by
+    the cool-down's share: N = min(--train-iters, the iterations done + those the time left holds at the rate
+    measured so far); the first step after which N - n <= COOLDOWN_SHARE x N fixes --train-iters N and
+    --lr-wsd-decay-iters N - n, exactly Megatron's WSD from there on. A host fast enough for --train-iters starts
+    the cool-down at its last fifth, whatever the clock says. The decision is the checkpoint's (state: Megatron's
+    scheduler names, in samples), so a resumed run keeps it; `after_step` is given the time (no clock of its own)."""
+
+    def __init__(self, args, meta: dict | None = None):
+        """meta: the resumed checkpoint's meta.json (its opt_param_scheduler holds the decision, state), if any."""
+        self.fitted, self.cap, saved = fits_time(args), args.train_iters, (meta or {}).get("opt_param_scheduler", {})
+        self.decided = not self.fitted or "wsd_decay_steps" in saved
+        self.plan(args, *((saved["lr_decay_steps"] // args.global_batch_size,
+                           saved["wsd_decay_steps"] // args.global_batch_size) if self.fitted and self.decided else
+                          (args.train_iters, round(COOLDOWN_SHARE * args.train_iters) if self.fitted else None)))
+
+    def plan(self, args, train_iters: int, wsd_iters: int | None):
+        """The flags the schedule reads (scheduler.learning_rate): a copy of args with the fitted length."""
+        self.train_iters, self.wsd_iters = train_iters, wsd_iters
+        self.args = args if not self.fitted else type(args)(**{**vars(args), "train_iters": train_iters,
+                                                                "lr_decay_iters": train_iters,
+                                                                "lr_wsd_decay_iters": wsd_iters})
+
+    def after_step(self, n: int, elapsed: float, timed: int) -> bool:
+        """After iteration n (`timed` of them in `elapsed` seconds of this process, the time every rank agreed on):
+        True if the cool-down is decided now."""
+        warmup = schedule_steps(self.args)[0] / self.args.global_batch_size
+        if self.decided or n < warmup:
+            return False
+        budget, total = 60 * self.args.exit_duration_in_mins * (1 - RESERVE), self.cap
+        if timed >= MEASURED:
+            total = min(total, n + int((budget - elapsed) * timed / elapsed))
+        if total - n > round(COOLDOWN_SHARE * total):
+            return False
+        self.decided = True
+        self.plan(self.args, n + max(1, total - n), max(1, total - n))
+        return True
+
+    def state(self) -> dict:
+        """What a checkpoint records (meta.json's opt_param_scheduler): the decided lengths, in samples as Megatron's
+        OptimizerParamScheduler names them; nothing for a run whose flags fix its length or that has not decided."""
+        gbs = self.args.global_batch_size
+        return dict(lr_decay_steps=self.train_iters * gbs, wsd_decay_steps=self.wsd_iters * gbs) if (
+            self.fitted and self.decided) else {}
+
+    def said(self, n: int) -> str:
+        """The decision, in one line: the flags that repeat it."""
+        return (f"the cool-down starts after iteration {n}: {self.wsd_iters} iterations of WSD annealing to iteration "
+                f"{self.train_iters}, fitted to --exit-duration-in-mins={self.args.exit_duration_in_mins} "
+                f"(--train-iters {self.train_iters} --lr-decay-style WSD --lr-wsd-decay-iters {self.wsd_iters} "
+                "repeats it)")
+
+
 def check_schedule_args(args, interleaved: bool) -> tuple:
     """The training length, the learning-rate schedule and the batch-size ramp-up: Megatron's rules (validate_args,
     training.py's update_train_iters, the ramp's calculator in megatron/core/num_microbatches_calculator.py). Returns
@@ -134,8 +202,10 @@ def check_schedule_args(args, interleaved: bool) -> tuple:
     if args.lr_warmup_init > args.lr:
         raise ConfigError(f"--lr-warmup-init={args.lr_warmup_init} is larger than --lr={args.lr}")
     unit = "iters" if iters is not None else "samples"
-    if args.lr_decay_style == "WSD" and wsd is None:
-        raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its annealing phase")
+    fitted = iters is not None and args.lr_decay_iters is None and args.exit_duration_in_mins is not None
+    if args.lr_decay_style == "WSD" and wsd is None and not fitted:  # (fitted: TimeFit)
+        raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its annealing phase (or, "
+                          "with --train-iters as the most it runs, --exit-duration-in-mins to fit it to the time)")
     if args.lr_decay_style != "WSD" and (wsd is not None or args.lr_wsd_decay_style is not None):
         flag = f"--lr-wsd-decay-{unit}" if wsd is not None else "--lr-wsd-decay-style"
         raise ConfigError(f"{flag} acts only with --lr-decay-style WSD (it is {args.lr_decay_style})")
@@ -233,11 +303,13 @@ class ExitSignals:
             signal.signal(s, h)
 
 
-def agree_to_stop(t0: float, minutes: float | None, signals: ExitSignals) -> tuple[bool, str | None]:
-    """(--exit-duration-in-mins passed, the name of a signal received), as every rank agrees: a MAX over ranks, so a
-    signal that reached one rank stops them all after the same step (a rank that stopped alone would leave the
-    others waiting in a collective; tests/test_signals.py signals one rank of two)."""
-    flags = torch.tensor([float(minutes is not None and time.time() - t0 > 60 * minutes), float(signals.signum)])
+def agree_to_stop(t0: float, minutes: float | None, signals: ExitSignals) -> tuple[bool, str | None, float]:
+    """(--exit-duration-in-mins passed, the name of a signal received, the seconds since t0), as every rank agrees: a
+    MAX over ranks, so a signal that reached one rank stops them all after the same step (a rank that stopped alone
+    would leave the others waiting in a collective; tests/test_signals.py signals one rank of two), and a TimeFit
+    decides alike on every rank."""
+    flags = torch.tensor([time.time() - t0, float(signals.signum)], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0] > 0), signal.Signals(int(flags[1])).name if flags[1] > 0 else None
+    late = minutes is not None and bool(flags[0] > 60 * minutes)
+    return late, signal.Signals(int(flags[1])).name if flags[1] > 0 else None, float(flags[0])

@@ -8,8 +8,8 @@ modules (config.TASKS, posttraining/) in config.py, checkpoints in checkpoint.py
 (plain and distributed, one interface) in parallel.py section 9, the learning rate, loss scale and stop conditions in
 scheduler.py, the log lines in metrics.py; tools.py samples, merges, exports and scores a saved run.
 
-    make train MODEL=gpt                                       # the default run below: ~7.5 min on 2 CPU cores
-    python train.py --save runs/gpt                            # the same, without make
+    make train MODEL=gpt                                       # the default run: its schedule fitted to 8 minutes
+    python train.py --save runs/gpt --exit-duration-in-mins 8  # the same, without make
     python train.py --train-iters 50 --num-layers 2 --save runs/tiny --data-path my.jsonl --json-keys text
     torchrun --nproc_per_node 2 train.py --tensor-model-parallel-size 2 --sequence-parallel --save runs/tp2
     torchrun --nproc_per_node 2 train.py --save runs/dp2       # DP = world / (TP x PP) = 2
@@ -41,7 +41,7 @@ from arguments import Args, ConfigError, check_args, model_config, notes, parse_
 from config import ModelFile, model_file, task_module
 from interop import tokenizer_files
 from metrics import Logger, Profiler, first_nonfinite_grad, nonfinite, say_done, training_log
-from scheduler import ExitSignals, LossScaler, agree_to_stop, batch_size, learning_rate, set_learning_rates
+from scheduler import ExitSignals, LossScaler, TimeFit, agree_to_stop, batch_size, learning_rate, set_learning_rates
 
 
 # ============================================================================================================
@@ -84,10 +84,6 @@ class Progress:
     consumed_samples: int = 0
     lr_steps: int = 0
 
-    def batch_size(self, args) -> int:
-        """The global batch size of the next step: --global-batch-size, or the --rampup-batch-size ramp's."""
-        return batch_size(self.consumed_samples, args.global_batch_size, args.rampup_batch_size)
-
 
 @dataclasses.dataclass
 class Run:
@@ -112,6 +108,7 @@ class Run:
     autocast: Callable  # bf16/fp16 autocast, or a no-op
     first: int  # the first iteration: 0, or the resumed checkpoint's
     progress: Progress  # where the run is: iteration, samples consumed, the schedule's steps (train_step advances it)
+    fit: TimeFit  # the schedule's length: the flags', or fitted to --exit-duration-in-mins (its .args: the schedule's)
     log: Logger
 
     @property
@@ -185,7 +182,7 @@ def setup(args) -> Run:
         print("note: --fp8 covers the attention and MLP linears; the routed MoE experts keep the parameters' dtype")
     optimizer, scaler = make_optimizer(chunks, grid, args), LossScaler(args)
     progress = Progress(*checkpoint.load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank))
-    first = progress.iteration
+    first, fit = progress.iteration, TimeFit(args, None if start.resume is None or args.no_load_optim else start.resume.meta)
     s_local = args.seq_length // cp  # [s/cp(/tp), b, h] between pipeline stages
     p2p_shape = (s_local // tp if config.sequence_parallel and tp > 1 else s_local, args.micro_batch_size,
                  config.hidden_size)
@@ -202,10 +199,10 @@ def setup(args) -> Run:
     if rank == 0 and args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         tokenizer_files.save_tokenizer(corpus.tokenizer, Path(args.save) / "tokenizer.json")  # (with its roles, if not ours)
-    log = Logger(args.save, rank, first, args.train_iters, resume=start.continues,  # keeps lines <= first
+    log = Logger(args.save, rank, first, fit.train_iters, resume=start.continues,  # keeps lines <= first
                  tensorboard_dir=args.tensorboard_dir)
     return Run(args, mf, start, corpus, config, grid, chunks, model, mesh, device, rank, optimizer, scaler, fp8, task,
-               reference_base, p2p_shape, autocast, first, progress, log)
+               reference_base, p2p_shape, autocast, first, progress, fit, log)
 
 
 # ============================================================================================================
@@ -250,10 +247,10 @@ def train_step(run: Run, it: int) -> Step:
     The batch is the samples from run.progress.consumed_samples on (its size: the ramp-up's, if any), at the learning
     rate of the schedule's steps so far; then the progress moves on (the schedule only if the step was applied)."""
     a, grid, progress = run.args, run.grid, run.progress
-    gbs = progress.batch_size(a)
+    gbs = batch_size(progress.consumed_samples, a.global_batch_size, a.rampup_batch_size)  # (the ramp-up's, if any)
     batch = data.global_batch(run.corpus.train, start=progress.consumed_samples, size=gbs)  # [gbs, s+1] (a task's:
     micro_batches, recipe, num_tokens, shape = prepare(run, batch)  # [gbs, R, s+1]); num_tokens: the global batch's
-    set_learning_rates(run.optimizer, progress.lr_steps, a)
+    set_learning_rates(run.optimizer, progress.lr_steps, run.fit.args)
     run.optimizer.zero_grad(len(micro_batches))
     trace = [] if a.pipeline_trace and it == run.first else None
     # fp16: backward runs on loss x scale, as sum / (num_tokens / scale), so MoE aux losses are scaled too
@@ -347,7 +344,7 @@ def train(args) -> Run:
         signals.restore()  # (also when the loop raises: a rank that must die on torchrun's SIGTERM then does)
         if a.manual_gc:
             gc.enable()
-    if run.corpus.test is not None and a.eval_iters > 0 and n == a.train_iters and not signaled:
+    if run.corpus.test is not None and a.eval_iters > 0 and n == run.fit.train_iters and not signaled:
         log.log(dict(iteration=n, **evaluate(run, "test")))  # Megatron's test evaluation once training has ended
     log.close()
     say_done(run, n, time.time() - t0, run.progress.consumed_samples - consumed, signaled)
@@ -360,7 +357,7 @@ def loop(run: Run, t0: float, signals: ExitSignals):
     a, log = run.args, run.log
     window, n, signaled = dict(steps=[], t=t0, moe_load=None), run.first, None  # the steps since the last log line
     profiler = Profiler(a, run.rank, log.tensorboard_dir)
-    for it in range(run.first, a.train_iters):
+    for it in range(run.first, run.fit.train_iters):
         profiler.step(it)
         step = train_step(run, it)
         if a.manual_gc and a.manual_gc_interval and (it + 1) % a.manual_gc_interval == 0:
@@ -371,30 +368,31 @@ def loop(run: Run, t0: float, signals: ExitSignals):
             window["moe_load"] = step.moe_load + (0 if window["moe_load"] is None else window["moe_load"])
         if run.rank == 0:
             log.bar.update(1)
-        if n % a.log_interval == 0 or n == a.train_iters:
-            log.log(training_log(run, n, window, learning_rate(run.progress.lr_steps, a)))
+        late, signaled, elapsed = agree_to_stop(t0, a.exit_duration_in_mins, signals)
+        if run.fit.after_step(n, elapsed, n - run.first) and run.rank == 0:  # a fitted run's cool-down starts
+            log.bar.write(run.fit.said(n))
+            log.bar.total = run.fit.train_iters
+        last = n == run.fit.train_iters
+        if n % a.log_interval == 0 or last:
+            log.log(training_log(run, n, window, learning_rate(run.progress.lr_steps, run.fit.args)))
             window = dict(steps=[], t=time.time(), moe_load=None)
-        stop = a.exit_interval is not None and n % a.exit_interval == 0
-        late, signaled = agree_to_stop(t0, a.exit_duration_in_mins, signals)
-        if late and n < a.train_iters:
-            stop = True
-            if run.rank == 0:
-                log.bar.write(f"--exit-duration-in-mins={a.exit_duration_in_mins} reached: stopping at {n}")
-        stop = stop or signaled is not None
+        stop = (a.exit_interval is not None and n % a.exit_interval == 0) or (late and not last) or signaled is not None
+        if late and not last and run.rank == 0:
+            log.bar.write(f"--exit-duration-in-mins={a.exit_duration_in_mins} reached: stopping at {n}")
         if run.corpus.valid is not None and a.eval_iters > 0 and not signaled and (
-                (a.eval_interval and n % a.eval_interval == 0) or n == a.train_iters or stop):
+                (a.eval_interval and n % a.eval_interval == 0) or last or stop):
             if a.manual_gc and a.manual_gc_eval:
                 gc.collect()
             log.log(dict(iteration=n, **evaluate(run)))
             if a.manual_gc and a.manual_gc_eval:
                 gc.collect(generation=0)  # what evaluation made (Megatron's)
-        if a.save and ((a.save_interval and n % a.save_interval == 0) or n == a.train_iters or stop):
+        if a.save and ((a.save_interval and n % a.save_interval == 0) or last or stop):
             checkpoint.save_checkpoint(a.save, n, run.chunks, run.optimizer, run.scaler, run.mesh, run.settings,
                                        run.start.lora_base, progress=dict(
                                            consumed_train_samples=run.progress.consumed_samples,
-                                           opt_param_scheduler=dict(num_steps=run.progress.lr_steps)),
+                                           opt_param_scheduler=dict(num_steps=run.progress.lr_steps, **run.fit.state())),
                                        keep=a.keep_last_checkpoints)
-        if stop:
+        if stop or last:
             break
         window["t"] += time.time() - t_end  # tokens/s counts training time only, not evaluation or saving
     profiler.stop()

@@ -6,7 +6,8 @@ train.py sets), and one large square GEMM as the machine's peak. The ceiling is 
 GEMMs: the model TFLOP/s train.py would log (metrics.flops, Megatron's num_floating_point_operations) if everything
 but these GEMMs took no time. The core attention (QKᵀ and PV: 2.4 % of the default model's FLOPs) is not a weight GEMM
 and is left out of the ceiling. Megatron's counterpart is its MFU (achieved model FLOP/s over the peak, Narayanan et
-al. 2021 §5.1); here the peak is measured, not a data sheet's.
+al. 2021 §5.1); here the peak is measured, not a data sheet's. Under --optimizer muon (the default's), Muon's
+Newton-Schulz GEMMs are counted too (newton_schulz_flops): the logged tflops leave them out, which bounds the fraction.
 
 With --run DIR, the run's median `tflops` over its logged training windows (metrics.jsonl; train.py's
 metrics.throughput: the window's model FLOPs / its time / the world size — per rank, so compare a one-process run)
@@ -84,6 +85,17 @@ def model_gemms(c, micro_batch: int, seq: int, micro_batches: int = 1) -> list[G
         out += [Gemm(f"{name} fwd", T, i, o, n * micro_batches), Gemm(f"{name} dgrad", T, o, i, n * micro_batches),
                 Gemm(f"{name} wgrad", o, T, i, n * micro_batches)]
     return out
+
+
+def newton_schulz_flops(c, steps: int) -> int:
+    """FLOPs of Muon's orthogonalization an iteration (--optimizer muon, the default's): parallel.newton_schulz on
+    each hidden matrix (the layers' linears; the word embedding and output layer are AdamW's) as [m, n], m <= n,
+    `steps` times x·xᵀ (2m²n), gram·gram (2m³) and (…)·x (2m²n). GEMMs the step runs that metrics.flops (Megatron's
+    count, the logged tflops) does not count: at the ceiling's rate they bound the logged fraction of it."""
+    h, L, f = c.hidden_size, c.num_layers, c.ffn_hidden_size
+    nd, gd = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
+    shapes = [(h, nd + 2 * gd), (nd, h), (h, 2 * f if c.gated_linear_unit else f), (f, h)]
+    return L * steps * sum(4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3 for s in shapes)
 
 
 def time_gemm(g: Gemm, warmup: int, repeats: int) -> float:
@@ -238,10 +250,17 @@ def main():
     print(f"ceiling: {ceiling / 1e12:.4f} TFLOP/s ({ceiling / peak:.0%} of the peak); peak ({N}³): "
           f"{peak / 1e12:.4f} TFLOP/s; at the ceiling an iteration of {b * M * s} tokens would take "
           f"{secs * 1e3:.1f} ms ({b * M * s / secs:,.0f} tokens/s)")
+    flags = arguments.parse_args(model_args)
+    ns = newton_schulz_flops(c, flags.muon_num_ns_steps) if flags.optimizer == "muon" else 0
+    bound = total / (total + ns)
+    if ns:
+        print(f"Muon's Newton-Schulz: {ns / 1e9:.2f} GFLOP of GEMMs an iteration more, not in metrics.flops: the "
+              f"logged tflops reach at most {bound:.1%} of the ceiling (every GEMM at its rate, nothing else timed)")
     if a.run is not None:
         tf, n = run_tflops(a.run)
         print(f"\n--run {a.run}: median tflops {tf:.4f} over {n} logged windows = {tf * 1e12 / ceiling:.1%} of the "
-              f"ceiling, {tf * 1e12 / peak:.1%} of the peak (per rank: compare a one-process run)")
+              f"ceiling ({tf * 1e12 / ceiling / bound:.1%} of its bound), {tf * 1e12 / peak:.1%} of the peak (per "
+              "rank: compare a one-process run)")
     if a.profile:
         profile(a.profile, model_args, a.top)
 

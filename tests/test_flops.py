@@ -357,3 +357,20 @@ def test_bench_gemm_lists_the_models_weight_gemms(cfg):
         wrong = G.model_gemms(dataclasses.replace(c, gated_linear_unit=False), B, S, M)
         assert gemm_weights(wrong) != {k: M * v for k, v in model_weights(model).items()}
         assert sum(g.count * g.flops for g in wrong) + attention != metrics.flops(c, B * M, S)
+
+
+def test_bench_gemm_counts_muons_newton_schulz():
+    """bench_gemm.newton_schulz_flops, from the Config alone: torch's FLOP counter over parallel.newton_schulz on
+    every Muon matrix of the model (muon_eligible), at 5 and 3 steps. Negative control: a count that forgets the
+    transpose to the small Gram side (m <= n) is far off for the MLP's [2f, h] and [h, f] matrices."""
+    G = bench_gemm()
+    model = gpt.Model(gpt.Config(**LLAMA))
+    for steps in (5, 3):
+        with FlopCounterMode(display=False) as counter:
+            for p in model.parameters():
+                if P.muon_eligible(p):
+                    P.newton_schulz(p.detach(), steps)
+        assert G.newton_schulz_flops(model.config, steps) == counter.get_total_flops()
+    wide = sum(5 * (4 * p.shape[0] ** 2 * p.shape[1] + 2 * p.shape[0] ** 3) for p in model.parameters()
+               if P.muon_eligible(p))
+    assert wide > 1.2 * G.newton_schulz_flops(model.config, 5)

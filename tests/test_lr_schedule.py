@@ -14,9 +14,18 @@
   - End to end: a tiny train.main run with --rampup-batch-size under torchrun DP=2 (warm ranks) logs the single
     process's losses (float32: 1e-5 relative, reduction order only) and the LR Megatron's scheduler logs; stop + resume
     in the middle of the ramp equals the uninterrupted run bit for bit.
+  - The schedule fitted to the time (scheduler.TimeFit: a pretraining run given --exit-duration-in-mins and no length
+    runs WSD, its cool-down decided from the time measured so far): under a simulated clock (the elapsed time handed
+    in; no sleeping) fast, slow, very slow or slowing down, it completes (the rate after the last step is --min-lr)
+    within the time, and is Megatron's WSD with the flags it says repeat it; a run given its length is today's.
+    End to end (time.time replaced by a clock that moves one second a step): a run stopped in its cool-down and
+    resumed on a clock 100x faster logs the uninterrupted run's rates and losses, bit for bit.
   - Negative controls: a schedule one step late (the rate of the samples after the step) and a ramp fed iterations
-    instead of consumed samples are each caught by the same comparisons.
+    instead of consumed samples are each caught by the same comparisons; today's cosine under the slow clock is cut by
+    the guard far above --min-lr; a resume that forgets the checkpoint's decision decides again, differently.
 """
+
+import time
 
 import pytest
 import torch
@@ -24,7 +33,7 @@ import torch
 import arguments
 import scheduler
 import train
-from harness import assert_close, metrics, torchrun
+from harness import assert_close, metrics, tiny, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +91,7 @@ def our_lrs(args, n, late=False):
     late=True is the negative control: each step takes the rate of the samples after it."""
     out, progress = [], train.Progress()
     for _ in range(n):
-        b = progress.batch_size(args)
+        b = scheduler.batch_size(progress.consumed_samples, args.global_batch_size, args.rampup_batch_size)
         out.append(scheduler.learning_rate(progress.lr_steps + (b if late else 0), args))
         progress.consumed_samples += b
         progress.lr_steps += b
@@ -182,6 +191,8 @@ def test_rampup_equals_megatron_calculator(mcore):
     (["--lr-warmup-samples", "100"], "--lr-warmup-samples is for sample-based training"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "give one warmup"),
     (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    (["--lr-decay-style", "WSD", "--lr-decay-iters", "100", "--exit-duration-in-mins", "8"],  # a length: not fitted
+     "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     (["--lr-wsd-decay-iters", "5"], "--lr-wsd-decay-iters acts only with --lr-decay-style WSD"),
     (["--lr-warmup-init", "1"], "--lr-warmup-init=1.0 is larger than --lr"),
     (["--train-samples", "10"], "--train-samples=10 is less than one global batch (32)"),
@@ -238,3 +249,99 @@ def test_rampup_run_dp2_equals_single_process_and_resumes_exactly(mcore, corpus,
     for key in ("loss", "grad_norm", "lr", "global_batch_size", "consumed_samples"):
         assert [res[i][key] for i in res] == [ref[i][key] for i in ref], key
     assert sorted(res_val) == [2, 3, 6] and all(res_val[i] == ref_val[i] for i in (3, 6))  # (2: the stop's)
+
+
+# ---------------------------------------------------------------------------------------------- fitted to the time
+FITTED = ["--exit-duration-in-mins", "8"]  # make train's: no --train-iters -> WSD fitted to the 8 minutes
+CLOCKS = {  # seconds an iteration takes, after iteration i (the default run: 0.74 s on a fast day, 1.4 on a slow one)
+    "fast (--train-iters binds)": lambda i: 0.3, "fast day": lambda i: 0.74, "slow day": lambda i: 1.45,
+    "4x slower": lambda i: 3.0, "slowing down by 20 %": lambda i: 1.0 if i < 150 else 1.2}
+
+
+def fitted_run(args, tick, start=0, fit=None, stop=None):
+    """A fitted run as train.py's loop drives it, on a simulated clock: tick(i) seconds for iteration i, the time
+    handed to TimeFit.after_step. Returns (the fit, the logged rate after each iteration {n: lr}, seconds)."""
+    fit, gbs, lrs, t = fit or scheduler.TimeFit(args), args.global_batch_size, {}, 0.0
+    n = start
+    while n < (stop or fit.train_iters) and t <= 60 * args.exit_duration_in_mins:  # (the guard)
+        t, n = t + tick(n), n + 1
+        fit.after_step(n, t, n - start)
+        lrs[n] = scheduler.learning_rate(n * gbs, fit.args)
+    return fit, lrs, t
+
+
+@pytest.mark.parametrize("tick", CLOCKS.values(), ids=CLOCKS.keys())
+def test_fitted_schedule_completes_within_the_time(mcore, tick):
+    args = checked(FITTED)
+    assert (args.lr_decay_style, args.lr_wsd_decay_iters, args.train_iters) == ("WSD", None, 650)
+    fit, lrs, secs = fitted_run(args, tick)
+    n = max(lrs)
+    assert fit.decided and n == fit.train_iters <= 650 and secs <= 60 * 8, (n, fit.train_iters, secs)
+    assert lrs[n] == args.min_lr, f"the schedule did not complete: lr {lrs[n]} after the last iteration {n}"
+    assert lrs[n - fit.wsd_iters] == args.lr > lrs[n - fit.wsd_iters + 1]  # held, then annealed over the last M
+    assert 0.15 <= fit.wsd_iters / n <= 0.25, (fit.wsd_iters, n)  # the cool-down's share (rounding, the cap)
+    # the flags it says repeat it: Megatron's WSD, iteration for iteration (the rate each step used, and after it)
+    repeat = checked(["--train-iters", str(n), "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", str(fit.wsd_iters)])
+    assert f"--train-iters {n} --lr-decay-style WSD --lr-wsd-decay-iters {fit.wsd_iters}" in fit.said(n)
+    theirs, after = megatron_lrs(mcore, repeat, n)
+    assert first_difference(our_lrs(fit.args, n), theirs) is None and after == lrs[n]
+    assert [lrs[k] for k in range(1, n)] == theirs[1:]
+
+
+def test_fitted_schedule_negative_control_todays_cosine_is_cut():
+    """Today's schedule (the same run given --train-iters 650: cosine, not fitted) on the slow day's clock: the guard
+    cuts it with the rate far above --min-lr, which the test above would catch."""
+    args = checked([*FITTED, "--train-iters", "650"])
+    fit, lrs, _ = fitted_run(args, CLOCKS["slow day"])
+    assert args.lr_decay_style == "cosine" and not fit.fitted and fit.args is args and fit.state() == {}
+    assert max(lrs) < 650 and lrs[max(lrs)] > 5 * args.min_lr
+
+
+@pytest.mark.parametrize("argv", [["--train-iters", "650"], ["--lr-decay-iters", "600"], ["--train-samples", "20000"],
+                                  ["--lr-decay-style", "cosine"], ["--task", "sft"]])
+def test_a_given_length_is_not_fitted(argv):
+    """A run that gives its length (or another decay style, or a post-training task) under --exit-duration-in-mins
+    schedules exactly as without it."""
+    with_time, without = checked([*FITTED, *argv]), checked(argv)
+    assert vars(with_time) == {**vars(without), "exit_duration_in_mins": 8.0}
+    assert not scheduler.TimeFit(with_time).fitted
+
+
+def test_fitted_decision_is_the_checkpoints():
+    """Resumed in its cool-down (on a clock 10x faster), a run that reads the decision from the checkpoint's meta.json
+    (TimeFit.state) logs the uninterrupted run's rates; one that does not decides again, differently."""
+    args = checked(FITTED)
+    fit, lrs, _ = fitted_run(args, CLOCKS["slow day"])
+    stop = fit.train_iters - fit.wsd_iters // 2
+    meta = {"opt_param_scheduler": {"num_steps": stop * args.global_batch_size, **fit.state()}}
+    _, resumed, _ = fitted_run(args, lambda i: 0.145, start=stop, fit=scheduler.TimeFit(args, meta))
+    assert resumed == {k: v for k, v in lrs.items() if k > stop}
+    _, forgot, _ = fitted_run(args, lambda i: 0.145, start=stop, fit=scheduler.TimeFit(args, {}))
+    assert max(forgot) != max(lrs) and forgot[max(lrs)] != lrs[max(lrs)]
+
+
+def test_fitted_run_stopped_in_its_cooldown_resumes_exactly(corpus, tmp_path, monkeypatch):
+    """train.main on a clock that moves one second a step (time.time replaced; evaluation and saving take none):
+    --train-iters 20 --lr-decay-style WSD in 0.25 minutes fits 14 iterations (the 5 % reserve: 14.25 s), the cool-down
+    from iteration 11; stopped at 12 and resumed on a clock 100x faster, it logs the same rates and losses."""
+    now, step = [1e9], train.train_step
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    tick = [1.0]
+
+    def timed_step(run, it):
+        now[0] += tick[0]
+        return step(run, it)
+    monkeypatch.setattr(train, "train_step", timed_step)
+    run = lambda save, *extra: tiny(corpus, tmp_path / "cache", save, "--train-iters", "20", "--lr-decay-style", "WSD",
+                                    "--exit-duration-in-mins", "0.25", "--eval-interval", "7", *extra)
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train.main(run(straight))
+    train.main(run(stopped, "--exit-interval", "12"))
+    assert (stopped / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
+    tick[0] = 0.01
+    train.main(run(stopped, "--load", str(stopped)))
+    (a, _), (b, _) = metrics(straight), metrics(stopped)
+    assert sorted(a) == sorted(b) == list(range(1, 15))
+    assert a[14]["lr"] == 0.0 and a[11]["lr"] == 3e-3 > a[12]["lr"]  # (--lr given: Megatron's --min-lr 0)
+    for key in ("lr", "loss", "grad_norm"):
+        assert [b[i][key] for i in b] == [a[i][key] for i in a], key

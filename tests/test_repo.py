@@ -7,7 +7,8 @@ alike), so there is no cycle and a reader can take the files bottom-up. Citation
 repo's own DESIGN.md, papers and Megatron's files — no file outside the repo, no tracker issue number.
 parallel.py: its docstring's table gives each fenced section's lines and the files it mirrors, and each section stays
 under SECTION_LIMIT lines. README.md's table: each cell names a test file that exists and mentions the model, or says
-"untested", or "—" exactly where the model file refuses the feature (Config.UNSUPPORTED) or lacks its hook.
+"untested", or "—" exactly where the model file refuses the feature (Config.UNSUPPORTED) or lacks its hook; PROOF
+gives each test-file cell the node ids in that file that run the model with the feature, and pytest collects them.
 After an edit to parallel.py, refresh the table's line numbers with one command:
     .venv/bin/python tests/test_repo.py --fix-parallel-contents
 """
@@ -419,15 +420,92 @@ def test_model_files_and_train_py_stay_short():
 
 
 # ---- README.md's models x features table ---------------------------------------------------------------------------
-# Each cell names the test file that proves the feature for that model (`name` for tests/test_name.py), or says
-# "untested" (not refused, no test), or "—" (not supported). A feature maps to the Config.UNSUPPORTED key that
-# refuses it, or to the hook a model file has or not (None: nothing refuses it, so no model may show "—").
+# Each cell names the test file that proves the feature for that model (`name` for tests/test_name.py; PROOF below
+# names the tests in it), or says "untested" (not refused, no test), or "—" (not supported). A feature maps to the
+# Config.UNSUPPORTED key that refuses it, or to the hook a model file has or not (None: nothing refuses it, so no
+# model may show "—").
 FEATURES = {"TP": None, "SP": None, "PP": "pipeline_parallel", "VPP": "pipeline_parallel", "DP": None, "ZeRO-1": None,
             "ZeRO-2/3 (FSDP)": None,
             "CP": "context_parallel", "EP/MoE": None, "FP8": None, "Muon": None, "post-training tasks": "post_training",
             "generation (sample)": "sample", "HF in (from_hf)": "from_hf", "HF out (export)": "export",
             "HF folders (import-hf)": "hf_folders"}
 HOOKS = {"sample": "sample", "export": "to_hf"}  # the ModelFile hook behind a feature (from_hf: the module's function)
+
+# Which collected tests run each model with each feature: a table cell naming `name` is true only through tests in
+# tests/test_name.py listed here (a node id, or a tuple of them). Parametrized and @example'd cases only: a
+# hypothesis test's drawn layouts are not pinned. test_readme_feature_table_cells_name_collected_tests checks them.
+PROOF = {
+    ("TP", "gpt"):  # its @example: tp 4 with SP
+        "tests/test_tensor_parallel.py::test_gpt_tensor_parallel_equals_single_process_float64",
+    ("TP", "bert"): "tests/test_bert.py::test_layouts_equal_single_process_float64[4-1-1-False]",
+    ("TP", "t5"): "tests/test_t5.py::test_t5_sequence_parallel_equals_single_process_float64[hf-style-tp4-sp]",
+    ("TP", "retro"): "tests/test_retro.py::test_layouts_equal_single_process[2-False-9]",
+    ("TP", "mamba"): "tests/test_mamba.py::test_in_proj_must_be_sharded_per_segment",  # tp 2 equals, then the control
+    ("TP", "llava"):
+        "tests/test_llava.py::test_llava_sequence_parallel_equals_single_process_float64[4-freeze_language_model]",
+    ("SP", "gpt"): "tests/test_tensor_parallel.py::test_gpt_tensor_parallel_equals_single_process_float64",  # with SP
+    ("SP", "bert"): "tests/test_bert.py::test_layouts_equal_single_process_float64[4-1-1-True]",
+    ("SP", "t5"): "tests/test_t5.py::test_t5_sequence_parallel_equals_single_process_float64[hf-style-tp4-sp]",
+    ("SP", "retro"): "tests/test_retro.py::test_layouts_equal_single_process[2-True-6]",
+    ("SP", "mamba"): "tests/test_mamba.py::test_moe_layers_in_the_hybrid_stack_equal_single_process_float64[2-1-True]",
+    ("SP", "llava"):
+        "tests/test_llava.py::test_llava_sequence_parallel_equals_single_process_float64[2-freeze_vision_model]",
+    ("PP", "gpt"): "tests/test_pipeline.py::test_pipeline_alone_float32_forward_loss_is_bit_exact[2-1-4]",
+    ("PP", "bert"): "tests/test_bert.py::test_layouts_equal_single_process_float64[2-2-1-True]",
+    ("PP", "mamba"): "tests/test_mamba.py::test_pipeline_parallel_equals_single_process_float64[M*-|M-1-False-False]",
+    ("VPP", "gpt"): "tests/test_pipeline.py::test_pipeline_alone_float32_forward_loss_is_bit_exact[2-2-4]",
+    ("DP", "gpt"): "tests/test_data_parallel.py::test_data_parallel_equals_single_process[dp2]",
+    ("DP", "bert"): "tests/test_bert.py::test_layouts_equal_single_process_float64[1-1-4-False]",
+    ("DP", "t5"):
+        "tests/test_t5.py::test_t5_sequence_parallel_equals_single_process_float64[megatron-style-tp2-dp2-sp]",
+    ("DP", "retro"): "tests/test_retro.py::test_layouts_equal_single_process[1-False-6]",
+    ("DP", "mamba"): "tests/test_mamba.py::test_moe_layers_in_the_hybrid_stack_equal_single_process_float64[1-2-False]",
+    ("DP", "llava"): "tests/test_llava.py::test_frozen_tower_has_no_optimizer_state_and_dp_matches[plain-optimizer]",
+    ("ZeRO-1", "gpt"): "tests/test_data_parallel.py::test_data_parallel_equals_single_process[dp2-distopt]",
+    ("ZeRO-1", "llava"):
+        "tests/test_llava.py::test_frozen_tower_has_no_optimizer_state_and_dp_matches[distributed-optimizer]",
+    ("ZeRO-2/3 (FSDP)", "gpt"): ("tests/test_fsdp.py::test_fsdp_equals_single_process[dp2-optim_grads]",
+                                 "tests/test_fsdp.py::test_fsdp_equals_single_process[dp2-optim_grads_params]"),
+    ("CP", "gpt"): "tests/test_context_parallel.py::test_context_parallel_model_equals_single_process[cp2-ring]",
+    ("CP", "bert"): "tests/test_context_parallel.py::test_bert_with_padding_equals_single_process",
+    ("EP/MoE", "gpt"): "tests/test_moe.py::test_expert_parallel_equals_single_process[ep4-alltoall-E8-top1-shared]",
+    ("EP/MoE", "t5"): "tests/test_t5.py::test_t5_moe_expert_parallel_equals_single_process_float64[tp2-dp2-ep2]",
+    ("EP/MoE", "mamba"):
+        "tests/test_mamba.py::test_moe_layers_in_the_hybrid_stack_equal_single_process_float64[2-1-True]",
+    ("FP8", "gpt"): "tests/test_fp8.py::test_fp8_tensor_parallel_equals_fp8_single_process[2-True-recipe0]",
+    ("Muon", "gpt"): "tests/test_muon.py::test_muon_in_any_layout_equals_single_process[tp2-sp-dp2]",
+    ("Muon", "bert"): "tests/test_bert.py::test_muon_equals_single_process_float64[2-1-2-True]",
+    ("Muon", "t5"): "tests/test_t5.py::test_muon_equals_single_process_float64[tp2-dp2-sp]",
+    ("Muon", "retro"): "tests/test_retro.py::test_muon_equals_single_process[2-True]",
+    ("Muon", "mamba"): "tests/test_mamba.py::test_muon_equals_single_process_float64[2-2-False]",
+    ("Muon", "llava"): "tests/test_llava.py::test_muon_equals_single_process_float64[2-freeze_vision_model]",
+    ("post-training tasks", "gpt"):
+        "tests/test_posttrain.py::test_each_task_with_its_reference_in_a_wide_layout[dpo-False-pp2-vp2-dp2-ddp]",
+    ("post-training tasks", "mamba"): "tests/test_posttrain.py::test_mamba_tasks_equal_single_process[dpo-False]",
+    ("generation (sample)", "gpt"): "tests/test_kv_cache.py::test_cached_greedy_equals_recompute[gpt-learned]",
+    ("generation (sample)", "bert"):  # fills a mask
+        "tests/test_retro.py::test_train_py_retro_with_a_trained_bert_embedder",
+    ("generation (sample)", "t5"): "tests/test_t5.py::test_greedy_generation_matches_hugging_face",
+    ("generation (sample)", "mamba"): "tests/test_mamba.py::test_recurrent_step_equals_parallel_forward[M*-M-rope]",
+    ("generation (sample)", "llava"):
+        "tests/test_llava.py::test_train_py_tp2_sp_frozen_vit_distributed_optimizer_and_sample",
+    ("HF in (from_hf)", "gpt"): "tests/test_hf.py::test_from_hf_logits_match[gpt2]",
+    ("HF in (from_hf)", "bert"): "tests/test_bert.py::test_from_hf_logits_match[pretraining]",
+    ("HF in (from_hf)", "t5"): "tests/test_t5.py::test_from_hf_logits_match_with_padding[t5-relu-tied]",
+    ("HF in (from_hf)", "mamba"): "tests/test_mamba.py::test_from_hf_logits_match[1-8]",
+    ("HF in (from_hf)", "llava"): "tests/test_llava.py::test_from_hf_logits_match[default]",
+    ("HF out (export)", "gpt"): "tests/test_export.py::test_exported_model_gives_our_logits[gpt2]",
+    ("HF folders (import-hf)", "gpt"):
+        "tests/test_hf_folders.py::test_a_run_starts_from_a_folder_at_every_layout_and_exports_back[gpt2]",
+    ("HF folders (import-hf)", "bert"):
+        "tests/test_hf_folders.py::test_an_encoder_folder_trains_at_tp2_and_exports_back[bert]",
+    ("HF folders (import-hf)", "t5"):
+        "tests/test_hf_folders.py::test_an_encoder_folder_trains_at_tp2_and_exports_back[t5]",
+    ("HF folders (import-hf)", "mamba"):
+        "tests/test_hf_folders.py::test_a_run_starts_from_a_folder_at_every_layout_and_exports_back[mamba2]",
+    ("HF folders (import-hf)", "llava"):
+        "tests/test_hf_folders.py::test_a_folder_is_the_model_and_export_is_the_identity[llava]",
+}
 
 
 def feature_table(text: str) -> tuple[list[str], dict[str, list[str]]]:
@@ -516,6 +594,61 @@ def test_a_wrong_feature_table_cell_is_caught(feature, model, cell, problem):
     models, rows = feature_table((ROOT / "README.md").read_text())
     rows[feature] = [cell if m == model else c for m, c in zip(models, rows[feature])]
     problems = feature_table_problems(models, rows)
+    assert len(problems) == 1 and problems[0].startswith(problem), problems
+
+
+def proof_problems(models: list[str], rows: dict[str, list[str]], proof: dict, collected: set[str]) -> list[str]:
+    """Where PROOF and the table disagree: a cell naming test files without node ids or the reverse, a node id in
+    another file than its cell names, or one pytest does not collect (misspelled, or a parametrization gone)."""
+    cells = {(f, m): c for f, row in rows.items() for m, c in zip(models, row)}
+    claimed = {key for key, cell in cells.items() if cell not in ("—", "untested")}
+    problems = [f"{f} x {m}: the table names a test file, PROOF no node id" for f, m in sorted(claimed - set(proof))]
+    problems += [f"{f} x {m}: in PROOF, but the table says {cells.get((f, m))!r}" for f, m in sorted(set(proof) - claimed)]
+    for (f, m), ids in ((key, ids) for key, ids in proof.items() if key in claimed):
+        files = {f"tests/test_{name}.py" for name in re.findall(r"`(\w+)`", cells.get((f, m), ""))}
+        for node in (ids,) if isinstance(ids, str) else ids:
+            if node.split("::")[0] not in files:
+                problems.append(f"{f} x {m}: {node} is not in {sorted(files)}, the files the table names")
+            if node not in collected:
+                problems.append(f"{f} x {m}: pytest does not collect {node}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def collected() -> set[str]:
+    """The node ids `pytest --collect-only` finds in the files PROOF names: one subprocess, no test runs."""
+    import subprocess
+    files = sorted({node.split("::")[0] for ids in PROOF.values() for node in ((ids,) if isinstance(ids, str) else ids)})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return set(out.stdout.splitlines())
+
+
+def test_readme_feature_table_cells_name_collected_tests(collected):
+    """Every test-file cell has PROOF's node ids, in that file, and pytest collects each (and PROOF no other cell)."""
+    models, rows = feature_table((ROOT / "README.md").read_text())
+    assert proof_problems(models, rows, PROOF, collected) == []
+
+
+@pytest.mark.parametrize("key, ids, problem", [
+    (("TP", "bert"), "tests/test_bert.py::test_layouts_equal_single_process_float64[4-1-1-Flase]",
+     "TP x bert: pytest does not collect tests/test_bert.py::test_layouts_equal_single_process_float64[4-1-1-Flase]"),
+    (("DP", "t5"), "tests/test_t5.py::test_t5_paralel_equals_single_process_float64",
+     "DP x t5: pytest does not collect tests/test_t5.py::test_t5_paralel_equals_single_process_float64"),
+    (("Muon", "retro"), "tests/test_muon.py::test_muon_in_any_layout_equals_single_process[dp2]",
+     "Muon x retro: tests/test_muon.py::test_muon_in_any_layout_equals_single_process[dp2] is not in "
+     "['tests/test_retro.py']"),
+    (("FP8", "bert"), "tests/test_fp8.py::test_fp8_really_differs_from_fp32",
+     "FP8 x bert: in PROOF, but the table says 'untested'"),
+    (("CP", "bert"), None, "CP x bert: the table names a test file, PROOF no node id"),
+])
+def test_a_wrong_proof_node_id_is_caught(collected, key, ids, problem):
+    """Negative controls: a misspelled parametrization id, a misspelled test name, a node id in another file than
+    the cell names, node ids for an 'untested' cell, a test-file cell without node ids."""
+    models, rows = feature_table((ROOT / "README.md").read_text())
+    proof = {k: v for k, v in {**PROOF, key: ids}.items() if v is not None}
+    problems = proof_problems(models, rows, proof, collected)
     assert len(problems) == 1 and problems[0].startswith(problem), problems
 
 

@@ -41,3 +41,11 @@ def corpus(tmp_path_factory):
 def cache(tmp_path_factory):
     """The tiny runs' token cache (--data-cache-dir), one per test module."""
     return tmp_path_factory.mktemp("data_cache")
+
+
+COLLECTED = pytest.StashKey[set]()  # every node id this session collected (tests/test_repo.py's PROOF check reads it)
+
+
+@pytest.hookimpl(tryfirst=True)  # (before -k / -m deselect any)
+def pytest_collection_modifyitems(session, config, items):
+    config.stash[COLLECTED] = {item.nodeid for item in items}

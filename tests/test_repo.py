@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import conftest
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -615,10 +616,14 @@ def proof_problems(models: list[str], rows: dict[str, list[str]], proof: dict, c
 
 
 @pytest.fixture(scope="module")
-def collected() -> set[str]:
-    """The node ids `pytest --collect-only` finds in the files PROOF names: one subprocess, no test runs."""
+def collected(request) -> set[str]:
+    """The node ids pytest collects in the files PROOF names: this session's own (conftest.py keeps them) where it
+    collected those files (make test), else one `pytest --collect-only` subprocess; no test runs."""
     import subprocess
     files = sorted({node.split("::")[0] for ids in PROOF.values() for node in ((ids,) if isinstance(ids, str) else ids)})
+    session = request.config.stash.get(conftest.COLLECTED, set())
+    if {node.split("::")[0] for node in session} >= set(files):
+        return session
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

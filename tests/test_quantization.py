@@ -1,0 +1,116 @@
+"""Quantized weights (posttraining/quantization.py): NF4 against its published code book, the int formats, the bytes.
+
+  - NF4: a weight made of code-book values times its block's absmax gets exactly those codes back, and dequantizes
+    to them within the double quantization's step on the absmax; any weight dequantizes within half the code book's
+    widest gap of its block's absmax (plus that step); the stored bytes of the default model's linears are
+    4.1-4.5 bits a weight;
+  - int8 (row-wise) and int4 (groups of 128): within half a step of the scale, 8-8.5 and 4.25-4.5 bits a weight.
+Tolerances: exact codes; error bounds as derived above with 1e-6 relative slack (float32 arithmetic).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_lora import CFG, CLIP, LLAMA, OPT, adapt, lora_case, merge_results
+
+import gpt
+import parallel as P
+from equivalence import assert_same, make_batch, reference_steps, rel_err
+from posttraining import lora
+from posttraining import quantization as Q
+
+
+def nf4_codes(q: Q.NF4Weight) -> torch.Tensor:
+    return Q._unpack4(q.codes)
+
+
+def test_nf4_code_book_values_get_their_codes_back_exactly():
+    g = torch.Generator().manual_seed(0)
+    want = torch.randint(0, 16, (48, 128), generator=g)  # 96 blocks of 64, every code
+    want[:, 0], want[:, 64] = 15, 0  # each block holds +1 or -1 times its scale: its absmax is the scale exactly
+    a = torch.rand(48, 2, generator=g) + 0.5  # each block's absmax
+    w = Q.NF4[want] * a.repeat_interleave(64, 1)
+    q = Q.NF4Weight(w)
+    assert torch.equal(nf4_codes(q).view(48, 128), want)
+    step = q.absmax_scale.max() / 2  # the double quantization's rounding of the absmax: at most half a step
+    assert 0 < (q.absmax() - a.reshape(-1)).abs().max() <= step * (1 + 1e-6)
+    assert (q.dequantize() - w).abs().max() <= step * (1 + 1e-6)
+
+
+def test_nf4_round_trip_error_is_within_half_the_widest_gap():
+    w = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1)) ** 3  # heavy-tailed; 3000 = 46.9 blocks
+    q = Q.NF4Weight(w)
+    a = w.reshape(-1)
+    a = torch.nn.functional.pad(a, (0, -len(a) % 64)).view(-1, 64).abs().amax(1).repeat_interleave(64)[:3000]
+    half_gap = (Q.NF4[1:] - Q.NF4[:-1]).max() / 2  # 0.152: between -1 and -0.696
+    bound = half_gap * a + q.absmax_scale.max() / 2
+    err = (q.dequantize() - w).reshape(-1).abs()
+    assert (err <= bound * (1 + 1e-6)).all(), float((err - bound).max())
+    assert err.max() > 0.5 * (half_gap * a).max() * 0.1  # the check above is not vacuous: rounding does happen
+
+
+def test_int_formats_round_trip_within_half_a_step():
+    w = torch.randn(64, 300, generator=torch.Generator().manual_seed(2))
+    for fmt, bits, top in (("int8", 8, 127), ("int4", 4, 7)):
+        q = Q.SERVING[fmt](w)
+        scale = q.scale.repeat_interleave(128, 1)[:, :300]
+        assert ((q.dequantize() - w).abs() <= scale / 2 * (1 + 1e-6)).all(), fmt
+        codes = (Q._unpack4(q.codes) - 8) if bits == 4 else q.codes
+        assert codes.long().abs().max() == top, fmt  # a group's absmax maps to +-top, nothing beyond
+    q = Q.FORMATS["int8"](w)  # QLoRA's int8 base: bitsandbytes' row-wise absmax
+    assert q.scale.shape == (64, 1) and torch.allclose(q.scale[:, 0], w.abs().amax(1) / 127)
+
+
+def test_bytes_of_the_default_models_linears():
+    """The default run's linears (h 256, SwiGLU 704; `make train`), one layer of them: their bytes."""
+    model = gpt.Model(gpt.Config(num_layers=1, hidden_size=256, num_attention_heads=8, ffn_hidden_size=704,
+                                 vocab_size=256, gated_linear_unit=True, activation="silu", add_bias_linear=False))
+    numel = sum(m.weight.numel() for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in lora.TARGETS)
+    assert Q.linear_weight_bytes(model) == 4 * numel  # float32
+    for fmt, lo, hi in (("nf4", 4.1, 4.5), ("int8", 8.0, 8.5)):
+        m = copy.deepcopy(model)
+        assert Q.quantize_linears(m, fmt) == Q.linear_weight_bytes(m)
+        bits = 8 * Q.linear_weight_bytes(m) / numel
+        assert lo <= bits <= hi, (fmt, bits)
+    m = copy.deepcopy(model)
+    Q.quantize_linears(m, "int4", Q.SERVING)
+    assert 4.25 <= 8 * Q.linear_weight_bytes(m) / numel <= 4.5
+
+
+# --------------------------------------------------------------------------------------- QLoRA against one process
+def qlora_reference(cfg, M, fmt, tp, b=8, s=8, steps=2):
+    """One process, plain LoRA (test_lora.reference) on the base the `tp` ranks hold: each linear's weight W :=
+    its tp shards, each quantized and dequantized as its rank does, put back together (the codes fixed)."""
+    model = adapt(gpt.Model(gpt.Config(**cfg)))
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if name.rsplit(".", 1)[-1] in lora.TARGETS and isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)):
+                w, d, st = m.weight, m.weight.partition_dim, m.weight.partition_stride
+                w.copy_(P.unshard([Q.FORMATS[fmt](P.shard(w, d, st, r, tp)).dequantize() for r in range(tp)], d, st))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False, **OPT)
+    batch = make_batch(cfg["vocab_size"], b, s, 11)
+    return reference_steps(model, opt, list(batch.chunk(M)), batch[:, 1:].numel(), CLIP, steps)
+
+
+@pytest.mark.parametrize("fmt,n,cfg,tp,pp,sp,distopt", [
+    ("nf4", 1, LLAMA, 1, 1, False, None),  # one process: QLoRA = LoRA on the dequantized base
+    ("nf4", 2, LLAMA, 2, 1, False, None),  # tp 2
+    ("nf4", 4, CFG, 2, 1, True, True),  # tp 2 (sequence parallel, biases) x dp 2, distributed optimizer
+    ("int8", 4, LLAMA, 1, 2, False, True),  # pp 2 x dp 2, distributed optimizer
+], ids=["nf4-tp1", "nf4-tp2", "nf4-tp2-sp-dp2-distopt", "int8-pp2-dp2-distopt"])
+def test_qlora_training_equals_single_process(pool, fmt, n, cfg, tp, pp, sp, distopt):
+    """Losses, every adapter's first gradient, the clipped norms and the adapters after 2 AdamW steps (float64)."""
+    got = merge_results(pool.run(lora_case, n, cfg=cfg, tp=tp, pp=pp, vp=1, M=2, sp=sp, distopt=distopt, quantize=fmt))
+    ref = qlora_reference(cfg, 2 * (n // (tp * pp)), fmt, tp)
+    assert_same(got, ref, rtol=1e-10, what=f"QLoRA {fmt} n={n} tp={tp} pp={pp} sp={sp} distopt={distopt}")
+    assert rel_err(got["norms"], ref["norms"]) < 1e-10, (got["norms"], ref["norms"])
+
+
+def test_negative_control_qlora_against_the_base_quantized_whole_fails(pool):
+    """The TP 2 ranks quantize their shards: a reference that quantized each weight whole holds other values."""
+    got = merge_results(pool.run(lora_case, 2, cfg=LLAMA, tp=2, pp=1, vp=1, M=2, sp=False, distopt=None,
+                                 quantize="nf4"))
+    with pytest.raises(AssertionError, match="worst relative error"):
+        assert_same(got, qlora_reference(LLAMA, 2, "nf4", 1), rtol=1e-10, what="NF4 quantized whole, not per shard")

@@ -11,16 +11,17 @@ Written here in torch ops rather than torchao's NF4Tensor: DESIGN.md §1, "Post-
 Run:    .venv/bin/python -m pytest -q tests/test_quantization.py
         make train RUN=runs/gpt-qlora ARGS="--lora-rank 8 --quantize-base nf4 --pretrained-checkpoint runs/gpt"
 
-Formats (w [o, i], one TP rank's shard: each rank quantizes the shard it holds, DESIGN.md says why)
+Formats (w [o, i] whole; under TP each rank keeps its shard of the codes and all the scales: DESIGN.md)
   nf4    w flattened, blocks of 64: code = the nearest of NF4's 16 values to w / absmax(block), two codes a byte;
          the absmaxes double-quantized: (absmax - mean) in int8, one fp32 scale per 256 of them, one fp32 mean.
          4 + 8/64 + 32/(64·256) = 4.127 bits a weight (plus the mean).
-  int8   one fp32 scale per output row (bitsandbytes' row-wise absmax): round(w / scale), scale = absmax / 127.
+  int8   round(w / scale), scale = absmax / 127: per output row for a QLoRA base (bitsandbytes'), per 128 to serve.
   int4   group-wise: one fp32 scale per 128 input features of a row, codes in [-8, 7], two a byte (4.25 bits).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -33,85 +34,100 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
                     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
                     0.24611230194568634, 0.33791524171829224, 0.44070982933044006, 0.5626170039176941,
                     0.7229568362236023, 1.0])
+WHOLE = (-1, 1, 0, 1)  # parallel.shard's (dim, stride, rank, size) of an unsharded weight
 TINY = torch.finfo(torch.float32).tiny  # divides an all-zero block's values (they code as 0) without a NaN
 
 
-def _pack4(codes: torch.Tensor) -> torch.Tensor:  # [..., 2n] values in 0..15 -> [..., n] uint8, first code high
-    c = codes.to(torch.uint8)
-    return c[..., 0::2] << 4 | c[..., 1::2]
+def _pack4(codes: torch.Tensor) -> torch.Tensor:  # values in 0..15 -> uint8 [ceil(n/2)], two a byte, first high
+    c = F.pad(codes.reshape(-1), (0, codes.numel() % 2)).to(torch.uint8)
+    return c[0::2] << 4 | c[1::2]
 
 
-def _unpack4(packed: torch.Tensor) -> torch.Tensor:  # [..., n] uint8 -> [..., 2n] long
-    return torch.stack([packed >> 4, packed & 15], -1).flatten(-2).long()
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:  # uint8 [n/2] -> long [n] (the pad too)
+    return torch.stack([packed >> 4, packed & 15], -1).view(-1).long()
 
 
 class Quantized(nn.Module):
-    """A frozen weight's quantized storage (non-persistent buffers: a checkpoint never holds them; the run quantizes
-    its base's weights again when it loads them). dequantize() -> the weight [o, i] in its dtype."""
+    """A frozen weight's quantized storage: this rank's codes [o, i] of its shard (`shard` = parallel.shard's
+    (dim, stride, rank, size)) of the whole weight `full` quantized at once, and the whole weight's scales (small,
+    the same on every rank), so any layout holds the same values. Buffers, not persistent: a checkpoint never holds
+    them (a run quantizes its base again when it loads it). dequantize() -> this rank's weight in its dtype."""
+    bits = 4
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, full: torch.Tensor, shard=WHOLE):
         super().__init__()
-        self.shape, self.dtype = tuple(w.shape), w.dtype
-
-    def store(self, **tensors):
-        for k, t in tensors.items():
+        (o, i), (dim, stride, rank, size) = full.shape, shard
+        codes, scales = self.encode(full.detach().float())  # [o, i] in 0..2^bits-1; {name: tensor}
+        rows, cols = torch.arange(o), torch.arange(i)  # the global row and column of each held one
+        rows, cols = (P.shard(rows, 0, stride, rank, size) if dim == 0 else rows,
+                      P.shard(cols, 0, stride, rank, size) if dim == 1 else cols)
+        codes = codes[rows][:, cols]
+        self.full_shape, self.shape, self.dtype = (o, i), tuple(codes.shape), full.dtype
+        for k, t in dict(codes=_pack4(codes) if self.bits == 4 else codes.to(torch.uint8), **scales,
+                         rows=rows.int() if size > 1 else None, cols=cols.int() if size > 1 else None).items():
             self.register_buffer(k, t, persistent=False)
+
+    def dequantize(self) -> torch.Tensor:
+        o, i = self.shape
+        codes = (_unpack4(self.codes)[:o * i] if self.bits == 4 else self.codes.long()).view(o, i)
+        rows = self.rows.long() if self.rows is not None else torch.arange(o, device=codes.device)
+        cols = self.cols.long() if self.cols is not None else torch.arange(i, device=codes.device)
+        return (self.values(codes) * self.scale_of(rows[:, None], cols[None, :])).to(self.dtype)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
 class NF4Weight(Quantized):
-    def __init__(self, w: torch.Tensor, block: int = 64, scale_block: int = 256):
-        super().__init__(w)
-        self.block, self.scale_block, n = block, scale_block, w.numel()
-        blocks = F.pad(w.detach().reshape(-1).float(), (0, -n % block)).view(-1, block)  # [n/64, 64]
+    """NF4: the whole weight flattened (row-major), blocks of 64, the absmaxes double-quantized."""
+    BLOCK, SCALE_BLOCK = 64, 256
+
+    def encode(self, w):
+        n, block = w.numel(), self.BLOCK
+        blocks = F.pad(w.reshape(-1), (0, -n % block)).view(-1, block)  # [n/64, 64]
         absmax = blocks.abs().amax(1)  # [n/64]
-        bounds = (NF4[1:] + NF4[:-1]) / 2  # the 15 midpoints
-        codes = torch.bucketize(blocks / absmax.clamp_min(TINY)[:, None], bounds)  # [n/64, 64] in 0..15
+        codes = torch.bucketize(blocks / absmax.clamp_min(TINY)[:, None], (NF4[1:] + NF4[:-1]) / 2)  # nearest
         mean = absmax.mean()
-        c = F.pad(absmax - mean, (0, -len(absmax) % scale_block)).view(-1, scale_block)  # [n/64/256, 256]
+        c = F.pad(absmax - mean, (0, -len(absmax) % self.SCALE_BLOCK)).view(-1, self.SCALE_BLOCK)  # [n/64/256, 256]
         scale = c.abs().amax(1) / 127  # the second level: fp32
         q = torch.round(c / scale.clamp_min(TINY)[:, None]).to(torch.int8).view(-1)[:len(absmax)]
-        self.store(codes=_pack4(codes.view(-1)), absmax_q=q, absmax_scale=scale, absmax_mean=mean)
+        return codes.view(-1)[:n].view(w.shape), dict(absmax_q=q, absmax_scale=scale, absmax_mean=mean)
 
     def absmax(self) -> torch.Tensor:  # [n/64] fp32: the double quantization undone
-        q = F.pad(self.absmax_q.float(), (0, -len(self.absmax_q) % self.scale_block)).view(-1, self.scale_block)
+        q = F.pad(self.absmax_q.float(), (0, -len(self.absmax_q) % self.SCALE_BLOCK)).view(-1, self.SCALE_BLOCK)
         return (q * self.absmax_scale[:, None]).view(-1)[:len(self.absmax_q)] + self.absmax_mean
 
-    def dequantize(self) -> torch.Tensor:
-        values = NF4.to(self.codes.device)[_unpack4(self.codes)].view(-1, self.block) * self.absmax()[:, None]
-        return values.view(-1)[:_numel(self.shape)].view(self.shape).to(self.dtype)
+    def values(self, codes):
+        return NF4.to(codes.device)[codes]
+
+    def scale_of(self, rows, cols):  # each element's block absmax
+        return self.absmax()[(rows * self.full_shape[1] + cols) // self.BLOCK]
 
 
 class IntWeight(Quantized):
     """Symmetric integer codes with one fp32 scale per `group` input features of each row (group None: the row)."""
 
-    def __init__(self, w: torch.Tensor, bits: int, group: int | None = None):
-        super().__init__(w)
-        o, i = w.shape
-        self.bits, self.group, top = bits, group or i, 2 ** (bits - 1) - 1
-        g = F.pad(w.detach().float(), (0, -i % self.group)).view(o, -1, self.group)  # [o, i/group, group]
+    def __init__(self, full: torch.Tensor, bits: int, group: int | None = None, shard=WHOLE):
+        self.bits, self.group = bits, group or full.shape[1]
+        super().__init__(full, shard)
+
+    def encode(self, w):
+        (o, i), top = w.shape, 2 ** (self.bits - 1) - 1
+        g = F.pad(w, (0, -i % self.group)).view(o, -1, self.group)  # [o, i/group, group]
         scale = g.abs().amax(-1) / top  # [o, i/group]
-        codes = torch.round(g / scale.clamp_min(TINY)[..., None]).clamp(-top - 1, top).view(o, -1)
-        self.store(codes=_pack4(codes + 8) if bits == 4 else codes.to(torch.int8), scale=scale)
+        codes = torch.round(g / scale.clamp_min(TINY)[..., None]).clamp(-top - 1, top).view(o, -1)[:, :i]
+        return codes + 2 ** (self.bits - 1), dict(scale=scale)  # stored unsigned: offset by 8 (int4) or 128 (int8)
 
-    def dequantize(self) -> torch.Tensor:
-        codes = _unpack4(self.codes) - 8 if self.bits == 4 else self.codes
-        o, i = self.shape
-        w = codes.view(o, -1, self.group).float() * self.scale[..., None]
-        return w.view(o, -1)[:, :i].to(self.dtype)
+    def values(self, codes):
+        return (codes - 2 ** (self.bits - 1)).float()
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    def scale_of(self, rows, cols):
+        return self.scale[rows, cols // self.group]
 
 
-FORMATS = {"nf4": NF4Weight, "int8": lambda w: IntWeight(w, 8), "int4": lambda w: IntWeight(w, 4, 128)}
-SERVING = {"int8": lambda w: IntWeight(w, 8, 128), "int4": lambda w: IntWeight(w, 4, 128)}  # group-wise
+FORMATS = {"nf4": NF4Weight, "int8": lambda w, shard=WHOLE: IntWeight(w, 8, None, shard)}  # QLoRA's base
+SERVING = {"int8": lambda w, shard=WHOLE: IntWeight(w, 8, 128, shard),  # weight-only, group-wise
+           "int4": lambda w, shard=WHOLE: IntWeight(w, 4, 128, shard)}
 
 
 class _DequantizedLinear(torch.autograd.Function):
@@ -134,35 +150,45 @@ def quantized_linear(x, weight: Quantized, bias):  # a layer's linear_impl (para
     return _DequantizedLinear.apply(x, weight, bias)
 
 
+def _whole(w: nn.Parameter, tp) -> torch.Tensor:
+    """The whole weight from the TP ranks' shards of it (`tp`: the layer's group; once, when it is quantized)."""
+    if tp is None or not getattr(w, "tensor_model_parallel", False):
+        return w
+    parts = [torch.empty_like(w) for _ in range(tp.size)]
+    dist.all_gather(parts, w.contiguous(), group=tp.pg)
+    return P.unshard(parts, w.partition_dim, w.partition_stride)
+
+
+def _targets(model, targets):
+    return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in targets
+            and isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)) and m.weight is not None]
+
+
 @torch.no_grad()
 def quantize_linears(model: nn.Module, fmt: str, formats=FORMATS, targets=lora.TARGETS) -> int:
     """Replace the weight of every tensor-parallel linear named in `targets` (the attention's and MLP's; embeddings
-    and the output layer stay, as in QLoRA) by its `formats[fmt]` storage, run through quantized_linear. Each rank
-    quantizes the shard it holds. Returns the bytes of the quantized weights on this rank."""
-    total = 0
-    for name, m in model.named_modules():
-        if (name.rsplit(".", 1)[-1] in targets and isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear))
-                and isinstance(m.weight, nn.Parameter)):
-            w = m.weight.detach()
+    and the output layer stay, as in QLoRA) by its `formats[fmt]` storage, run through quantized_linear: the whole
+    weight (gathered over TP) quantized, this rank's shard of the codes kept. Returns this rank's bytes of them."""
+    for m in _targets(model, targets):
+        if isinstance(m.weight, nn.Parameter):
+            w, tp = m.weight, m.tp
+            shard = (w.partition_dim, w.partition_stride, tp.rank, tp.size) if tp else WHOLE
             del m.weight  # (the Parameter: nothing else holds it, so its memory is freed)
-            m.weight = formats[fmt](w)
-            m.linear_impl = quantized_linear
-            total += m.weight.nbytes()
-    return total
+            m.weight, m.linear_impl = formats[fmt](_whole(w, tp), shard), quantized_linear
+    return linear_weight_bytes(model, targets)
 
 
 def linear_weight_bytes(model: nn.Module, targets=lora.TARGETS) -> int:
     """Bytes of the weights of the `targets` linears as stored (quantized or not): the memory quantization saves."""
     return sum(m.weight.nbytes() if isinstance(m.weight, Quantized) else m.weight.numel() * m.weight.element_size()
-               for name, m in model.named_modules()
-               if name.rsplit(".", 1)[-1] in targets and isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear))
-               and m.weight is not None)
+               for m in _targets(model, targets))
 
 
 @torch.no_grad()
 def fake_quantize(model: nn.Module, fmt: str, formats=FORMATS, targets=lora.TARGETS):
     """Each targeted weight W := deq(quant(W)), kept in full precision: the base a QLoRA run's adapters were trained
     on, which they are merged into (as PEFT's merge on a 4-bit model dequantizes first)."""
-    for name, m in model.named_modules():
-        if name.rsplit(".", 1)[-1] in targets and isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)):
-            m.weight.copy_(formats[fmt](m.weight).dequantize())
+    for m in _targets(model, targets):
+        w, tp = m.weight, m.tp
+        shard = (w.partition_dim, w.partition_stride, tp.rank, tp.size) if tp else WHOLE
+        w.copy_(formats[fmt](_whole(w, tp), shard).dequantize())

@@ -10,13 +10,16 @@ Tolerances: exact codes; error bounds as derived above with 1e-6 relative slack 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
-from test_lora import CFG, CLIP, LLAMA, OPT, adapt, lora_case, merge_results
+import torch.distributed.checkpoint as dcp
+from test_lora import CFG, CLIP, LLAMA, OPT, adapt, lora_case, losses, merge_results, tiny
 
 import gpt
 import parallel as P
+import train
 from equivalence import assert_same, make_batch, reference_steps, rel_err
 from posttraining import lora
 from posttraining import quantization as Q
@@ -57,10 +60,21 @@ def test_int_formats_round_trip_within_half_a_step():
         q = Q.SERVING[fmt](w)
         scale = q.scale.repeat_interleave(128, 1)[:, :300]
         assert ((q.dequantize() - w).abs() <= scale / 2 * (1 + 1e-6)).all(), fmt
-        codes = (Q._unpack4(q.codes) - 8) if bits == 4 else q.codes
-        assert codes.long().abs().max() == top, fmt  # a group's absmax maps to +-top, nothing beyond
+        codes = (Q._unpack4(q.codes) if bits == 4 else q.codes.long()) - (top + 1)  # stored offset: unsigned
+        assert codes.abs().max() == top, fmt  # a group's absmax maps to +-top, nothing beyond
     q = Q.FORMATS["int8"](w)  # QLoRA's int8 base: bitsandbytes' row-wise absmax
     assert q.scale.shape == (64, 1) and torch.allclose(q.scale[:, 0], w.abs().amax(1) / 127)
+
+
+@pytest.mark.parametrize("make", [Q.FORMATS["nf4"], Q.FORMATS["int8"], Q.SERVING["int4"]], ids=["nf4", "int8", "int4"])
+def test_a_tp_shard_holds_its_slice_of_the_whole_weights_values(make):
+    """The codes of the whole weight, sliced as parallel.shard slices it (rows, rows with SwiGLU's stride 2, columns):
+    every layout holds the same dequantized values, bit for bit."""
+    w = torch.randn(48, 320, generator=torch.Generator().manual_seed(3))
+    whole = make(w).dequantize()
+    for dim, stride in ((0, 1), (0, 2), (1, 1)):
+        for r in range(2):
+            assert torch.equal(make(w, (dim, stride, r, 2)).dequantize(), P.shard(whole, dim, stride, r, 2))
 
 
 def test_bytes_of_the_default_models_linears():
@@ -80,15 +94,12 @@ def test_bytes_of_the_default_models_linears():
 
 
 # --------------------------------------------------------------------------------------- QLoRA against one process
-def qlora_reference(cfg, M, fmt, tp, b=8, s=8, steps=2):
-    """One process, plain LoRA (test_lora.reference) on the base the `tp` ranks hold: each linear's weight W :=
-    its tp shards, each quantized and dequantized as its rank does, put back together (the codes fixed)."""
+def qlora_reference(cfg, M, fmt, b=8, s=8, steps=2):
+    """One process, plain LoRA (test_lora.reference) on the dequantized base: each linear's weight W := deq(quant(W))
+    (fmt None: the full-precision base)."""
     model = adapt(gpt.Model(gpt.Config(**cfg)))
-    with torch.no_grad():
-        for name, m in model.named_modules():
-            if name.rsplit(".", 1)[-1] in lora.TARGETS and isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)):
-                w, d, st = m.weight, m.weight.partition_dim, m.weight.partition_stride
-                w.copy_(P.unshard([Q.FORMATS[fmt](P.shard(w, d, st, r, tp)).dequantize() for r in range(tp)], d, st))
+    if fmt is not None:
+        Q.fake_quantize(model, fmt)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False, **OPT)
     batch = make_batch(cfg["vocab_size"], b, s, 11)
     return reference_steps(model, opt, list(batch.chunk(M)), batch[:, 1:].numel(), CLIP, steps)
@@ -96,21 +107,74 @@ def qlora_reference(cfg, M, fmt, tp, b=8, s=8, steps=2):
 
 @pytest.mark.parametrize("fmt,n,cfg,tp,pp,sp,distopt", [
     ("nf4", 1, LLAMA, 1, 1, False, None),  # one process: QLoRA = LoRA on the dequantized base
+    ("int8", 2, LLAMA, 2, 1, True, None),  # tp 2 (sequence parallel)
     ("nf4", 2, LLAMA, 2, 1, False, None),  # tp 2
     ("nf4", 4, CFG, 2, 1, True, True),  # tp 2 (sequence parallel, biases) x dp 2, distributed optimizer
     ("int8", 4, LLAMA, 1, 2, False, True),  # pp 2 x dp 2, distributed optimizer
-], ids=["nf4-tp1", "nf4-tp2", "nf4-tp2-sp-dp2-distopt", "int8-pp2-dp2-distopt"])
+], ids=["nf4-tp1", "int8-tp2-sp", "nf4-tp2", "nf4-tp2-sp-dp2-distopt", "int8-pp2-dp2-distopt"])
 def test_qlora_training_equals_single_process(pool, fmt, n, cfg, tp, pp, sp, distopt):
     """Losses, every adapter's first gradient, the clipped norms and the adapters after 2 AdamW steps (float64)."""
     got = merge_results(pool.run(lora_case, n, cfg=cfg, tp=tp, pp=pp, vp=1, M=2, sp=sp, distopt=distopt, quantize=fmt))
-    ref = qlora_reference(cfg, 2 * (n // (tp * pp)), fmt, tp)
+    ref = qlora_reference(cfg, 2 * (n // (tp * pp)), fmt)
     assert_same(got, ref, rtol=1e-10, what=f"QLoRA {fmt} n={n} tp={tp} pp={pp} sp={sp} distopt={distopt}")
     assert rel_err(got["norms"], ref["norms"]) < 1e-10, (got["norms"], ref["norms"])
 
 
-def test_negative_control_qlora_against_the_base_quantized_whole_fails(pool):
-    """The TP 2 ranks quantize their shards: a reference that quantized each weight whole holds other values."""
+def test_negative_control_qlora_against_the_full_precision_base_fails(pool):
     got = merge_results(pool.run(lora_case, 2, cfg=LLAMA, tp=2, pp=1, vp=1, M=2, sp=False, distopt=None,
                                  quantize="nf4"))
     with pytest.raises(AssertionError, match="worst relative error"):
-        assert_same(got, qlora_reference(LLAMA, 2, "nf4", 1), rtol=1e-10, what="NF4 quantized whole, not per shard")
+        assert_same(got, qlora_reference(LLAMA, 2, None), rtol=1e-10, what="QLoRA against LoRA on the unquantized base")
+
+
+# --------------------------------------------------------------------------------------- through train.py
+@pytest.fixture(scope="module")
+def base_run(corpus, cache, tmp_path_factory):
+    """A tiny pretrained run (test_lora.tiny's shape, 4 iterations): the base the QLoRA runs below adapt."""
+    base = tmp_path_factory.mktemp("base")
+    train.main(tiny(corpus, cache, base))
+    return corpus, cache, base
+
+
+QLORA = ["--lora-rank", "4", "--lora-alpha", "8", "--quantize-base", "nf4", "--pretrained-checkpoint"]  # + the base
+
+
+def test_qlora_run_resumes_and_tp2_matches_one_process(base_run, tmp_path, capsys):
+    """`make train ARGS="--lora-rank 8 --quantize-base nf4 --pretrained-checkpoint runs/gpt"` in small: the base held
+    in NF4 (4.1-4.5 bits a weight), adapters only in the checkpoint, stop + resume = uninterrupted; at TP 2 + SP the
+    losses within 1e-5 of one process (float32, the order of reductions only: the ranks hold the whole weight's codes)."""
+    from harness import torchrun
+
+    corpus, cache, base = base_run
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    train.main(tiny(corpus, cache, whole, *QLORA, str(base), "--load", str(whole), iters=4))
+    said = capsys.readouterr().out
+    held, full = (int(x.replace(",", "")) for x in re.search(r"in nf4: ([\d,]+) bytes .*full precision: ([\d,]+)",
+                                                            said).groups())
+    assert 4.1 <= 32 * held / full <= 4.5, (held, full)
+    train.main(tiny(corpus, cache, run, *QLORA, str(base), "--load", str(run), iters=2))
+    train.main(tiny(corpus, cache, run, "--load", str(run), iters=4))  # --quantize-base nf4 from the checkpoint
+    assert losses(run) == losses(whole)
+    saved = dcp.FileSystemReader(str(run / "iter_0000004")).read_metadata().state_dict_metadata
+    assert saved and all(".lora." in k for k in saved if k.startswith("model.")), "the checkpoint holds non-adapters"
+    torchrun(2, tiny(corpus, cache, tmp_path / "tp2", *QLORA, str(base), "--tensor-model-parallel-size", "2",
+                     "--sequence-parallel", iters=4))
+    one, two = losses(whole), losses(tmp_path / "tp2")
+    assert one.keys() == two.keys() == {1, 2, 3, 4}
+    assert all(abs(one[k] - two[k]) <= 1e-5 * abs(one[k]) for k in one), (one, two)
+    lora_run = tmp_path / "lora"  # the same run on the full-precision base: close, but not the same numbers
+    train.main(tiny(corpus, cache, lora_run, *QLORA[:4], "--pretrained-checkpoint", str(base), iters=4))
+    assert 0 < abs(losses(lora_run)[4] - one[4]) < 0.05 * one[4], (losses(lora_run), one)
+
+
+@pytest.mark.parametrize("case,expect", [
+    (["--quantize-base", "nf4"], "--quantize-base nf4 stores a LoRA run's frozen base quantized (QLoRA): add --lora-rank"),
+    (["--quantize-base", "nf4", "--lora-rank", "2", "--fp8", "--load", "BASE"], "--quantize-base nf4 with --fp8"),
+    (["--quantize-base", "int4", "--lora-rank", "2"], "argument --quantize-base: invalid choice: 'int4'"),
+])
+def test_quantize_base_refusals_are_one_line(base_run, tmp_path, capsys, case, expect):
+    corpus, cache, base = base_run
+    with pytest.raises(SystemExit) as e:
+        train.main(tiny(corpus, cache, tmp_path / "run", *[str(base) if a == "BASE" else a for a in case]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and expect in err[0], err

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_lora import CFG, CLIP, LLAMA, OPT, adapt, lora_case, losses, merge_results, tiny
 
+import checkpoint
 import gpt
 import parallel as P
 import train
@@ -157,6 +158,13 @@ def test_qlora_run_resumes_and_tp2_matches_one_process(base_run, tmp_path, capsy
     assert losses(run) == losses(whole)
     saved = dcp.FileSystemReader(str(run / "iter_0000004")).read_metadata().state_dict_metadata
     assert saved and all(".lora." in k for k in saved if k.startswith("model.")), "the checkpoint holds non-adapters"
+    adapted, merged = checkpoint.load_model(whole, merge=False).model, checkpoint.load_model(whole).model
+    plain = checkpoint.load_model(base).model
+    w = "decoder.layers.0.self_attention.linear_qkv.weight"
+    ids = make_batch(384, 2, 16, 3)[:, :-1]
+    with torch.no_grad():  # the adapters sit on the dequantized base, and merge into it
+        assert torch.equal(adapted.get_parameter(w), Q.NF4Weight(plain.get_parameter(w)).dequantize())
+        assert rel_err(merged(ids), adapted(ids)) < 1e-5
     torchrun(2, tiny(corpus, cache, tmp_path / "tp2", *QLORA, str(base), "--tensor-model-parallel-size", "2",
                      "--sequence-parallel", iters=4))
     one, two = losses(whole), losses(tmp_path / "tp2")

@@ -70,6 +70,8 @@ class Quantized(nn.Module):
     def dequantize(self) -> torch.Tensor:
         o, i = self.shape
         codes = (_unpack4(self.codes)[:o * i] if self.bits == 4 else self.codes.long()).view(o, i)
+        if self.rows is None and self.cols is None:  # the whole weight: scales repeated, no index arithmetic
+            return (self.values(codes) * self.whole_scales()).to(self.dtype)
         rows = self.rows.long() if self.rows is not None else torch.arange(o, device=codes.device)
         cols = self.cols.long() if self.cols is not None else torch.arange(i, device=codes.device)
         return (self.values(codes) * self.scale_of(rows[:, None], cols[None, :])).to(self.dtype)
@@ -103,6 +105,9 @@ class NF4Weight(Quantized):
     def scale_of(self, rows, cols):  # each element's block absmax
         return self.absmax()[(rows * self.full_shape[1] + cols) // self.BLOCK]
 
+    def whole_scales(self):
+        return self.absmax().repeat_interleave(self.BLOCK)[:self.shape[0] * self.shape[1]].view(self.shape)
+
 
 class IntWeight(Quantized):
     """Symmetric integer codes with one fp32 scale per `group` input features of each row (group None: the row)."""
@@ -123,6 +128,9 @@ class IntWeight(Quantized):
 
     def scale_of(self, rows, cols):
         return self.scale[rows, cols // self.group]
+
+    def whole_scales(self):
+        return self.scale.repeat_interleave(self.group, 1)[:, :self.shape[1]]
 
 
 FORMATS = {"nf4": NF4Weight, "int8": lambda w, shard=WHOLE: IntWeight(w, 8, None, shard)}  # QLoRA's base

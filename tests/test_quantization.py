@@ -94,6 +94,27 @@ def test_bytes_of_the_default_models_linears():
     assert 4.25 <= 8 * Q.linear_weight_bytes(m) / numel <= 4.5
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_served_model_runs_the_dequantized_weights(fmt):
+    """server.py --quantization: the quantized model's logits are those of the same model holding the dequantized
+    weights, bit for bit, and the engine's greedy tokens too; the linears' bytes are 8.25 / 4.25 bits a weight."""
+    from serving import engine as serve
+    from serving import server
+
+    assert server.parse_args(["--load", "RUN", "--quantization", fmt]).quantization == fmt
+    model = gpt.Model(gpt.Config(**dict(LLAMA, params_dtype=torch.float32, hidden_size=128, num_layers=2,
+                                        ffn_hidden_size=256))).eval()
+    fake = copy.deepcopy(model)
+    full = Q.linear_weight_bytes(model)
+    assert 32 * Q.quantize_linears(model, fmt, Q.SERVING) / full == {"int8": 8.25, "int4": 4.25}[fmt]
+    Q.fake_quantize(fake, fmt, Q.SERVING)
+    ids = make_batch(211, 2, 12, 4)[:, :-1]
+    with torch.no_grad():
+        assert torch.equal(model(ids), fake(ids))
+    params = serve.SamplingParams(max_tokens=6, temperature=0)
+    assert serve.generate_one(model, ids[0].tolist(), params) == serve.generate_one(fake, ids[0].tolist(), params)
+
+
 # --------------------------------------------------------------------------------------- QLoRA against one process
 def qlora_reference(cfg, M, fmt, b=8, s=8, steps=2):
     """One process, plain LoRA (test_lora.reference) on the dequantized base: each linear's weight W := deq(quant(W))

@@ -5,11 +5,13 @@ trained on top, posttraining/lora.py) and weight-only serving (serving/server.py
 Mirrors bitsandbytes' storage (bitsandbytes/functional.py quantize_4bit(quant_type="nf4", blocksize=64,
 compress_statistics=True) and Int8Params' row-wise absmax) as PEFT's QLoRA uses it, and the group-wise symmetric
 int4/int8 weights of vLLM's and Megatron's inference paths (scales per 128 input features of each output row).
-Paper: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs" (NF4, double quantization).
+Papers: Dettmers et al. 2023, "QLoRA" (NF4, double quantization); Lin et al. 2024, "AWQ" (AutoAWQ's auto_scale,
+written out as llm-compressor's compressed-tensors pack-quantized folders, which transformers loads).
 Written here in torch ops rather than torchao's NF4Tensor: DESIGN.md §1, "Post-training", says why.
 
 Run:    .venv/bin/python -m pytest -q tests/test_quantization.py
         make train RUN=runs/gpt-qlora ARGS="--lora-rank 8 --quantize-base nf4 --pretrained-checkpoint runs/gpt"
+        .venv/bin/python tools.py export --load runs/gpt --hf-out runs/gpt-awq --quantization awq
 
 Formats (w [o, i] whole; under TP each rank keeps its shard of the codes and all the scales: DESIGN.md)
   nf4    w flattened, blocks of 64: code = the nearest of NF4's 16 values to w / absmax(block), two codes a byte;
@@ -200,3 +202,87 @@ def fake_quantize(model: nn.Module, fmt: str, formats=FORMATS, targets=lora.TARG
         w, tp = m.weight, m.tp
         shard = (w.partition_dim, w.partition_stride, tp.rank, tp.size) if tp else WHOLE
         w.copy_(formats[fmt](_whole(w, tp), shard).dequantize())
+
+
+# ---------------------------------------------------------------------------------------------- AWQ
+@torch.no_grad()
+def awq_scale(model: nn.Module, batches, group: int = 128, grid: int = 20) -> dict[str, float]:
+    """AWQ (Lin et al. 2024; AutoAWQ's auto_scale): per input channel scales s that protect the channels with large
+    activations before int4 round-to-nearest. For each linear whose input a preceding op can absorb — linear_qkv
+    (input_layernorm), linear_fc1 (pre_mlp_layernorm), SwiGLU's linear_fc2 (fc1's `up` rows) — on the inputs x the
+    calibration `batches` ([b, s] token ids) give it: s = mean|x|^a, a in [0, 1) on `grid` points, the one whose
+    deq(quant(W·s))·(x/s) is closest to W·x; then W := W·s and the preceding op := op / s (the fp model unchanged).
+    One process (TP 1), the model's own eval forward. Returns each scaled linear's chosen a."""
+    inputs, hooks = {}, []
+    groups = []  # (name, linear, absorb(s)): the op before it divides by s
+    for name, m in model.named_modules():
+        layer = getattr(m, "self_attention", None), getattr(m, "mlp", None)
+        if hasattr(m, "input_layernorm") and isinstance(getattr(layer[0], "linear_qkv", None), P.ColumnParallelLinear):
+            groups.append((f"{name}.self_attention.linear_qkv", layer[0].linear_qkv, m.input_layernorm))
+        if hasattr(m, "pre_mlp_layernorm") and isinstance(getattr(layer[1], "linear_fc1", None), P.ColumnParallelLinear):
+            groups.append((f"{name}.mlp.linear_fc1", layer[1].linear_fc1, m.pre_mlp_layernorm))
+            if getattr(m.mlp, "gated", False):  # act(gate)·up: up's rows (and bias) scale fc2's input channels
+                groups.append((f"{name}.mlp.linear_fc2", layer[1].linear_fc2, m.mlp.linear_fc1))
+    groups = [(n, lin, [t.chunk(2)[1] if isinstance(prev, P.ColumnParallelLinear) else t  # fc1: its up half
+                        for t in (prev.weight, getattr(prev, "bias", None)) if t is not None]) for n, lin, prev in groups]
+    for name, lin, _ in groups:
+        hooks.append(lin.register_forward_hook(
+            lambda mod, inp, out, name=name: inputs.setdefault(name, []).append(inp[0].reshape(-1, inp[0].shape[-1]))))
+    model.eval()
+    for ids in batches:
+        model(ids)
+    for h in hooks:
+        h.remove()
+    chosen = {}
+    for name, lin, prev in groups:
+        x = torch.cat(inputs[name]).float()  # [tokens, i]
+        w = lin.weight.float()
+        y, mean, best = x @ w.T, x.abs().mean(0), None
+        for a in torch.arange(grid) / grid:
+            s = mean.pow(a).clamp_min(1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            err = ((x / s) @ SERVING["int4"](w * s).dequantize().T - y).pow(2).mean()
+            if best is None or err < best[0]:
+                best = err, float(a), s
+        _, chosen[name], s = best
+        lin.weight.mul_(s.to(lin.weight.dtype))
+        for t in prev:  # a norm's weight (and bias), or fc1's up rows
+            t.div_((s[:, None] if t.dim() == 2 else s).to(t.dtype))
+    return chosen
+
+
+def to_compressed_tensors(folder, group: int = 128) -> int:
+    """A Hugging Face folder's decoder linears (`*.layers.*_proj.weight`) rewritten as compressed-tensors'
+    pack-quantized int4 (symmetric, one scale per `group` input features; what llm-compressor's AWQ writes and
+    transformers loads with compressed-tensors installed): weight_packed int32 [o, i/8] (8 codes + 8 a word, the
+    first in the low bits), weight_scale [o, i/group], weight_shape; config.json's quantization_config says so.
+    Returns how many linears it quantized (0: none there, the folder unchanged)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "model.safetensors"
+    state, out = load_file(path), {}
+    for k, w in state.items():
+        if ".layers." in k and k.endswith("_proj.weight"):
+            q, p = IntWeight(w, 4, group), k[:-len("weight")]
+            codes = _unpack4(q.codes)[:w.numel()].view(w.shape).int()  # code + 8, in 0..15
+            word = sum(codes[:, j::8].long() << (4 * j) for j in range(8))  # [o, i/8] in 0..2^32-1
+            out[p + "weight_packed"] = torch.where(word >= 2**31, word - 2**32, word).int()  # the same bits
+            out[p + "weight_scale"], out[p + "weight_shape"] = q.scale.to(w.dtype), torch.tensor(w.shape)
+        else:
+            out[k] = w
+    done = sum(k.endswith("weight_packed") for k in out)
+    if not done:
+        return 0
+    save_file(out, path, metadata={"format": "pt"})
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                  "group_size": group, "dynamic": False}}},
+        "ignore": ["lm_head"]}
+    (Path(folder) / "config.json").write_text(json.dumps(config, indent=2))
+    return done

@@ -207,3 +207,54 @@ def test_quantize_base_refusals_are_one_line(base_run, tmp_path, capsys, case, e
         train.main(tiny(corpus, cache, tmp_path / "run", *[str(base) if a == "BASE" else a for a in case]))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and expect in err[0], err
+
+
+# --------------------------------------------------------------------------------------- AWQ
+def test_awq_scales_keep_the_model_and_beat_round_to_nearest():
+    """awq_scale folds s into the weights and 1/s into the op before them: the full-precision logits stay (float64,
+    1e-12); each scaled linear's int4 output error on its calibration inputs is at most round-to-nearest's (a = 0 is
+    on the grid), and below it where a few input channels are large (the case AWQ is for)."""
+    cfg = dict(LLAMA, hidden_size=128, ffn_hidden_size=256, num_layers=2)
+    model = gpt.Model(gpt.Config(**cfg))
+    with torch.no_grad():  # a few outlier input channels, as trained LLMs have (AWQ's observation)
+        for m in model.modules():
+            if hasattr(m, "input_layernorm"):
+                m.input_layernorm.weight[:4] = 20.0
+    ids = make_batch(211, 8, 15, 6)[:, :-1]
+    x = {}
+    lin = model.decoder.layers[0].self_attention.linear_qkv
+    h = lin.register_forward_hook(lambda mod, inp, out: x.update(x=inp[0].reshape(-1, 128)))
+    with torch.no_grad():
+        before = model(ids)
+    h.remove()
+    w0 = lin.weight.detach().clone()
+    chosen = Q.awq_scale(model, ids.split(4))
+    with torch.no_grad():
+        assert rel_err(model(ids), before) < 1e-12
+    assert len(chosen) == 3 * 2 and chosen["decoder.layers.0.self_attention.linear_qkv"] > 0
+
+    def err(w, s):  # int4 output error of weights w·s on inputs x/s
+        return float(((x["x"] / s) @ Q.SERVING["int4"](w * s).dequantize().T - x["x"] @ w0.T).pow(2).mean())
+
+    s = (lin.weight / w0)[0]  # the chosen per-channel scale (W := W·s)
+    assert err(w0, s) < 0.9 * err(w0, torch.ones(128, dtype=torch.float64))
+
+
+def test_awq_export_loads_in_transformers_with_our_logits(corpus, cache, tmp_path):
+    """tools.py export --quantization awq: a compressed-tensors pack-quantized folder; transformers' logits equal
+    ours on the same AWQ-int4 weights (float32, 1e-4)."""
+    import transformers
+
+    import tools
+
+    run = tmp_path / "run"
+    train.main(tiny(corpus, cache, run, "--hidden-size", "128", iters=2))
+    tools.main(["export", "--load", str(run), "--hf-out", str(tmp_path / "hf"), "--quantization", "awq"])
+    config = (tmp_path / "hf" / "config.json").read_text()
+    assert '"format": "pack-quantized"' in config and '"group_size": 128' in config
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = tools.awq_scaled(checkpoint.load_model(run), run)
+    Q.quantize_linears(ours, "int4", Q.SERVING)
+    ids = make_batch(384, 2, 16, 3)[:, :-1]
+    with torch.no_grad():
+        assert rel_err(hf_model(ids).logits, ours(ids)) < 1e-4

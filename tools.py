@@ -147,7 +147,7 @@ def export_model(a):
                           chat_template=tokenizer_files.roles_of(run.tok).chat_template or recipes.chat_template_jinja())
     if getattr(a, "quantization", None) == "awq" and not quantization.to_compressed_tensors(out):
         raise convert.ExportError("export --quantization awq: the folder has no Llama-style *_proj linears to quantize "
-                                  "(a GPT-2-style model's Conv1D layers are not written as compressed-tensors here)")
+                                  "(Conv1D layers are not written as compressed-tensors here)")
     return out
 
 

@@ -5,13 +5,14 @@ For each format the attention and MLP linears are quantized as the server does (
   - bytes: of those linears' weights as stored (codes + scales), and of the whole model (parameters + buffers);
   - tokens/s: n requests arriving together (prompts of 16-64 random tokens, --new-tokens each, greedy) through one
     serve.Engine, the sampled tokens over the wall time (prefills included), for each --concurrency n;
+  - awq (--formats, with --load): AWQ's scales searched on the run's first 16 training samples, then int4;
   - quality: with --load RUN, the validation loss of the run's own held-out documents (its --split, --seq-length,
     --eval-batches batches of 16); without, the largest logit difference from fp32 relative to fp32's largest logit,
     on 4 random sequences.
 The model: train.py's default GPT (vocabulary 8192) with random weights, or --load RUN (checkpoint.load_model).
 
     .venv/bin/python bench/bench_quant.py --concurrency 1 8 --new-tokens 32
-    .venv/bin/python bench/bench_quant.py --load runs/gpt --data-cache-dir data_cache
+    .venv/bin/python bench/bench_quant.py --load runs/gpt --formats fp32 int8 int4 awq --concurrency 1
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def parse_args(argv=None):
     """The command line (tests/test_commands.py checks the documented ones with it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--load", metavar="RUN", help="a saved run instead of the default GPT with random weights")
-    p.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"], choices=["fp32", "int8", "int4"])
+    p.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"], choices=["fp32", "int8", "int4", "awq"],
+                   help="awq (with --load): AWQ's scales (tools.awq_scaled), then int4")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests arriving together")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches of 16 (with --load)")
@@ -98,8 +100,11 @@ def main(argv=None):
     print("|---" * (4 + len(a.concurrency)) + "|")
     for fmt in a.formats:
         model = copy.deepcopy(base)
+        if fmt == "awq":
+            import tools
+            model = tools.awq_scaled(checkpoint.load_model(a.load), a.load).eval()
         if fmt != "fp32":
-            Q.quantize_linears(model, fmt, Q.SERVING)
+            Q.quantize_linears(model, "int4" if fmt == "awq" else fmt, Q.SERVING)
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         speeds = [tokens_per_s(model, n, a.new_tokens, vocab) for n in a.concurrency]
         print(f"| {fmt} | {Q.linear_weight_bytes(model) / 2**20:.2f} | {whole / 2**20:.2f} | "

@@ -253,9 +253,10 @@ def awq_scale(model: nn.Module, batches, group: int = 128, grid: int = 20) -> di
 
 def to_compressed_tensors(folder, group: int = 128) -> int:
     """A Hugging Face folder's decoder linears (`*.layers.*_proj.weight`) rewritten as compressed-tensors'
-    pack-quantized int4 (symmetric, one scale per `group` input features; what llm-compressor's AWQ writes and
-    transformers loads with compressed-tensors installed): weight_packed int32 [o, i/8] (8 codes + 8 a word, the
-    first in the low bits), weight_scale [o, i/group], weight_shape; config.json's quantization_config says so.
+    pack-quantized int4 (symmetric, one scale per `group` input features, halved until it divides every linear's;
+    what llm-compressor's AWQ writes and transformers loads with compressed-tensors installed): weight_packed int32
+    [o, i/8] (8 codes + 8 a word, the first in the low bits), weight_scale [o, i/group], weight_shape; config.json's
+    quantization_config says so.
     Returns how many linears it quantized (0: none there, the folder unchanged)."""
     import json
     from pathlib import Path
@@ -264,6 +265,9 @@ def to_compressed_tensors(folder, group: int = 128) -> int:
 
     path = Path(folder) / "model.safetensors"
     state, out = load_file(path), {}
+    linears = [k for k in state if ".layers." in k and k.endswith("_proj.weight")]
+    while any(state[k].shape[1] % group for k in linears):  # one group size for all (a small model's: smaller)
+        group //= 2
     for k, w in state.items():
         if ".layers." in k and k.endswith("_proj.weight"):
             q, p = IntWeight(w, 4, group), k[:-len("weight")]

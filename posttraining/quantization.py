@@ -60,7 +60,7 @@ class Quantized(nn.Module):
         super().__init__()
         (o, i), (dim, stride, rank, size) = full.shape, shard
         codes, scales = self.encode(full.detach().float())  # [o, i] in 0..2^bits-1; {name: tensor}
-        rows, cols = torch.arange(o), torch.arange(i)  # the global row and column of each held one
+        rows, cols = torch.arange(o, device=full.device), torch.arange(i, device=full.device)  # global indices
         rows, cols = (P.shard(rows, 0, stride, rank, size) if dim == 0 else rows,
                       P.shard(cols, 0, stride, rank, size) if dim == 1 else cols)
         codes = codes[rows][:, cols]
@@ -90,7 +90,8 @@ class NF4Weight(Quantized):
         n, block = w.numel(), self.BLOCK
         blocks = F.pad(w.reshape(-1), (0, -n % block)).view(-1, block)  # [n/64, 64]
         absmax = blocks.abs().amax(1)  # [n/64]
-        codes = torch.bucketize(blocks / absmax.clamp_min(TINY)[:, None], (NF4[1:] + NF4[:-1]) / 2)  # nearest
+        bounds = ((NF4[1:] + NF4[:-1]) / 2).to(w.device)  # a value codes as the nearest of the 16
+        codes = torch.bucketize(blocks / absmax.clamp_min(TINY)[:, None], bounds)
         mean = absmax.mean()
         c = F.pad(absmax - mean, (0, -len(absmax) % self.SCALE_BLOCK)).view(-1, self.SCALE_BLOCK)  # [n/64/256, 256]
         scale = c.abs().amax(1) / 127  # the second level: fp32

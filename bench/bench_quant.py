@@ -38,7 +38,7 @@ from serving import engine as serve  # noqa: E402
 
 def parse_args(argv=None):
     """The command line (tests/test_commands.py checks the documented ones with it)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=f"bench/{os.path.basename(__file__)}", description=__doc__.split("\n")[0])
     p.add_argument("--load", metavar="RUN", help="a saved run instead of the default GPT with random weights")
     p.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"], choices=["fp32", "int8", "int4", "awq"],
                    help="awq (with --load): AWQ's scales (tools.awq_scaled), then int4")

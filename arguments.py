@@ -387,6 +387,8 @@ def posttraining_flags(g):
     a("--lora-alpha", type=float, default=None, help="LoRA scale = alpha / rank (default: alpha = rank)")
     a("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     a("--lora-target-modules", nargs="+", default=list(lora.TARGETS), choices=lora.TARGETS)
+    a("--quantize-base", default=None, choices=["nf4", "int8"], help="QLoRA: the frozen base's linears stored in NF4 "
+      "or int8, dequantized per layer (posttraining/quantization.py; default: full precision)")
     a("--finetune", action="store_true", help="load only the model weights of --load (or --pretrained-checkpoint): "
                                               "iteration 0, a fresh optimizer and RNG (continued pretraining, SFT, LoRA)")
     a("--pretrained-checkpoint", default=None, help="the run to start from (weights only) while --load has no checkpoint "
@@ -880,6 +882,12 @@ def check_args(args, world: int) -> Args:
     if args.lora_rank is not None and not (args.load or args.pretrained_checkpoint):
         raise ConfigError(f"--lora-rank={args.lora_rank} adapts a trained model: pass --pretrained-checkpoint DIR "
                           "(or --finetune --load DIR), or --load a LoRA run to resume it")
+    if args.quantize_base and args.lora_rank is None:
+        raise ConfigError(f"--quantize-base {args.quantize_base} stores a LoRA run's frozen base quantized (QLoRA): "
+                          "add --lora-rank R")
+    if args.quantize_base and args.fp8:
+        raise ConfigError(f"--quantize-base {args.quantize_base} with --fp8: a linear runs one GEMM, FP8's or the "
+                          "dequantized base's; drop one")
     if args.lora_rank is not None and args.num_experts and {"linear_fc1", "linear_fc2"} & set(args.lora_target_modules):
         raise ConfigError("--lora-rank with --num-experts: adapters on MoE experts are not supported; pass "
                           "--lora-target-modules linear_qkv linear_proj")

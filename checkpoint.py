@@ -38,7 +38,7 @@ import parallel as P
 from arguments import Args, ConfigError, model_config, run_flags
 from config import ModelFile, model_file
 from interop import hf, tokenizer_files
-from posttraining import lora
+from posttraining import lora, quantization
 
 
 class Checkpoint(NamedTuple):
@@ -364,7 +364,7 @@ ARCH_FLAGS = arguments.ARCH_FLAGS  # the flags that shape the weights (arguments
 # A LoRA run's checkpoints hold what it added (added_to_base: its adapters) and, in meta.json, "lora_base": the path
 # of the base checkpoint directory and the SHA-256 digest of its manifest, so --load finds the weights the adapters
 # belong to and refuses other ones. --finetune / --pretrained-checkpoint load a checkpoint's weights only (Megatron's).
-LORA_FLAGS = ["lora_rank", "lora_alpha", "lora_target_modules"]  # a LoRA run resumes only with the same adapters
+LORA_FLAGS = ["lora_rank", "lora_alpha", "lora_target_modules", "quantize_base"]  # a LoRA run resumes only with the same adapters
 
 
 def _manifest_digest(d: Path):
@@ -566,6 +566,11 @@ def load_start(args, start: Start, chunks, optimizer, scaler, mesh, fp8, rank: i
         load_weights(start.base, chunks, mesh)
         if rank == 0:
             print(f"model weights from {start.base.path}" + (" (frozen: LoRA adapters train)" if args.lora_rank else ""))
+        if args.quantize_base:  # QLoRA: each rank quantizes the base shard it now holds (DESIGN.md §1)
+            full = sum(quantization.linear_weight_bytes(c) for c in chunks)
+            held = sum(quantization.quantize_linears(c, args.quantize_base) for c in chunks)
+            if rank == 0:
+                print(f"base linears in {args.quantize_base}: {held:,} bytes on rank 0 (full precision: {full:,})")
     if start.resume is None:
         if args.load and start.base is None and rank == 0:
             print(f"a new run in {args.load}" if args.load == args.save else
@@ -643,6 +648,8 @@ def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: 
     adapters = "lora_base" in ckpt.meta
     if adapters:
         load_weights(recorded_base(ckpt.meta["lora_base"], ckpt.path.parent, flag), [model], mesh)
+        if saved.get("quantize_base"):  # a QLoRA run's adapters belong on the base as it trained: dequantized
+            quantization.fake_quantize(model, saved["quantize_base"])
         add_adapters([model], args)
     with _quiet_dcp():
         dcp.load({"model": checkpoint_state([model], None, mesh, only=added_to_base if adapters else None)["model"]},

@@ -38,7 +38,7 @@ import data
 from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args, run_flags
 from config import model_file
 from interop import convert, hf, tokenizer_files
-from posttraining import lora, recipes
+from posttraining import lora, quantization, recipes
 
 
 def sample(a):
@@ -119,8 +119,19 @@ def export(a):
     return out
 
 
+def awq_scaled(run, load_dir, samples: int = 16):
+    """The run's model with AWQ's scales folded in (still full precision: int4 round-to-nearest of it is AWQ-int4),
+    searched on its first `samples` training samples (quantization.awq_scale)."""
+    corpus = data.build_data(run.args, run.model_file.dataset, Path(load_dir) / "tokenizer.json", run.args.vocab_size)
+    quantization.awq_scale(run.model, data.global_batch(corpus.train, start=0, size=samples)[:, :-1].split(4))
+    return run.model
+
+
 def export_model(a):
     run = checkpoint.load_model(a.load, reward_model=False)  # a reward model's output is a value, not logits
+    if getattr(a, "quantization", None) and run.args.hf_architecture:
+        raise convert.ExportError("export --quantization awq: a model imported from a Hugging Face folder exports "
+                                  "in that folder's layout, unquantized here")
     if run.args.hf_architecture:  # imported from a Hugging Face folder: that folder's layout again (interop/hf.py)
         out, left = hf.export_folder(run.args.hf_architecture, run.model.state_dict(), run.tok, a.hf_out,
                                      getattr(torch, a.dtype) if a.dtype else None)
@@ -130,8 +141,14 @@ def export_model(a):
     if run.model_file.to_hf is None:
         raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
                                   + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
-    return convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
-                           chat_template=tokenizer_files.roles_of(run.tok).chat_template or recipes.chat_template_jinja())
+    if getattr(a, "quantization", None) == "awq":
+        awq_scaled(run, a.load)
+    out = convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
+                          chat_template=tokenizer_files.roles_of(run.tok).chat_template or recipes.chat_template_jinja())
+    if getattr(a, "quantization", None) == "awq" and not quantization.to_compressed_tensors(out):
+        raise convert.ExportError("export --quantization awq: the folder has no Llama-style *_proj linears to quantize "
+                                  "(Conv1D layers are not written as compressed-tensors here)")
+    return out
 
 
 def import_hf(path, save_dir, dtype=torch.float32):
@@ -283,6 +300,8 @@ def parse(argv):
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="of the written weights (default: an imported model's dtype in its folder, else the run's)")
     e.add_argument("--overwrite", action="store_true", help="write into a directory that is not empty")
+    e.add_argument("--quantization", choices=["awq"], help="AWQ int4 (posttraining/quantization.py): scales searched "
+                   "on the run's training samples, weights written in compressed-tensors' pack-quantized format")
     e.set_defaults(run=export)
     i = sub.add_parser("import-hf", help="a local Hugging Face folder as a checkpoint any run starts from (interop/hf.py)")
     i.add_argument("--hf", required=True, help="the folder: config.json, *.safetensors, tokenizer.json")

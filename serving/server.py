@@ -50,7 +50,7 @@ import checkpoint
 import data
 from config import ConfigError
 from interop import tokenizer_files
-from posttraining import recipes
+from posttraining import quantization, recipes
 from serving import engine as serve
 
 
@@ -377,6 +377,9 @@ def parse_args(argv=None):
     p.add_argument("--preemption", action="store_true", help="admit requests on their prompt's blocks and, when "
                    "the cache runs short, preempt the newest and recompute it later (vLLM's policy; default: each "
                    "request's worst case reserved at admission)")
+    p.add_argument("--quantization", choices=sorted(quantization.SERVING), help="weight-only: the attention and MLP "
+                   "linears in int8 or int4, one scale per 128 input features, dequantized per layer "
+                   "(posttraining/quantization.py; default: the run's dtype)")
     p.add_argument("--enable-prefix-caching", action="store_true", help="keep full KV blocks under their token "
                    "prefix, for later requests that begin alike (a shared system prompt computed once; not for "
                    "models with recurrent layers)")
@@ -426,6 +429,11 @@ def main(argv=None):
                           "model generates (its model file declares no sample_ids)")
     if a.enable_prefix_caching:
         run.model_file.refuse("prefix_caching", "--enable-prefix-caching")
+    if a.quantization:  # weight-only (vLLM's --quantization): the linears' weights replaced by codes and scales
+        full = quantization.linear_weight_bytes(run.model)
+        held = quantization.quantize_linears(run.model, a.quantization, quantization.SERVING)
+        if rank == 0:
+            print(f"linear weights in {a.quantization}: {held:,} bytes on rank 0 ({full:,} unquantized)", flush=True)
     context = run.model.config.max_position_embeddings
     blocks = a.num_blocks or a.max_batch * -(-context // a.block_size)
     loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption,

@@ -89,6 +89,7 @@ BENCH = {  # size flags appended to each bench script
     "--state", "8", "--chunk", "16"], "bench_memory.py": ["--dp", "1"], "bench_pipeline.py": ["--micro-batches", "4",
     "--t", "0.001"], "bench_moe_balance.py": ["--iters", "2", "--log-interval", "1",
     "--data-path", "small_corpus"], "soak.py": ["--minutes", "0.3"],
+    "bench_quant.py": ["--concurrency", "1", "--new-tokens", "2", "--eval-batches", "1"],
     "bench_serve.py": ["--concurrency", "1", "2", "--new-tokens", "2", "--prompt-len", "2", "6", "--model-args",
                        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --vocab-size 128"],
     "bench_gemm.py": ["--repeats", "1", "--warmup", "0", "--peak-size", "64", "--model-args", "--num-layers 2 "

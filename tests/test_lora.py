@@ -29,7 +29,7 @@ import tools
 import train
 import transformer
 from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err
-from posttraining import lora
+from posttraining import lora, quantization
 
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=211,
            max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
@@ -122,12 +122,15 @@ def test_lora_dropout_masks_follow_the_rng_rule(pool, sp, column, same):
 
 
 # --------------------------------------------------------------------------------------- 2. training, any layout
-def lora_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, b=8, s=8, steps=2, drop_sp_mark=False):
-    """distopt None: the plain P.Optimizer; else DDP + P.DistributedOptimizer (the train.py interface)."""
+def lora_case(rank, n, cfg, tp, pp, vp, M, sp, distopt, b=8, s=8, steps=2, drop_sp_mark=False, quantize=None):
+    """distopt None: the plain P.Optimizer; else DDP + P.DistributedOptimizer (the train.py interface). quantize:
+    the base's linears stored in that format (QLoRA, posttraining/quantization.py; tests/test_quantization.py)."""
     grid = P.Grid(tp=tp, pp=pp, dp=n // (tp * pp))
     c = gpt.Config(**cfg, sequence_parallel=sp)
     chunks = [adapt(m) for m in P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl),
                                                c.num_layers, grid, vp)]
+    for ch in chunks if quantize else []:
+        quantization.quantize_linears(ch, quantize)
     if drop_sp_mark:  # negative control: A's partial (per sequence shard) gradient is then never summed over TP
         for m in (m for ch in chunks for m in ch.modules() if isinstance(m, lora.LoRA) and m.column):
             m.A.sequence_parallel = False

@@ -26,7 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. The infrastructure reaches the model files only through importlib (config.model_file), at run time.
-LAYERS = ["parallel", "metrics", "costs", "interop.tokenizer_files", "data", "config", "posttraining.lora", "scheduler",
+LAYERS = ["parallel", "metrics", "costs", "interop.tokenizer_files", "data", "config", "posttraining.lora",
+          "posttraining.quantization", "scheduler",
           "interop.hf", "interop.megatron_flags", "arguments", "checkpoint", "transformer", "interop.convert", "deepseek",
           "gpt", "bert", "t5", "mamba", "llava",
           "retrieval", "retro", "posttraining.recipes", "serving.engine", "posttraining.rl", "train", "serving.server",

@@ -3,6 +3,7 @@
 #   make train ARGS="--task dpo --pretrained-checkpoint runs/gpt"   # -> runs/gpt-dpo/ (--task sft, dpo, kto or rm)
 #   make sample PROMPT="class "                                     # text from runs/$(MODEL) (RUN=... for another)
 #   make serve                                                      # runs/$(MODEL) behind an OpenAI-compatible API
+#   make eval RUN=runs/gpt ARGS="--limit 10"                        # lm-eval on the shipped tasks, through the server
 #   make lint
 #   make bench
 #   make soak ARGS="--minutes 3"
@@ -27,7 +28,7 @@ RUN     ?= runs/$(MODEL)$(if $(TASK),-$(TASK))
 TORCH_INDEX ?=
 LAUNCH  := $(if $(filter 1,$(NPROC)),$(PY),OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 
-.PHONY: setup test lint train sample serve bench soak clean
+.PHONY: setup test lint train sample serve eval bench soak clean
 
 # A virtualenv with pinned dependencies; idempotent (the stamp is newer than the requirements it was built from).
 $(STAMP): requirements.txt requirements-test.txt
@@ -64,6 +65,12 @@ sample: $(STAMP)
 # it at TP 2); Ctrl-C or SIGTERM stops it after the requests in flight are answered
 serve: $(STAMP)
 	$(LAUNCH) tools.py serve --load $(RUN) --tensor-model-parallel-size $(TP) $(ARGS)
+
+# lm-evaluation-harness on the tasks evaluation/tasks/ ships: the run in RUN served (as make serve serves it; NPROC=2:
+# at TP 2 under torchrun) for the evaluation, then stopped; results in $(RUN).eval.json and one table printed
+# (evaluation/evaluate.py; ARGS="--hf DIR": lm-eval's hf model on tools.py export's folder instead)
+eval: $(STAMP)
+	$(PY) tools.py eval --load $(RUN) --nproc $(NPROC) $(ARGS)
 
 # Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs
 # Hugging Face transformers (GPT-2, Llama, BERT, T5, Mamba-2 rows, each in a fresh process), fp32 (bench/bench_hf.py;

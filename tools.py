@@ -13,6 +13,7 @@ file of its own so that train.py is only the training loop. Each command loads t
     python tools.py export-megatron --load runs/gpt --save runs/gpt-mcore   # a Megatron-core torch_dist checkpoint
     python tools.py import-megatron --load runs/gpt-mcore --save runs/gpt-from-mcore --model gpt \
         --tokenizer-file runs/gpt/tokenizer.json    # a Megatron-core checkpoint as a run (architecture flags: see below)
+    python tools.py eval --load runs/gpt --hf runs/gpt-hf --limit 10     # lm-eval on the shipped tasks (make eval)
     python tools.py plan --gpus 16 --num-layers 24 --hidden-size 2048 --num-attention-heads 16  # layouts (costs.py)
 
 sample --chat: one user turn in the chat template SFT trains on (or a Hugging Face folder's own), only the answer
@@ -356,6 +357,12 @@ def main(argv=None):
         if argv and argv[0] == "rl":
             from posttraining import rl
             return rl.main(argv[1:])
+        if argv and argv[0] == "eval":
+            from evaluation import evaluate
+            return evaluate.main(argv[1:])
+        if argv and argv[0] == "eval-tasks":
+            from evaluation import tasks
+            return tasks.main(argv[1:])
         a, model_flags = parse(argv)
         return a.run(a, model_flags) if a.command in ("import-megatron", "plan") else a.run(a)
     except (ConfigError, data.DataError, convert.MegatronDistError) as e:  # (ExportError, LoRAError: ConfigErrors)

@@ -2,7 +2,9 @@
 
 `/v1/completions` and `/v1/chat/completions` (the run's chat template), streamed as server-sent events when asked,
 `/v1/models` and `/health`: what vLLM's and Megatron's servers answer, so the official `openai` client, curl or any
-OpenAI-speaking tool talks to a run of this repository. A bad request (an unknown model, a prompt longer than the
+OpenAI-speaking tool talks to a run of this repository. Completions take `echo` with `logprobs` (max_tokens 0 or more)
+and lists of prompts, and `/tokenize`, `/detokenize`, `/tokenizer_info` answer as vLLM's: lm-eval's local-completions
+scores prompts here (evaluation/). A bad request (an unknown model, a prompt longer than the
 context, a negative max_tokens, malformed JSON) gets a 400 in OpenAI's error shape and the server goes on.
 A file of its own because it is the only asynchronous code here: serving/engine.py's engine is synchronous torch, and a
 reader of the engine should not have to read HTTP. Mirrors Megatron-LM's `megatron/core/inference/text_generation_server`
@@ -95,8 +97,21 @@ class Loop:
     def emit(self, key: str, event: tuple):
         if key in self.callbacks:
             self.callbacks[key](event)
-            if event[0] == "error" or event[0] == "token" and event[3] is not None:
+            if event[0] in ("error", "scored") or event[0] == "token" and event[3] is not None:
                 del self.callbacks[key]
+
+    @torch.no_grad()
+    def score(self, ids: list[int], k: int) -> list[tuple]:
+        """The prompt's own log-probabilities (vLLM's prompt_logprobs): one full forward, every rank alike (the
+        model's collectives); for each token after the first, (token, its logprob, the k most probable
+        [(token, logprob)]), log_softmax in float32 over the raw logits, as engine.token_logprobs."""
+        model = self.engine.model
+        x = torch.tensor([ids], device=next(model.parameters()).device)
+        logp = torch.log_softmax(model(x)[0, :-1].float(), -1)  # [s-1, V]: position i predicts token i+1
+        got = logp.gather(-1, x[0, 1:, None])[:, 0].tolist()
+        top = logp.topk(k, -1) if k else None
+        return [(t, v, list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else [])
+                for i, (t, v) in enumerate(zip(ids[1:], got))]
 
     def apply(self, command: tuple):
         kind, key = command[0], command[1]
@@ -108,6 +123,11 @@ class Loop:
                 return self.emit(key, ("error", str(e)))
             self.live[rid], self.ids[key] = [key, stops, ""], rid
             self.emit(key, ("accepted",))
+        elif kind == "score":  # echo with logprobs: the prompt scored, outside the running batch
+            try:
+                self.emit(key, ("scored", self.score(*command[2:])))
+            except (ValueError, RuntimeError) as e:
+                self.emit(key, ("error", str(e)))
         elif kind == "abort" and key in self.ids:  # a client that went away
             rid = self.ids.pop(key)
             self.engine.abort(rid)
@@ -177,7 +197,7 @@ class Sampling(BaseModel):
     as vLLM ignores them."""
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
@@ -189,9 +209,20 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: Literal[False] = False
+    echo: bool = False
+
+
+class TokenizeRequest(BaseModel):  # vLLM's /tokenize (lm-eval's remote tokenizer)
+    model_config = ConfigDict(extra="ignore")
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int]
 
 
 class Message(BaseModel):
@@ -232,11 +263,27 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mini-megatron",
                                             "max_model_len": context}]}
 
+    def check_model(body):
+        if body.model != name:
+            raise OpenAIError(f"model {body.model!r} does not exist: this server serves {name!r}", "model")
+
+    async def score(body: CompletionRequest, prompt: list[int], k: int) -> list[tuple]:
+        """The prompt's log-probabilities (Loop.score, in the engine loop's thread, between two steps)."""
+        check_model(body)
+        if not 1 <= len(prompt) <= context:
+            raise OpenAIError(f"prompt: {len(prompt)} tokens: echo scores 1 to {context} (the context)", "prompt")
+        here = asyncio.get_running_loop()
+        done = here.create_future()
+        loop.submit(("score", uuid.uuid4().hex, prompt, k), lambda ev: here.call_soon_threadsafe(done.set_result, ev))
+        ev = await done
+        if ev[0] == "error":
+            raise OpenAIError(ev[1], "prompt")
+        return ev[1]
+
     async def submit(body: Sampling, prompt: list[int], stop_ids: list[int], logprobs: int | None):
         """Queue body.n requests for one prompt; (an asyncio.Queue of (choice, event), their keys) once every one
         is accepted, else OpenAIError with the engine's reason (what it refuses: a prompt too long, ...)."""
-        if body.model != name:
-            raise OpenAIError(f"model {body.model!r} does not exist: this server serves {name!r}", "model")
+        check_model(body)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:  # completions: OpenAI's 16; chat: what the context leaves
             max_tokens = 16 if isinstance(body, CompletionRequest) else max(context - len(prompt), 1)
@@ -275,11 +322,23 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
                                      for t, v in top]}
         return token, logprob, {text_of(t): v for t, v in top}
 
-    async def answer(body, prompt, stop_ids, logprobs, chat: bool):
-        events, keys = await submit(body, prompt, stop_ids, logprobs)
+    async def answer(body, prompt, stop_ids, logprobs, chat: bool, echo: bool = False):
+        """One prompt's response: body.n choices, streamed or whole. echo (completions): each choice begins with
+        the prompt's text and, with logprobs, its tokens' (vLLM's shape: None for the first token, each top dict
+        holding the prompt's own token too); max_tokens 0 then generates nothing, only the prompt is scored."""
+        if (getattr(body, "max_completion_tokens", None) or body.max_tokens) == 0 and not echo:
+            raise OpenAIError("max_tokens: 0 generates nothing: only with echo (the prompt scored)", "max_tokens")
+        scored = await score(body, prompt, logprobs) if echo and logprobs is not None else None
+        if body.max_tokens == 0:  # echo only: no engine request
+            check_model(body)
+            events, keys = None, [uuid.uuid4().hex for _ in range(body.n)]
+        else:
+            events, keys = await submit(body, prompt, stop_ids, logprobs)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + keys[0], int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         want_lp = logprobs is not None
+        echoed = tok.decode(prompt) if echo else ""  # an echoed choice's text begins with the prompt's
+        offsets = [0] * len(keys)  # each choice's text so far, in characters (legacy logprobs' text_offset)
 
         def chunk(i, text, lps, reason, first=False):
             if chat:
@@ -287,16 +346,29 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
                     else {}
                 lp = {"content": [logprob_entry(x, True) for x in lps]} if want_lp else None
                 return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
-            return {"index": i, "text": text, "logprobs": legacy(lps) if want_lp else None, "finish_reason": reason}
+            if first and echo:
+                text = echoed + text
+            return {"index": i, "text": text, "logprobs": legacy(i, lps, first) if want_lp else None,
+                    "finish_reason": reason}
 
-        def legacy(lps):
+        def legacy(i, lps, first):
             entries = [logprob_entry(x, False) for x in lps]
-            return {"tokens": [text_of(t) for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
-                    "top_logprobs": [top for _, _, top in entries], "text_offset": []}
+            tokens = [text_of(t) for t, _, _ in entries]
+            values, tops = [v for _, v, _ in entries], [top for _, _, top in entries]
+            if first and echo:  # the prompt's tokens first: the first has no logprob (nothing precedes it)
+                tokens = [text_of(t) for t in prompt] + tokens
+                values = [None] + [v for _, v, _ in scored or ()] + values
+                tops = [None] + [{**{text_of(t): v for t, v in top}, text_of(t0): v0} for t0, v0, top in scored
+                                 or ()] + tops
+            at = []
+            for t in tokens:
+                at.append(offsets[i])
+                offsets[i] += len(t)
+            return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": at}
 
         async def tokens():
             """(choice, text, logprob entry, finish reason) as the engine loop sends them, until every choice ends."""
-            open_ = set(range(len(keys)))
+            open_ = set(range(len(keys))) if events is not None else set()
             try:
                 while open_:
                     i, ev = await events.get()
@@ -318,7 +390,7 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
             usage["total_tokens"] = len(prompt) + usage["completion_tokens"]
             choices = []
             for i in range(len(keys)):
-                c = chunk(i, texts[i], lps[i], reasons[i])
+                c = chunk(i, texts[i], lps[i], reasons[i] or "length", first=True)
                 if chat:
                     c = {"index": i, "message": {"role": "assistant", "content": texts[i]},
                          "logprobs": c["logprobs"], "finish_reason": reasons[i]}
@@ -330,6 +402,10 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
             if chat:
                 for i in range(len(keys)):
                     yield f"data: {json.dumps({**head, 'choices': [chunk(i, '', [], None, first=True)]})}\n\n"
+            elif echo:  # the prompt first, then the tokens (max_tokens 0: the prompt is the whole answer)
+                for i in range(len(keys)):
+                    c = chunk(i, "", [], None if events is not None else "length", first=True)
+                    yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
             async for i, text, lp, reason in tokens():
                 usage["completion_tokens"] += 1
                 if text or reason is not None or lp is not None:
@@ -343,10 +419,34 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        prompt = tok.encode(body.prompt).ids if isinstance(body.prompt, str) else body.prompt
-        if any(not 0 <= t < tok.get_vocab_size() for t in prompt):
+        many = isinstance(body.prompt, list) and bool(body.prompt) and not isinstance(body.prompt[0], int)
+        prompts = [tok.encode(p).ids if isinstance(p, str) else p for p in (body.prompt if many else [body.prompt])]
+        if any(not 0 <= t < tok.get_vocab_size() for p in prompts for t in p):
             raise OpenAIError(f"prompt: token ids must be in [0, {tok.get_vocab_size()})", "prompt")
-        return await answer(body, prompt, [eod], body.logprobs, chat=False)
+        if len(prompts) == 1:
+            return await answer(body, prompts[0], [eod], body.logprobs, chat=False, echo=body.echo)
+        if body.stream:
+            raise OpenAIError("stream: one prompt at a time (a list of prompts is answered whole)", "stream")
+        # several prompts (lm-eval's batches): each answered as alone, choice i*n + j is prompt i's choice j
+        whole = await asyncio.gather(*(answer(body, p, [eod], body.logprobs, chat=False, echo=body.echo)
+                                       for p in prompts))
+        choices = [{**c, "index": i * body.n + c["index"]} for i, r in enumerate(whole) for c in r["choices"]]
+        usage = {k: sum(r["usage"][k] for r in whole) for k in whole[0]["usage"]}
+        return {**whole[0], "choices": choices, "usage": usage}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):  # vLLM's: lm-eval's tokenizer_backend=remote counts with ours
+        ids = tok.encode(body.prompt).ids
+        return {"count": len(ids), "max_model_len": context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return {"prompt": tok.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {"tokenizer_class": "tokenizers.Tokenizer", "eos_token": tok.id_to_token(eod), "bos_token": None,
+                "pad_token": tok.id_to_token(tokenizer_files.special_ids(tok)["pad"]), "model_max_length": context}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):

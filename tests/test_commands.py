@@ -16,6 +16,8 @@ What "at a tiny size" changes, and nothing else:
     import-megatron: the model's tiny shape appended (its flags are train.py's model flags); tools.py import-hf: a
     tiny Qwen2 folder where the command names one that does not exist; data.py preprocess: SMALL_CORPUS when the
     command names no --input.
+  - tools.py eval (`make eval`) and eval-tasks: their arguments parsed (tests/test_eval.py runs them; COMMANDS=all
+    runs them, eval on 2 examples a task).
   - tools.py serve (`make serve`): started on a free port, asked one completion over HTTP, stopped by SIGTERM; on several
     ranks its arguments are parsed only (COMMANDS=all runs it; tests/test_server.py serves at TP 2).
   - A bench script (bench/, `make bench`, `make soak`): its own size flags (BENCH), e.g. one round, one row. Each
@@ -294,6 +296,15 @@ def run_python(words: list[str], work: Path):
         return run_train(argv, work)
     if script == "tools.py" and argv[:1] == ["serve"]:
         return run_server(argv[1:], work)
+    if script == "tools.py" and argv[:1] in (["eval"], ["eval-tasks"]):  # lm-eval (a server, minutes) or the tasks'
+        from evaluation import evaluate, tasks  # builder (the stdlib read, ~30 s): tests/test_eval.py runs both
+        if argv[:1] == ["eval"]:
+            evaluate.parse_args(argv[1:])
+        if not FULL:
+            raise Skipped(f"tools.py {argv[0]}: its arguments parsed (tests/test_eval.py runs it)")
+        with inside(work):
+            assert (evaluate.main(argv[1:] + ["--limit", "2"]) if argv[:1] == ["eval"] else tasks.main(argv[1:])) == 0
+        return
     if script == "tools.py" and argv[:1] == ["rl"]:  # the shipped task's SFT records, or a run's held-out reward
         with inside(work):  # (8 prompts, 1 sample)
             assert tools.main(argv + (["--prompts", "8", "--samples", "1"] if "--eval" in argv else [])) == 0

@@ -31,10 +31,10 @@ LAYERS = ["parallel", "metrics", "costs", "interop.tokenizer_files", "data", "co
           "interop.hf", "interop.megatron_flags", "arguments", "checkpoint", "transformer", "interop.convert", "deepseek",
           "gpt", "bert", "t5", "mamba", "llava",
           "retrieval", "retro", "posttraining.recipes", "serving.engine", "posttraining.rl", "train", "serving.server",
-          "tools"]
+          "evaluation.tasks", "evaluation.evaluate", "tools"]
 
 
-PACKAGES = ("interop", "posttraining", "serving")
+PACKAGES = ("interop", "posttraining", "serving", "evaluation")
 
 
 def module_paths() -> dict[str, Path]:

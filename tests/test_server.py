@@ -10,6 +10,8 @@
   - bad requests get a 400 in OpenAI's error shape (an unknown model, a prompt longer than the context, a negative
     max_tokens, a wrong type, malformed JSON, an empty message list, a token id = the vocabulary size) and the
     server answers the next request; a non-streamed usage's total_tokens is prompt + completion;
+  - echo with logprobs scores each prompt token as a full forward's log-softmax (also at TP 2), in vLLM's shape, for
+    a batch of token-id prompts as lm-eval sends it; lm-eval's remote tokenizer reads the server's;
   - the engine loop keeps nothing of a request once it has ended (by length, stop, refusal or its client's abort);
   - SIGTERM stops the server: it exits 0 (at TP 2, every rank leaves cleanly; torchrun itself exits 1 on a signal).
 Tolerance: tokens are compared exactly. The server's logits come from a packed batch (and at TP 2 from split matmuls),
@@ -294,6 +296,60 @@ def test_the_loop_keeps_nothing_after_requests_end(run, oracle):
     assert loop.engine.requests == {} and not loop.engine.has_unfinished()
 
 
+def full_forward_logprobs(model, ids) -> list[float]:
+    """Each prompt token's log-probability after the ones before it: one forward, log_softmax over the vocabulary."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model.eval()(torch.tensor([ids]))[0].float(), -1)  # [s, V]
+    return [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def assert_close(got, want, tol=1e-5):
+    assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < tol, (got, want)
+
+
+def test_echo_scores_the_prompt_as_a_full_forward(server, run):
+    """echo with logprobs (lm-eval's loglikelihood requests: a batch of token-id prompts, max_tokens 1; or 0): each
+    prompt token's log-probability is a full forward's log-softmax, in vLLM's shape: None for the first token, each
+    top dict holding the prompt's own token, text the prompt's, text_offset where each token starts. (float32: the
+    server's forward and this one run the same ops on the same weights in two processes, ~1e-7 apart; 1e-5 leaves
+    room for another thread count's summation order. Negative control: the scores shifted by one token fail.)"""
+    loaded = checkpoint.load_model(run)
+    texts = [PROMPTS[0] + "\n" + PROMPTS[3] + " a + b", PROMPTS[5] + "10):"]
+    ids = [loaded.tok.encode(t).ids for t in texts]
+    body = {"model": "run", "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    status, r = server.post("completions", json.dumps(body).encode())
+    assert status == 200 and [c["index"] for c in r["choices"]] == [0, 1], r
+    for p, c in zip(ids, r["choices"]):
+        lp, want = c["logprobs"], full_forward_logprobs(loaded.model, p)
+        assert len(lp["token_logprobs"]) == len(p) + 1 and lp["token_logprobs"][0] is None  # + the generated one
+        assert_close(lp["token_logprobs"][1:len(p)], want)
+        with pytest.raises(AssertionError):  # off by one: another token's score
+            assert_close(lp["token_logprobs"][2:len(p)], want[:-1])
+        assert lp["top_logprobs"][0] is None and all(
+            lp["tokens"][i] in top and max(top.values()) >= lp["token_logprobs"][i] - 1e-6
+            for i, top in enumerate(lp["top_logprobs"][1:len(p)], 1))
+        assert c["text"].startswith(loaded.tok.decode(p)) and lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+    status, r = server.post("completions", json.dumps({**body, "prompt": texts[1], "max_tokens": 0}).encode())
+    lp = r["choices"][0]["logprobs"]  # max_tokens 0: the prompt alone, nothing generated
+    assert status == 200 and r["usage"]["completion_tokens"] == 0 and r["choices"][0]["finish_reason"] == "length"
+    assert r["choices"][0]["text"] == loaded.tok.decode(ids[1]) and len(lp["tokens"]) == len(ids[1])
+    assert_close(lp["token_logprobs"][1:], full_forward_logprobs(loaded.model, ids[1]))
+    status, err = server.post("completions", json.dumps({**body, "max_tokens": 0, "echo": False}).encode())
+    assert status == 400 and err["error"]["param"] == "max_tokens", err
+
+
+def test_lm_eval_finds_the_servers_tokenizer(server, oracle):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info: lm-eval's local-completions (tokenizer_backend auto) counts
+    context tokens with the served run's own tokenizer, its end-of-document token one id."""
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+    _, tok = oracle
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    assert check_remote_tokenizer_support(url)
+    remote = RemoteTokenizer(url)
+    assert remote.encode(PROMPTS[0]) == tok.encode(PROMPTS[0]).ids and remote.decode([5, 6]) == tok.decode([5, 6])
+    assert remote.eos_token_id == tokenizer_files.special_ids(tok)["eod"]
+
+
 def test_the_openai_client_raises_on_400(server):
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         server.client.completions.create(model="nope", prompt="x")
@@ -376,3 +432,24 @@ def test_ranks_in_lock_step_serve_the_oracle(pool, root, tp, ep, flags, preempt,
                                         preempt=preempt, head=head)[0]
     assert got == [answer(tok.encode(head + p).ids, [eod]) for p in PROMPTS]
     assert (preemptions > 0) == preempt and (reused >= 16 * (len(PROMPTS) // 2)) == bool(head), (preemptions, reused)
+
+
+def score_case(rank, n, run, ids):
+    """server.Loop's "score" command (echo's prompt scoring) on n = TP warm ranks: every rank runs the forward."""
+    from serving import server
+    loaded = checkpoint.load_model(run, tp=n)
+    loop, got = server.Loop(serve.Engine(loaded.model, 16, 8, 4), loaded.tok, n, rank), []
+    if rank == 0:
+        loop.submit(("score", "k", ids, 2), lambda ev: (got.append(ev), loop.submit(("stop", None))))
+    loop.run()
+    return got[0] if rank == 0 else None
+
+
+def test_echo_scores_alike_at_tensor_parallel_2(pool, run, oracle):
+    """At TP 2 (split matmuls, the vocabulary-parallel output gathered) the prompt's scores are one process's full
+    forward (1e-5: float32 sums in another order)."""
+    _, tok = oracle
+    ids = tok.encode(PROMPTS[0] + " " + PROMPTS[6]).ids
+    kind, entries = pool.run(score_case, 2, run=run, ids=ids)[0]
+    assert kind == "scored" and [t for t, _, _ in entries] == ids[1:] and all(len(top) == 2 for _, _, top in entries)
+    assert_close([v for _, v, _ in entries], full_forward_logprobs(checkpoint.load_model(run).model, ids))

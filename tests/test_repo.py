@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ["parallel", "metrics", "costs", "interop.tokenizer_files", "data", "config", "posttraining.lora", "scheduler",
           "interop.hf", "interop.megatron_flags", "arguments", "checkpoint", "transformer", "interop.convert", "deepseek",
           "gpt", "bert", "t5", "mamba", "llava",
-          "retrieval", "retro", "posttraining.recipes", "serving.engine", "posttraining.rl", "train", "serving.server",
-          "tools"]
+          "retrieval", "retro", "posttraining.recipes", "serving.paged_attention", "serving.engine", "posttraining.rl",
+          "train", "serving.server", "tools"]
 
 
 PACKAGES = ("interop", "posttraining", "serving")

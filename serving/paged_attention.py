@@ -7,7 +7,8 @@ kernel. This is that computation in torch ops, for one step's packed row of mixe
     id (index_select of whole blocks, each block once), its B scores computed, and a segmented softmax over the pairs
     of each request (their max and sum gathered with scatter_reduce / index_add) weighs the blocks' values;
   - a prefill row (a prompt or a chunk of it: n queries after `cached` positions) is one SDPA over its own blocks,
-    with the causal mask offset by its cached positions.
+    with the causal mask offset by its cached positions; so is a step's only decode (the pairs' bookkeeping costs a
+    lone query more than it saves).
 No [T, K] mask over every request's keys and no copy padded to the longest request. The plain path it is tested
 against: PagedKVCache.append (every key the step reads, gathered, and the block-diagonal mask). bench/bench_serve.py
 --attention-kernels measures it against that path and the other torch mechanisms (per-request SDPA, a padded batch,
@@ -38,8 +39,9 @@ class Layout:
 def layout(tables: list[list[int]], cached: list[int], counts: list[int], block_size: int, device) -> Layout:
     """The layout of a step: request r's block table, its cached positions and its count of new tokens."""
     decodes, pairs, prefills, start = [], [], [], 0  # pairs: (decode row, block id, positions of it seen)
+    paired = counts.count(1) > 1  # (a lone decode runs as a row of its own: faster, bench/README.md "Serving")
     for table, c, n in zip(tables, cached, counts):
-        if n == 1:  # a decode: its query at position c sees positions 0..c
+        if n == 1 and paired:  # a decode: its query at position c sees positions 0..c
             decodes.append(start)
             pairs += [(len(decodes) - 1, table[j], c + 1 - j * block_size) for j in range(-(-(c + 1) // block_size))]
         else:

@@ -111,6 +111,9 @@ class MLASelfAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)  # [s, b, n/tp, dn+dr]
         k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, self.n, -1)], dim=-1)  # [s, b, n/tp, dn+dr]
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
+        if getattr(inference_context, "paged_attention", False):  # serving/engine.py's paged cache reads its blocks
+            o = inference_context.attend(self, q, k, v, self.scale)  # itself (serving/paged_attention.py)
+            return self.linear_proj(rearrange(o, "b n s d -> s b (n d)"))
         if inference_context is not None:  # decoding: this call's k, v join the cached ones [b, n/tp, t + s, ·]
             k, v, mask = with_cache(inference_context, self, q, k, v, mask)
         p = self.p if self.training else 0.0

@@ -160,6 +160,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
+        if getattr(inference_context, "paged_attention", False):  # serving/engine.py's paged cache reads its blocks
+            o = inference_context.attend(self, q, k, v, self.scale)  # itself (serving/paged_attention.py)
+            return self.linear_proj(rearrange(o, "b n s d -> s b (n d)"))
         if inference_context is not None:  # decoding: this call's keys and values join the cached ones
             k, v, mask = with_cache(inference_context, self, q, k, v, mask, causal)  # k, v [b, g, t + s, d]
         if self.cp_attention is not None:  # context parallelism [b, n, s/cp, d]; causal as SDPA's: only without a mask

@@ -11,8 +11,11 @@ For each concurrency n (default 1, 8 and 32): n requests arrive together at time
     every attention layer), against a dense cache [n, max_len] of the same layers, max_len the longest request's
     prompt + new tokens (the smallest static cache that holds this load; a server's would be the model's context);
     a model with recurrent (Mamba) layers adds its state slots' bytes, the same in both columns;
+  - TTFT: each request's time from 0 to its first token (mean, p50, p90);
   - same tokens: whether every request's greedy tokens from the engine equal generate_one's (fp32: equal unless two
     logits tie to rounding).
+--engines gather paged:2048 runs, beside the sequential path, the engine's plain attention (every key a step reads
+gathered, a block-diagonal mask), then serving/paged_attention.py with a 2,048-token budget a step (chunked prefill).
 The model is train.py's default GPT (arguments.py's defaults, vocabulary 8192) with random weights, fp32, with
 --max-position-embeddings raised to the longest prompt + new tokens; --model-args changes its shape (train.py's
 flags); --load RUN serves a trained run instead (checkpoint.load_model; its own context must hold the requests).
@@ -21,9 +24,14 @@ flags); --load RUN serves a trained run instead (checkpoint.load_model; its own 
 queued; the process's RSS after each tenth of them, and the last against the one after the first tenth.
 --system-prompt L instead: the largest --concurrency requests, each an L-token head shared by all and a prompt of its
 own, greedy; one alone first, then the rest: tokens computed and wall time with prefix caching and without.
+--attention-kernels instead: one mixed step's attention through the model's layers (max(--concurrency) − 1 decodes,
+one prompt), by each torch mechanism from the same block pool: the gather path, serving/paged_attention.py, one SDPA
+per request, one padded batch, and (--flex) flex_attention compiled, with its block mask; ms a step and each one's
+largest difference from the gather path.
 
     .venv/bin/python bench/bench_serve.py --concurrency 1 8 --new-tokens 16 --prompt-len 16 32        (~1 min)
     .venv/bin/python bench/bench_serve.py        (the full table: 1, 8, 32 requests of 16-128 + 64 tokens)
+    .venv/bin/python bench/bench_serve.py --attention-kernels --concurrency 64        (~1 min)
 """
 from __future__ import annotations
 
@@ -60,6 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--soak", type=int, metavar="N", help="N requests through one engine, RSS after each tenth")
     p.add_argument("--system-prompt", type=int, metavar="L", help="a shared L-token head: prefix caching on and off")
+    p.add_argument("--engines", nargs="+", default=["paged"], metavar="ATTENTION[:BUDGET]", help="engines to run, "
+                   "each a row, on the same prompts: paged (serving/paged_attention.py) or gather (the plain path), "
+                   "with :N a per-step token budget (max_num_batched_tokens: chunked prefill), e.g. gather paged:2048")
+    p.add_argument("--attention-kernels", action="store_true", help="instead: one mixed step's attention, each "
+                   "torch mechanism, timed")
+    p.add_argument("--repeats", type=int, default=5, help="--attention-kernels: timed runs of each (the median)")
+    p.add_argument("--flex", action="store_true", help="--attention-kernels: flex_attention too (compiled by "
+                   "torch.compile: minutes on a CPU)")
     return p.parse_args(argv)
 
 
@@ -95,13 +111,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_engine(model, prompts, new_tokens: int, block_size: int):
-    """All prompts at once through one Engine: (tokens per request, latencies s, wall s, peak blocks, engine)."""
+def run_engine(model, prompts, new_tokens: int, block_size: int, attention="paged", budget=None):
+    """All prompts at once through one Engine: (tokens per request, latencies s, wall s, peak blocks, engine, times
+    to first token s)."""
     params = serve.SamplingParams(max_tokens=new_tokens, temperature=0)
     blocks = sum(math.ceil((len(p) + new_tokens - 1) / block_size) for p in prompts)  # every worst case at once
-    engine = serve.Engine(model, num_blocks=blocks, block_size=block_size, max_batch=len(prompts))
+    engine = serve.Engine(model, num_blocks=blocks, block_size=block_size, max_batch=len(prompts),
+                          max_num_batched_tokens=budget, attention=attention)
     reqs = [engine.requests[engine.add_request(p, params)] for p in prompts]
-    peak, done = 0, {}
+    peak, done, first = 0, {}, {}
     allocate = engine.cache.allocate
 
     def tracked(n):  # the blocks held right after each allocation: their maximum is the peak
@@ -114,11 +132,13 @@ def run_engine(model, prompts, new_tokens: int, block_size: int):
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for r in engine.step():
+            if r.output and r.id not in first:
+                first[r.id] = time.perf_counter() - t0
             if r.finish_reason is not None:
                 done[r.id] = time.perf_counter() - t0
     sync(engine.device)
     wall = time.perf_counter() - t0
-    return [r.output for r in reqs], [done[r.id] for r in reqs], wall, peak, engine
+    return [r.output for r in reqs], [done[r.id] for r in reqs], wall, peak, engine, [first[r.id] for r in reqs]
 
 
 def run_sequential(model, prompts, new_tokens: int):
@@ -195,6 +215,113 @@ def shared_head(model, a):
     return rows
 
 
+def kernels(model, a):
+    """One mixed step's attention through every layer, each torch mechanism, from the same pool: max(--concurrency)
+    − 1 decodes (cached lengths drawn from --prompt-len) and one prompt of the longest length; the paged cache's
+    plan (each mechanism's own per-step indexing) included. Rows: (mechanism, median ms, max |difference| from the
+    gather path)."""
+    c, rng, B = model.config, random.Random(a.seed), a.block_size
+    n, g, d, L = c.num_attention_heads, c.num_query_groups, c.kv_channels, c.num_layers
+    shapes = [(rng.randint(*a.prompt_len), 1) for _ in range(max(a.concurrency) - 1)] + [(0, a.prompt_len[1])]
+    N = sum(math.ceil((cached + t) / B) for cached, t in shapes)
+    reqs, free, scale = [], random.Random(a.seed).sample(range(N), N), 1 / math.sqrt(d)
+    for i, (cached, t) in enumerate(shapes):
+        r = serve.Request(i, [0] * (cached + t), serve.SamplingParams(), None, cached=cached)
+        r.blocks = [free.pop() for _ in range(math.ceil((cached + t) / B))]
+        reqs.append(r)
+    counts, T = [t for _, t in shapes], sum(t for _, t in shapes)
+    q, k, v = (torch.randn(1, h, T, d, device=a.device) for h in (n, g, g))
+    pools = [(torch.randn(N, g, B, d, device=a.device), torch.randn(N, g, B, d, device=a.device)) for _ in range(L)]
+    F = torch.nn.functional
+
+    def cache(attention):
+        out = serve.PagedKVCache(N, B, attention=attention)
+        out.pools = dict(enumerate(pools))
+        return out
+    gather_cache, paged_cache, loop_cache = cache("gather"), cache("paged"), cache("paged")
+
+    def gather():  # serving/engine.py's plain path: every key read gathered, a block-diagonal [T, K] mask
+        _, mask = gather_cache.plan(reqs, counts, a.device)
+        return [F.scaled_dot_product_attention(q, *gather_cache.append(i, k, v), attn_mask=mask[None, None],
+                                               scale=scale, enable_gqa=g != n) for i in range(L)]
+
+    def paged():  # serving/paged_attention.py
+        paged_cache.plan(reqs, counts, a.device)
+        return [paged_cache.attend(i, q, k, v, scale) for i in range(L)]
+
+    def per_request():  # one SDPA per request over its own blocks (varlen attention as a loop)
+        loop_cache.plan(reqs, counts, a.device)
+        out = []
+        for i in range(L):
+            K, V = loop_cache.pool(i, k, v)
+            rows, start = [], 0
+            for r, t in zip(reqs, counts):
+                blocks = torch.tensor(r.blocks, device=a.device)
+                kk, vv = (P[blocks].transpose(0, 1).reshape(1, g, -1, d)[:, :, :r.cached + t] for P in (K, V))
+                mask = torch.ones(t, r.cached + t, dtype=torch.bool, device=a.device).tril(r.cached)
+                rows.append(F.scaled_dot_product_attention(q[:, :, start:start + t], kk, vv, attn_mask=mask,
+                                                           scale=scale, enable_gqa=g != n))
+                start += t
+            out.append(torch.cat(rows, 2))
+        return out
+
+    def padded():  # one batch padded to the longest request, a [R, 1, max_t, max_len] mask
+        loop_cache.plan(reqs, counts, a.device)
+        nb, mt = max(len(r.blocks) for r in reqs), max(counts)
+        table = torch.tensor([r.blocks + [0] * (nb - len(r.blocks)) for r in reqs], device=a.device)
+        starts = [0] + torch.tensor(counts).cumsum(0).tolist()
+        pos = torch.tensor([[r.cached + min(j, t - 1) for j in range(mt)] for r, t in zip(reqs, counts)],
+                           device=a.device)  # [R, mt] each row's query positions (padding: its last)
+        mask = (torch.arange(nb * B, device=a.device) <= pos[..., None])[:, None]  # [R, 1, mt, nb·B]
+        qi = torch.tensor([[starts[r] + min(j, t - 1) for j in range(mt)] for r, t in enumerate(counts)],
+                          device=a.device)
+        out = []
+        for i in range(L):
+            K, V = loop_cache.pool(i, k, v)
+            kk, vv = (P[table].permute(0, 2, 1, 3, 4).reshape(len(reqs), g, nb * B, d) for P in (K, V))
+            o = F.scaled_dot_product_attention(q[0][:, qi].transpose(0, 1), kk, vv, attn_mask=mask, scale=scale,
+                                               enable_gqa=g != n)  # [R, n, mt, d]
+            out.append(torch.cat([o[r, :, :t] for r, t in enumerate(counts)], 1)[None])
+        return out
+
+    mechanisms = {"gather (the plain path: gathered keys, a [T, K] mask)": gather,
+                  "paged (serving/paged_attention.py)": paged, "per-request SDPA over its blocks": per_request,
+                  "one padded batch (SDPA, [R, max_t, max_len] mask)": padded}
+    ref = gather()  # (this step's keys and values now in the pool)
+    try:  # flex_attention over the pool laid out [1, g, N·B, d], its block mask from the tables (compiled: C++)
+        if not a.flex:
+            raise RuntimeError("not asked (--flex)")
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        owner, start = torch.full((N,), -1, device=a.device), torch.zeros(N, dtype=torch.long, device=a.device)
+        for r in reqs:
+            owner[r.blocks], start[r.blocks] = r.id, torch.arange(len(r.blocks), device=a.device) * B
+        q_owner = torch.repeat_interleave(torch.arange(len(reqs), device=a.device), torch.tensor(counts, device=a.device))
+        q_pos = torch.cat([torch.arange(t, device=a.device) + r.cached for r, t in zip(reqs, counts)])
+        mask_mod = lambda b, h, qi, ki: (owner[ki // B] == q_owner[qi]) & (start[ki // B] + ki % B <= q_pos[qi])
+        flat = [tuple(P.permute(1, 0, 2, 3).reshape(1, g, N * B, d) for P in pp) for pp in pools]
+        compiled = torch.compile(flex_attention, dynamic=False)
+        t0 = time.perf_counter()
+        block_mask = create_block_mask(mask_mod, None, None, T, N * B, device=a.device, BLOCK_SIZE=(128, B))
+        mask_s = time.perf_counter() - t0
+
+        def flex():
+            return [compiled(q, K, V, block_mask=block_mask, scale=scale, enable_gqa=g != n) for K, V in flat]
+        flex()  # (compiles)
+        mechanisms[f"flex_attention, compiled (its block mask: {mask_s:.1f} s a step, not counted)"] = flex
+    except Exception as e:  # (no C++ compiler, or no kernel for this device)
+        print(f"flex_attention: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+    outs, times = {name: fn() for name, fn in mechanisms.items()}, {name: [] for name in mechanisms}
+    for _ in range(a.repeats):  # round-robin: a burst of load on the machine falls on every mechanism alike
+        for name, fn in mechanisms.items():
+            sync(a.device)
+            t0 = time.perf_counter()
+            fn()
+            sync(a.device)
+            times[name].append(time.perf_counter() - t0)
+    return [(name, sorted(times[name])[len(times[name]) // 2] * 1e3,
+             max(float((x - y).abs().max()) for x, y in zip(outs[name], ref))) for name in mechanisms], shapes
+
+
 def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -207,7 +334,7 @@ def main(argv=None):
     max_len = a.prompt_len[1] + a.new_tokens + (a.system_prompt or 0)
     model = build(a, max_len)
     vocab = model.config.vocab_size
-    run_engine(model, requests(2, (4, 8), vocab, a.seed + 1), 4, a.block_size)  # warm-up
+    run_engine(model, requests(2, tuple(a.prompt_len), vocab, a.seed + 1), min(a.new_tokens, 4), a.block_size)  # warm-up
     print(f"$ .venv/bin/python bench/bench_serve.py {shlex.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     if a.soak:
         print("| requests finished | RSS | wall |\n|---|---|---|")
@@ -220,25 +347,39 @@ def main(argv=None):
               f"{(off - decode) / (on - decode):.2f}× fewer; wall {t_off:.2f} s -> {t_on:.2f} s ({t_off / t_on:.2f}×); "
               f"same tokens: {'yes' if out_on == out_off else 'NO'}")
         return
+    if a.attention_kernels:
+        rows, shapes = kernels(model, a)
+        print(f"one step's attention, {model.config.num_layers} layers: {len(shapes) - 1} decodes after "
+              f"{a.prompt_len[0]}-{a.prompt_len[1]} cached positions and a {a.prompt_len[1]}-token prompt, "
+              f"{model.config.num_attention_heads} heads of {model.config.kv_channels}, blocks of {a.block_size}, "
+              f"fp32, {a.device}, {torch.get_num_threads()} thread(s), median of {a.repeats} (round-robin), load average "
+              f"{os.getloadavg()[0]:.1f}")
+        print("| mechanism | ms a step | × the gather path's time | max abs difference |\n|---|---|---|---|")
+        for name, ms, diff in rows:
+            print(f"| {name} | {ms:,.2f} | {ms / rows[0][1]:.2f} | {diff:.1e} |")
+        return
     what = f"--load {a.load}" if a.load else "train.py's default GPT" + (f" ({a.model_args})" if a.model_args else "")
     print(f"{what}, {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{next(model.parameters()).dtype}, {a.device}, prompts {a.prompt_len[0]}-{a.prompt_len[1]} tokens, "
           f"{a.new_tokens} new tokens, greedy, KV blocks of {a.block_size}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} at the start")
-    print("| requests | engine tokens/s | sequential tokens/s | speed-up | engine latency mean / p50 / p90 (s) | "
-          "sequential latency mean / p50 / p90 (s) | paged KV at peak | dense KV [n, max_len] | paged / dense | "
-          "same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| requests | engine | engine tokens/s | sequential tokens/s | speed-up | engine latency mean / p50 / p90 (s) | "
+          "engine TTFT mean / p50 / p90 (s) | sequential latency mean / p50 / p90 (s) | paged KV at peak | "
+          "dense KV [n, max_len] | paged / dense | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in a.concurrency:
         prompts = requests(n, tuple(a.prompt_len), vocab, a.seed + n)
-        tokens, lat, wall, peak, engine = run_engine(model, prompts, a.new_tokens, a.block_size)
         seq_tokens, seq_lat, seq_wall = run_sequential(model, prompts, a.new_tokens)
-        paged, dense = memory(engine, prompts, peak, a.new_tokens)
-        rate, seq_rate = n * a.new_tokens / wall, n * a.new_tokens / seq_wall
-        fmt = lambda s: " / ".join(f"{x:.3f}" for x in summary(s))
-        print(f"| {n} | {rate:,.1f} | {seq_rate:,.1f} | {rate / seq_rate:.2f}× | {fmt(lat)} | {fmt(seq_lat)} | "
-              f"{mib(paged)} ({peak} blocks) | {mib(dense)} | {paged / dense:.2f} | "
-              f"{'yes' if tokens == seq_tokens else 'NO'} |", flush=True)
+        for spec in a.engines:  # (the same minute as the sequential run: the machine's load moves both alike)
+            attention, _, budget = spec.partition(":")
+            tokens, lat, wall, peak, engine, ttft = run_engine(model, prompts, a.new_tokens, a.block_size, attention,
+                                                               int(budget) if budget else None)
+            paged, dense = memory(engine, prompts, peak, a.new_tokens)
+            rate, seq_rate = n * a.new_tokens / wall, n * a.new_tokens / seq_wall
+            fmt = lambda s: " / ".join(f"{x:.3f}" for x in summary(s))
+            print(f"| {n} | {spec} | {rate:,.1f} | {seq_rate:,.1f} | {rate / seq_rate:.2f}× | {fmt(lat)} | {fmt(ttft)} | "
+                  f"{fmt(seq_lat)} | {mib(paged)} ({peak} blocks) | {mib(dense)} | {paged / dense:.2f} | "
+                  f"{'yes' if tokens == seq_tokens else 'NO'} |", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -2,19 +2,20 @@
 
 What gpt.generate does for one batch of equal prompts that start and stop together, this does for a stream of
 requests that arrive at any step, each with its own prompt length, sampling settings and stopping point. Each
-`Engine.step()` runs ONE forward over every running request: new requests' whole prompts (prefill) and running
-requests' last tokens (decode) packed side by side in one sequence dimension, each token at its own position and
-attending only to its own request's cached keys (a block-diagonal causal mask). The keys and values live
-in a paged cache (fixed-size blocks, a block table per request: Kwon et al.'s PagedAttention); a recurrent layer (a
-Mamba mixer) holds a state slot per request instead; a request may carry its own model inputs (LLaVA's image) and ask
-for logprobs. How and why: DESIGN.md §1, "The serving engine".
+`Engine.step()` runs ONE forward over every running request: new requests' prompts (prefill, in chunks under a
+token budget) and running requests' last tokens (decode) packed side by side in one sequence dimension, each token
+at its own position and attending only to its own request's cached keys, read from the blocks through its table
+(serving/paged_attention.py; the plain path beside it: the keys gathered, a block-diagonal causal mask). The keys and
+values live in a paged cache (fixed-size blocks, a block table per request: Kwon et al.'s PagedAttention); a
+recurrent layer (a Mamba mixer) holds a state slot per request instead; a request may carry its own model inputs
+(LLaVA's image) and ask for logprobs. How and why: DESIGN.md §1, "The serving engine".
 Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
 pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
 add_request, step, scheduling). Beside it, the plain sequential oracle: `generate_one`, one request alone in the
 static KV cache (transformer.InferenceContext).
 Paper:  Kwon et al. 2023 (Efficient memory management for large language model serving with PagedAttention).
 
-Run:    .venv/bin/python -m pytest -q tests/test_serve.py
+Run:    .venv/bin/python -m pytest -q tests/test_serve.py tests/test_serve_paged.py
 
 Dimension glossary
   R running requests    T tokens of this step (all requests' new tokens, packed)    K keys read this step (the
@@ -31,6 +32,7 @@ import math
 import torch
 from einops import rearrange
 
+from serving import paged_attention
 from transformer import InferenceContext
 
 
@@ -107,8 +109,11 @@ class PagedKVCache:
     is `evictable`: reusable until a new block is needed and the free list is empty, then the least recently
     released is evicted."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_requests: int = 1):
+    def __init__(self, num_blocks: int, block_size: int, max_requests: int = 1, attention: str = "paged"):
+        if attention not in ("paged", "gather"):
+            raise ValueError(f"attention={attention!r}: 'paged' or 'gather'")
         self.num_blocks, self.block_size, self.max_requests = num_blocks, block_size, max_requests
+        self.paged_attention = attention == "paged"  # attention layers call `attend` (else `append`, the oracle)
         self.free = list(range(num_blocks))  # block ids, the next one handed out last
         self.pools = {}  # attention layer -> (K, V) [N, g, B, d]
         self.free_slots = list(range(max_requests))[::-1]  # recurrent-state slots, the next one handed out last
@@ -172,49 +177,58 @@ class PagedKVCache:
         blocks = torch.tensor(table, dtype=torch.long, device=positions.device)
         return blocks[positions // self.block_size], positions % self.block_size
 
-    def plan(self, requests: list[Request], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(self, requests: list[Request], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This step's layout: request r feeds counts[r] tokens after its `cached` ones. Stores where they are written
-        and which slots are read, and returns their positions [T] and the attention mask [T, K] (True = attend):
-        token t of request r at position p sees key j iff j is request r's, at a position <= p."""
+        and where each reads, and returns their positions [T] and, for the gather path, the attention mask [T, K]
+        (True = attend): token t of request r at position p sees key j iff j is request r's, at a position <= p."""
         def ar(n):
             return torch.arange(n, device=device)
         pos = torch.cat([ar(n) + r.cached for r, n in zip(requests, counts)])  # [T]
+        self.write = tuple(torch.cat(w) for w in zip(*[self.slots(r.blocks, ar(n) + r.cached)
+                                                       for r, n in zip(requests, counts)]))  # (block, offset) [T]
+        self.segments = [(r.slot, r.cached == 0, n) for r, n in zip(requests, counts)]  # for `recurrent`
+        if self.paged_attention:  # each row reads its own blocks (serving/paged_attention.py)
+            self.layout = paged_attention.layout([r.blocks for r in requests], [r.cached for r in requests], counts,
+                                                 self.block_size, device)
+            return pos, None
         key_pos = torch.cat([ar(r.cached + n) for r, n in zip(requests, counts)])  # [K]
         owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(counts, device=device))  # [T]
         key_owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(
             [r.cached + n for r, n in zip(requests, counts)], device=device))  # [K]
-        writes = [self.slots(r.blocks, ar(n) + r.cached) for r, n in zip(requests, counts)]
         reads = [self.slots(r.blocks, ar(r.cached + n)) for r, n in zip(requests, counts)]
-        self.write = tuple(torch.cat(w) for w in zip(*writes))  # (block, offset) [T]
         self.read = tuple(torch.cat(w) for w in zip(*reads))  # (block, offset) [K]
-        self.segments = [(r.slot, r.cached == 0, n) for r, n in zip(requests, counts)]  # for `recurrent`
         mask = (owner[:, None] == key_owner[None, :]) & (key_pos[None, :] <= pos[:, None])  # [T, K]
         return pos, mask
 
-    def append(self, layer, k, v):
-        """This step's keys and values [1, g, T, d] -> every key and value this step's tokens read [1, g, K, d]
-        (the requests' cached ones and their own, in the plan's order; the mask says which each token sees)."""
+    def pool(self, layer, k, v):
+        """A layer's (K, V) pools, this step's keys and values [1, g, T, d] written into them."""
         if layer not in self.pools:
             self.pools[layer] = tuple(t.new_zeros(self.num_blocks, t.shape[1], self.block_size, t.shape[3])
                                       for t in (k, v))
-        out = []
         for pool, new in zip(self.pools[layer], (k, v)):
             pool[self.write[0], :, self.write[1]] = rearrange(new, "1 g t d -> t g d")
-            out.append(rearrange(pool[self.read[0], :, self.read[1]], "k g d -> 1 g k d"))
-        return tuple(out)
+        return self.pools[layer]
+
+    def attend(self, layer, q, k, v, scale: float) -> torch.Tensor:
+        """Attention over the pool (the paged path): this step's q [1, n, T, d], k, v [1, g, T, d] -> [1, n, T, d]."""
+        return paged_attention.attend(*self.pool(layer, k, v), q, self.layout, scale)
+
+    def append(self, layer, k, v):
+        """The gather path (the plain oracle): this step's keys and values [1, g, T, d] -> every key and value this
+        step's tokens read [1, g, K, d] (the requests' cached ones and their own, in the plan's order; the mask says
+        which each token sees)."""
+        return tuple(rearrange(P[self.read[0], :, self.read[1]], "k g d -> 1 g k d") for P in self.pool(layer, k, v))
 
     def recurrent(self, layer, fn, *xs):
         """A recurrent layer over this step's packed row: xs [1, T, ·] -> its output y [1, T, ·]. Each request runs
-        fn(*its tokens [b, n, ·], state=) -> (y, the state after) from the state in its slot, or from None (zeros)
-        for a prefill, and the state after goes back into the slot. Decodes (one token each) run as one batch."""
+        fn(*its tokens [b, n, ·], state=) -> (y, the state after) from the state in its slot (a decode, or a prompt's
+        later chunk), or from None (zeros) at its prompt's start, and the state after goes back into the slot.
+        Decodes (one token each after a held state) run as one batch."""
         starts = [0]
         for _, _, n in self.segments:
             starts.append(starts[-1] + n)
         out = [None] * len(self.segments)
-        decodes = [i for i, (_, prefill, _) in enumerate(self.segments) if not prefill]
-        if any(self.segments[i][2] != 1 for i in decodes):
-            raise ValueError("prefix caching cannot serve a model with recurrent layers: a cached prefix holds keys "
-                             "and values, not the recurrent state after it")
+        decodes = [i for i, (_, fresh, n) in enumerate(self.segments) if not fresh and n == 1]
         if decodes:
             rows = torch.tensor([starts[i] for i in decodes], device=xs[0].device)
             slots = torch.tensor([self.segments[i][0] for i in decodes], device=xs[0].device)
@@ -223,9 +237,10 @@ class PagedKVCache:
             self.keep(layer, slots, state)
             for j, i in enumerate(decodes):
                 out[i] = y[j]  # [1, ·]
-        for i, (slot, prefill, _) in enumerate(self.segments):
-            if prefill:
-                y, state = fn(*(x[:, starts[i]:starts[i + 1]] for x in xs), state=None)
+        for i, (slot, fresh, _) in enumerate(self.segments):
+            if out[i] is None:
+                held = None if fresh else tuple(t[slot:slot + 1] for t in self.states[layer])
+                y, state = fn(*(x[:, starts[i]:starts[i + 1]] for x in xs), state=held)
                 self.keep(layer, [slot], state)
                 out[i] = y[0]  # [n, ·]
         return torch.cat(out)[None]
@@ -318,14 +333,25 @@ class Engine:
     policy instead: admission asks only for the blocks of the request's first step (beside those the running
     requests take this step), and when the pool cannot hold every running request's next block the newest is
     preempted: its blocks and slot freed, it goes back to the head of the queue and, readmitted, recomputes its
-    keys from its prompt and the tokens it has sampled (vLLM's recompute mode); its answer is unchanged."""
+    keys from its prompt and the tokens it has sampled (vLLM's recompute mode); its answer is unchanged.
+
+    Chunked prefill (vLLM's max_num_batched_tokens): a step runs at most that many tokens: every running request's
+    decode first (one token each), then prompts, in arrival order, as far as the budget left goes; a prompt cut
+    short goes on next step from where it stopped (its chunk's keys cached, no token sampled until its last one), so
+    decodes keep flowing while a long prompt fills. None: no budget, every prompt whole.
+    attention="paged": attention layers read the blocks through the tables (serving/paged_attention.py); "gather":
+    the plain path it is tested against (every key a step reads gathered, a block-diagonal mask)."""
 
     def __init__(self, model, num_blocks: int, block_size: int, max_batch: int, preempt: bool = False,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, max_num_batched_tokens: int | None = None, attention: str = "paged"):
         if min(num_blocks, block_size, max_batch) < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}, max_batch={max_batch}: each must be >= 1")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:  # (vLLM's message)
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than or equal to "
+                             f"max_num_seqs ({max_batch})")
         self.model, self.max_batch = model.eval(), max_batch  # eval: no dropout while serving
-        self.cache = PagedKVCache(num_blocks, block_size, max_requests=max_batch)
+        self.budget = math.inf if max_num_batched_tokens is None else max_num_batched_tokens
+        self.cache = PagedKVCache(num_blocks, block_size, max_requests=max_batch, attention=attention)
         self.device = next(model.parameters()).device
         self.context = model.config.max_position_embeddings  # the positions the model was built for
         self.requests: dict[int, Request] = {}  # the unfinished requests (waiting or running), by id
@@ -359,6 +385,9 @@ class Engine:
             raise ValueError(f"logprobs={n!r} must be None or an int in 0..{MAX_LOGPROBS}")
         if unknown := sorted(set(inputs) - set(inspect.signature(self.model.forward).parameters)):
             raise ValueError(f"inputs {unknown}: the model's forward takes no such argument")
+        if inputs and len(prompt) > self.budget:
+            raise ValueError(f"a prompt with inputs {sorted(inputs)} is run whole: its {len(prompt)} tokens > "
+                             f"max_num_batched_tokens={self.budget}")
         r = Request(self.next_id, prompt, params, generator(params, self.device), inputs=inputs)
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
@@ -373,15 +402,30 @@ class Engine:
         step's."""
         return self.blocks_for(r.next_positions() if self.preempt else r.max_positions()) - len(r.blocks)
 
+    def schedule(self) -> list[int]:
+        """This step's tokens per running request: decodes first (one each), then the prompts' chunks in arrival
+        order while the budget lasts (0: it waits this step). A prompt with its own inputs (an image, spliced into
+        its tokens by the model's forward) is not cut: it waits for a step with room for all of it."""
+        left, counts = self.budget, {}
+        for r in sorted(self.running, key=lambda r: len(r.pending()) > 1):  # (stable: arrival order otherwise)
+            n = len(r.pending())
+            counts[r.id] = 0 if n > left and r.inputs and r.cached == 0 else min(n, left)
+            left -= counts[r.id]
+        return [counts[r.id] for r in self.running]
+
     def admit(self):
-        """Move waiting requests into the batch while a slot and the blocks they need are free (with prefix caching,
-        a request first takes the cached blocks of its prompt's longest cached prefix; not its last token's)."""
+        """Move waiting requests into the batch while a slot, the blocks they need and a token of the step's budget
+        are free (with prefix caching, a request first takes the cached blocks of its prompt's longest cached
+        prefix; not its last token's)."""
         promised = sum(self.needs(r) for r in self.running)
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) < self.max_batch and sum(self.schedule()) < self.budget:
             r = self.waiting[0]
             if self.prefix_caching and not r.inputs:  # (an image's tokens say nothing of the image)
                 r.blocks = self.cache.lookup(r.tokens(), (len(r.tokens()) - 1) // self.cache.block_size)
                 r.cached, r.hashed = len(r.blocks) * self.cache.block_size, len(r.blocks)
+                if r.cached and self.cache.states:  # (states: the model has recurrent layers, and has run)
+                    raise ValueError("prefix caching cannot serve a model with recurrent layers: a cached prefix "
+                                     "holds keys and values, not the recurrent state after it")
             need = self.needs(r)
             if need > self.cache.available() - promised:
                 self.cache.release(r.blocks)
@@ -393,9 +437,10 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """One forward over the running batch: the requests it ran, each with its new token last in `output` and a
-        `finish_reason` if it finished. A finished request is the engine's no more: the caller's object is its only
-        reference (nothing of a request is kept after it ends)."""
+        """One forward over the running batch: the requests that sampled a token, each with it last in `output` and a
+        `finish_reason` if it finished (a prompt's chunk that is not its last samples nothing, and is not among them).
+        A finished request is the engine's no more: the caller's object is its only reference (nothing of a request
+        is kept after it ends)."""
         self.admit()
         while self.preempt and sum(self.needs(r) for r in self.running) > self.cache.available():
             r = self.running[-1]  # the newest: out of the batch, back to the head of the queue
@@ -403,26 +448,32 @@ class Engine:
             r.cached = r.hashed = 0
             self.waiting.insert(0, r)
             self.preemptions += 1
-        if not self.running:
+        scheduled = [(r, n) for r, n in zip(self.running, self.schedule()) if n]
+        if not scheduled:
             return []
-        batch, counts = list(self.running), [len(r.pending()) for r in self.running]
+        batch, counts = map(list, zip(*scheduled))
         for r, n in zip(batch, counts):  # grow each block table to hold this step's tokens
             r.blocks += self.cache.allocate(self.blocks_for(r.cached + n) - len(r.blocks))
-        ids = torch.tensor([t for r in batch for t in r.pending()], device=self.device)  # [T]
+        ids = torch.tensor([t for r, n in zip(batch, counts) for t in r.pending()[:n]], device=self.device)  # [T]
         pos, mask = self.cache.plan(batch, counts, self.device)
         inputs = {}  # the prefills' own inputs, stacked in the row's order
         for r in batch:
             for k, v in (r.inputs.items() if r.cached == 0 else ()):
                 inputs.setdefault(k, []).append(v)
         inputs = {k: torch.stack(v).to(self.device) for k, v in inputs.items()}
-        logits = self.model(ids[None], position_ids=pos[None], mask=mask[None, None],
+        logits = self.model(ids[None], position_ids=pos[None], mask=None if mask is None else mask[None, None],
                             inference_context=self.cache, **inputs)[0]  # [T, V]
         last = torch.tensor(counts, device=self.device).cumsum(0) - 1  # each request's last token in the row
         self.computed += sum(counts)
+        sampled = []
         for r, n, row in zip(batch, counts, logits[last]):
+            whole = n == len(r.pending())  # (else a prompt's chunk, not its last: nothing to sample yet)
             r.cached += n
             if self.prefix_caching and not r.inputs:  # its blocks filled up to here, cached for later requests
                 r.hashed = self.cache.offer(r.tokens()[:r.cached], r.blocks, r.hashed)
+            if not whole:
+                continue
+            sampled.append(r)
             r.output.append(sample(row, r.params, r.generator))
             if r.params.logprobs is not None:
                 r.logprobs.append(token_logprobs(row, r.output[-1], r.params.logprobs))
@@ -432,7 +483,7 @@ class Engine:
                 r.finish_reason = "length"
             if r.finish_reason is not None:
                 self.retire(r)
-        return batch
+        return sampled
 
     def abort(self, request_id: int):
         """Finish a request now (a client that went away): out of the queue or the batch, its blocks freed. A request

@@ -472,6 +472,8 @@ def parse_args(argv=None):
                    help="EP degree for an MoE run: world = TP x EP ranks, each running every request")
     p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch at most (vLLM's "
                    "max_num_seqs)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one step runs at most (vLLM's "
+                   "name and default): decodes first, then prompts' chunks fill the rest (chunked prefill)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
     p.add_argument("--num-blocks", type=int, help="blocks in the KV cache (default: a full batch of full contexts)")
     p.add_argument("--preemption", action="store_true", help="admit requests on their prompt's blocks and, when "
@@ -506,6 +508,9 @@ def main(argv=None):
     if tp < 1 or ep < 1 or tp * ep != world:
         raise ConfigError(f"--tensor-model-parallel-size {tp} x --expert-model-parallel-size {ep} must equal the "
                           f"world size {world} (torchrun --nproc_per_node)")
+    if a.max_num_batched_tokens < a.max_batch:  # (vLLM's check: every running request decodes a token a step)
+        raise ConfigError(f"--max-num-batched-tokens ({a.max_num_batched_tokens}) must be greater than or equal to "
+                          f"--max-batch ({a.max_batch}, vLLM's max_num_seqs)")
     if not 1 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} must be in 1..65535")
     if rank == 0:  # the address is free before the model loads and before "serving ... at" is said
@@ -536,8 +541,8 @@ def main(argv=None):
             print(f"linear weights in {a.quantization}: {held:,} bytes on rank 0 ({full:,} unquantized)", flush=True)
     context = run.model.config.max_position_embeddings
     blocks = a.num_blocks or a.max_batch * -(-context // a.block_size)
-    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption,
-                             a.enable_prefix_caching), run.tok, world, rank)
+    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption, a.enable_prefix_caching,
+                             a.max_num_batched_tokens), run.tok, world, rank)
     if rank:
         loop.run()
     else:

@@ -4,7 +4,8 @@ with the same max_tokens, so each holds ceil((prompt + max_tokens − 1) / block
 is 2 (K, V) × layers × key/value heads × block size × head dim × 4 bytes (fp32), and the dense figure n × the
 longest request's positions × a position's bytes. Percentiles are nearest-rank. Negative control: a peak read after
 each step (not at each allocation) misses the final step's blocks, freed within that step. --system-prompt: the head
-is taken from the cache by every request after the first, exactly; --soak ends with the engine empty.
+is taken from the cache by every request after the first, exactly; --soak ends with the engine empty; --engines
+gives a row per engine, and --attention-kernels' mechanisms agree with the gather path.
 Tolerance: none; blocks, bytes and tokens are integers, compared exactly.
 """
 from __future__ import annotations
@@ -37,12 +38,23 @@ def test_bench_serve_prints_a_row_per_concurrency(capsys):
     assert all(r.split("|")[-2].strip() == "yes" for r in rows), rows  # same tokens as generate_one
 
 
+def test_engines_each_a_row_and_the_attention_kernels_agree(capsys):
+    """--engines: a row per engine (gather, paged with a budget below most prompts), the same tokens as generate_one;
+    --attention-kernels: every mechanism within 1e-5 of the gather path (fp32 sums in another order)."""
+    bench().main(["--concurrency", "3", "--engines", "gather", "paged:3", *TINY])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [r[2].strip() for r in rows] == ["gather", "paged:3"] and all(r[-2].strip() == "yes" for r in rows), rows
+    bench().main(["--attention-kernels", "--concurrency", "4", "--repeats", "1", *TINY])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if re.match(r"\| [a-z]", line)]
+    assert len(rows) == 5 and all(float(r[-2]) <= 1e-5 for r in rows[1:]), rows  # (a header, 4 mechanisms)
+
+
 def assert_memory_is_the_caches(peak_of=None):
     B = bench()
     a = B.parse_args(["--concurrency", "3", *TINY])
     model = B.build(a, a.prompt_len[1] + a.new_tokens)
     prompts = B.requests(3, tuple(a.prompt_len), model.config.vocab_size, seed=7)
-    tokens, latencies, wall, peak, engine = B.run_engine(model, prompts, a.new_tokens, a.block_size)
+    tokens, latencies, wall, peak, engine, ttft = B.run_engine(model, prompts, a.new_tokens, a.block_size)
     peak = peak_of(engine, prompts) if peak_of else peak
     worst = sum(math.ceil((len(p) + a.new_tokens - 1) / a.block_size) for p in prompts)
     assert peak == worst, f"peak {peak} blocks, every request's worst case held at once is {worst}"
@@ -51,7 +63,7 @@ def assert_memory_is_the_caches(peak_of=None):
     max_len = max(len(p) for p in prompts) + a.new_tokens
     assert B.memory(engine, prompts, peak, a.new_tokens) == (peak * block, 3 * max_len * block // a.block_size)
     assert tokens == [serve.generate_one(model, p, serve.SamplingParams(max_tokens=4, temperature=0)) for p in prompts]
-    assert len(latencies) == 3 and max(latencies) <= wall
+    assert len(latencies) == 3 and max(latencies) <= wall and all(0 < t <= x for t, x in zip(ttft, latencies))
 
 
 def test_memory_figures_are_the_paged_caches():

@@ -30,8 +30,8 @@ LAYERS = ["parallel", "metrics", "costs", "interop.tokenizer_files", "data", "co
           "posttraining.quantization", "scheduler",
           "interop.hf", "interop.megatron_flags", "arguments", "checkpoint", "transformer", "interop.convert", "deepseek",
           "gpt", "bert", "t5", "mamba", "llava",
-          "retrieval", "retro", "posttraining.recipes", "serving.engine", "posttraining.rl", "train", "serving.server",
-          "evaluation.tasks", "evaluation.evaluate", "tools"]
+          "retrieval", "retro", "posttraining.recipes", "serving.paged_attention", "serving.engine", "posttraining.rl",
+          "train", "serving.server", "evaluation.tasks", "evaluation.evaluate", "tools"]
 
 
 PACKAGES = ("interop", "posttraining", "serving", "evaluation")

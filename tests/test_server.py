@@ -3,7 +3,8 @@
   - greedy completions and chat completions are the tokens gpt.generate gives each prompt alone (the sequential
     oracle, on the saved run loaded in one process), decoded; eight clients at once (continuous batching through HTTP)
     each get their own prompt's answer; and the same at TP 2 (torchrun, two ranks in lock-step, rank 0 answering); the
-    loop on warm ranks (TP 2, EP 2, a Mamba hybrid, TP 2 with preemption, with prefix caching) gives the oracle's tokens;
+    loop on warm ranks (TP 2, EP 2, a Mamba hybrid, TP 2 with preemption, with prefix caching, a hybrid with chunked
+    prefill) gives the oracle's tokens;
   - streaming (server-sent events): the deltas join into the non-streamed text; the usage chunk counts the tokens;
   - stop strings cut the text before the first stop and end the request with finish_reason "stop"; a seeded sampled
     request is reproducible and n=2 gives two choices;
@@ -377,15 +378,15 @@ def test_tensor_parallel_serves_the_same_tokens(run, oracle):
 
 
 # ---------------------------------------------------------------------------------------------- the loop on warm ranks
-def loop_case(rank, n, run, tp, ep, blocks=64, preempt=False, head=""):
+def loop_case(rank, n, run, tp, ep, blocks=64, preempt=False, head="", budget=None):
     """server.Loop on n = tp x ep warm ranks, no HTTP: rank 0 submits half the prompts (each after `head`; with one,
     prefix caching on), the rest once the first answer has its first token (so they join a running batch), and
     "stop" once every answer has ended. Rank 0 returns [(text, finish reason)] in PROMPTS' order, the engine's
     preemptions and the prompt tokens it took from the prefix cache."""
     from serving import server
     loaded = checkpoint.load_model(run, tp=tp, ep=ep)
-    loop = server.Loop(serve.Engine(loaded.model, blocks, 8, 4, preempt=preempt, prefix_caching=bool(head)),
-                       loaded.tok, n, rank)
+    loop = server.Loop(serve.Engine(loaded.model, blocks, 8, 4, preempt=preempt, prefix_caching=bool(head),
+                                    max_num_batched_tokens=budget), loaded.tok, n, rank)
     eod, got = tokenizer_files.special_ids(loaded.tok)["eod"], {}
 
     def add(i):
@@ -415,21 +416,24 @@ MAMBA = ["--model", "mamba", "--hybrid-layer-pattern", "M*", "--mamba-num-groups
 HEAD = "# Write Python code, short.\n"  # a shared "system prompt": 27 tokens, 3 full blocks of 8
 
 
-@pytest.mark.parametrize("tp, ep, flags, preempt, head", [
-    (2, 1, [], False, ""), (1, 2, ["--num-experts", "4", "--moe-router-topk", "2"], False, ""), (2, 1, MAMBA, False, ""),
-    (2, 1, [], True, ""), (2, 1, [], False, HEAD)], ids=["tp2", "moe-ep2", "mamba-hybrid-tp2", "tp2-preemption",
-                                                          "tp2-prefix-caching"])
-def test_ranks_in_lock_step_serve_the_oracle(pool, root, tp, ep, flags, preempt, head):
+@pytest.mark.parametrize("tp, ep, flags, preempt, head, budget", [
+    (2, 1, [], False, "", None), (1, 2, ["--num-experts", "4", "--moe-router-topk", "2"], False, "", None),
+    (2, 1, MAMBA, False, "", None), (2, 1, [], True, "", None), (2, 1, [], False, HEAD, None),
+    (2, 1, MAMBA, False, "", 5)], ids=["tp2", "moe-ep2", "mamba-hybrid-tp2", "tp2-preemption", "tp2-prefix-caching",
+                                       "mamba-hybrid-tp2-chunked-prefill"])
+def test_ranks_in_lock_step_serve_the_oracle(pool, root, tp, ep, flags, preempt, head, budget):
     """Continuous batching on ranks in lock-step (rank 0's commands broadcast each step): at TP 2 (a GPT, and a
     Mamba hybrid: its recurrent-state slots beside the paged KV cache), and an MoE run with its experts split over EP
     2 ranks that both run every request, are each request's tokens alone; and at TP 2 with preemption (a pool of 6
     blocks: too few for 4 running requests, so the newest are preempted and recomputed, alike on both ranks) and
-    with prefix caching (every prompt after one shared head: the later ones take its blocks from the cache)."""
+    with prefix caching (every prompt after one shared head: the later ones take its blocks from the cache); and with
+    chunked prefill (a budget of 5 tokens a step: the longer prompts cut, a hybrid's later chunks going on from the
+    state its earlier ones left)."""
     run = save_run(root, f"run-{tp}-{ep}" + ("-preempt" if preempt else "") + ("-prefix" if head else ""), *flags)
     answer, tok = make_oracle(run)
     eod = tokenizer_files.special_ids(tok)["eod"]
     got, preemptions, reused = pool.run(loop_case, tp * ep, run=run, tp=tp, ep=ep, blocks=6 if preempt else 64,
-                                        preempt=preempt, head=head)[0]
+                                        preempt=preempt, head=head, budget=budget)[0]
     assert got == [answer(tok.encode(head + p).ids, [eod]) for p in PROMPTS]
     assert (preemptions > 0) == preempt and (reused >= 16 * (len(PROMPTS) // 2)) == bool(head), (preemptions, reused)
 

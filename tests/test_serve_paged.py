@@ -1,0 +1,173 @@
+"""serving/paged_attention.py (attention reading the block pool through the tables) and the engine's chunked prefill
+(a per-step token budget, vLLM's max_num_batched_tokens), against their plain oracles.
+
+  - the paged kernel on one mixed step (decodes, whole prompts, a prompt's later chunk; grouped-query heads, and
+    MLA's value width unlike its key width) equals the gather path (every key read gathered, the block-diagonal
+    mask: PagedKVCache.append); negative control: one request's block table holding another's block fails;
+  - chunked prefill: greedy tokens equal gpt.generate's alone at budgets smaller than one block, smaller than a
+    prompt, and larger than every prompt (GQA with RoPE, learned positions, MLA, a Mamba hybrid whose later chunks
+    start from the state its earlier ones left, the gather path); no step runs more tokens than the budget, every
+    decoding request runs at every step (decodes first), and prompts were cut; negative controls: a later chunk
+    that does not see its prompt's earlier chunks, and a hybrid's later chunk started from a zero state, fail;
+  - a budget below max_batch (0 included) is refused with vLLM's message, by the engine and by the server before
+    it loads the run; a prompt with an image longer than the budget too (it is never cut).
+Tolerance: tokens exactly; the kernel's output 1e-12 relative to the gather path's in float64 (the same products,
+summed in another order: measured ~1e-16).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_kv_cache import GPT, LLAMA, MLA
+from test_serve import LLAVA, assert_greedy_equals_generate, hybrid, workload
+
+import gpt
+import llava
+from equivalence import rel_err
+from serving import engine as serve
+from serving import paged_attention
+
+
+def mixed_step(seed=0, tables=None):
+    """A step's requests on a pool of 24 blocks of 4: (cached, new tokens) = decodes (1 token), whole prompts (from
+    0) and prompts' later chunks, each with a random block table (no block shared)."""
+    rng = random.Random(seed)
+    shapes = [(7, 1), (0, 5), (12, 1), (3, 6), (0, 1), (4, 1), (8, 4)]
+    free = rng.sample(range(24), 24)
+    reqs = []
+    for i, (c, n) in enumerate(shapes):
+        r = serve.Request(i, [0] * (c + n), serve.SamplingParams(), None, cached=c)
+        r.blocks = tables[i] if tables else [free.pop() for _ in range(-(-(c + n) // 4))]
+        reqs.append(r)
+    return reqs, [n for _, n in shapes]
+
+
+def paged_and_gathered(reqs, counts, n=4, g=2, d=8, dv=8, wrong=None):
+    """One attention layer's output both ways, from the same pools and this step's q, k, v (float64)."""
+    gen = torch.Generator().manual_seed(1)
+    T = sum(counts)
+    q, k = (torch.randn(1, h, T, d, generator=gen, dtype=torch.float64) for h in (n, g))
+    v = torch.randn(1, g, T, dv, generator=gen, dtype=torch.float64)
+    pools = (torch.randn(24, g, 4, d, generator=gen, dtype=torch.float64),
+             torch.randn(24, g, 4, dv, generator=gen, dtype=torch.float64))
+    out = []
+    for attention in ("paged", "gather"):
+        cache = serve.PagedKVCache(24, 4, attention=attention)
+        cache.pools["layer"] = tuple(p.clone() for p in pools)
+        if attention == "paged" and wrong is not None:  # (the paged side reads another table)
+            tables = [r.blocks for r in reqs]
+            for r, t in zip(reqs, wrong):
+                r.blocks = t
+            _, mask = cache.plan(reqs, counts, "cpu")
+            for r, t in zip(reqs, tables):
+                r.blocks = t
+        else:
+            _, mask = cache.plan(reqs, counts, "cpu")
+        if attention == "paged":
+            out.append(cache.attend("layer", q, k, v, 0.3))
+        else:
+            K, V = cache.append("layer", k, v)
+            out.append(F.scaled_dot_product_attention(q, K, V, attn_mask=mask[None, None], scale=0.3,
+                                                      enable_gqa=g != n))
+    return out
+
+
+@pytest.mark.parametrize("n, g, d, dv", [(4, 2, 8, 8), (4, 4, 12, 8)], ids=["gqa", "mla-widths"])
+def test_paged_attention_equals_the_gather_path(n, g, d, dv):
+    paged, gathered = paged_and_gathered(*mixed_step(), n=n, g=g, d=d, dv=dv)
+    assert rel_err(paged, gathered) <= 1e-12, "paged attention differs from the gather path"
+
+
+def test_a_wrong_block_table_is_caught():
+    """Negative control: the paged side reads request 2's table with its first block request 0's."""
+    reqs, counts = mixed_step()
+    wrong = [list(r.blocks) for r in reqs]
+    wrong[2][0] = wrong[0][0]
+    paged, gathered = paged_and_gathered(reqs, counts, wrong=wrong)
+    with pytest.raises(AssertionError, match="paged attention differs from the gather path"):
+        assert rel_err(paged, gathered) <= 1e-12, "paged attention differs from the gather path"
+
+
+# --------------------------------------------------------------------------------------- chunked prefill
+def chunked_run(model, budget, max_batch, attention="paged", work=None):
+    """`work` through an engine with a token budget, greedy, checked against gpt.generate; returns (counts per
+    step, whether some prompt was cut)."""
+    engine = serve.Engine(model, num_blocks=40, block_size=4, max_batch=max_batch, max_num_batched_tokens=budget,
+                          attention=attention)
+    steps, cut = [], []
+    plan = engine.cache.plan
+
+    def recorded(requests, counts, device):
+        decoding = [r for r in engine.running if r.output and len(r.pending()) == 1]
+        assert all(any(r is q for q in requests) for r in decoding), "a decoding request waited"
+        cut.extend(r.cached + n < len(r.prompt) for r, n in zip(requests, counts))
+        steps.append(list(counts))
+        return plan(requests, counts, device)
+    engine.cache.plan = recorded
+    assert_greedy_equals_generate(model, engine, work or workload(seed=7, n=6))
+    assert max(sum(s) for s in steps) <= budget, steps
+    return steps, any(cut)
+
+
+@pytest.mark.parametrize("budget, max_batch", [(3, 3), (5, 4), (64, 4)], ids=["below-a-block", "below-a-prompt",
+                                                                              "above-every-prompt"])
+def test_chunked_prefill_equals_generate(budget, max_batch):
+    steps, cut = chunked_run(gpt.Model(gpt.Config(**LLAMA)), budget, max_batch)
+    assert cut == (budget < 6), "the longest prompt is 6 tokens: cut below that budget only"
+    assert any(len(s) > 1 and max(s) > 1 for s in steps), "a prompt's chunk ran beside decodes"
+
+
+@pytest.mark.parametrize("cfg", ["gpt", "mla", "hybrid", "gather"])
+def test_chunked_prefill_on_every_layer_kind(cfg):
+    """Learned positions, MLA, a Mamba hybrid (its later chunks start from the state the earlier ones left), and
+    the gather path, at a budget of 3 (below a block of 4 and most prompts)."""
+    model = hybrid() if cfg == "hybrid" else gpt.Model(gpt.Config(**{"gpt": GPT, "mla": MLA}.get(cfg, LLAMA)))
+    assert chunked_run(model, 3, 2, attention="gather" if cfg == "gather" else "paged")[1]
+
+
+def test_a_chunk_blind_to_its_earlier_chunks_is_caught(monkeypatch):
+    """Negative control: a prompt's later chunk reading as if nothing were cached before it."""
+    real = paged_attention.layout
+    monkeypatch.setattr(paged_attention, "layout", lambda tables, cached, counts, b, device: real(
+        tables, [0 if n > 1 else c for c, n in zip(cached, counts)], counts, b, device))
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        chunked_run(gpt.Model(gpt.Config(**LLAMA)), 3, 3)
+
+
+def test_a_hybrid_chunk_from_a_zero_state_is_caught(monkeypatch):
+    """Negative control: a Mamba hybrid's later chunk started from zeros, not from its earlier chunks' state."""
+    real = serve.PagedKVCache.plan
+
+    def plan(self, requests, counts, device):
+        out = real(self, requests, counts, device)
+        self.segments = [(slot, fresh or n > 1, n) for slot, fresh, n in self.segments]
+        return out
+    monkeypatch.setattr(serve.PagedKVCache, "plan", plan)
+    with pytest.raises(AssertionError, match="differ from gpt.generate's"):
+        chunked_run(hybrid(), 3, 2)
+
+
+@pytest.mark.parametrize("budget", [0, -1, 3])
+def test_a_budget_below_max_batch_is_refused(budget):
+    with pytest.raises(ValueError, match=rf"^max_num_batched_tokens \({budget}\) must be greater than or equal to "
+                                         r"max_num_seqs \(4\)$"):
+        serve.Engine(gpt.Model(gpt.Config(**GPT)), 8, 4, max_batch=4, max_num_batched_tokens=budget)
+
+
+def test_an_image_prompt_is_not_cut():
+    model = llava.Model(llava.Config(**LLAVA, position_embedding_type="rope")).eval()
+    engine = serve.Engine(model, 20, 4, max_batch=2, max_num_batched_tokens=6)
+    with pytest.raises(ValueError, match=r"^a prompt with inputs \['pixel_values'\] is run whole: its 7 tokens > "
+                                         r"max_num_batched_tokens=6$"):
+        engine.add_request([1] + [100] * 5 + [2], pixel_values=torch.zeros(3, 8, 8))
+
+
+@pytest.mark.parametrize("budget", ["0", "8"])
+def test_the_server_refuses_a_budget_below_max_batch_before_loading(budget):
+    from serving import server
+    with pytest.raises(server.ConfigError, match=rf"^--max-num-batched-tokens \({budget}\) must be greater than or "
+                                                 r"equal to --max-batch \(32, vLLM's max_num_seqs\)$"):
+        server.main(["--load", "no-such-run", "--max-num-batched-tokens", budget])

@@ -15,7 +15,7 @@ against: PagedKVCache.append (every key the step reads, gathered, and the block-
 flex_attention with a block mask).
 Mirrors vLLM's `vllm/attention/ops/paged_attn.py` (paged_attention_v1 for decodes, a prefill kernel beside it).
 
-Run:    .venv/bin/python -m pytest -q tests/test_serve.py -k paged
+Run:    .venv/bin/python -m pytest -q tests/test_serve_paged.py
 """
 from __future__ import annotations
 

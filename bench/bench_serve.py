@@ -1,33 +1,23 @@
-"""Serving throughput, latency and KV memory: serve.Engine (continuous batching, paged KV cache) against the same
-requests run one after another through serve.generate_one (the static KV cache, one request at a time).
+"""Serving throughput, latency and KV memory: serving.engine.Engine (continuous batching, paged KV cache) against the
+same requests run one after another through serving.engine.generate_one (a static KV cache, one request at a time).
 
-For each concurrency n (default 1, 8 and 32): n requests arrive together at time 0, prompts of random lengths
-(--prompt-len, uniform, random token ids), --new-tokens tokens each, greedy. The engine takes all n in one batch
-(max_batch = n, a pool just large enough for their worst case); the sequential path serves them in arrival order.
-  - tokens/s: the n·new_tokens sampled tokens over the wall time of the whole load (prefills included);
-  - latency: each request's time from 0 to its last token — mean, p50 and p90 (nearest rank) over the n requests;
-    sequentially a request's latency includes the time it waited for the ones before it;
-  - KV memory: the paged cache's blocks actually held at the peak step × the bytes of one block (keys and values of
-    every attention layer), against a dense cache [n, max_len] of the same layers, max_len the longest request's
-    prompt + new tokens (the smallest static cache that holds this load; a server's would be the model's context);
-    a model with recurrent (Mamba) layers adds its state slots' bytes, the same in both columns;
-  - TTFT: each request's time from 0 to its first token (mean, p50, p90);
-  - same tokens: whether every request's greedy tokens from the engine equal generate_one's (fp32: equal unless two
-    logits tie to rounding).
---engines gather paged:2048 runs, beside the sequential path, the engine's plain attention (every key a step reads
-gathered, a block-diagonal mask), then serving/paged_attention.py with a 2,048-token budget a step (chunked prefill).
-The model is train.py's default GPT (arguments.py's defaults, vocabulary 8192) with random weights, fp32, with
---max-position-embeddings raised to the longest prompt + new tokens; --model-args changes its shape (train.py's
-flags); --load RUN serves a trained run instead (checkpoint.load_model; its own context must hold the requests).
+For each concurrency n (default 1, 8 and 32): n requests arrive together at time 0 (random token ids, --prompt-len
+lengths, --new-tokens each, greedy); the engine takes all n in one batch, the sequential path serves them in order.
+Columns: tokens/s over the whole load (prefills included); latency and TTFT (time to the last and the first token:
+mean, p50, p90 by nearest rank; sequentially including the wait for earlier requests); KV memory (the paged blocks
+held at the peak step against the smallest dense cache [n, max_len] that holds the load; a Mamba model's state slots
+in both); same tokens (the engine's greedy tokens equal generate_one's; fp32, unless two logits tie to rounding).
+--engines gather paged:2048 runs, beside the sequential path, the engine's plain attention (gathered keys, a
+block-diagonal mask), then serving/paged_attention.py with a 2,048-token budget a step (chunked prefill).
+The model is train.py's default GPT with random weights, fp32, its context raised to the longest request;
+--model-args changes its shape (train.py's flags); --load RUN serves a trained run (checkpoint.load_model).
 
---soak N instead: N requests (sampled, seeded) through one engine, the largest --concurrency running, twice as many
-queued; the process's RSS after each tenth of them, and the last against the one after the first tenth.
---system-prompt L instead: the largest --concurrency requests, each an L-token head shared by all and a prompt of its
-own, greedy; one alone first, then the rest: tokens computed and wall time with prefix caching and without.
---attention-kernels instead: one mixed step's attention through the model's layers (max(--concurrency) − 1 decodes,
-one prompt), by each torch mechanism from the same block pool: the gather path, serving/paged_attention.py, one SDPA
-per request, one padded batch, and (--flex) flex_attention compiled, with its block mask; ms a step and each one's
-largest difference from the gather path.
+--soak N instead: N requests through one engine (the largest --concurrency running, twice as many queued); the RSS
+after each tenth of them. --system-prompt L instead: requests sharing an L-token head, with and without prefix
+caching (tokens computed, wall time). --attention-kernels instead: one mixed step's attention (max(--concurrency) − 1
+decodes, one prompt) by each torch mechanism from the same block pool — the gather path, serving/paged_attention.py,
+one SDPA per request, one padded batch, (--flex) flex_attention compiled — ms a step and each one's largest
+difference from the gather path.
 
     .venv/bin/python bench/bench_serve.py --concurrency 1 8 --new-tokens 16 --prompt-len 16 32        (~1 min)
     .venv/bin/python bench/bench_serve.py        (the full table: 1, 8, 32 requests of 16-128 + 64 tokens)

@@ -278,6 +278,18 @@ def test_torch_fsdp2_averaging_instead_of_summing_halves_the_gradients(pool):
 # ---- train.py: the flags, a loss curve, a resumed run -----------------------------------------------------------
 
 
+def same_curves(name: str, ref: dict, a: dict, b: dict, c: dict):
+    """A DP 2 run (a) follows one process (ref) to 1e-5 (float32 sums in another order, over 4 steps), its resumed
+    twin (b) repeats it bit for bit at iterations 3-4, and its checkpoint loaded in one process (c) goes on as ref."""
+    for i in range(1, 5):
+        for key in ("loss", "grad_norm"):
+            assert_close(a[i][key], ref[i][key], 1e-5, f"{name} {key} at iteration {i}")
+    assert sorted(b) == [1, 2, 3, 4] and all(b[i][k] == a[i][k] for i in (3, 4) for k in ("loss", "grad_norm")), \
+        f"resumed {name}: {[b[i]['loss'] for i in (3, 4)]} != {[a[i]['loss'] for i in (3, 4)]}"
+    for i in (3, 4):
+        assert_close(c[i]["loss"], ref[i]["loss"], 1e-5, f"{name}'s checkpoint in one process, iteration {i}")
+
+
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 def test_train_at_dp2_matches_one_process_resumes_exactly_and_loads_anywhere(corpus, tmp_path, strategy):
     """train.py at DP 2 in float32 logs one process's losses (1e-5); stopped at 2 and resumed, the same losses bit for
@@ -289,14 +301,7 @@ def test_train_at_dp2_matches_one_process_resumes_exactly_and_loads_anywhere(cor
     torchrun(2, tiny(corpus, cache, stopped, *fsdp, "--exit-interval", "2", iters=4))
     torchrun(2, tiny(corpus, cache, stopped, *fsdp, "--load", str(stopped), iters=4))
     train.main(tiny(corpus, cache, back, "--load", str(straight), "--ckpt-step", "2", iters=4))
-    ref, a, b, c = (metrics(d)[0] for d in (one, straight, stopped, back))
-    for i in range(1, 5):
-        for key in ("loss", "grad_norm"):
-            assert_close(a[i][key], ref[i][key], 1e-5, f"{strategy} {key} at iteration {i}")
-    assert sorted(b) == [1, 2, 3, 4] and all(b[i][k] == a[i][k] for i in (3, 4) for k in ("loss", "grad_norm")), \
-        f"resumed {strategy}: {[b[i]['loss'] for i in (3, 4)]} != {[a[i]['loss'] for i in (3, 4)]}"
-    for i in (3, 4):
-        assert_close(c[i]["loss"], ref[i]["loss"], 1e-5, f"{strategy}'s checkpoint in one process, iteration {i}")
+    same_curves(strategy, *(metrics(d)[0] for d in (one, straight, stopped, back)))
 
 
 def test_train_with_torch_fsdp2_matches_one_process_resumes_exactly_and_loads_anywhere(corpus, tmp_path):
@@ -315,14 +320,10 @@ def test_train_with_torch_fsdp2_matches_one_process_resumes_exactly_and_loads_an
     torchrun(2, tiny(corpus, cache, stopped, *fsdp2, "--load", str(stopped), iters=4))
     train.main(tiny(corpus, cache, back, *adam, "--load", str(straight), "--ckpt-step", "2", iters=4))
     torchrun(2, tiny(corpus, cache, forth, *fsdp2, "--load", str(one), "--ckpt-step", "2", iters=4))
-    ref, a, b, c, d = (metrics(r)[0] for r in (one, straight, stopped, back, forth))
-    for i in range(1, 5):
-        for key in ("loss", "grad_norm"):
-            assert_close(a[i][key], ref[i][key], 1e-5, f"fsdp2 {key} at iteration {i}")
-    assert sorted(b) == [1, 2, 3, 4] and all(b[i][k] == a[i][k] for i in (3, 4) for k in ("loss", "grad_norm")), \
-        f"resumed fsdp2: {[b[i]['loss'] for i in (3, 4)]} != {[a[i]['loss'] for i in (3, 4)]}"
+    ref = metrics(one)[0]
+    same_curves("fsdp2", ref, *(metrics(r)[0] for r in (straight, stopped, back)))
+    d = metrics(forth)[0]
     for i in (3, 4):
-        assert_close(c[i]["loss"], ref[i]["loss"], 1e-5, f"fsdp2's checkpoint in one process, iteration {i}")
         assert_close(d[i]["loss"], ref[i]["loss"], 1e-5, f"one process's checkpoint under fsdp2, iteration {i}")
 
 

@@ -18,7 +18,8 @@ settings.register_profile("ci", max_examples=3, derandomize=True, deadline=None,
 settings.register_profile("deep", max_examples=60, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread per pytest-xdist worker (make test runs two; more threads than cores makes OpenMP spin), else 2
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")

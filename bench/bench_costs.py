@@ -1,6 +1,6 @@
 """The time model on this CPU: costs.step_time's predicted step time, communication and pipeline bubble against a real
-train.py run of DP 2, TP 2 and PP 2 (bench/bench_scaling.py's measure: torchrun, gloo, one thread a rank, every
-collective inside train.train_step timed). The prediction's GPU is costs.cpu_gpu() on one thread (as a rank has),
+train.py run of one process, DP 2, TP 2 and PP 2 (bench/bench_scaling.py's measure: torchrun, gloo, one thread a rank,
+every collective inside train.train_step timed). The prediction's GPU is costs.cpu_gpu() on one thread (as a rank has),
 its GEMM rate that of the rank's own GEMM shapes (bench/bench_gemm.py's ceiling, split over TP), gloo over loopback
 as every link (bandwidth and latency as bench/README measured them); the DP reduction not overlapped (train.py's
 default: no --overlap-grad-reduce); the optimizer the run's (the default GPT's Muon). Every rate is measured on the
@@ -10,7 +10,7 @@ What a measured collective's time holds: its transfer and the wait for the other
 (a stage waits in recv), so PP's column compares predicted sends + bubble with it. Megatron's counterpart: none (its
 papers' Table 1 is the GPU check, tests/test_costs_time.py).
 
-    .venv/bin/python bench/bench_costs.py --iters 8        (~2 min: 3 runs of ~30 s, set-up included)
+    .venv/bin/python bench/bench_costs.py --iters 8        (~2-3 min: 4 runs of ~30 s, set-up included)
     .venv/bin/python bench/bench_costs.py --table1         (Narayanan et al. 2021's Table 1 against the model: ~5 s)
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from config import model_file  # noqa: E402
 
 # name -> (processes, train.py flags); PP 2 with micro-batches of 4: m = 4, a bubble of (p-1)/m = 1/4
 bench_scaling.LAYOUTS.update(pp2=(2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4"]))
-NAMES = ["dp2", "tp2", "pp2"]
+NAMES = ["single_1t", "dp2", "tp2", "pp2"]  # single_1t: one process on one thread, a rank's share
 
 
 def parse_args(argv=None):

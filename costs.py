@@ -348,6 +348,8 @@ class GPU:
     per_node: int = 8
     alpha_intra: float = 5e-6
     alpha_inter: float = 10e-6
+    attention: float = 0.0  # the attention core's FLOP/s (cpu: its SDPA kernel's, measured; 0: at the GEMM rate)
+    op: float = 0.0  # seconds an eager op costs besides its work (cpu: measured; 0 on GPUs: kernels queue ahead)
 
 
 # Data sheets (DESIGN.md §12 lists them): NVIDIA A100 80GB SXM (312 TFLOP/s bf16/fp16 dense, HBM2e 2,039 GB/s, NVLink
@@ -363,23 +365,51 @@ GEMM_EFFICIENCY = 0.71
 HBM_PASSES = 2.45
 
 
-def cpu_gpu(seconds: float = 0.3) -> GPU:
+def cpu_gpu(seconds: float = 0.3, attention_shape=(8, 8, 128, 32), clock=time.perf_counter) -> GPU:
     """This machine as a GPU, measured here with torch's threads: peak = a 2048³ fp32 GEMM's best rate / GEMM_EFFICIENCY
-    (bench/bench_gemm.py's peak), memory bandwidth = a 64 MB copy's, all of RAM. Its links are gloo over loopback:
-    ~0.4 GB/s and ~1 ms a message, as bench/README measured ("One process vs DP 2 vs TP 2", "Pipeline bubble")."""
-    def rate(f, work):  # the best of short bursts: a ceiling, less hurt by other processes on a shared machine
-        f()
-        best, end = 0.0, time.perf_counter() + seconds / 2
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            f()
-            best = max(best, work / (time.perf_counter() - t0))
-        return best
+    (bench/bench_gemm.py's peak), memory bandwidth = a 64 MB copy's, all of RAM; the attention core's rate
+    (attention_rate at [b, heads, s, d]) and an eager op's cost (op_cost); clock: time.thread_time for one thread's
+    own time, which other processes' time slices on a loaded machine leave out. Its links are gloo over loopback: ~0.4 GB/s
+    and ~1 ms a message, as bench/README measured ("One process vs DP 2 vs TP 2", "Pipeline bubble")."""
     a, x, y = torch.randn(2048, 2048), torch.empty(2 ** 24), torch.empty(2 ** 24)
-    gemm, copy = rate(lambda: a @ a, 2 * 2048 ** 3), rate(lambda: y.copy_(x), 2 * 4 * 2 ** 24)
+    gemm, copy = (best_rate(f, work, seconds, clock) for f, work in ((lambda: a @ a, 2 * 2048 ** 3),
+                                                                      (lambda: y.copy_(x), 2 * 4 * 2 ** 24)))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return GPU("cpu", gemm / GEMM_EFFICIENCY, copy, ram, 0.4e9, 0.4e9, per_node=os.cpu_count() or 1,
-               alpha_intra=1e-3, alpha_inter=1e-3)
+               alpha_intra=1e-3, alpha_inter=1e-3, attention=attention_rate(*attention_shape, seconds, clock),
+               op=op_cost(seconds, clock))
+
+
+def best_rate(f, work: float, seconds: float, clock=time.perf_counter) -> float:
+    """work / the best time of f (on `clock`) over `seconds` of short bursts: a ceiling, less hurt by other processes."""
+    f()
+    best, end = 0.0, time.perf_counter() + seconds / 2
+    while time.perf_counter() < end:
+        t0 = clock()
+        f()
+        best = max(best, work / max(clock() - t0, 1e-9))
+    return best
+
+
+def attention_rate(b: int, heads: int, s: int, d: int, seconds: float = 0.3, clock=time.perf_counter) -> float:
+    """FLOP/s of the causal attention core (torch's SDPA, forward and backward), counted as step_time counts it: 3x
+    the forward's 4·b·s·(s/2)·heads·d."""
+    q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
+    core = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    return best_rate(core, 3 * 4 * b * s * s / 2 * heads * d, seconds, clock)
+
+
+def op_cost(seconds: float = 0.3, clock=time.perf_counter, links: int = 50) -> float:
+    """Seconds per eager op: a chain of `links` tiny silu(y·1.01) through autograd, forward and backward, over its
+    4·links + 4 top-level aten ops (mul, silu, and in backward mul, silu_backward each; sum, ones_like, expand, add_)."""
+    w = torch.ones(8, requires_grad=True)
+
+    def chain():
+        y = w
+        for _ in range(links):
+            y = torch.nn.functional.silu(y * 1.01)
+        y.sum().backward()
+    return 1 / best_rate(chain, 4 * links + 4, seconds, clock)
 
 
 def flops_per_iteration(c, layout: Layout, causal: bool = True) -> float:
@@ -425,6 +455,9 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | 
     layer = (dense * passes + core * sel) / (t * gpu.peak * GEMM_EFFICIENCY) + \
         HBM_PASSES * (acts * passes + scores * sel) / gpu.hbm
     logits = (6 * b * s * h * V / t) / (gpu.peak * GEMM_EFFICIENCY) + HBM_PASSES * 3 * b * s * V / t * 4 / gpu.hbm
+    if gpu.attention:  # the core at its kernel's own rate, not the GEMMs'
+        layer += core * (passes + sel) / t * (1 / gpu.attention - 1 / (gpu.peak * GEMM_EFFICIENCY))
+    layer, logits = layer + EAGER_OPS["layer"] * gpu.op, logits + EAGER_OPS["micro_batch"] * gpu.op
     # tensor parallelism: 2 all-reduces per layer forward, 2 backward, 2 more recomputing (SP: a reduce-scatter and
     # an all-gather each, the same volume, and one more all-gather per column-parallel linear in backward)
     intra_t = t <= gpu.per_node
@@ -468,14 +501,51 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | 
         dp = m * per_mb_comm + ag * (not zero3)
         first = ag / (L / p) if zero3 else ag  # what no compute hides: the first layer's gather, or the last all-gather
         dp_exposed = m * max(0.0, per_mb_comm - per_mb) + first if hide else dp
-    # the optimizer step: Adam reads and writes ~30 bytes a parameter (fp32 master, grad, moments; the 16-bit copy)
-    optimizer = 30 * n_params / (d if lo.distributed_optimizer or lo.sharding != "no_shard" else 1) / gpu.hbm
+    optimizer = optimizer_time(c, lo, gpu, n_params)
     total = compute + bubble + pp_comm + dp_exposed + optimizer
     counted = flops_per_iteration(c, lo, causal=not paper)
     return {"seconds_per_iteration": total, "tflops_per_gpu": counted / total / lo.world / 1e12,
             "flops": counted, "compute": compute, "bubble": bubble, "bubble_fraction": (p - 1) / (m * v),
             "tp_comm": m * L / p * tp_layer, "cp_comm": m * L / p * cp_layer, "ep_comm": m * moe_layers / p * ep_layer,
             "pp_comm": pp_comm, "dp_comm": dp, "dp_exposed": dp_exposed, "optimizer": optimizer}
+
+
+# Eager PyTorch (a device with op > 0: this CPU) runs each op alone: a fixed cost each and a pass over its operands.
+# Top-level aten ops, counted with torch.profiler on train.py's steps (DESIGN.md §12): a layer's forward and backward,
+# a micro-batch's rest (embedding, output layer, loss, the step's own), per tensor the step of AdamW and of Muon, the
+# clip and zero_grad. Bytes an element, read + written (fp32), of the eager optimizer: torch's single-tensor AdamW
+# (mul_ 8, lerp_ 12, mul_ + addcmul_ 24, sqrt, div, add_ 24, addcdiv_ 16); the clip's fp64 square-sum (36), its scaling
+# (8) and zero_grad (4); Muon on its shard (momentum 20, Nesterov's update 20, weight decay 8, the update 12) and the
+# whole matrix (the normalization 12, each Newton-Schulz step's three elementwise passes 20, the scale 8).
+EAGER_OPS = {"layer": 145, "micro_batch": 99, "adam": 10, "clip": 10, "muon": 60}
+EAGER_BYTES = {"adam": 84, "clip": 48, "muon_shard": 60, "muon_whole": 20 + 20 * 5}
+NS_STEPS = 5  # Muon's Newton-Schulz iterations (parallel.Muon's and Megatron's default)
+
+
+def optimizer_time(c, lo: Layout, gpu: GPU, n_params: int) -> float:
+    """The optimizer step on the rank with the most parameters: Adam fused (a GPU) reads and writes ~30 bytes a
+    parameter (fp32 master, grad, moments; the 16-bit copy); eager (op > 0) each op a pass (EAGER_BYTES) and a fixed
+    cost (EAGER_OPS). Muon: the Newton-Schulz GEMMs of each whole hidden matrix [m, n], m <= n, NS_STEPS x (4·m²·n +
+    2·m³) at the GEMM rate (every rank orthogonalizes whole matrices), its TP shards all-gathered first
+    (parallel.orthogonalized)."""
+    shard = lo.dp if lo.distributed_optimizer or lo.sharding != "no_shard" else 1
+    if lo.optimizer != "muon" and not gpu.op:
+        return 30 * n_params / shard / gpu.hbm
+    r = max({0, lo.pp - 1}, key=lambda r: sum(p.numel for p in stage_parameters(c, lo, r)))
+    ps, whole = stage_parameters(c, lo, r), stage_parameters(c, dataclasses.replace(lo, tp=1), r)  # (same order)
+    mats = [(p.numel, w.numel) for p, w in zip(ps, whole) if p.muon and lo.optimizer == "muon"]
+    h, by, n = c.hidden_size, BYTES[lo.dtype], sum(p.numel for p in ps)
+    sides = [sorted((h, k // h)) for _, k in mats]  # each as [h, numel/h] (dense layers'; MLA's, MoE's an estimate)
+    ns = sum(NS_STEPS * (4 * m * m * k + 2 * m ** 3) for m, k in sides) / (gpu.peak * GEMM_EFFICIENCY)
+    tbw, talpha = (gpu.nvlink, gpu.alpha_intra) if lo.tp <= gpu.per_node else (gpu.ib, gpu.alpha_inter)
+    gather = sum(allreduce_time(k * by, lo.tp, tbw, talpha) / 2 for _, k in mats)
+    adam = n - sum(k for k, _ in mats)  # AdamW's elements
+    if not gpu.op:
+        return 30 * n / shard / gpu.hbm + ns + gather
+    E, O = EAGER_BYTES, EAGER_OPS
+    moved = E["adam"] * adam / shard + E["clip"] * n + sum(E["muon_shard"] * k + E["muon_whole"] * w for k, w in mats)
+    ops = O["adam"] * (len(ps) - len(mats)) + O["clip"] * len(ps) + O["muon"] * len(mats)
+    return moved / gpu.hbm + ops * gpu.op + ns + gather
 
 
 def params_per_rank(c, layout: Layout) -> int:

@@ -1,14 +1,16 @@
 """The time model on this CPU: costs.step_time's predicted step time, communication and pipeline bubble against a real
-train.py run of DP 2, TP 2 and PP 2 (bench/bench_scaling.py's measure: torchrun, gloo, one thread a rank, every
-collective inside train.train_step timed). The prediction's GPU is costs.cpu_gpu() on one thread (as a rank has),
+train.py run of one process, DP 2, TP 2 and PP 2 (bench/bench_scaling.py's measure: torchrun, gloo, one thread a rank,
+every collective inside train.train_step timed). The prediction's GPU is costs.cpu_gpu() on one thread (as a rank has),
 its GEMM rate that of the rank's own GEMM shapes (bench/bench_gemm.py's ceiling, split over TP), gloo over loopback
 as every link (bandwidth and latency as bench/README measured them); the DP reduction not overlapped (train.py's
-default: no --overlap-grad-reduce).
+default: no --overlap-grad-reduce); the optimizer the run's (the default GPT's Muon). Every rate is measured on the
+thread's own clock (time.thread_time), as is the rank's step in the "work" columns: on a machine other processes load,
+the wall time holds their time slices; the work the model predicts besides communication and bubble should not.
 What a measured collective's time holds: its transfer and the wait for the other rank — for PP 2 the bubble is in it
 (a stage waits in recv), so PP's column compares predicted sends + bubble with it. Megatron's counterpart: none (its
 papers' Table 1 is the GPU check, tests/test_costs_time.py).
 
-    .venv/bin/python bench/bench_costs.py --iters 8        (~2 min: 3 runs of ~30 s, set-up included)
+    .venv/bin/python bench/bench_costs.py --iters 8        (~2-3 min: 4 runs of ~30 s, set-up included)
     .venv/bin/python bench/bench_costs.py --table1         (Narayanan et al. 2021's Table 1 against the model: ~5 s)
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +37,7 @@ from config import model_file  # noqa: E402
 
 # name -> (processes, train.py flags); PP 2 with micro-batches of 4: m = 4, a bubble of (p-1)/m = 1/4
 bench_scaling.LAYOUTS.update(pp2=(2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4"]))
-NAMES = ["dp2", "tp2", "pp2"]
+NAMES = ["single_1t", "dp2", "tp2", "pp2"]  # single_1t: one process on one thread, a rank's share
 
 
 def parse_args(argv=None):
@@ -53,14 +56,14 @@ def parse_args(argv=None):
 
 def gemm_ceiling(c, tokens: int, tp: int) -> float:
     """FLOP/s of one rank's weight GEMMs at their shapes (bench_gemm.model_gemms, split over TP: column-parallel
-    linears' outputs, row-parallel ones' inputs), timed here on one thread, FLOP-weighted."""
+    linears' outputs, row-parallel ones' inputs), timed here on one thread (its own time), FLOP-weighted."""
     col, axis = ("linear_qkv", "linear_fc1", "output_layer"), {"fwd": "kn", "dgrad": "nk", "wgrad": "nm"}
     flops = secs = 0.0
     for g in bench_gemm.model_gemms(c, tokens, 1):
         name, kind = g.name.split()
         split = axis[kind][name in col]  # the dimension TP divides
         g = g._replace(**{split: getattr(g, split) // tp})
-        flops, secs = flops + g.flops * g.count, secs + bench_gemm.time_gemm(g, 1, 5) * g.count
+        flops, secs = flops + g.flops * g.count, secs + bench_gemm.time_gemm(g, 1, 5, time.thread_time) * g.count
     return flops / secs
 
 
@@ -73,9 +76,12 @@ def predicted(name: str, a, gpu: costs.GPU) -> dict:
     dp = 2 if name == "dp2" else 1
     lo = costs.Layout(args.seq_length, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dp=dp,
                       micro_batch=args.micro_batch_size if name == "pp2" else a.global_batch // dp,
-                      global_batch=a.global_batch, recompute=args.recompute_granularity, dtype="fp32")
+                      global_batch=a.global_batch, recompute=args.recompute_granularity, optimizer=args.optimizer,
+                      dtype="fp32")
     rate = gemm_ceiling(c, lo.micro_batch * lo.seq, lo.tp)
-    return costs.step_time(c, lo, dataclasses.replace(gpu, peak=rate / costs.GEMM_EFFICIENCY),
+    core = costs.attention_rate(lo.micro_batch, c.num_attention_heads // lo.tp, lo.seq, c.kv_channels, 0.5,
+                                time.thread_time)
+    return costs.step_time(c, lo, dataclasses.replace(gpu, peak=rate / costs.GEMM_EFFICIENCY, attention=core),
                            overlap=args.overlap_grad_reduce) | {"gemm_rate": rate}
 
 
@@ -104,8 +110,10 @@ def main():
         return table1()
     print(f"command: .venv/bin/python bench/bench_costs.py {shlex.join(sys.argv[1:])}".rstrip())
     torch.set_num_threads(1)  # a rank's share: torchrun gives each one thread
-    gpu = costs.cpu_gpu(1.0)
-    print(f"this CPU on one thread: {gpu.peak * costs.GEMM_EFFICIENCY / 1e9:.1f} GFLOP/s fp32 GEMM (measured); "
+    gpu = costs.cpu_gpu(1.0, clock=time.thread_time)
+    print(f"this CPU on one thread: {gpu.peak * costs.GEMM_EFFICIENCY / 1e9:.1f} GFLOP/s fp32 GEMM, {gpu.hbm / 1e9:.1f} "
+          f"GB/s copy, attention core {gpu.attention / 1e9:.1f} GFLOP/s, {gpu.op * 1e6:.1f} µs an eager op (measured, "
+          "on its own time); "
           f"load average {os.getloadavg()[0]:.1f} at the start")
     scaling = argparse.Namespace(iters=a.iters, warmup=a.warmup, global_batch=a.global_batch, train_args=a.train_args)
     rows = []
@@ -113,14 +121,17 @@ def main():
         for name in a.layouts:
             m, p = bench_scaling.measure(name, scaling, Path(tmp)), predicted(name, a, gpu)
             comm = p["dp_exposed"] + p["tp_comm"] + p["pp_comm"] + p["bubble"]
+            work = p["seconds_per_iteration"] - comm  # what the rank's own thread does
             rows.append(f"| {name} | {p['gemm_rate'] / 1e9:.1f} | {p['seconds_per_iteration']:.3f} | {m['step_s']:.3f} | "
-                        f"{p['seconds_per_iteration'] / m['step_s'] - 1:+.0%} | {comm:.3f} (bubble {p['bubble']:.3f}) "
-                        f"| {m['collective_s']:.3f} |")
+                        f"{p['seconds_per_iteration'] / m['step_s'] - 1:+.0%} | {work:.3f} (optimizer "
+                        f"{p['optimizer']:.3f}) | {m['cpu_s']:.3f} | {work / m['cpu_s'] - 1:+.0%} | {comm:.3f} (bubble "
+                        f"{p['bubble']:.3f}) | {m['collective_s']:.3f} |")
             print(f"  {name}: {m['wall']:.0f} s", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end; medians over iterations {a.warmup + 1}-{a.iters}, the "
-          "slower rank's\n")
-    print("| layout | GEMM GFLOP/s at its shapes | predicted s / iteration | measured | error | predicted communication "
-          "+ bubble s | measured in collectives s |\n|---|---|---|---|---|---|---|")
+          "slower rank's (on the rank's thread: the best of them)\n")
+    print("| layout | GEMM GFLOP/s at its shapes | predicted s / iteration | measured | error | predicted work s | "
+          "measured on the rank's thread s | error | predicted communication + bubble s | measured in collectives s |"
+          "\n|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

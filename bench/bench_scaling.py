@@ -78,7 +78,7 @@ def _timed(f, clock):
 
 def worker(out_dir: str, train_argv: list[str]):
     """One rank: train.main(train_argv) with every collective timed and counted inside train_step; writes
-    OUT/rank{R}.json = {threads, steps: [{secs, collective_secs, bytes}]}."""
+    OUT/rank{R}.json = {threads, steps: [{secs, cpu_secs, collective_secs, bytes}]}."""
     import torch
     import torch.distributed as dist
 
@@ -94,13 +94,14 @@ def worker(out_dir: str, train_argv: list[str]):
 
     def timed_step(run, it):
         clock["secs"] = 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with P.count_collectives() as log:
             out = step(run, it)
         kinds = {}
         for kind, _, b in log:
             kinds[kind] = kinds.get(kind, 0) + b
-        steps.append(dict(secs=time.perf_counter() - t0, collective_secs=clock["secs"], bytes=kinds))
+        steps.append(dict(secs=time.perf_counter() - t0, cpu_secs=time.thread_time() - c0, collective_secs=clock["secs"],
+                          bytes=kinds))
         return out
     train.train_step = timed_step  # (train.loop looks it up at each call)
     if os.environ.get("BENCH_SCALING_THREADS"):  # single_1t: parallel.init_distributed's set_num_threads(cores) held to this
@@ -113,7 +114,8 @@ def worker(out_dir: str, train_argv: list[str]):
 
 # ---------------------------------------------------------------------------------------------- the driver
 def measure(name: str, a, tmp: Path) -> dict:
-    """Run one layout; {tokens_per_s (metrics.jsonl's median), step_s, collective_s, bytes, threads, wall}."""
+    """Run one layout; {tokens_per_s (metrics.jsonl's median), step_s, cpu_s (the best iteration's time on the
+    slower rank's own thread: what other processes' time slices leave out), collective_s, bytes, threads, wall}."""
     import arguments
     nproc, flags = LAYOUTS[name]
     extra = shlex.split(a.train_args)
@@ -143,7 +145,9 @@ def measure(name: str, a, tmp: Path) -> dict:
                              for i in counted)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["iteration"] > a.warmup]
-    return dict(tokens_per_s=statistics.median(tps), step_s=med("secs"), collective_s=med("collective_secs"),
+    best = min(max(rk["steps"][i]["cpu_secs"] for rk in ranks) for i in counted)  # as a rate's best burst
+    return dict(tokens_per_s=statistics.median(tps), step_s=med("secs"), cpu_s=best,
+                collective_s=med("collective_secs"),
                 bytes=logged, wire=wire, threads=ranks[0]["threads"], wall=wall)
 
 

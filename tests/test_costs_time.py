@@ -14,15 +14,20 @@ ranks the paper's (TP, PP) among its top three in at least 8 of the 10 rows.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import costs
 import gpt
 import tools
+import train
 
 # params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU
 TABLE1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
@@ -261,3 +266,97 @@ def test_plan_on_this_cpu(capsys):
     assert layouts and all(x["tensor_model_parallel_size"] * x["pipeline_model_parallel_size"]
                            * x["data_parallel_size"] * x["context_parallel_size"] == 2 for x in layouts)
     assert all(0 < x["memory_bytes"] < 1e9 and x["seconds_per_iteration"] > 0 for x in layouts)
+
+
+# ---------------------------------------------------------------------------------------------- this CPU's terms
+TOY = gpt.Config(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=256,
+                 gated_linear_unit=False, activation="gelu", max_position_embeddings=32)
+# GEMMs at 1 GFLOP/s, 1 GB/s, the attention core at 0.1 GFLOP/s, 10 µs an eager op
+EAGER = costs.GPU("toy", 1e9 / costs.GEMM_EFFICIENCY, 1e9, 1e12, 1e9, 1e9, attention=1e8, op=1e-5)
+
+
+def test_hand_worked_eager_terms():
+    """The toy GPT (2 layers, h 64, 4 heads of 16, ffn 256, LayerNorm and biases, tied embeddings), s 32, b 2, m 2,
+    under Muon on the EAGER device, by hand: the attention core at its own rate and the eager ops' cost in the compute,
+    and the optimizer step's GEMMs, bytes and ops (DESIGN.md §12)."""
+    lo = costs.Layout(32, micro_batch=2, global_batch=4, optimizer="muon")
+    r, plain = (costs.step_time(TOY, lo, g) for g in (EAGER, dataclasses.replace(EAGER, attention=0, op=0)))
+    core = 4 * 2 * 32 * 16 * 4 * 16  # QKᵀ and PV forward, causal: 4·b·s·(s/2)·a·d
+    per_layer = 3 * core * (1 / 1e8 - 1 / 1e9) + 145 * 1e-5  # 3 passes at the core's rate, not the GEMMs'; 145 ops
+    assert r["compute"] - plain["compute"] == pytest.approx(2 * (2 * per_layer + 99 * 1e-5), rel=1e-12)
+    # the parameters: embeddings 256·64 + 32·64; a layer's LayerNorms 4·64, QKV 64x192 + 192, projection 64x64 + 64,
+    # fc1 256x64 + 256, fc2 64x256 + 64; the final LayerNorm 2·64: 28 tensors, 8 of them Muon's matrices
+    mats = [(64, 192), (64, 64), (64, 256), (64, 256)] * 2  # each [m, n], m <= n
+    n, muon = 256 * 64 + 32 * 64 + 2 * (4 * 64 + 192 + 64 + 256 + 64) + 2 * 64 + sum(m * k for m, k in mats), \
+        sum(m * k for m, k in mats)
+    assert (n, muon) == (118528, 98304)
+    ns = sum(5 * (4 * m * m * k + 2 * m ** 3) for m, k in mats) / 1e9  # 5 Newton-Schulz steps at 1 GFLOP/s
+    moved = (84 * (n - muon) + 48 * n + (60 + 120) * muon) / 1e9  # AdamW, clip + zero_grad, Muon: bytes at 1 GB/s
+    ops = (10 * 20 + 10 * 28 + 60 * 8) * 1e-5
+    assert r["optimizer"] == pytest.approx(ns + moved + ops, rel=1e-12) == pytest.approx(0.18148352, rel=1e-12)
+    # TP 2: each matrix's update all-gathered whole before its Newton-Schulz: 8 x (α + N/(2β)), N its fp32 bytes
+    tp2 = dataclasses.replace(lo, tp=2)
+    fast = dataclasses.replace(EAGER, nvlink=math.inf, alpha_intra=0)
+    gather = costs.step_time(TOY, tp2, EAGER)["optimizer"] - costs.step_time(TOY, tp2, fast)["optimizer"]
+    assert gather == pytest.approx(8 * 5e-6 + 4 * muon / 2 / 1e9, rel=1e-9)
+    # a GPU (fused, no per-op cost): AdamW's 30 bytes a parameter as before, plus Muon's GEMMs at the GEMM rate
+    a100 = costs.step_time(TOY, lo, A100)["optimizer"]
+    assert a100 == pytest.approx(30 * n / A100.hbm + ns * 1e9 / (A100.peak * costs.GEMM_EFFICIENCY), rel=1e-12)
+
+
+RUN = ["--num-layers", "2", "--micro-batch-size", "4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+       "--vocab-size", "8192", "--eval-iters", "0"]  # the default GPT's shape (h 256, s 128, Muon), 2 layers
+
+
+def check_band(ratio: float, low: float = 0.75, high: float = 1.33):
+    assert low <= ratio <= high, f"predicted / measured step time {ratio:.2f} outside [{low}, {high}]"
+
+
+def test_predicted_cpu_step_against_a_real_one(tmp_path, monkeypatch):
+    """A real train.py step on one thread (its own time: time.thread_time, which other processes' time slices on a
+    loaded machine leave out) against costs.step_time with this CPU's rates measured in the same seconds on the same
+    clock; the top-level aten ops the step dispatches against EAGER_OPS' count. Negative control: the model without
+    this CPU's terms (the core at the GEMM rate, no per-op cost, Adam's fused 30 bytes, no Newton-Schulz) is too fast."""
+    spec = importlib.util.spec_from_file_location("bench_costs", Path(__file__).parent.parent / "bench" / "bench_costs.py")
+    bench_costs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_costs)  # (its GEMM ceiling at the model's shapes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (train.setup sets the cores')
+    try:
+        run = train.setup(train.parse(["--save", str(tmp_path / "run"), *RUN]))
+        for it in range(2):  # warm-up
+            train.train_step(run, it)
+        with torch.profiler.profile() as prof:
+            train.train_step(run, 2)
+        spent = []
+        for it in range(3, 6):
+            t0 = time.thread_time()
+            train.train_step(run, it)
+            spent.append(time.thread_time() - t0)
+        run.log.close()
+        a, c = run.args, run.config
+        lo = costs.Layout(a.seq_length, micro_batch=a.micro_batch_size, global_batch=a.global_batch_size,
+                          optimizer=a.optimizer, dtype="fp32")
+        gpu = costs.cpu_gpu(0.2, (lo.micro_batch, c.num_attention_heads, lo.seq, c.kv_channels), time.thread_time)
+        gpu = dataclasses.replace(gpu, peak=bench_costs.gemm_ceiling(c, lo.micro_batch * lo.seq, 1)
+                                  / costs.GEMM_EFFICIENCY)
+    finally:
+        monkeypatch.undo()
+        torch.set_num_threads(threads)
+    measured = min(spent)  # the best of three, as each rate is the best of its bursts
+    check_band(costs.step_time(c, lo, gpu)["seconds_per_iteration"] / measured)
+    ps = costs.stage_parameters(c, lo, 0)
+    mats = sum(p.muon for p in ps)
+    O = costs.EAGER_OPS
+    expected = 2 * O["layer"] + O["micro_batch"] + O["adam"] * (len(ps) - mats) + O["clip"] * len(ps) + O["muon"] * mats
+
+    def toplevel(e):
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith("aten::"):
+            p = p.cpu_parent
+        return p is None and e.name.startswith("aten::")
+    assert sum(map(toplevel, prof.events())) == pytest.approx(expected, rel=0.1)
+    old = costs.step_time(c, dataclasses.replace(lo, optimizer="adam"), dataclasses.replace(gpu, attention=0, op=0))
+    with pytest.raises(AssertionError, match="outside"):
+        check_band(old["seconds_per_iteration"] / measured)

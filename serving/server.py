@@ -25,7 +25,6 @@ Run:    make serve
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -47,6 +46,7 @@ from fastapi.responses import StreamingResponse
 
 import checkpoint
 import data
+from arguments import ArgumentParser
 from config import ConfigError
 from interop import tokenizer_files
 from posttraining import quantization, recipes
@@ -458,7 +458,7 @@ def make_app(loop: Loop, name: str, tok, context: int, image=None) -> FastAPI:
 
 # ---------------------------------------------------------------------------------------------- the command
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Serve a saved run behind an OpenAI-compatible HTTP API (serving/server.py).")
+    p = ArgumentParser(description="Serve a saved run behind an OpenAI-compatible HTTP API (serving/server.py).")
     p.add_argument("--load", required=True, help="the run to serve (a directory train.py saved into)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
@@ -481,7 +481,19 @@ def parse_args(argv=None):
     p.add_argument("--enable-prefix-caching", action="store_true", help="keep full KV blocks under their token "
                    "prefix, for later requests that begin alike (a shared system prompt computed once; not for "
                    "models with recurrent layers)")
+    p.add_argument("--check-only", action="store_true", help="check the flags, the run and its layout for a world "
+                   "of WORLD_SIZE, and the port, in this one process; no weights read (make serve runs it before "
+                   "torchrun)")
     return p.parse_args(argv)
+
+
+def servable(run, a):
+    """Refuse a run (its model None under --check-only) that this server cannot serve as asked."""
+    if run.model_file.sample_ids is None and run.model_file.image_inputs is None:
+        raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot be served: only a causal language "
+                          "model generates (its model file declares no sample_ids or image_inputs)")
+    if a.enable_prefix_caching:
+        run.model_file.refuse("prefix_caching", "--enable-prefix-caching")
 
 
 def fail_fast(fn):
@@ -504,6 +516,9 @@ def main(argv=None):
     if tp < 1 or ep < 1 or tp * ep != world:
         raise ConfigError(f"--tensor-model-parallel-size {tp} x --expert-model-parallel-size {ep} must equal the "
                           f"world size {world} (torchrun --nproc_per_node)")
+    for flag, v in (("--max-batch", a.max_batch), ("--block-size", a.block_size), ("--num-blocks", a.num_blocks)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be >= 1")
     if a.max_num_batched_tokens < a.max_batch:  # (vLLM's check: every running request decodes a token a step)
         raise ConfigError(f"--max-num-batched-tokens ({a.max_num_batched_tokens}) must be greater than or equal to "
                           f"--max-batch ({a.max_batch}, vLLM's max_num_seqs)")
@@ -517,6 +532,9 @@ def main(argv=None):
             except OSError as e:
                 raise ConfigError(f"--host {a.host} --port {a.port}: cannot listen there ({e.strerror or e}): another "
                                   "server on that port? pass --port N") from None
+    if a.check_only:  # (make serve runs this in one process before torchrun starts the ranks)
+        servable(checkpoint.load_model(a.load, tp=tp, ep=ep, reward_model=False, build=False), a)
+        return 0
     if world > 1:
         dist.init_process_group("gloo")
         if rank:  # the ranks follow rank 0, which stops them itself after draining
@@ -525,11 +543,7 @@ def main(argv=None):
     else:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     run = checkpoint.load_model(a.load, tp=tp, ep=ep, reward_model=False)
-    if run.model_file.sample_ids is None and run.model_file.image_inputs is None:
-        raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot be served: only a causal language "
-                          "model generates (its model file declares no sample_ids or image_inputs)")
-    if a.enable_prefix_caching:
-        run.model_file.refuse("prefix_caching", "--enable-prefix-caching")
+    servable(run, a)
     if a.quantization:  # weight-only (vLLM's --quantization): the linears' weights replaced by codes and scales
         full = quantization.linear_weight_bytes(run.model)
         held = quantization.quantize_linears(run.model, a.quantization, quantization.SERVING)

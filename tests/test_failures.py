@@ -5,6 +5,7 @@
   - fp16 stuck at --min-loss-scale stops; --skip-nonfinite-steps skips and counts instead; the check can be turned off;
   - every numeric flag's range, and `tools.py sample`'s arguments, are checked with one line before any work
     (under torchrun printed once, without argparse's usage); a model's own checks come before the data is built;
+    `make train` and `make serve` at NPROC > 1 check in one process before torchrun (the error is the first line);
   - an empty validation split says so; every model's default flags take TP=2.
 The NaN runs use --lr 1e6: the first step blows the weights up, a later iteration's gradient norm is NaN.
 """

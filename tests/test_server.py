@@ -5,12 +5,14 @@
     each get their own prompt's answer; and the same at TP 2 (torchrun, two ranks in lock-step, rank 0 answering); the
     loop on warm ranks (TP 2, EP 2, a Mamba hybrid, TP 2 with preemption, with prefix caching, a hybrid with chunked
     prefill) gives the oracle's tokens;
-  - streaming (server-sent events): the deltas join into the non-streamed text; the usage chunk counts the tokens;
+  - streaming (server-sent events): the deltas join into the non-streamed text; the usage chunk counts the tokens; a
+    list of prompts streams interleaved, each index's text the non-streamed choice's (one usage chunk, one [DONE]);
   - stop strings cut the text before the first stop and end the request with finish_reason "stop"; a seeded sampled
     request is reproducible and n=2 gives two choices;
   - bad requests get a 400 in OpenAI's error shape (an unknown model, a prompt longer than the context, a negative
     max_tokens, a wrong type, malformed JSON, an empty message list, a token id = the vocabulary size) and the
-    server answers the next request; a non-streamed usage's total_tokens is prompt + completion;
+    server answers the next request; a non-streamed usage's total_tokens is prompt + completion; an image_url part
+    is refused by a text-only run (tests/test_server_images.py serves images to a LLaVA run);
   - echo with logprobs scores each prompt token as a full forward's log-softmax (also at TP 2), in vLLM's shape, for
     a batch of token-id prompts as lm-eval sends it; lm-eval's remote tokenizer reads the server's;
   - the engine loop keeps nothing of a request once it has ended (by length, stop, refusal or its client's abort);

@@ -358,9 +358,12 @@ def make_app(loop: Loop, name: str, tok, context: int, image=None) -> FastAPI:
 
     def sse(chunks) -> StreamingResponse:
         async def lines():
-            async for c in chunks:
-                yield f"data: {json.dumps(c)}\n\n"
-            yield "data: [DONE]\n\n"
+            try:
+                async for c in chunks:
+                    yield f"data: {json.dumps(c)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # (a client gone: its requests aborted now, not when the garbage collector finds them)
+                await chunks.aclose()
         return StreamingResponse(lines(), media_type="text/event-stream")
 
     async def interleaved(streams, n: int):

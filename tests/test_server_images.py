@@ -59,6 +59,11 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def loaded(run):
+    return checkpoint.load_model(run)
+
+
+@pytest.fixture(scope="module")
 def server(run):
     s = Server(run)
     yield s
@@ -66,11 +71,10 @@ def server(run):
         s.stop()
 
 
-def oracle(run, raw: bytes, low: float = -1.0) -> str:
+def oracle(loaded, raw: bytes, low: float = -1.0) -> str:
     """The greedy answer to message(raw's image) in one process: the prompt's ids by hand, the PNG's pixels scaled
     to [low, 1], the whole forward each step; it stops at the chat's stop ids (and at an image token, which the
     server never feeds back)."""
-    loaded = checkpoint.load_model(run)
     model, tok, c = loaded.model.eval(), loaded.tok, loaded.model.config
     enc = lambda text: tok.encode(text, add_special_tokens=False).ids
     ids = (enc(recipes.CHAT_TEMPLATE["user"]) + [c.image_token_index] * c.num_image_tokens + enc(QUESTION + "\n")
@@ -92,13 +96,13 @@ def chat(server, messages) -> str:
     return r.choices[0].message.content
 
 
-def test_an_image_part_is_the_one_process_answer(server, run):
+def test_an_image_part_is_the_one_process_answer(server, loaded):
     a, b = png(3), png(11)
     got = chat(server, message(data_url(a)))
-    assert got == oracle(run, a)
-    assert oracle(run, b) != got, "another picture, the same answer: the image does not reach the model"
-    assert oracle(run, a, low=0.0) != got, "pixels in [0, 1], the same answer: the scaling is not checked"
-    assert chat(server, message(data_url(b))) == oracle(run, b)
+    assert got == oracle(loaded, a)
+    assert oracle(loaded, b) != got, "another picture, the same answer: the image does not reach the model"
+    assert oracle(loaded, a, low=0.0) != got, "pixels in [0, 1], the same answer: the scaling is not checked"
+    assert chat(server, message(data_url(b))) == oracle(loaded, b)
 
 
 @pytest.mark.parametrize("url, why", [
@@ -115,11 +119,11 @@ def test_a_bad_image_gets_400_and_the_server_goes_on(server, url, why):
     assert chat(server, [{"role": "user", "content": "hi"}]) is not None  # still serving
 
 
-def test_two_images_and_a_bare_image_token_are_refused(server, run):
+def test_two_images_and_a_bare_image_token_are_refused(server, loaded):
     two = message(data_url(png(3)), {"type": "image_url", "image_url": {"url": data_url(png(4))}})
     status, err = server.post("chat/completions", json.dumps({"model": "llava", "messages": two}).encode())
     assert status == 400 and "at most 1 image" in err["error"]["message"], err
-    image_id = checkpoint.load_model(run).model.config.image_token_index
+    image_id = loaded.model.config.image_token_index
     status, err = server.post("completions", json.dumps({"model": "llava", "prompt": [5, image_id]}).encode())
     assert status == 400 and err["error"]["param"] == "prompt" and "stand for an image" in err["error"]["message"]
-    assert chat(server, message(data_url(png(3)))) == oracle(run, png(3))  # still serving
+    assert chat(server, message(data_url(png(3)))) == oracle(loaded, png(3))  # still serving

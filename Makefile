@@ -62,9 +62,12 @@ sample: $(STAMP)
 	$(PY) tools.py sample --load $(RUN) $(if $(filter undefined,$(origin PROMPT)),,--prompt "$(PROMPT)") $(ARGS)
 
 # An OpenAI-compatible HTTP server for the run in RUN (serving/server.py; port 8000 unless ARGS="--port N"; NPROC=2 TP=2 serves
-# it at TP 2); Ctrl-C or SIGTERM stops it after the requests in flight are answered
+# it at TP 2); Ctrl-C or SIGTERM stops it after the requests in flight are answered. NPROC > 1: the flags, the run, its
+# layout and the port are checked in one process first (--check-only), so a mistake is one line before torchrun starts.
+SERVE   := tools.py serve --load $(RUN) --tensor-model-parallel-size $(TP) $(ARGS)
 serve: $(STAMP)
-	$(LAUNCH) tools.py serve --load $(RUN) --tensor-model-parallel-size $(TP) $(ARGS)
+	@$(if $(filter 1,$(NPROC)),:,WORLD_SIZE=$(NPROC) $(PY) $(SERVE) --check-only)
+	$(LAUNCH) $(SERVE)
 
 # lm-evaluation-harness on the tasks evaluation/tasks/ ships: the run in RUN served (as make serve serves it; NPROC=2:
 # at TP 2 under torchrun) for the evaluation, then stopped; results in $(RUN).eval.json and one table printed

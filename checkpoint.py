@@ -611,14 +611,15 @@ class Loaded(NamedTuple):
 
 
 def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: int = 1, ep: int = 1,
-               reward_model: bool | None = None) -> Loaded:
+               reward_model: bool | None = None, build: bool = True) -> Loaded:
     """A saved run for inference: in one process (TP = PP = 1; tools.py and Retro's BERT chunk embedder read runs so),
     or on a world of tp x ep ranks (serving/server.py: the checkpoint, saved at any layout, read as this rank's TP shard, the
     experts split over ep ranks that all hold the same tokens; no sequence parallelism, one pipeline stage). A LoRA
     run: its base model with the adapters, merged into the weights (lora.merge) unless merge=False. `extend(model)`:
     what the run added on top of the model before it was saved (recipes.add_value_head for a reward model), so that
     it loads too. reward_model: True — the run must be a reward model (--task rm; its value head is added), False —
-    it must not be (it generates), None — either; refused with one line before anything is built."""
+    it must not be (it generates), None — either; refused with one line before anything is built. build=False: the
+    run and the layout checked (its Config at tp), nothing built or read (model None: the server's --check-only)."""
     ckpt = find_checkpoint(load_dir, step, flag)
     if ckpt is None:
         raise ConfigError(f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt)")
@@ -637,12 +638,15 @@ def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: 
         layout["expert_tensor_parallel_size"] = tp  # experts split like the dense MLP at this TP (or whole at 1)
     args = Args(**{**run_flags(saved), **layout})
     tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(Path(load_dir) / "tokenizer.json"))
+    config = model_config(mf, args, tok=tok)  # (a layout the model cannot take refused: TP vs heads)
+    if not build:
+        return Loaded(None, args, tok, ckpt, mf)
     grid = mesh = None
     if tp * ep > 1:
         from torch.distributed.device_mesh import DeviceMesh
         grid = P.Grid(tp=tp, dp=ep, ep=ep, etp=args.expert_tensor_parallel_size)
         mesh = DeviceMesh("cpu", torch.arange(tp * ep).view(ep, tp), mesh_dim_names=("dp_cp", "tp"))
-    model = mf.Model(model_config(mf, args, tok=tok), grid)
+    model = mf.Model(config, grid)
     if extend is not None:
         extend(model)
     adapters = "lora_base" in ckpt.meta

@@ -378,6 +378,9 @@ class ModelFile:
     sample: Callable | None = None
     sample_ids: Callable | None = None
     to_hf: Callable | None = None
+    # serving: image_inputs(config) -> (the token ids that stand for one image in a prompt, image -> {forward's argument:
+    # tensor}, a PIL image made the model's input): a chat message's image (serving/server.py); None: text only
+    image_inputs: Callable | None = None
     # HF_CONVERTERS: {Hugging Face model_type: converter(src, Config, dtype) -> (Config, full state dict)} — the
     # folders tools.py import-hf reads as this model (interop/hf.py)
     HF_CONVERTERS: dict = dataclasses.field(default_factory=dict)

@@ -296,14 +296,16 @@ class CaptionDataset:
         n, s = self.c.num_image_tokens, self.s
         _, cap = scene(self.seed, int(i), self.c.img_h, self.c.img_w)
         ids = [self.c.image_token_index] * n + self.tok.encode(cap).ids + [self.eod]
-        tokens = np.full(s + 1, self.pad, np.int64)
-        tokens[:len(ids)] = ids
+        tokens = np.array(ids + [self.pad] * (s + 1 - len(ids)), np.int64)
         mask = np.zeros(s, np.int64)
         mask[n - 1:len(ids) - 1] = 1  # labels tokens[n:len(ids)]: the caption and eod
         return np.concatenate([[self.seed, int(i)], tokens, mask])
 
 
 dataset = CaptionDataset  # train.py: dataset(source, doc_ids, args, tok, seed)
+# serving/server.py: (one image's tokens, a PIL image -> pixel_values [3, H, W]: PIL's bicubic resize, [-1, 1] as scene's)
+image_inputs = lambda c: ([c.image_token_index] * c.num_image_tokens, lambda img: {"pixel_values": torch.from_numpy(
+    np.asarray(img.convert("RGB").resize((c.img_w, c.img_h)), np.float32).transpose(2, 0, 1) / 255 * 2 - 1)})
 
 
 def unpack(mb, c: Config, shift: int = 0):
@@ -381,12 +383,10 @@ def ascii_image(img) -> str:
     """The image [3, H, W] in [-1, 1] as letters, one per 2 x 1 pixels: the colour's initial, '.' for black."""
     names = {v: k[0].upper() if k == "white" else k[0] for k, v in COLOURS.items()}
     rgb = (img[:, ::2, :] > 0).astype(int)
-    return "\n".join("".join(names.get(tuple(rgb[:, y, x]), ".") for x in range(rgb.shape[2]))
-                     for y in range(rgb.shape[1]))
+    return "\n".join("".join(names.get(tuple(px), ".") for px in row) for row in rgb.transpose(1, 2, 0))
 
 
-def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None
-           ) -> str:
+def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None) -> str:
     """tools.py sample for LLaVA: the prompt picks a scene (a number, or any text hashed), drawn as letters; the
     model describes it after its image tokens (greedy at temperature 0)."""
     c = model.config

@@ -119,16 +119,24 @@ def render_chat(messages):
     return pieces
 
 
-def chat_prompt_ids(messages, tok):
+def chat_prompt_ids(messages, tok, images=None):
     """The token ids of a conversation that ends with a user turn, then the assistant's header: what an SFT model
     answers (tools.py sample --chat), tokenized piece by piece exactly as its training samples were (_encode); with
     the tokenizer's own chat template, its render with add_generation_prompt=True encoded whole, as transformers'
-    apply_chat_template(messages, add_generation_prompt=True) gives it."""
+    apply_chat_template(messages, add_generation_prompt=True) gives it. `images` {message index: token ids}: the ids
+    that open that message's content (an image's tokens, the server's; before the text, where vLLM puts an image's
+    placeholder that a template does not place), with this repository's template only."""
     if tokenizer_files.roles_of(tok).chat_template is not None:
+        if images:
+            raise DataError("an image in a chat message needs this repository's chat template (the run's tokenizer "
+                            "has its own, which places no image tokens here)")
         _refuse_control_text(messages, tok, "the prompt")
         return tokenizer_files.encode_chat_text(tok, tokenizer_files.apply_chat_template(tok, messages, True)).ids
-    pieces = render_chat(messages) + [(CHAT_TEMPLATE["assistant"], False)]
-    return _encode(pieces, tok, tokenizer_files.special_ids(tok)["eod"])[0]
+    eod, ids = tokenizer_files.special_ids(tok)["eod"], []
+    for i, m in enumerate(messages):  # (piece by piece: the header's ids, the images', the content's)
+        head, *rest = render_chat([m])
+        ids += _encode([head], tok, eod)[0] + list((images or {}).get(i, ())) + _encode(rest, tok, eod)[0]
+    return ids + _encode([(CHAT_TEMPLATE["assistant"], False)], tok, eod)[0]
 
 
 def _refuse_control_text(messages, tok, where):

@@ -81,10 +81,6 @@ class Request:
         last sampled token (decode)."""
         return self.tokens()[self.cached:]
 
-    def next_positions(self) -> int:
-        """Positions it holds once this step's tokens are cached."""
-        return self.cached + len(self.pending())
-
     def max_positions(self) -> int:
         """Positions it ever caches: the prompt and every sampled token but the last (which is never fed)."""
         return len(self.prompt) + self.params.max_tokens - 1
@@ -330,8 +326,8 @@ class Engine:
     token per request and retires the finished ones, freeing their blocks and forgetting them (the engine keeps
     only unfinished requests: memory stays flat however many it serves). Admission reserves the worst case
     (prompt + max_tokens − 1 positions), so a running request never waits for a block. With preempt=True, vLLM's
-    policy instead: admission asks only for the blocks of the request's first step (beside those the running
-    requests take this step), and when the pool cannot hold every running request's next block the newest is
+    policy instead: a step asks only for the blocks its scheduled tokens touch (a prompt's chunk, not the whole
+    prompt), admission admits while those fit, and when the pool cannot hold them the newest running request is
     preempted: its blocks and slot freed, it goes back to the head of the queue and, readmitted, recomputes its
     keys from its prompt and the tokens it has sampled (vLLM's recompute mode); its answer is unchanged.
 
@@ -397,10 +393,11 @@ class Engine:
         self.waiting.append(r)
         return r.id
 
-    def needs(self, r: Request) -> int:
-        """The blocks admission keeps for a request beyond those it holds: its worst case, or (preempt) its next
-        step's."""
-        return self.blocks_for(r.next_positions() if self.preempt else r.max_positions()) - len(r.blocks)
+    def needs(self) -> int:
+        """The blocks the running requests need beyond those they hold: each one's worst case, or (preempt) those its
+        tokens scheduled this step touch (vLLM's accounting: a prompt's later chunks ask for their blocks later)."""
+        return sum(self.blocks_for(r.cached + n if self.preempt else r.max_positions()) - len(r.blocks)
+                   for r, n in zip(self.running, self.schedule()))
 
     def schedule(self) -> list[int]:
         """This step's tokens per running request: decodes first (one each), then the prompts' chunks in arrival
@@ -417,7 +414,6 @@ class Engine:
         """Move waiting requests into the batch while a slot, the blocks they need and a token of the step's budget
         are free (with prefix caching, a request first takes the cached blocks of its prompt's longest cached
         prefix; not its last token's)."""
-        promised = sum(self.needs(r) for r in self.running)
         while self.waiting and len(self.running) < self.max_batch and sum(self.schedule()) < self.budget:
             r = self.waiting[0]
             if self.prefix_caching and not r.inputs:  # (an image's tokens say nothing of the image)
@@ -426,13 +422,12 @@ class Engine:
                 if r.cached and self.cache.states:  # (states: the model has recurrent layers, and has run)
                     raise ValueError("prefix caching cannot serve a model with recurrent layers: a cached prefix "
                                      "holds keys and values, not the recurrent state after it")
-            need = self.needs(r)
-            if need > self.cache.available() - promised:
+            self.running.append(self.waiting.pop(0))  # (its share of the step: what the schedule leaves it)
+            if self.needs() > self.cache.available():
+                self.waiting.insert(0, self.running.pop())
                 self.cache.release(r.blocks)
                 r.blocks, r.cached, r.hashed = [], 0, 0
                 break
-            promised += need
-            self.running.append(self.waiting.pop(0))
             r.slot, self.reused = self.cache.free_slots.pop(), self.reused + r.cached
 
     @torch.no_grad()
@@ -442,7 +437,7 @@ class Engine:
         A finished request is the engine's no more: the caller's object is its only reference (nothing of a request
         is kept after it ends)."""
         self.admit()
-        while self.preempt and sum(self.needs(r) for r in self.running) > self.cache.available():
+        while self.preempt and self.needs() > self.cache.available():
             r = self.running[-1]  # the newest: out of the batch, back to the head of the queue
             self.release(r)
             r.cached = r.hashed = 0

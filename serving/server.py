@@ -2,14 +2,13 @@
 
 `/v1/completions` and `/v1/chat/completions` (the run's chat template), streamed as server-sent events when asked,
 `/v1/models` and `/health`: what vLLM's and Megatron's servers answer, so the official `openai` client, curl or any
-OpenAI-speaking tool talks to a run of this repository. Completions take `echo` with `logprobs` (max_tokens 0 or more)
-and lists of prompts, and `/tokenize`, `/detokenize`, `/tokenizer_info` answer as vLLM's: lm-eval's local-completions
-scores prompts here (evaluation/). A bad request (an unknown model, a prompt longer than the
-context, a negative max_tokens, malformed JSON) gets a 400 in OpenAI's error shape and the server goes on.
-A file of its own because it is the only asynchronous code here: serving/engine.py's engine is synchronous torch, and a
-reader of the engine should not have to read HTTP. Mirrors Megatron-LM's `megatron/core/inference/text_generation_server`
-(a Flask server over the engine, rank 0 answering while every rank runs the model) and vLLM's
-`vllm/entrypoints/openai/api_server.py` (the same routes and shapes).
+OpenAI-speaking tool talks to a run of this repository. Completions take `echo` with `logprobs` and lists of prompts
+(streamed interleaved), chat messages an image_url part (a base64 data URL) for a model file with image_inputs, and
+`/tokenize`, `/detokenize`, `/tokenizer_info` answer as vLLM's (lm-eval's local-completions scores prompts here). A bad
+request gets a 400 in OpenAI's error shape (serving/protocol.py) and the server goes on. A file of its own because it is
+the only asynchronous code here: a reader of the engine should not have to read HTTP. Mirrors Megatron-LM's
+`megatron/core/inference/text_generation_server` (a Flask server over the engine, rank 0 answering while every rank
+runs the model) and vLLM's `vllm/entrypoints/openai/api_server.py` (the same routes and shapes).
 
 How it runs. Every rank builds the model's shard (checkpoint.load_model at --tensor-model-parallel-size, saved at any
 layout) and an identical serve.Engine, and runs the same loop in lock-step: each step, rank 0 takes the commands the
@@ -22,11 +21,10 @@ uvicorn stops taking requests and drains, then rank 0 broadcasts "stop" and ever
 
 Run:    make serve
         make serve NPROC=2 TP=2 ARGS="--port 8001"
-        .venv/bin/python -m pytest -q tests/test_server.py
+        .venv/bin/python -m pytest -q tests/test_server.py tests/test_server_images.py
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -39,21 +37,22 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import StreamingResponse
 
 import checkpoint
 import data
+from arguments import ArgumentParser
 from config import ConfigError
 from interop import tokenizer_files
 from posttraining import quantization, recipes
 from serving import engine as serve
+from serving import protocol
+from serving.protocol import OpenAIError, error_response
 
 
 # ---------------------------------------------------------------------------------------------- the engine loop
@@ -116,9 +115,9 @@ class Loop:
     def apply(self, command: tuple):
         kind, key = command[0], command[1]
         if kind == "add":
-            prompt, params, stops = command[2:]
+            prompt, params, stops, *inputs = command[2:]  # (inputs: the model's own, for the prompt: an image)
             try:
-                rid = self.engine.add_request(prompt, params)
+                rid = self.engine.add_request(prompt, params, **(inputs[0] if inputs else {}))
             except ValueError as e:
                 return self.emit(key, ("error", str(e)))
             self.live[rid], self.ids[key] = [key, stops, ""], rid
@@ -175,72 +174,12 @@ class Loop:
                     self.advance(r)
 
 
-# ---------------------------------------------------------------------------------------------- the API's shapes
-class OpenAIError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
-
-
-def error_response(message: str, param=None, status: int = 400) -> JSONResponse:
-    """OpenAI's error shape."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class Sampling(BaseModel):
-    """The sampling fields both routes share (OpenAI's names; top_k is vLLM's extension). Unknown fields are ignored,
-    as vLLM ignores them."""
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-
-class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-
-
-class TokenizeRequest(BaseModel):  # vLLM's /tokenize (lm-eval's remote tokenizer)
-    model_config = ConfigDict(extra="ignore")
-    prompt: str
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    tokens: list[int]
-
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
 # ---------------------------------------------------------------------------------------------- the routes
-def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
+def make_app(loop: Loop, name: str, tok, context: int, image=None) -> FastAPI:
+    """`image`: the model file's image_inputs for the served model (None: text only)."""
     app = FastAPI(title="mini-megatron")
     eod = tokenizer_files.special_ids(tok)["eod"]
+    never = tuple(sorted(set(image[0]))) if image else ()  # image tokens: never fed back (a sampled one stops)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):  # pydantic's complaint (or malformed JSON) as OpenAI's 400
@@ -267,7 +206,7 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
         if body.model != name:
             raise OpenAIError(f"model {body.model!r} does not exist: this server serves {name!r}", "model")
 
-    async def score(body: CompletionRequest, prompt: list[int], k: int) -> list[tuple]:
+    async def score(body: protocol.CompletionRequest, prompt: list[int], k: int) -> list[tuple]:
         """The prompt's log-probabilities (Loop.score, in the engine loop's thread, between two steps)."""
         check_model(body)
         if not 1 <= len(prompt) <= context:
@@ -280,13 +219,14 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
             raise OpenAIError(ev[1], "prompt")
         return ev[1]
 
-    async def submit(body: Sampling, prompt: list[int], stop_ids: list[int], logprobs: int | None):
+    async def submit(body: protocol.Sampling, prompt: list[int], stop_ids: list[int], logprobs: int | None,
+                     inputs: dict):
         """Queue body.n requests for one prompt; (an asyncio.Queue of (choice, event), their keys) once every one
         is accepted, else OpenAIError with the engine's reason (what it refuses: a prompt too long, ...)."""
         check_model(body)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:  # completions: OpenAI's 16; chat: what the context leaves
-            max_tokens = 16 if isinstance(body, CompletionRequest) else max(context - len(prompt), 1)
+            max_tokens = 16 if isinstance(body, protocol.CompletionRequest) else max(context - len(prompt), 1)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             raise OpenAIError("stop: an empty stop string", "stop")
@@ -295,9 +235,9 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
             seed = body.seed + i if body.seed is not None else secrets.randbits(62)  # every rank samples alike
             params = serve.SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                                           top_p=body.top_p if body.top_p < 1 else None, seed=seed,
-                                          stop=tuple(stop_ids),
+                                          stop=(*stop_ids, *never),
                                           **({"logprobs": logprobs} if logprobs is not None else {}))
-            adds.append((("add", uuid.uuid4().hex, prompt, params, stops),
+            adds.append((("add", uuid.uuid4().hex, prompt, params, stops, inputs),
                          lambda ev, i=i: here.call_soon_threadsafe(events.put_nowait, (i, ev))))
         loop.submit(*adds[0], more=adds[1:])  # one step applies them all: each answers before any token comes
         keys, refusal = [command[1] for command, _ in adds], None
@@ -307,7 +247,7 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
         if refusal is not None:
             for k in keys:
                 loop.submit(("abort", k))
-            raise OpenAIError(refusal, "messages" if isinstance(body, ChatRequest) else "prompt")
+            raise OpenAIError(refusal, "messages" if isinstance(body, protocol.ChatRequest) else "prompt")
         return events, keys
 
     def text_of(token: int) -> str:  # a token's text; a piece of a character (or nothing): its vocabulary entry
@@ -322,10 +262,12 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
                                      for t, v in top]}
         return token, logprob, {text_of(t): v for t, v in top}
 
-    async def answer(body, prompt, stop_ids, logprobs, chat: bool, echo: bool = False):
-        """One prompt's response: body.n choices, streamed or whole. echo (completions): each choice begins with
-        the prompt's text and, with logprobs, its tokens' (vLLM's shape: None for the first token, each top dict
-        holding the prompt's own token too); max_tokens 0 then generates nothing, only the prompt is scored."""
+    async def answer(body, prompt, stop_ids, logprobs, chat: bool, echo: bool = False, several: bool = False,
+                     inputs=None):
+        """One prompt's response: body.n choices, streamed (`several`: its chunks and its keys, for `interleaved`) or
+        whole. echo (completions): each choice begins with the prompt's text and, with logprobs, its tokens' (vLLM's
+        shape: None for the first token, each top dict holding the prompt's own token too); max_tokens 0 then
+        generates nothing, only the prompt is scored."""
         if (getattr(body, "max_completion_tokens", None) or body.max_tokens) == 0 and not echo:
             raise OpenAIError("max_tokens: 0 generates nothing: only with echo (the prompt scored)", "max_tokens")
         scored = await score(body, prompt, logprobs) if echo and logprobs is not None else None
@@ -333,7 +275,7 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
             check_model(body)
             events, keys = None, [uuid.uuid4().hex for _ in range(body.n)]
         else:
-            events, keys = await submit(body, prompt, stop_ids, logprobs)
+            events, keys = await submit(body, prompt, stop_ids, logprobs, inputs or {})
         rid, created = ("chatcmpl-" if chat else "cmpl-") + keys[0], int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         want_lp = logprobs is not None
@@ -397,37 +339,80 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
                 choices.append(c)
             return {"id": rid, "object": kind, "created": created, "model": name, "choices": choices, "usage": usage}
 
-        async def sse():
+        async def chunks():  # the streamed answer's chunks
             head = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": name}
             if chat:
                 for i in range(len(keys)):
-                    yield f"data: {json.dumps({**head, 'choices': [chunk(i, '', [], None, first=True)]})}\n\n"
+                    yield {**head, "choices": [chunk(i, "", [], None, first=True)]}
             elif echo:  # the prompt first, then the tokens (max_tokens 0: the prompt is the whole answer)
                 for i in range(len(keys)):
-                    c = chunk(i, "", [], None if events is not None else "length", first=True)
-                    yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
+                    yield {**head, "choices": [chunk(i, "", [], None if events is not None else "length", first=True)]}
             async for i, text, lp, reason in tokens():
                 usage["completion_tokens"] += 1
                 if text or reason is not None or lp is not None:
-                    c = chunk(i, text, [lp] if lp is not None else [], reason)
-                    yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
+                    yield {**head, "choices": [chunk(i, text, [lp] if lp is not None else [], reason)]}
             if body.stream_options is not None and body.stream_options.include_usage:
                 usage["total_tokens"] = len(prompt) + usage["completion_tokens"]
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(sse(), media_type="text/event-stream")
+                yield {**head, "choices": [], "usage": usage}
+        return (chunks(), keys) if several else sse(chunks())
+
+    def sse(chunks) -> StreamingResponse:
+        async def lines():
+            try:
+                async for c in chunks:
+                    yield f"data: {json.dumps(c)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # (a client gone: its requests aborted now, not when the garbage collector finds them)
+                await chunks.aclose()
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    async def interleaved(streams, n: int):
+        """Several prompts' streamed answers as one (vLLM's): chunks as they come, prompt i's choice j at index
+        i * n + j, under one id; one usage chunk, summed."""
+        ready, usage, rid = asyncio.Queue(), {}, "cmpl-" + uuid.uuid4().hex
+
+        async def pump(i, chunks):
+            try:
+                async for c in chunks:
+                    ready.put_nowait((i, c))
+            finally:
+                ready.put_nowait((i, None))
+        tasks = [asyncio.create_task(pump(i, chunks)) for i, (chunks, _) in enumerate(streams)]
+        try:
+            for _ in tasks:
+                while (got := await ready.get())[1] is not None:
+                    i, c = got
+                    if "usage" in c:
+                        usage = {k: usage.get(k, 0) + v for k, v in c["usage"].items()}
+                    else:
+                        yield {**c, "id": rid, "choices": [{**x, "index": i * n + x["index"]} for x in c["choices"]]}
+            if usage:
+                yield {**c, "id": rid, "choices": [], "usage": usage}
+        finally:  # the client went away: each prompt's requests aborted (its stream's own `finally`)
+            for t in tasks:
+                t.cancel()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: protocol.CompletionRequest):
         many = isinstance(body.prompt, list) and bool(body.prompt) and not isinstance(body.prompt[0], int)
         prompts = [tok.encode(p).ids if isinstance(p, str) else p for p in (body.prompt if many else [body.prompt])]
         if any(not 0 <= t < tok.get_vocab_size() for p in prompts for t in p):
             raise OpenAIError(f"prompt: token ids must be in [0, {tok.get_vocab_size()})", "prompt")
+        if any(t in never for p in prompts for t in p):
+            raise OpenAIError(f"prompt: token ids {list(never)} stand for an image: an image comes in a chat "
+                              "message's image_url part", "prompt")
         if len(prompts) == 1:
             return await answer(body, prompts[0], [eod], body.logprobs, chat=False, echo=body.echo)
-        if body.stream:
-            raise OpenAIError("stream: one prompt at a time (a list of prompts is answered whole)", "stream")
         # several prompts (lm-eval's batches): each answered as alone, choice i*n + j is prompt i's choice j
+        if body.stream:
+            got = await asyncio.gather(*(answer(body, p, [eod], body.logprobs, chat=False, echo=body.echo,
+                                                several=True) for p in prompts), return_exceptions=True)
+            if refused := next((g for g in got if isinstance(g, BaseException)), None):
+                for _, keys in (g for g in got if not isinstance(g, BaseException)):
+                    for k in keys:
+                        loop.submit(("abort", k))
+                raise refused
+            return sse(interleaved(got, body.n))
         whole = await asyncio.gather(*(answer(body, p, [eod], body.logprobs, chat=False, echo=body.echo)
                                        for p in prompts))
         choices = [{**c, "index": i * body.n + c["index"]} for i, r in enumerate(whole) for c in r["choices"]]
@@ -435,12 +420,12 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
         return {**whole[0], "choices": choices, "usage": usage}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):  # vLLM's: lm-eval's tokenizer_backend=remote counts with ours
+    async def tokenize(body: protocol.TokenizeRequest):  # vLLM's: lm-eval's tokenizer_backend=remote counts with ours
         ids = tok.encode(body.prompt).ids
         return {"count": len(ids), "max_model_len": context, "tokens": ids}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(body: protocol.DetokenizeRequest):
         return {"prompt": tok.decode(body.tokens)}
 
     @app.get("/tokenizer_info")
@@ -449,20 +434,34 @@ def make_app(loop: Loop, name: str, tok, context: int) -> FastAPI:
                 "pad_token": tok.id_to_token(tokenizer_files.special_ids(tok)["pad"]), "model_max_length": context}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: protocol.ChatRequest):
+        messages, urls = [], {}  # a message's text parts joined by newlines (vLLM's), its images' URLs
+        for i, m in enumerate(body.messages):
+            parts = [protocol.TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+            messages.append({"role": m.role, "content": "\n".join(p.text for p in parts if p.type == "text")})
+            urls.update({(i, j): p.image_url.url for j, p in enumerate(parts) if p.type == "image_url"})
+        if urls and image is None:
+            raise OpenAIError(f"messages[{min(urls)[0]}]: an image_url part, but the served model takes text only "
+                              "(its model file declares no image_inputs)", "messages")
+        if len(urls) > 1:  # (vLLM's default limit for LLaVA too: the engine runs one image per prompt)
+            raise OpenAIError(f"messages: {len(urls)} images: at most 1 image may be provided in one request",
+                              "messages")
+        inputs = {}
+        for (i, j), url in urls.items():
+            inputs = image[1](protocol.data_url_image(url, f"messages[{i}].content[{j}].image_url.url"))
         try:
-            prompt = recipes.chat_prompt_ids([m.model_dump() for m in body.messages], tok)
+            prompt = recipes.chat_prompt_ids(messages, tok, {i: image[0] for i, _ in urls})
         except ValueError as e:  # special-token text in a message
             raise OpenAIError(str(e), "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await answer(body, prompt, tokenizer_files.chat_stop_ids(tok), logprobs, chat=True)
+        return await answer(body, prompt, tokenizer_files.chat_stop_ids(tok), logprobs, chat=True, inputs=inputs)
 
     return app
 
 
 # ---------------------------------------------------------------------------------------------- the command
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Serve a saved run behind an OpenAI-compatible HTTP API (serving/server.py).")
+    p = ArgumentParser(description="Serve a saved run behind an OpenAI-compatible HTTP API (serving/server.py).")
     p.add_argument("--load", required=True, help="the run to serve (a directory train.py saved into)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
@@ -485,7 +484,19 @@ def parse_args(argv=None):
     p.add_argument("--enable-prefix-caching", action="store_true", help="keep full KV blocks under their token "
                    "prefix, for later requests that begin alike (a shared system prompt computed once; not for "
                    "models with recurrent layers)")
+    p.add_argument("--check-only", action="store_true", help="check the flags, the run and its layout for a world "
+                   "of WORLD_SIZE, and the port, in this one process; no weights read (make serve runs it before "
+                   "torchrun)")
     return p.parse_args(argv)
+
+
+def servable(run, a):
+    """Refuse a run (its model None under --check-only) that this server cannot serve as asked."""
+    if run.model_file.sample_ids is None and run.model_file.image_inputs is None:
+        raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot be served: only a causal language "
+                          "model generates (its model file declares no sample_ids or image_inputs)")
+    if a.enable_prefix_caching:
+        run.model_file.refuse("prefix_caching", "--enable-prefix-caching")
 
 
 def fail_fast(fn):
@@ -508,6 +519,9 @@ def main(argv=None):
     if tp < 1 or ep < 1 or tp * ep != world:
         raise ConfigError(f"--tensor-model-parallel-size {tp} x --expert-model-parallel-size {ep} must equal the "
                           f"world size {world} (torchrun --nproc_per_node)")
+    for flag, v in (("--max-batch", a.max_batch), ("--block-size", a.block_size), ("--num-blocks", a.num_blocks)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be >= 1")
     if a.max_num_batched_tokens < a.max_batch:  # (vLLM's check: every running request decodes a token a step)
         raise ConfigError(f"--max-num-batched-tokens ({a.max_num_batched_tokens}) must be greater than or equal to "
                           f"--max-batch ({a.max_batch}, vLLM's max_num_seqs)")
@@ -521,6 +535,9 @@ def main(argv=None):
             except OSError as e:
                 raise ConfigError(f"--host {a.host} --port {a.port}: cannot listen there ({e.strerror or e}): another "
                                   "server on that port? pass --port N") from None
+    if a.check_only:  # (make serve runs this in one process before torchrun starts the ranks)
+        servable(checkpoint.load_model(a.load, tp=tp, ep=ep, reward_model=False, build=False), a)
+        return 0
     if world > 1:
         dist.init_process_group("gloo")
         if rank:  # the ranks follow rank 0, which stops them itself after draining
@@ -529,11 +546,7 @@ def main(argv=None):
     else:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     run = checkpoint.load_model(a.load, tp=tp, ep=ep, reward_model=False)
-    if run.model_file.sample_ids is None:
-        raise ConfigError(f"--load {a.load}: a --model {run.args.model} run cannot be served: only a causal language "
-                          "model generates (its model file declares no sample_ids)")
-    if a.enable_prefix_caching:
-        run.model_file.refuse("prefix_caching", "--enable-prefix-caching")
+    servable(run, a)
     if a.quantization:  # weight-only (vLLM's --quantization): the linears' weights replaced by codes and scales
         full = quantization.linear_weight_bytes(run.model)
         held = quantization.quantize_linears(run.model, a.quantization, quantization.SERVING)
@@ -554,7 +567,8 @@ def main(argv=None):
               flush=True)
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn drains on them, then raises them again on its way
             signal.signal(sig, lambda *_: None)  # out: this handler lets the shutdown below run, and exit 0
-        uvicorn.Server(uvicorn.Config(make_app(loop, name, run.tok, context), host=a.host, port=a.port,
+        image = run.model_file.image_inputs and run.model_file.image_inputs(run.model.config)
+        uvicorn.Server(uvicorn.Config(make_app(loop, name, run.tok, context, image), host=a.host, port=a.port,
                                       log_level="warning")).run()
         loop.submit(("stop", None))
         worker.join()

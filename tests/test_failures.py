@@ -5,6 +5,7 @@
   - fp16 stuck at --min-loss-scale stops; --skip-nonfinite-steps skips and counts instead; the check can be turned off;
   - every numeric flag's range, and `tools.py sample`'s arguments, are checked with one line before any work
     (under torchrun printed once, without argparse's usage); a model's own checks come before the data is built;
+    `make train` and `make serve` at NPROC > 1 check in one process before torchrun (the error is the first line);
   - an empty validation split says so; every model's default flags take TP=2.
 The NaN runs use --lr 1e6: the first step blows the weights up, a later iteration's gradient norm is NaN.
 """
@@ -372,6 +373,44 @@ def test_make_train_checks_before_torchrun_starts(corpus, cache, tmp_path):
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2 and lines[0] == "train.py: error: hidden_size=64 is not divisible by num_attention_heads=3" \
         and len(lines) <= 5, lines
+
+
+@pytest.mark.parametrize("case", ["no run", "tp vs heads", "misspelled flag", "port in use"])
+def test_make_serve_checks_before_torchrun_starts(run, tmp_path, case):
+    """make serve NPROC=2 TP=2: a directory that is no run, TP that does not divide the heads (NPROC=3 TP=3), a
+    misspelled flag, a port in use: the error is the first line of the output, the whole output short, exit 2 (tools.py
+    serve --check-only in one process before torchrun)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        make, expect = {
+            "no run": (["NPROC=2", "TP=2", f"RUN={tmp_path}"],
+                       f"--load {tmp_path}: no checkpoint there (no latest_checkpointed_iteration.txt)"),
+            "tp vs heads": (["NPROC=3", "TP=3", f"RUN={run}"], "num_attention_heads=4 is not divisible by "
+                            "tensor-model-parallel size 3"),
+            "misspelled flag": (["NPROC=2", "TP=2", f"RUN={run}", "ARGS=--max-batchs 4"],
+                                "unrecognized arguments: --max-batchs 4"),
+            "port in use": (["NPROC=2", "TP=2", f"RUN={run}", f"ARGS=--port {port}"],
+                            f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use): another "
+                            "server on that port? pass --port N")}[case]
+        r = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.stamp", "serve", *make], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and lines[0] == f"tools.py: error: {expect}" and len(lines) <= 5, lines
+
+
+def test_serve_check_only_reads_no_weights(run, monkeypatch):
+    """--check-only on a good run and layout: exit status 0, no process group made, no weights read."""
+    import checkpoint
+    from serving import server
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(checkpoint.dcp, "load", lambda *a, **k: pytest.fail("--check-only read the weights"))
+    monkeypatch.setattr(server.dist, "init_process_group", lambda *a, **k: pytest.fail("a process group was made"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert server.main(["--load", str(run), "--tensor-model-parallel-size", "2", "--port", port, "--check-only"]) == 0
 
 
 @pytest.mark.parametrize("make_args, expect", [

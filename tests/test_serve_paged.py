@@ -9,6 +9,9 @@
     start from the state its earlier ones left, the gather path); no step runs more tokens than the budget, every
     decoding request runs at every step (decodes first), and prompts were cut; negative controls: a later chunk
     that does not see its prompt's earlier chunks, and a hybrid's later chunk started from a zero state, fail;
+  - preemption under chunked prefill needs only the blocks a step's tokens touch (vLLM's accounting): a workload that
+    fits is never preempted, a true shortage is, answers gpt.generate's; negative control: counting a cut prompt's
+    whole remainder preempts the workload that fits;
   - a budget below max_batch (0 included) is refused with vLLM's message, by the engine and by the server before
     it loads the run; a prompt with an image longer than the budget too (it is never cut).
 Tolerance: tokens exactly; the kernel's output 1e-12 relative to the gather path's in float64 (the same products,
@@ -148,6 +151,31 @@ def test_a_hybrid_chunk_from_a_zero_state_is_caught(monkeypatch):
     monkeypatch.setattr(serve.PagedKVCache, "plan", plan)
     with pytest.raises(AssertionError, match="differ from gpt.generate's"):
         chunked_run(hybrid(), 3, 2)
+
+
+def chunked_preemptions(model, b_tokens: int) -> int:
+    """A 3-token prompt answering b_tokens beside a 16-token prompt cut in chunks (a budget of 4), in 5 blocks of 4,
+    greedy, checked against gpt.generate: the preemptions."""
+    engine = serve.Engine(model, num_blocks=5, block_size=4, max_batch=2, preempt=True, max_num_batched_tokens=4)
+    assert_greedy_equals_generate(model, engine, [(0, [5, 6, 7], b_tokens), (0, list(range(20, 36)), 1)])
+    return engine.preemptions
+
+
+def test_preemption_counts_the_blocks_a_step_touches():
+    """Answering 3 tokens, the short request holds 2 blocks at most and is gone before the long prompt's last chunk
+    needs its 4th block: it fits, and is never preempted (at step 3 the short one's decode needs its 2nd block and
+    the long prompt's chunk its 2nd: 2 of the 3 free). Answering 8, it still holds 3 blocks when the long one needs
+    its 4th: a true shortage, and the long one is preempted and recomputed."""
+    model = gpt.Model(gpt.Config(**LLAMA))
+    assert chunked_preemptions(model, 3) == 0
+    assert chunked_preemptions(model, 8) > 0
+
+
+def test_counting_a_cut_prompts_whole_remainder_is_caught(monkeypatch):
+    """Negative control: a step asking for the blocks of every running prompt's whole remainder (not its chunk's)."""
+    monkeypatch.setattr(serve.Engine, "needs", lambda e: sum(
+        e.blocks_for(r.cached + len(r.pending())) - len(r.blocks) for r in e.running))
+    assert chunked_preemptions(gpt.Model(gpt.Config(**LLAMA)), 3) == 1
 
 
 @pytest.mark.parametrize("budget", [0, -1, 3])

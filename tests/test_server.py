@@ -5,12 +5,14 @@
     each get their own prompt's answer; and the same at TP 2 (torchrun, two ranks in lock-step, rank 0 answering); the
     loop on warm ranks (TP 2, EP 2, a Mamba hybrid, TP 2 with preemption, with prefix caching, a hybrid with chunked
     prefill) gives the oracle's tokens;
-  - streaming (server-sent events): the deltas join into the non-streamed text; the usage chunk counts the tokens;
+  - streaming (server-sent events): the deltas join into the non-streamed text; the usage chunk counts the tokens; a
+    list of prompts streams interleaved, each index's text the non-streamed choice's (one usage chunk, one [DONE]);
   - stop strings cut the text before the first stop and end the request with finish_reason "stop"; a seeded sampled
     request is reproducible and n=2 gives two choices;
   - bad requests get a 400 in OpenAI's error shape (an unknown model, a prompt longer than the context, a negative
     max_tokens, a wrong type, malformed JSON, an empty message list, a token id = the vocabulary size) and the
-    server answers the next request; a non-streamed usage's total_tokens is prompt + completion;
+    server answers the next request; a non-streamed usage's total_tokens is prompt + completion; an image_url part
+    is refused by a text-only run (tests/test_server_images.py serves images to a LLaVA run);
   - echo with logprobs scores each prompt token as a full forward's log-softmax (also at TP 2), in vLLM's shape, for
     a batch of token-id prompts as lm-eval sends it; lm-eval's remote tokenizer reads the server's;
   - the engine loop keeps nothing of a request once it has ended (by length, stop, refusal or its client's abort);
@@ -196,6 +198,42 @@ def test_streaming_joins_into_the_same_text(server):
     whole = server.client.chat.completions.create(model="run", messages=[{"role": "user", "content": "hi"}],
                                                   max_tokens=MAX, temperature=0)
     assert "".join(c.choices[0].delta.content or "" for c in chat) == whole.choices[0].message.content
+
+
+def test_several_prompts_stream_interleaved(server):
+    """A list of prompts streamed (vLLM's): prompt i's choice j comes at index i * n + j, the prompts' chunks
+    interleaved (they run in one batch), under one id, then one usage chunk summing them and one [DONE]; each
+    index's text joins into the non-streamed answer's choice of that index."""
+    body = {"model": "run", "prompt": PROMPTS[:2], "max_tokens": MAX, "temperature": 0, "n": 2}
+    whole = server.client.completions.create(**body)
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", json.dumps(
+        {**body, "stream": True, "stream_options": {"include_usage": True}}).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [e for e in r.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    order = [c["choices"][0]["index"] for c in chunks if c["choices"]]
+    texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+             for i in set(order)}
+    assert texts == {c.index: c.text for c in whole.choices} and len(texts) == 4, texts
+    assert order != sorted(order), "the prompts' chunks came one prompt after the other"
+    assert len({c["id"] for c in chunks}) == 1 and "usage" not in chunks[-2] and not chunks[-1]["choices"]
+    assert chunks[-1]["usage"] == {"prompt_tokens": whole.usage.prompt_tokens, "completion_tokens": 4 * MAX,
+                                   "total_tokens": whole.usage.prompt_tokens + 4 * MAX}
+
+
+def test_image_parts_are_refused_by_a_text_only_run(server, oracle):
+    """A text-only run refuses an image_url part with a 400 saying why; content as a list of text parts is the
+    text joined by newlines (vLLM's)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {"model": "run", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+    status, err = server.post("chat/completions", json.dumps(body).encode())
+    assert status == 400 and "the served model takes text only" in err["error"]["message"], err
+    parts = [{"type": "text", "text": "3 +"}, {"type": "text", "text": "4"}]
+    got = [server.client.chat.completions.create(model="run", messages=[{"role": "user", "content": c}],
+                                                 max_tokens=MAX, temperature=0).choices[0].message.content
+           for c in (parts, "3 +\n4")]
+    assert got[0] == got[1]
 
 
 def test_stop_strings_seeds_and_n(server):

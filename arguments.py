@@ -354,6 +354,10 @@ def checkpoint_flags(g):
     a("--no-load-optim", action="store_true", help="resume a checkpoint's weights and iteration without its optimizer "
       "state: fresh Adam moments and loss scale, and the learning-rate schedule starts again (Megatron's)")
     a("--no-load-rng", action="store_true", help="resume without the checkpoint's RNG states (the seed's instead)")
+    a("--override-opt_param-scheduler", action="store_true", help="resuming: take this command's learning-rate "
+      "schedule where it differs from the checkpoint's (scheduler.resumed_schedule)")
+    a("--use-checkpoint-opt_param-scheduler", action="store_true", help="resuming: continue the checkpoint's "
+      "learning-rate schedule even where schedule flags are given (without them it continues anyway)")
     a("--use-checkpoint-args", action=argparse.BooleanOptionalAction, default=None,
       help="take the model's flags from the checkpoint a run resumes or starts from, unless given: on by default "
            "here; --no-use-checkpoint-args: the command line's only (they must match the checkpoint's)")
@@ -475,8 +479,10 @@ def resolve(p: argparse.ArgumentParser, argv: list[str], saved: dict, known_only
                    "too)")
     argv = (config_argv(p, config, known=known_only) if config else []) + list(argv)  # 6. and 7.
     megatron_flags.check_one_spelling(p, argv)
-    unset = argparse.Namespace(**dict.fromkeys(SCHEDULE_DEFAULTS, UNSET))  # argparse leaves them if not given
+    unset = argparse.Namespace(**dict.fromkeys(scheduler.SCHEDULE_FLAGS, UNSET))  # argparse leaves them if not given
     got = vars(p.parse_known_args(argv, unset)[0] if known_only else p.parse_args(argv, unset))
+    given = [k for k in scheduler.SCHEDULE_FLAGS if got[k] is not UNSET]  # (a resumed run: scheduler.resumed_schedule)
+    got.update({k: p.get_default(k) for k in scheduler.SCHEDULE_FLAGS if got[k] is UNSET and k not in SCHEDULE_DEFAULTS})
     sample_based = got["train_samples"] is not None
     other = {"train_iters": None if sample_based else p.get_default("train_iters"),
              "lr_warmup_iters": 0 if sample_based or got["lr_warmup_fraction"] is not None or got["lr"] is not UNSET
@@ -485,7 +491,7 @@ def resolve(p: argparse.ArgumentParser, argv: list[str], saved: dict, known_only
              "lr_decay_style": "WSD" if got["train_iters"] is UNSET and not sample_based and got["task"] == "pretrain"
              and got["lr_decay_iters"] is None and got["lr_wsd_decay_iters"] is None
              and got["exit_duration_in_mins"] is not None else p.get_default("lr_decay_style")}
-    return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()})
+    return argparse.Namespace(**{k: other[k] if v is UNSET else v for k, v in got.items()}, schedule_flags_given=given)
 
 
 def resolve_with_checkpoint(argv: list[str], find) -> argparse.Namespace:

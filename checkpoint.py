@@ -557,11 +557,13 @@ def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, f
     return meta["iteration"], same_layout
 
 
-def load_start(args, start: Start, chunks, optimizer, scaler, mesh, fp8, rank: int) -> tuple[int, int, int]:
+def load_start(args, start: Start, chunks, optimizer, scaler, mesh, fp8, rank: int, note: str | None = None
+               ) -> tuple[int, int, int]:
     """Load what a run starts from (plan_start): the base's weights (--finetune, --pretrained-checkpoint, a LoRA run's
-    frozen base), then the checkpoint it resumes. Returns where the run starts, as Megatron counts it and meta.json
-    records it: (iterations done, samples consumed, the learning-rate schedule's steps: the samples of the applied
-    steps; --no-load-optim starts the schedule again, as Megatron's scheduler state is the optimizer's)."""
+    frozen base), then the checkpoint it resumes (`note`: said after it, scheduler.TimeFit's on its schedule).
+    Returns where the run starts, as Megatron counts it and meta.json records it: (iterations done, samples consumed,
+    the learning-rate schedule's steps: the samples of the applied steps; --no-load-optim starts the schedule again,
+    as Megatron's scheduler state is the optimizer's)."""
     if start.base is not None:  # model weights only: iteration 0, fresh optimizer and RNG (or a LoRA run's base)
         load_weights(start.base, chunks, mesh)
         if rank == 0:
@@ -589,6 +591,8 @@ def load_start(args, start: Start, chunks, optimizer, scaler, mesh, fp8, rank: i
               + (" (--no-load-optim: a fresh optimizer, loss scale and learning-rate schedule)" if args.no_load_optim
                  else "") + ("" if rng_restored else " (--no-load-rng: RNG streams from the seed)" if args.no_load_rng
                              else " (different layout: RNG streams not restored)"))
+        if note:
+            print(note, flush=True)
     meta = start.resume.meta  # a checkpoint saved before these were recorded: a constant batch, no skipped step
     consumed = meta.get("consumed_train_samples", first * meta["args"]["global_batch_size"])
     return first, consumed, 0 if args.no_load_optim else meta.get("opt_param_scheduler", {}).get("num_steps", consumed)

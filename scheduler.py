@@ -1,6 +1,6 @@
-"""scheduler.py — how long a run trains (the flags' length, or one fitted to --exit-duration-in-mins: TimeFit), its
-learning rate at each step, its global batch during a ramp-up, fp16's loss scale, and what stops it sooner (a signal,
---exit-duration-in-mins).
+"""scheduler.py — how long a run trains (the flags' length, or one fitted to --exit-duration-in-mins: TimeFit; a
+resumed run's: its checkpoint's, resumed_schedule), its learning rate at each step, its global batch during a ramp-up,
+fp16's loss scale, and what stops it sooner (a signal, --exit-duration-in-mins).
 
 Mirrors megatron/core/optimizer_param_scheduler.py (OptimizerParamScheduler.get_lr: warmup, then constant / linear /
 cosine / inverse-square-root / WSD decay, counted in samples of applied steps), megatron/core/
@@ -125,9 +125,11 @@ class TimeFit:
     scheduler names, in samples), so a resumed run keeps it; `after_step` is given the time (no clock of its own)."""
 
     def __init__(self, args, meta: dict | None = None):
-        """meta: the resumed checkpoint's meta.json (its opt_param_scheduler holds the decision, state), if any."""
-        self.fitted, self.cap, saved = fits_time(args), args.train_iters, (meta or {}).get("opt_param_scheduler", {})
-        self.decided = not self.fitted or "wsd_decay_steps" in saved
+        """meta: the resumed checkpoint's meta.json (its schedule: resumed_schedule; its opt_param_scheduler holds the
+        decision, state), if any. `note`: a line saying the checkpoint's schedule continues where the flags' differ."""
+        saved = (meta or {}).get("opt_param_scheduler", {})
+        args, self.fitted, self.note = resumed_schedule(args, meta) if meta else (args, fits_time(args), None)
+        self.cap, self.decided = args.train_iters, not self.fitted or "wsd_decay_steps" in saved
         self.plan(args, *((saved["lr_decay_steps"] // args.global_batch_size,
                            saved["wsd_decay_steps"] // args.global_batch_size) if self.fitted and self.decided else
                           (args.train_iters, round(COOLDOWN_SHARE * args.train_iters) if self.fitted else None)))
@@ -145,8 +147,9 @@ class TimeFit:
         warmup = schedule_steps(self.args)[0] / self.args.global_batch_size
         if self.decided or n < warmup:
             return False
-        budget, total = 60 * self.args.exit_duration_in_mins * (1 - RESERVE), self.cap
-        if timed >= MEASURED:
+        minutes, total = self.args.exit_duration_in_mins, self.cap  # (None: a fitted checkpoint resumed without it)
+        if timed >= MEASURED and minutes is not None:
+            budget = 60 * minutes * (1 - RESERVE)
             total = min(total, n + int((budget - elapsed) * timed / elapsed))
         if total - n > round(COOLDOWN_SHARE * total):
             return False
@@ -169,12 +172,67 @@ class TimeFit:
                 "repeats it)")
 
 
+# ---------------------------------------------------------------------------------------------- a resumed schedule
+# The flags that make a run's learning-rate schedule (arguments.resolve records which of them a command gave:
+# schedule_flags_given). A resumed run continues its checkpoint's schedule (resumed_schedule).
+SCHEDULE_FLAGS = ("train_iters", "lr_warmup_iters", "lr", "min_lr", "lr_decay_style", "train_samples", "lr_decay_iters",
+                  "lr_decay_samples", "lr_warmup_samples", "lr_warmup_fraction", "lr_warmup_init",
+                  "lr_wsd_decay_iters", "lr_wsd_decay_samples", "lr_wsd_decay_style")
+FITTED = "fitted to the time"  # a fitted run's lengths before it decides them
+
+
+def scheduler_values(args, fitted: bool, saved: dict) -> dict:
+    """The schedule as Megatron's OptimizerParamScheduler.load_state_dict compares it (its state_dict's names, steps
+    in samples), plus WSD's and the warmup's start; a fitted run's lengths: its decision in `saved` (TimeFit.state)."""
+    warmup, decay, wsd = schedule_steps(args)
+    if fitted:
+        decay, wsd = saved.get("lr_decay_steps", FITTED), saved.get("wsd_decay_steps", FITTED)
+    is_wsd = args.lr_decay_style == "WSD"
+    return dict(lr_decay_style=args.lr_decay_style, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
+                lr_warmup_init=args.lr_warmup_init, lr_decay_steps=decay, wsd_decay_steps=wsd if is_wsd else None,
+                lr_wsd_decay_style=args.lr_wsd_decay_style if is_wsd else None)
+
+
+def resumed_schedule(args, meta: dict) -> tuple:
+    """(the schedule's flags, fitted to the time, a note or None) of a run resuming checkpoint `meta` (its meta.json):
+    Megatron's OptimizerParamScheduler.load_state_dict (_check_and_set) compares the flags' values with the
+    checkpoint's. Equal: the flags'. Different: --override-opt_param-scheduler takes the flags'; where the command
+    gave no schedule flag (SCHEDULE_FLAGS: make train's resume) or --use-checkpoint-opt_param-scheduler, the
+    checkpoint's continues (its flags, its decision), with a note; where the checkpoint's schedule has ended (saved
+    at its last iteration), the flags' start the run's extension, with a note; otherwise ConfigError naming both
+    values of each (DESIGN.md §8)."""
+    then = meta.get("args") or vars(args)  # (a meta.json records them; without: this run's)
+    theirs = type(args)(**{**vars(args), **{k: then[k] for k in SCHEDULE_FLAGS if k in then}})
+    was_fitted = fits_time(type(args)(**{**vars(theirs), "exit_duration_in_mins": then.get("exit_duration_in_mins")}))
+    fitted, saved = fits_time(args), meta.get("opt_param_scheduler", {})
+    mine = scheduler_values(args, fitted, saved if was_fitted else {})
+    ckpt = scheduler_values(theirs, was_fitted, saved)
+    diff = {k: (ckpt[k], mine[k]) for k in ckpt if ckpt[k] != mine[k]}
+    if not diff or args.override_opt_param_scheduler:
+        return args, fitted, None
+    told = ", ".join(f"{k} {a} in the checkpoint, {b} now" for k, (a, b) in diff.items())
+    if not vars(args).get("schedule_flags_given") or args.use_checkpoint_opt_param_scheduler:
+        return theirs, was_fitted, (f"note: the learning-rate schedule continues the checkpoint's ({told}; "
+                                    "--override-opt_param-scheduler takes this command's)")
+    length = saved["lr_decay_steps"] // args.global_batch_size if was_fitted and "wsd_decay_steps" in saved else (
+        None if was_fitted else theirs.train_iters)
+    if length is not None and meta.get("iteration", 0) >= length:
+        return args, fitted, (f"note: the checkpoint's learning-rate schedule ended at its iteration {length}: this "
+                              f"command's extends the run ({told})")
+    raise ConfigError(f"--load {args.load}: its learning-rate schedule differs from this command's ({told}; steps in "
+                      "samples): leave the schedule flags out to continue the checkpoint's, or pass "
+                      "--override-opt_param-scheduler to take this command's")
+
+
 def check_schedule_args(args, interleaved: bool) -> tuple:
     """The training length, the learning-rate schedule and the batch-size ramp-up: Megatron's rules (validate_args,
     training.py's update_train_iters, the ramp's calculator in megatron/core/num_microbatches_calculator.py). Returns
     what they derive: (--train-iters: a sample-based run's is Megatron's count, --lr-decay-iters, --lr-decay-samples:
     by default the training length, --lr-wsd-decay-style: by default exponential)."""
     iters, samples, ramp = args.train_iters, args.train_samples, args.rampup_batch_size
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are exclusive: "
+                          "take this command's learning-rate schedule or the checkpoint's")
     if iters is not None and samples is not None:
         raise ConfigError(f"--train-iters={iters} and --train-samples={samples} are exclusive: train by iterations "
                           "or by samples")

@@ -25,6 +25,7 @@ Bad input ends with one line `tools.py: error: ...`.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -120,11 +121,15 @@ def export(a):
     return out
 
 
-def awq_scaled(run, load_dir, samples: int = 16):
-    """The run's model with AWQ's scales folded in (still full precision: int4 round-to-nearest of it is AWQ-int4),
-    searched on its first `samples` training samples (quantization.awq_scale)."""
+def awq_scaled(run, load_dir, samples: int = 16, clip: bool = True):
+    """The run's model with AWQ's scales folded in and, with `clip`, its weights clipped (still full precision: int4
+    round-to-nearest of it is AWQ-int4), both searched on its first `samples` training samples
+    (quantization.awq_scale, awq_clip)."""
     corpus = data.build_data(run.args, run.model_file.dataset, Path(load_dir) / "tokenizer.json", run.args.vocab_size)
-    quantization.awq_scale(run.model, data.global_batch(corpus.train, start=0, size=samples)[:, :-1].split(4))
+    batches = data.global_batch(corpus.train, start=0, size=samples)[:, :-1].split(4)
+    quantization.awq_scale(run.model, batches)
+    if clip:
+        quantization.awq_clip(run.model, batches)
     return run.model
 
 
@@ -143,7 +148,7 @@ def export_model(a):
         raise convert.ExportError(f"export: --model {run.args.model} has no Hugging Face export here"
                                   + (f" ({why})" if (why := run.model_file.unsupported("export")) else ""))
     if getattr(a, "quantization", None) == "awq":
-        awq_scaled(run, a.load)
+        awq_scaled(run, a.load, clip=getattr(a, "awq_apply_clip", True))
     out = convert.save_hf(a.hf_out, *run.model_file.to_hf(run.model.config, run.model.state_dict()), run.tok,
                           chat_template=tokenizer_files.roles_of(run.tok).chat_template or recipes.chat_template_jinja())
     if getattr(a, "quantization", None) == "awq" and not quantization.to_compressed_tensors(out):
@@ -303,6 +308,8 @@ def parse(argv):
     e.add_argument("--overwrite", action="store_true", help="write into a directory that is not empty")
     e.add_argument("--quantization", choices=["awq"], help="AWQ int4 (posttraining/quantization.py): scales searched "
                    "on the run's training samples, weights written in compressed-tensors' pack-quantized format")
+    e.add_argument("--awq-apply-clip", action=argparse.BooleanOptionalAction, default=True, help="AWQ's weight "
+                   "clipping search (AutoAWQ's and llm-compressor's apply_clip); --no-awq-apply-clip: scales only")
     e.set_defaults(run=export)
     i = sub.add_parser("import-hf", help="a local Hugging Face folder as a checkpoint any run starts from (interop/hf.py)")
     i.add_argument("--hf", required=True, help="the folder: config.json, *.safetensors, tokenizer.json")

@@ -151,6 +151,7 @@ def setup(args) -> Run:
         corpus = dataclasses.replace(corpus, train=train_ds, valid=valid_ds)
     config = model_config(mf, args, corpus.vocab_size, corpus.tokenizer)
     checkpoint.check_same_model(args, start, mf, corpus.vocab_size)
+    fit = TimeFit(args, None if start.resume is None or args.no_load_optim else start.resume.meta)  # (may refuse)
     if args.check_only:  # (make train runs this in one process before torchrun starts the ranks)
         raise SystemExit(0)
     # ---- nothing above made a process group; everything below may
@@ -181,8 +182,8 @@ def setup(args) -> Run:
     if fp8 is not None and args.num_experts and rank == 0:
         print("note: --fp8 covers the attention and MLP linears; the routed MoE experts keep the parameters' dtype")
     optimizer, scaler = make_optimizer(chunks, grid, args), LossScaler(args)
-    progress = Progress(*checkpoint.load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank))
-    first, fit = progress.iteration, TimeFit(args, None if start.resume is None or args.no_load_optim else start.resume.meta)
+    progress = Progress(*checkpoint.load_start(args, start, chunks, optimizer, scaler, mesh, fp8, rank, fit.note))
+    first = progress.iteration
     s_local = args.seq_length // cp  # [s/cp(/tp), b, h] between pipeline stages
     p2p_shape = (s_local // tp if config.sequence_parallel and tp > 1 else s_local, args.micro_batch_size,
                  config.hidden_size)

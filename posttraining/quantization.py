@@ -5,8 +5,8 @@ trained on top, posttraining/lora.py) and weight-only serving (serving/server.py
 Mirrors bitsandbytes' storage (bitsandbytes/functional.py quantize_4bit(quant_type="nf4", blocksize=64,
 compress_statistics=True) and Int8Params' row-wise absmax) as PEFT's QLoRA uses it, and the group-wise symmetric
 int4/int8 weights of vLLM's and Megatron's inference paths (scales per 128 input features of each output row).
-Papers: Dettmers et al. 2023, "QLoRA" (NF4, double quantization); Lin et al. 2024, "AWQ" (AutoAWQ's auto_scale,
-written out as llm-compressor's compressed-tensors pack-quantized folders, which transformers loads).
+Papers: Dettmers et al. 2023, "QLoRA" (NF4, double quantization); Lin et al. 2024, "AWQ" (AutoAWQ's auto_scale
+and auto_clip, written out as llm-compressor's compressed-tensors pack-quantized folders, which transformers loads).
 Written here in torch ops rather than torchao's NF4Tensor: DESIGN.md §1, "Post-training", says why.
 
 Run:    .venv/bin/python -m pytest -q tests/test_quantization.py
@@ -252,6 +252,50 @@ def awq_scale(model: nn.Module, batches, group: int = 128, grid: int = 20) -> di
     return chosen
 
 
+def export_group(widths, group: int = 128) -> int:
+    """The int4 group size of an export: `group` halved until it divides every linear's input width (a small model's:
+    smaller), one for all of them, as to_compressed_tensors writes it."""
+    while any(w % group for w in widths):
+        group //= 2
+    return group
+
+
+@torch.no_grad()
+def awq_clip(model: nn.Module, batches, grid: int = 20, max_shrink: float = 0.5, tokens: int = 512) -> dict:
+    """AWQ's weight clipping (Lin et al. 2024; AutoAWQ's auto_clip), after awq_scale: for each output row and int4
+    group (export_group) of linear_proj, linear_fc1 and linear_fc2 — not linear_qkv: q·k amplifies q's and k's
+    errors, and AutoAWQ skips a fused Wqkv — the clip t = r·absmax(group), r = 1 - k/grid for k < max_shrink·grid,
+    whose int4 round-to-nearest of clamp(w, -t, t) gives the group's outputs closest (mean square) to w's on the
+    calibration `batches`' inputs (every k-th token, about `tokens` of them); the first such r on ties. Then
+    W := clamp(W, -t, t), so int4 of it scales by t/7. Returns each clipped linear's chosen r [o, groups]."""
+    names = ("linear_proj", "linear_fc1", "linear_fc2")
+    linears = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names + ("linear_qkv",)
+               and isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)) and m.weight is not None}
+    group = export_group([m.weight.shape[1] for m in linears.values()])
+    linears = {n: m for n, m in linears.items() if not n.endswith("linear_qkv")}
+    inputs, hooks = {}, [m.register_forward_hook(lambda mod, inp, out, n=n: inputs.setdefault(n, []).append(
+        inp[0].reshape(-1, inp[0].shape[-1]))) for n, m in linears.items()]
+    model.eval()
+    for ids in batches:
+        model(ids)
+    for h in hooks:
+        h.remove()
+    ratios, chosen = 1 - torch.arange(int(max_shrink * grid)) / grid, {}
+    for name, lin in linears.items():
+        x = torch.cat(inputs[name]).float()
+        x = x[::max(1, len(x) // tokens)]
+        x, o = x.view(len(x), -1, group), lin.weight.shape[0]  # [t, groups, group]
+        wg = lin.weight.float().view(o, -1, group)  # [o, groups, group]
+        ref, top, errs = torch.einsum("tgk,ogk->otg", x, wg), wg.abs().amax(-1, keepdim=True), []
+        for r in ratios:
+            q = IntWeight(torch.clamp(wg, -r * top, r * top).view(o, -1), 4, group).dequantize().view(o, -1, group)
+            errs.append((torch.einsum("tgk,ogk->otg", x, q) - ref).pow(2).mean(1))  # [o, groups]
+        chosen[name] = ratios[torch.stack(errs).argmin(0)]  # (argmin: the first of equal errors)
+        t = (chosen[name][..., None] * top).to(lin.weight.dtype)
+        lin.weight.copy_(torch.clamp(lin.weight.view(o, -1, group), -t, t).view(o, -1))
+    return chosen
+
+
 def to_compressed_tensors(folder, group: int = 128) -> int:
     """A Hugging Face folder's decoder linears (`*.layers.*_proj.weight`) rewritten as compressed-tensors'
     pack-quantized int4 (symmetric, one scale per `group` input features, halved until it divides every linear's;
@@ -267,8 +311,7 @@ def to_compressed_tensors(folder, group: int = 128) -> int:
     path = Path(folder) / "model.safetensors"
     state, out = load_file(path), {}
     linears = [k for k in state if ".layers." in k and k.endswith("_proj.weight")]
-    while any(state[k].shape[1] % group for k in linears):  # one group size for all (a small model's: smaller)
-        group //= 2
+    group = export_group([state[k].shape[1] for k in linears], group)
     for k, w in state.items():
         if ".layers." in k and k.endswith("_proj.weight"):
             q, p = IntWeight(w, 4, group), k[:-len("weight")]

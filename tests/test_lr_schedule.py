@@ -20,11 +20,17 @@
     within the time, and is Megatron's WSD with the flags it says repeat it; a run given its length is today's.
     End to end (time.time replaced by a clock that moves one second a step): a run stopped in its cool-down and
     resumed on a clock 100x faster logs the uninterrupted run's rates and losses, bit for bit.
+  - A resumed run continues its checkpoint's schedule (scheduler.resumed_schedule, Megatron's _check_and_set): a
+    cosine run resumed with make train's flags (no schedule flag; on its own a fitted WSD) logs the uninterrupted
+    run's rates and losses, bit for bit; a conflicting --train-iters is refused in one line naming both values; a
+    fitted run's decision is kept, other WSD lengths refused; --override-opt_param-scheduler takes the command's.
   - Negative controls: a schedule one step late (the rate of the samples after the step) and a ramp fed iterations
     instead of consumed samples are each caught by the same comparisons; today's cosine under the slow clock is cut by
-    the guard far above --min-lr; a resume that forgets the checkpoint's decision decides again, differently.
+    the guard far above --min-lr; a resume that forgets the checkpoint's decision decides again, differently; a
+    resume with --override-opt_param-scheduler logs other rates than the uninterrupted cosine run.
 """
 
+import shutil
 import time
 
 import pytest
@@ -345,3 +351,83 @@ def test_fitted_run_stopped_in_its_cooldown_resumes_exactly(corpus, tmp_path, mo
     assert a[14]["lr"] == 0.0 and a[11]["lr"] == 3e-3 > a[12]["lr"]  # (--lr given: Megatron's --min-lr 0)
     for key in ("lr", "loss", "grad_norm"):
         assert [b[i][key] for i in b] == [a[i][key] for i in a], key
+
+
+# ---------------------------------------------------------------------------------------------- a resumed schedule
+SCHEDULE = {"--train-iters", "--lr", "--lr-warmup-iters"}  # harness.tiny's schedule flags
+
+
+def plain(argv):
+    """argv less the schedule flags (and their values): `make train`'s resume of a run started with them."""
+    return [a for i, a in enumerate(argv) if a not in SCHEDULE and (i == 0 or argv[i - 1] not in SCHEDULE)]
+
+
+def test_cosine_checkpoint_resumed_by_plain_flags_keeps_cosine(corpus, tmp_path, capsys):
+    """A run saved under cosine (--train-iters 12), resumed as `make train` resumes it (--exit-duration-in-mins, no
+    schedule flag: on its own a fitted WSD at other rates) continues the checkpoint's cosine: the uninterrupted run's
+    rates and losses, bit for bit, ending at its iteration 12, and says so in a note. Negative control: the same resume
+    with --override-opt_param-scheduler takes the command's schedule (the fitted WSD's warmup at the default --lr),
+    whose rates the comparison above would catch."""
+    run = lambda save, *extra: tiny(corpus, tmp_path / "cache", save, *extra, iters=12)
+    straight, stopped, other = tmp_path / "straight", tmp_path / "stopped", tmp_path / "other"
+    train.main(run(straight))
+    train.main(run(stopped, "--exit-interval", "6"))
+    shutil.copytree(stopped, other)
+    resume = lambda save, *extra: plain(run(save, "--load", str(save), "--exit-duration-in-mins", "8", *extra))
+    capsys.readouterr()
+    train.main(resume(stopped))
+    said = capsys.readouterr().out
+    assert "note: the learning-rate schedule continues the checkpoint's (lr_decay_style cosine in the checkpoint, " \
+           "WSD now" in said, said
+    (a, _), (b, _) = metrics(straight), metrics(stopped)
+    assert sorted(a) == sorted(b) == list(range(1, 13)) and a[12]["lr"] == 0.0  # (--lr given: --min-lr 0)
+    for key in ("lr", "loss", "grad_norm"):
+        assert [b[i][key] for i in b] == [a[i][key] for i in a], key
+    train.main(resume(other, "--override-opt_param-scheduler", "--exit-interval", "9"))
+    (c, _), command = metrics(other), scheduler.TimeFit(checked(resume(other))).args
+    assert command.lr_decay_style == "WSD" and command.lr != 3e-3
+    assert [c[i]["lr"] for i in range(7, 10)] == [scheduler.learning_rate(i * 8, command) for i in range(7, 10)]
+    assert all(c[i]["lr"] != a[i]["lr"] for i in range(7, 10))
+
+
+def test_conflicting_schedule_flag_is_refused_in_one_line(corpus, tmp_path, capsys):
+    """Resumed at iteration 3 with a schedule flag that changes the checkpoint's schedule (cosine over 20 iterations,
+    not 12): one line naming both values, exit 2, nothing trained; --use-checkpoint-opt_param-scheduler continues the
+    checkpoint's; a checkpoint saved at its schedule's end is extended by the flags (with a note)."""
+    run = lambda *extra: tiny(corpus, tmp_path / "cache", tmp_path / "r", "--load", str(tmp_path / "r"), *extra, iters=12)
+    train.main(run("--exit-interval", "3"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main([*run(), "--train-iters", "20"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"train.py: error: --load {tmp_path / 'r'}: its learning-rate schedule differs from this "
+                          "command's (lr_decay_steps 96 in the checkpoint, 160 now; steps in samples)"), err
+    assert "--override-opt_param-scheduler" in err
+    assert (tmp_path / "r" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    args = checked([*run(), "--train-iters", "20", "--use-checkpoint-opt_param-scheduler"])
+    meta = {"args": vars(checked(run())), "opt_param_scheduler": {"num_steps": 24}, "iteration": 3}
+    assert scheduler.TimeFit(args, meta).args.lr_decay_iters == 12
+    ended = scheduler.TimeFit(checked([*run(), "--train-iters", "20"]), {**meta, "iteration": 12})  # its schedule done:
+    assert ended.args.lr_decay_iters == 20 and "ended at its iteration 12: this command's extends" in ended.note
+    with pytest.raises(arguments.ConfigError, match="--override-opt_param-scheduler and --use-checkpoint-opt_param-"):
+        checked([*run(), "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+
+
+def test_fitted_checkpoint_resumed_with_other_lengths():
+    """A fitted run's decided WSD (TimeFit.state): resumed by make train's flags it keeps its decision; given other
+    WSD lengths it is refused naming both; with the override it takes them; given the same lengths it is accepted."""
+    args = checked(FITTED)
+    fit, _, _ = fitted_run(args, CLOCKS["slow day"])
+    meta = {"args": vars(args), "opt_param_scheduler": {"num_steps": 100 * 8, **fit.state()}}
+    kept = scheduler.TimeFit(checked(["--exit-duration-in-mins", "4"]), meta)
+    assert (kept.train_iters, kept.wsd_iters, kept.note) == (fit.train_iters, fit.wsd_iters, None)
+    given = ["--train-iters", str(fit.train_iters), "--lr-decay-style", "WSD"]
+    wsd, gbs = fit.wsd_iters * args.global_batch_size, args.global_batch_size
+    with pytest.raises(arguments.ConfigError, match=f"wsd_decay_steps {wsd} in the checkpoint, {wsd + gbs} now"):
+        scheduler.TimeFit(checked([*given, "--lr-wsd-decay-iters", str(fit.wsd_iters + 1)]), meta)
+    override = scheduler.TimeFit(checked([*given, "--lr-wsd-decay-iters", "7", "--override-opt_param-scheduler"]), meta)
+    assert (override.fitted, override.args.lr_wsd_decay_iters) == (False, 7)
+    same = checked([*given, "--lr-wsd-decay-iters", str(fit.wsd_iters), "--lr-warmup-iters", "30", "--lr", str(args.lr),
+                    "--min-lr", str(args.min_lr)])
+    assert scheduler.TimeFit(same, meta).args is same

@@ -240,9 +240,52 @@ def test_awq_scales_keep_the_model_and_beat_round_to_nearest():
     assert err(w0, s) < 0.9 * err(w0, torch.ones(128, dtype=torch.float64))
 
 
+def test_awq_clip_lowers_the_output_error_and_is_the_best_on_its_grid():
+    """awq_clip on a layer with outlier weights (a few per group, as trained LLMs have): int4 of the clipped fc2 gives
+    outputs closer to the unclipped full-precision fc2's on its calibration inputs than int4 of it unclipped (the same
+    bits); each row's and group's chosen ratio is the one of smallest error on the grid (the plain oracle: each ratio
+    tried in turn, by hand; 1e-5 relative: the sums' order); linear_qkv is left as it was (AutoAWQ skips q and k).
+    Negative control: a ratio one grid step off the chosen one has a larger error somewhere (the grid is not flat)."""
+    cfg = dict(LLAMA, hidden_size=128, ffn_hidden_size=256, num_layers=2)
+    model = gpt.Model(gpt.Config(**cfg))
+    fc2, qkv = model.decoder.layers[0].mlp.linear_fc2, model.decoder.layers[0].self_attention.linear_qkv
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        fc2.weight.view(-1)[torch.randperm(fc2.weight.numel(), generator=g)[:200]] *= 12.0
+    ids, x = make_batch(211, 8, 15, 6)[:, :-1], {}
+    h = fc2.register_forward_hook(lambda mod, inp, out: x.update(x=inp[0].reshape(-1, 256).detach().clone()))
+    with torch.no_grad():
+        model(ids)
+    h.remove()
+    w0, qkv0 = fc2.weight.detach().clone(), qkv.weight.detach().clone()
+    chosen = Q.awq_clip(model, ids.split(4))
+    assert set(chosen) == {f"decoder.layers.{i}.{n}" for i in (0, 1) for n in ("self_attention.linear_proj",
+                                                                             "mlp.linear_fc1", "mlp.linear_fc2")}
+    assert torch.equal(qkv.weight, qkv0)
+    r, ref = chosen["decoder.layers.0.mlp.linear_fc2"], x["x"] @ w0.T  # [256 rows, 2 groups of 128]
+    err = lambda w: float((x["x"] @ Q.SERVING["int4"](w).dequantize().T - ref).pow(2).mean())
+    assert r.shape == (128, 2) and r.min() < 1.0 and err(fc2.weight.detach()) < 0.9 * err(w0), (err(fc2.weight), err(w0))
+    grid = (1 - torch.arange(10) / 20).tolist()  # AutoAWQ's: 20 points, shrinking to half at most (float32's values)
+
+    def group_err(row, grp, ratio):  # int4 of one row's group clipped at ratio x its absmax: its outputs' error
+        w, xs = w0[row, 128 * grp:128 * (grp + 1)], x["x"][:, 128 * grp:128 * (grp + 1)]
+        t = ratio * float(w.abs().max())
+        q = Q.IntWeight(w.clamp(-t, t)[None], 4, 128).dequantize()[0]
+        return float((xs @ q - xs @ w).pow(2).mean())
+    worse = 0
+    for row in range(0, 128, 8):
+        for grp in range(2):
+            errs = [group_err(row, grp, ratio) for ratio in grid]
+            k = grid.index(float(r[row, grp]))  # the chosen ratio: the smallest error (float32's summation order aside)
+            assert errs[k] <= min(errs) * (1 + 1e-5), (row, grp, grid[k], errs)
+            worse += errs[min(k + 1, 9)] > errs[k] or errs[max(k - 1, 0)] > errs[k]  # (the negative control)
+    assert worse > 0
+
+
 def test_awq_export_loads_in_transformers_with_our_logits(corpus, cache, tmp_path):
     """tools.py export --quantization awq: a compressed-tensors pack-quantized folder; transformers' logits equal
-    ours on the same AWQ-int4 weights (float32, 1e-4)."""
+    ours on the same AWQ-int4 weights, clipped (float32, 1e-4). --no-awq-apply-clip writes the same scales for q, k
+    and v (never clipped) and larger ones than the clipped export's for the other linears somewhere (never smaller)."""
     import transformers
 
     import tools
@@ -258,3 +301,11 @@ def test_awq_export_loads_in_transformers_with_our_logits(corpus, cache, tmp_pat
     ids = make_batch(384, 2, 16, 3)[:, :-1]
     with torch.no_grad():
         assert rel_err(hf_model(ids).logits, ours(ids)) < 1e-4
+    from safetensors.torch import load_file
+    tools.main(["export", "--load", str(run), "--hf-out", str(tmp_path / "plain"), "--quantization", "awq",
+                "--no-awq-apply-clip"])
+    clipped, plain = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "plain"))
+    scales = [k for k in clipped if k.endswith("weight_scale")]
+    qkv = [k for k in scales if re.search(r"\.[qkv]_proj\.", k)]
+    assert len(qkv) == 3 * 2 and all(torch.equal(clipped[k], plain[k]) for k in qkv)
+    assert all((clipped[k] <= plain[k]).all() for k in scales) and any((clipped[k] < plain[k]).any() for k in scales)

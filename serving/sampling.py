@@ -8,7 +8,7 @@ Mirrors Megatron-LM's `megatron/core/inference/sampling_params.py` (SamplingPara
 `text_generation_controllers/text_generation_controller.py`.
 Paper:  Holtzman et al. 2020 (The curious case of neural text degeneration: nucleus sampling).
 
-Run:    .venv/bin/python -m pytest -q tests/test_serve.py -k "top_p or top_k or logprobs"
+Run:    .venv/bin/python -m pytest -q tests/test_serve.py -k top_
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Greedy only: a request with temperature > 0 is refused by name (rejection sampli
 Beside them, the plain sequential oracle `speculate_one`: one request, every forward over its whole sequence, no
 cache; its tokens are gpt.generate's and its accepted drafts per step are what the engine's must be.
 Mirrors vLLM's `vllm/v1/spec_decode/` (draft_model.py, eagle.py's drafting loop) and the greedy path of its
-`vllm/v1/sample/rejection_sampler.py`; how and why: DESIGN.md §1, "Speculative decoding".
+`vllm/v1/sample/rejection_sampler.py`; how and why: DESIGN.md §1, "The serving engine".
 Papers: Leviathan et al. 2023 (Fast inference from transformers via speculative decoding); Chen et al. 2023;
         DeepSeek-AI 2024 (DeepSeek-V3 Technical Report, §2.2: MTP).
 

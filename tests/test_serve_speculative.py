@@ -10,9 +10,13 @@ against gpt.generate and speculate_one (the plain sequential oracle: every forwa
     exactly the blocks of its cached positions (a rejected draft's are given back); all free at the end; also
     under preemption in a small pool, with prefix caching, with a token budget a step and on the gather path;
   - a draft model equal to the model accepts every draft: k = min(K, tokens left − 1) a step, the stats exact;
-  - logprobs are the plain engine's; the server's loop sends each of a step's tokens as its own event;
+  - logprobs are the plain engine's; the server's loop sends each of a step's tokens as its own event; the server
+    with --speculative-model answers the openai client with the oracle's text (batched and streamed), a sampled
+    request gets a 400 naming it, the acceptance is logged at SIGTERM; bench_serve.py --speculative's rows;
   - refused by name: temperature > 0, a model input, MTP on a model without MTP layers or with prefix caching, a
-    draft model of another vocabulary or a shorter context, a Mamba hybrid (its recurrent state is not rolled back);
+    draft model of another vocabulary or a shorter context, a Mamba hybrid as model or draft (its recurrent state is
+    not rolled back); by the server before serving (exit 2): a draft run of another tokenizer, MTP without MTP
+    layers, a malformed --speculative-config;
   - negative controls: an accept rule that also takes the first wrong draft changes the tokens; a draft model that
     keeps its keys of rejected drafts drafts other tokens than the oracle; an engine that keeps the blocks of
     rejected drafts fails the block accounting.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import random
+import re
 
 import pytest
 import torch
@@ -362,3 +367,17 @@ def test_the_server_speculates_and_refuses_by_name(tmp_path, monkeypatch):
     finally:
         code, out = s.stop()
     assert code == 0 and "speculative decoding: " in out and " accepted (" in out, out[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------- the bench
+def test_bench_serve_speculative_rows(capsys):
+    """bench/bench_serve.py --speculative at a tiny size: a row for an early-exit draft (the model's first layer) and
+    one for the MTP drafter, each with the same tokens as without speculation."""
+    from test_bench_serve import TINY, bench
+
+    for extra in (["--draft", "layers:1"], ["--draft", "mtp", "--model-args", "--num-layers 2 --hidden-size 32 "
+                                            "--num-attention-heads 4 --vocab-size 128 --mtp-num-layers 1"]):
+        bench().main(["--speculative", "2", "--concurrency", "3", *TINY, *extra])
+        rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if re.match(r"\| (layers|mtp)", line)]
+        assert len(rows) == 1 and rows[0][2].strip() == "2" and rows[0][-2].strip() == "yes", rows
+        assert 0 <= float(rows[0][6].strip().rstrip("%")) <= 100

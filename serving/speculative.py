@@ -84,7 +84,8 @@ class Drafter:
         left, out = e.budget - sum(counts), []
         free = e.cache.available() - sum(e.needs(r) for r in e.running) if e.preempt else 0
         for r, n in zip(batch, counts):
-            k = int(min(self.k, r.params.max_tokens - len(r.output) - 1, left)) if r.output and n == len(r.pending()) == 1 else 0
+            decode = r.output and n == len(r.pending()) == 1  # (its last sampled token, nothing else, to feed)
+            k = int(min(self.k, r.params.max_tokens - len(r.output) - 1, left)) if decode else 0
             while e.preempt and k and e.blocks_for(r.cached + 1 + k) - e.blocks_for(r.cached + 1) > free:
                 k -= 1
             free -= e.blocks_for(r.cached + 1 + k) - e.blocks_for(r.cached + 1) if e.preempt else 0
@@ -185,8 +186,8 @@ class MTP(Drafter):
             raise ValueError("the model has no multi-token-prediction layers (a run trained with --mtp-num-layers N "
                              "has): the MTP drafter needs them")
         self.model, self.hidden, self.fed = model, {}, {}  # request id -> [hidden [n, h] after `fed`], positions fed
-        self.last = None
-        model.decoder.register_forward_hook(lambda module, args, out: setattr(self, "last", out[:, 0]))
+        self.last = None  # the decoder's output [T, h] of the model's last forward (the engine's step)
+        self.hook = model.decoder.register_forward_hook(lambda module, args, out: setattr(self, "last", out[:, 0]))
 
     def attach(self, engine):
         super().attach(engine)

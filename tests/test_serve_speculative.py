@@ -163,12 +163,15 @@ def test_the_plain_oracle_steps_as_the_engine(kind):
         assert tokens == r.output and drafts == [d for _, d in steps] and accepted == r.accepted
 
 
-@pytest.mark.parametrize("case", ["preemption", "prefix-caching", "budget", "gather"])
-def test_speculation_with_the_engine_features(case):
-    """The tokens stay gpt.generate's and the blocks exact under preemption (a pool of 5 blocks of 4), prefix
-    caching (every prompt after one shared 9-token head), a budget of 6 tokens a step (drafts cut to what is left)
-    and the gather path."""
-    model, drafter_, draft = drafter("draft-model", 3)
+@pytest.mark.parametrize("kind, case", [("draft-model", "preemption"), ("draft-model", "prefix-caching"),
+                                        ("draft-model", "budget"), ("draft-model", "gather"), ("mtp", "preemption"),
+                                        ("mtp", "budget"), ("mtp", "gather")])
+def test_speculation_with_the_engine_features(kind, case):
+    """The tokens stay gpt.generate's, the drafts draft_one's and the blocks exact under preemption (a pool of 5
+    blocks of 4: the newest requests recomputed, their drafters' state forgotten), prefix caching (every prompt after
+    one shared 9-token head; the draft model only), a budget of 6 tokens a step (drafts cut to what is left) and the
+    gather path."""
+    model, drafter_, draft = drafter(kind, 3)
     kw = dict(preemption=dict(num_blocks=5, preempt=True), budget=dict(max_num_batched_tokens=6),
               gather=dict(attention="gather")).get(case, dict(prefix_caching=True))
     engine = serve.Engine(model, **{"num_blocks": 40, "block_size": 4, "max_batch": 4, **kw}, speculator=drafter_)

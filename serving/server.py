@@ -135,14 +135,14 @@ class Loop:
             self.live.pop(rid, None)
             self.callbacks.pop(key, None)
 
-    def advance(self, r: serve.Request, n: int | None = None):
-        """The text a request's n-th token (default: its last) adds (held back while it may be the start of a stop
-        string or of a character whose bytes are not all out yet), and its end (then nothing of it stays here)."""
-        n = len(r.output) if n is None else n
-        rid, token, reason = r.id, r.output[n - 1], r.finish_reason if n == len(r.output) else None
+    def advance(self, r: serve.Request, upto: int | None = None):
+        """The text a request's token number `upto` (default: its last) adds (held back while it may be the start of
+        a stop string or of a character whose bytes are not all out yet), and its end (then nothing of it stays)."""
+        upto = len(r.output) if upto is None else upto
+        rid, token, reason = r.id, r.output[upto - 1], r.finish_reason if upto == len(r.output) else None
         key, stops, sent = self.live[rid]
         finished = reason is not None
-        ids = r.output[:n - 1] if reason == "stop" else r.output[:n]  # a stop token is not part of the text
+        ids = r.output[:upto - 1] if reason == "stop" else r.output[:upto]  # a stop token is not part of the text
         text = self.tok.decode(ids)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:  # a stop string: the text ends before it, and so does the request
@@ -158,7 +158,7 @@ class Loop:
         self.live[rid][2] = sent + delta
         lp = None
         if getattr(r, "logprobs", None):
-            logprob, top = r.logprobs[n - 1]
+            logprob, top = r.logprobs[upto - 1]
             lp = (token, logprob, top)
         if reason is not None:
             del self.live[rid], self.ids[key]
@@ -173,9 +173,9 @@ class Loop:
             for c in cmds:
                 self.apply(c)
             for r in self.engine.step():
-                for n in range(len(r.output) - r.new + 1, len(r.output) + 1):  # (several: accepted drafts)
+                for upto in range(len(r.output) - r.new + 1, len(r.output) + 1):  # (several: accepted drafts)
                     if r.id in self.live:
-                        self.advance(r, n)
+                        self.advance(r, upto)
 
 
 # ---------------------------------------------------------------------------------------------- the API's shapes

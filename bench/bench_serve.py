@@ -17,15 +17,19 @@ after each tenth of them. --system-prompt L instead: requests sharing an L-token
 caching (tokens computed, wall time). --attention-kernels instead: one mixed step's attention (max(--concurrency) − 1
 decodes, one prompt) by each torch mechanism from the same block pool — the gather path, serving/paged_attention.py,
 one SDPA per request, one padded batch, (--flex) flex_attention compiled — ms a step and each one's largest
-difference from the gather path.
+difference from the gather path. --speculative K instead: max(--concurrency) greedy requests without and with
+speculative decoding, twice in turn (K drafts a step; --draft: layers:N, the model's first N layers as the draft, its
+MTP layer, or a run): the better tokens/s of each, the acceptance rate, tokens a verifying step, same tokens.
 
     .venv/bin/python bench/bench_serve.py --concurrency 1 8 --new-tokens 16 --prompt-len 16 32        (~1 min)
     .venv/bin/python bench/bench_serve.py        (the full table: 1, 8, 32 requests of 16-128 + 64 tokens)
     .venv/bin/python bench/bench_serve.py --attention-kernels --concurrency 64        (~1 min)
+    .venv/bin/python bench/bench_serve.py --speculative 3 --concurrency 8 --new-tokens 32        (~1 min)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import random
@@ -42,6 +46,7 @@ import arguments  # noqa: E402
 import checkpoint  # noqa: E402
 import config  # noqa: E402
 from serving import engine as serve  # noqa: E402
+from serving import speculative  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -63,6 +68,10 @@ def parse_args(argv=None):
                    "with :N a per-step token budget (max_num_batched_tokens: chunked prefill), e.g. gather paged:2048")
     p.add_argument("--attention-kernels", action="store_true", help="instead: one mixed step's attention, each "
                    "torch mechanism, timed")
+    p.add_argument("--speculative", type=int, metavar="K", help="instead: without and with speculative decoding, K "
+                   "drafts a step")
+    p.add_argument("--draft", default="layers:1", help="--speculative's drafter: layers:N (the model's embedding, "
+                   "first N layers and output layer), mtp (its MTP layer), or a saved run")
     p.add_argument("--repeats", type=int, default=5, help="--attention-kernels: timed runs of each (the median)")
     p.add_argument("--flex", action="store_true", help="--attention-kernels: flex_attention too (compiled by "
                    "torch.compile: minutes on a CPU)")
@@ -205,6 +214,37 @@ def shared_head(model, a):
     return rows
 
 
+def drafter(model, draft: str, k: int) -> speculative.Drafter:
+    """--draft's drafter: the model's MTP layer, its first N layers (early exit: its final norm and output layer
+    after them, their weights), or a saved run."""
+    if draft == "mtp":
+        return speculative.MTP(model, k)
+    if draft.startswith("layers:"):
+        small = type(model)(dataclasses.replace(model.config, num_layers=int(draft[7:]), mtp_num_layers=None))
+        small.load_state_dict({n: w for n, w in model.state_dict().items() if n in small.state_dict()})
+        return speculative.DraftModel(small.to(next(model.parameters()).device), k)
+    return speculative.DraftModel(checkpoint.load_model(draft).model.to(next(model.parameters()).device), k)
+
+
+def speculation(model, a):
+    """max(a.concurrency) greedy requests through one engine, without and with a.speculative drafts a step, twice in
+    turn: [(the better tokens/s, tokens, the drafter or None)] without, with."""
+    n = max(a.concurrency)
+    prompts = requests(n, tuple(a.prompt_len), model.config.vocab_size, a.seed + n)
+    params, rows = serve.SamplingParams(max_tokens=a.new_tokens, temperature=0), [(0, None, None), (0, None, None)]
+    for i in (0, 1, 0, 1):
+        spec = drafter(model, a.draft, a.speculative) if i else None
+        engine = serve.Engine(model, sum(math.ceil((len(p) + a.new_tokens) / a.block_size) for p in prompts),
+                              a.block_size, n, speculator=spec)
+        reqs = [engine.requests[engine.add_request(p, params)] for p in prompts]
+        sync(engine.device)
+        t0 = time.perf_counter()
+        engine.run()
+        sync(engine.device)
+        rows[i] = (max(rows[i][0], n * a.new_tokens / (time.perf_counter() - t0)), [r.output for r in reqs], spec)
+    return rows
+
+
 def kernels(model, a):
     """One mixed step's attention through every layer, each torch mechanism, from the same pool: max(--concurrency)
     − 1 decodes (cached lengths drawn from --prompt-len) and one prompt of the longest length; the paged cache's
@@ -336,6 +376,16 @@ def main(argv=None):
               f"{off - decode:,} without prefix caching, {on - decode:,} with ({reused:,} from the cache): "
               f"{(off - decode) / (on - decode):.2f}× fewer; wall {t_off:.2f} s -> {t_on:.2f} s ({t_off / t_on:.2f}×); "
               f"same tokens: {'yes' if out_on == out_off else 'NO'}")
+        return
+    if a.speculative:
+        (plain, want, _), (fast, got, spec) = speculation(model, a)
+        st = spec.stats()
+        print(f"{max(a.concurrency)} greedy requests, {a.new_tokens} new tokens, {torch.get_num_threads()} thread(s), "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print("| drafter | K | tokens/s without | tokens/s with | speed-up | acceptance rate | tokens a verifying step "
+              "| same tokens |\n|---|---|---|---|---|---|---|---|")
+        print(f"| {a.draft} | {a.speculative} | {plain:,.1f} | {fast:,.1f} | {fast / plain:.2f}× | "
+              f"{st['acceptance_rate']:.1%} | {st['tokens_per_step']:.2f} | {'yes' if got == want else 'NO'} |")
         return
     if a.attention_kernels:
         rows, shapes = kernels(model, a)

@@ -32,27 +32,11 @@ import math
 import torch
 from einops import rearrange
 
-from serving import paged_attention
+from serving import paged_attention, speculative
+from serving.sampling import MAX_LOGPROBS, SamplingParams, generator, sample, token_logprobs
+from serving.sampling import distribution as distribution  # re-exported: serve.distribution, serve.top_p_mask
+from serving.sampling import top_p_mask as top_p_mask
 from transformer import InferenceContext
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    """How one request samples: temperature 0 = greedy; top_k / top_p filter the distribution (None: off); `seed`
-    seeds the request's own generator, so its tokens do not depend on which requests share its steps; it stops
-    after max_tokens tokens or after sampling one of `stop` (that token included, as gpt.generate's eod).
-    `logprobs` N in 0..MAX_LOGPROBS records, for each sampled token, its log-probability and the N most probable
-    tokens' (None: off); from the raw logits, before temperature, top-k and top-p (vLLM's and OpenAI's meaning)."""
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: tuple[int, ...] = ()
-    logprobs: int | None = None
-
-
-MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclasses.dataclass
@@ -67,6 +51,8 @@ class Request:
     hashed: int = 0  # its first blocks offered to the prefix cache (or taken from it)
     slot: int | None = None  # its recurrent-state slot while it runs (PagedKVCache.recurrent)
     inputs: dict = dataclasses.field(default_factory=dict)  # the model's own inputs for its prompt (an image)
+    new: int = 0  # tokens its last step sampled (more than one when drafts were accepted: speculative.py)
+    accepted: list[int] = dataclasses.field(default_factory=list)  # drafts accepted at each step that had some
     finish_reason: str | None = None  # "length", "stop" or "abort" once finished
     # with params.logprobs = N, per sampled token: (its logprob, [(token id, logprob)] of the N most probable first)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
@@ -249,53 +235,6 @@ class PagedKVCache:
             buffer[slots] = t
 
 
-# ---------------------------------------------------------------------------------------------- sampling
-def top_p_mask(probs: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus sampling (Holtzman et al. 2020): True for the smallest set of most probable tokens whose probability
-    reaches p — token i is kept iff the tokens more probable than it sum to less than p. probs [V] -> bool [V]."""
-    sorted_probs, order = probs.sort(descending=True)
-    before = sorted_probs.cumsum(0) - sorted_probs  # [V] probability of the tokens ranked above each
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    keep[order] = before < p
-    return keep
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from one request's last logits [V]: greedy at temperature 0, else temperature, top-k, top-p, then a
-    draw from the request's own generator. In float32, as gpt.sample_next."""
-    logits = logits.float()
-    if params.temperature == 0:
-        return int(logits.argmax())
-    return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
-
-
-def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """What a sampled request draws from, logits [V] -> probabilities [V] (unnormalised after top-p: multinomial
-    normalises): temperature, then top-k (the k largest logits, and any tied with the k-th), then top-p."""
-    logits = logits / params.temperature
-    if params.top_k is not None:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
-    if params.top_p is not None:
-        probs = probs * top_p_mask(probs, params.top_p)
-    return probs
-
-
-def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The sampled token's log-probability and the n most probable tokens' (most probable first), from one
-    request's raw logits [V]: log_softmax in float32, before any temperature or filtering."""
-    logp = torch.log_softmax(logits.float(), -1)  # [V]
-    top = torch.topk(logp, n)
-    return float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist()))
-
-
-def generator(params: SamplingParams, device) -> torch.Generator:
-    """A request's own random stream: from its seed, or from a seed drawn from torch's default generator."""
-    seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
-    return torch.Generator(device).manual_seed(seed)
-
-
 @torch.no_grad()
 def generate_one(model, prompt_ids, params: SamplingParams, logprobs: list | None = None, **inputs) -> list[int]:
     """The sequential oracle the engine is tested against: one request alone, its keys and values in the static
@@ -336,10 +275,12 @@ class Engine:
     short goes on next step from where it stopped (its chunk's keys cached, no token sampled until its last one), so
     decodes keep flowing while a long prompt fills. None: no budget, every prompt whole.
     attention="paged": attention layers read the blocks through the tables (serving/paged_attention.py); "gather":
-    the plain path it is tested against (every key a step reads gathered, a block-diagonal mask)."""
+    the plain path it is tested against (every key a step reads gathered, a block-diagonal mask). speculator: a
+    drafter (serving/speculative.py): a decode feeds its drafts too and takes the accepted ones with its token."""
 
     def __init__(self, model, num_blocks: int, block_size: int, max_batch: int, preempt: bool = False,
-                 prefix_caching: bool = False, max_num_batched_tokens: int | None = None, attention: str = "paged"):
+                 prefix_caching: bool = False, max_num_batched_tokens: int | None = None, attention: str = "paged",
+                 speculator: speculative.Drafter | None = None):
         if min(num_blocks, block_size, max_batch) < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}, max_batch={max_batch}: each must be >= 1")
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:  # (vLLM's message)
@@ -357,6 +298,9 @@ class Engine:
         self.preempt, self.preemptions = preempt, 0  # (the count: how many times a request was preempted)
         self.prefix_caching, self.computed, self.reused = prefix_caching, 0, 0  # (tokens run through the model,
         # tokens whose keys and values came from the prefix cache)
+        self.speculator = speculator  # speculative decoding's drafter (speculative.py), or None
+        if speculator is not None:
+            speculator.attach(self)
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.cache.block_size)
@@ -384,6 +328,8 @@ class Engine:
         if inputs and len(prompt) > self.budget:
             raise ValueError(f"a prompt with inputs {sorted(inputs)} is run whole: its {len(prompt)} tokens > "
                              f"max_num_batched_tokens={self.budget}")
+        if self.speculator is not None:
+            self.speculator.check(params, inputs)
         r = Request(self.next_id, prompt, params, generator(params, self.device), inputs=inputs)
         if self.blocks_for(r.max_positions()) > self.cache.num_blocks:
             raise ValueError(f"request needs {self.blocks_for(r.max_positions())} blocks of {self.cache.block_size} "
@@ -432,10 +378,10 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """One forward over the running batch: the requests that sampled a token, each with it last in `output` and a
-        `finish_reason` if it finished (a prompt's chunk that is not its last samples nothing, and is not among them).
-        A finished request is the engine's no more: the caller's object is its only reference (nothing of a request
-        is kept after it ends)."""
+        """One forward over the running batch: the requests that sampled, each with its `new` tokens last in `output`
+        (one, or more with accepted drafts) and a `finish_reason` if it finished (a prompt's chunk that is not its
+        last samples nothing, and is not among them). A finished request is the engine's no more: the caller's object
+        is its only reference (nothing of a request is kept after it ends)."""
         self.admit()
         while self.preempt and self.needs() > self.cache.available():
             r = self.running[-1]  # the newest: out of the batch, back to the head of the queue
@@ -447,10 +393,14 @@ class Engine:
         if not scheduled:
             return []
         batch, counts = map(list, zip(*scheduled))
-        for r, n in zip(batch, counts):  # grow each block table to hold this step's tokens
-            r.blocks += self.cache.allocate(self.blocks_for(r.cached + n) - len(r.blocks))
-        ids = torch.tensor([t for r, n in zip(batch, counts) for t in r.pending()[:n]], device=self.device)  # [T]
-        pos, mask = self.cache.plan(batch, counts, self.device)
+        ks = self.speculator.counts(batch, counts) if self.speculator else [0] * len(batch)  # drafts (speculative.py)
+        for r, n, k in zip(batch, counts, ks):  # grow each block table to hold this step's tokens (and drafts)
+            r.blocks += self.cache.allocate(self.blocks_for(r.cached + n + k) - len(r.blocks))
+        drafting = [r for r, k in zip(batch, ks) if k]
+        drafts = dict(zip([r.id for r in drafting], self.speculator.propose(drafting, [k for k in ks if k]))) if drafting else {}
+        fed = [r.pending()[:n] + drafts.get(r.id, []) for r, n in zip(batch, counts)]
+        ids = torch.tensor([t for f in fed for t in f], device=self.device)  # [T]
+        pos, mask = self.cache.plan(batch, [len(f) for f in fed], self.device)
         inputs = {}  # the prefills' own inputs, stacked in the row's order
         for r in batch:
             for k, v in (r.inputs.items() if r.cached == 0 else ()):
@@ -458,26 +408,36 @@ class Engine:
         inputs = {k: torch.stack(v).to(self.device) for k, v in inputs.items()}
         logits = self.model(ids[None], position_ids=pos[None], mask=None if mask is None else mask[None, None],
                             inference_context=self.cache, **inputs)[0]  # [T, V]
-        last = torch.tensor(counts, device=self.device).cumsum(0) - 1  # each request's last token in the row
-        self.computed += sum(counts)
-        sampled = []
-        for r, n, row in zip(batch, counts, logits[last]):
+        self.computed += len(ids)
+        sampled, end = [], 0
+        for r, n, f in zip(batch, counts, fed):
+            start, end, d = end, end + len(f), drafts.get(r.id, [])
             whole = n == len(r.pending())  # (else a prompt's chunk, not its last: nothing to sample yet)
-            r.cached += n
+            rows = logits[end - len(d) - 1:end]  # [1 + k, V]: after its last token, then after each draft
+            new = [] if not whole else self.speculator.verify(r, d, rows) if d else [sample(rows[0], r.params,
+                                                                                           r.generator)]
+            r.cached += n + max(len(new) - 1, 0)  # and its accepted drafts (a rejected one's keys lie past)
+            if self.speculator:
+                self.speculator.seen(r, slice(start, start + n + max(len(new) - 1, 0)))
             if self.prefix_caching and not r.inputs:  # its blocks filled up to here, cached for later requests
                 r.hashed = self.cache.offer(r.tokens()[:r.cached], r.blocks, r.hashed)
             if not whole:
                 continue
             sampled.append(r)
-            r.output.append(sample(row, r.params, r.generator))
-            if r.params.logprobs is not None:
-                r.logprobs.append(token_logprobs(row, r.output[-1], r.params.logprobs))
-            if r.output[-1] in r.params.stop:
-                r.finish_reason = "stop"
-            elif len(r.output) == r.params.max_tokens:
-                r.finish_reason = "length"
+            for r.new, (token, row) in enumerate(zip(new, rows), 1):
+                r.output.append(token)
+                if r.params.logprobs is not None:
+                    r.logprobs.append(token_logprobs(row, token, r.params.logprobs))
+                if token in r.params.stop:
+                    r.finish_reason = "stop"
+                elif len(r.output) == r.params.max_tokens:
+                    r.finish_reason = "length"
+                if r.finish_reason is not None:
+                    break
             if r.finish_reason is not None:
                 self.retire(r)
+            elif d:
+                self.speculator.rollback(r)
         return sampled
 
     def abort(self, request_id: int):
@@ -498,6 +458,8 @@ class Engine:
         self.cache.release(r.blocks)
         self.cache.free_slots.append(r.slot)
         r.blocks, r.slot = [], None
+        if self.speculator:
+            self.speculator.forget(r)
 
     def retire(self, r: Request):
         """Out of the batch and the engine."""

@@ -51,7 +51,7 @@ from config import ConfigError
 from interop import tokenizer_files
 from posttraining import quantization, recipes
 from serving import engine as serve
-from serving import protocol
+from serving import protocol, speculative
 from serving.protocol import OpenAIError, error_response
 
 
@@ -133,13 +133,14 @@ class Loop:
             self.live.pop(rid, None)
             self.callbacks.pop(key, None)
 
-    def advance(self, r: serve.Request):
-        """The text a request's new token adds (held back while it may be the start of a stop string or of a
-        character whose bytes are not all out yet), and its end (then nothing of it stays here)."""
-        rid, token, reason = r.id, r.output[-1], r.finish_reason
+    def advance(self, r: serve.Request, upto: int | None = None):
+        """The text a request's token number `upto` (default: its last) adds (held back while it may be the start of
+        a stop string or of a character whose bytes are not all out yet), and its end (then nothing of it stays)."""
+        upto = len(r.output) if upto is None else upto
+        rid, token, reason = r.id, r.output[upto - 1], r.finish_reason if upto == len(r.output) else None
         key, stops, sent = self.live[rid]
         finished = reason is not None
-        ids = r.output[:-1] if reason == "stop" else r.output  # a stop token is not part of the text
+        ids = r.output[:upto - 1] if reason == "stop" else r.output[:upto]  # a stop token is not part of the text
         text = self.tok.decode(ids)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:  # a stop string: the text ends before it, and so does the request
@@ -155,7 +156,7 @@ class Loop:
         self.live[rid][2] = sent + delta
         lp = None
         if getattr(r, "logprobs", None):
-            logprob, top = r.logprobs[-1]
+            logprob, top = r.logprobs[upto - 1]
             lp = (token, logprob, top)
         if reason is not None:
             del self.live[rid], self.ids[key]
@@ -170,8 +171,9 @@ class Loop:
             for c in cmds:
                 self.apply(c)
             for r in self.engine.step():
-                if r.id in self.live:
-                    self.advance(r)
+                for upto in range(len(r.output) - r.new + 1, len(r.output) + 1):  # (several: accepted drafts)
+                    if r.id in self.live:
+                        self.advance(r, upto)
 
 
 # ---------------------------------------------------------------------------------------------- the routes
@@ -487,6 +489,14 @@ def parse_args(argv=None):
     p.add_argument("--check-only", action="store_true", help="check the flags, the run and its layout for a world "
                    "of WORLD_SIZE, and the port, in this one process; no weights read (make serve runs it before "
                    "torchrun)")
+    p.add_argument("--speculative-config", type=json.loads, metavar="JSON", help="speculative decoding, vLLM's "
+                   "flag: {\"method\": \"mtp\" (the run's own MTP layers) or \"draft_model\", \"model\": RUN (a "
+                   "smaller run, same tokenizer), \"num_speculative_tokens\": K}; greedy requests only "
+                   "(serving/speculative.py)")
+    p.add_argument("--speculative-model", metavar="RUN", help="a draft run for speculative decoding (vLLM's older "
+                   "flag; \"mtp\": the run's own MTP layers)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="drafts a step (vLLM's older flag; "
+                   "default 1 with --speculative-model)")
     return p.parse_args(argv)
 
 
@@ -497,6 +507,24 @@ def servable(run, a):
                           "model generates (its model file declares no sample_ids or image_inputs)")
     if a.enable_prefix_caching:
         run.model_file.refuse("prefix_caching", "--enable-prefix-caching")
+
+
+def speculation(a) -> tuple[str, str | None, int] | None:
+    """(method, draft run, K) from --speculative-config or --speculative-model / --num-speculative-tokens, or None."""
+    conf = dict(a.speculative_config or {})
+    if a.speculative_model is not None:
+        conf.setdefault("method", "mtp" if a.speculative_model == "mtp" else "draft_model")
+        conf.setdefault("model", None if a.speculative_model == "mtp" else a.speculative_model)
+    if a.num_speculative_tokens is not None:
+        conf.setdefault("num_speculative_tokens", a.num_speculative_tokens)
+    if not conf:
+        return None
+    method, run, k = conf.get("method", "draft_model"), conf.get("model"), conf.get("num_speculative_tokens", 1)
+    if (method, run is None) not in (("mtp", True), ("draft_model", False)) or set(conf) - {
+            "method", "model", "num_speculative_tokens"} or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"speculative decoding {conf}: method \"mtp\" (no model) or \"draft_model\" with a "
+                          "model RUN, num_speculative_tokens >= 1, nothing else")
+    return method, run, k
 
 
 def fail_fast(fn):
@@ -525,6 +553,7 @@ def main(argv=None):
     if a.max_num_batched_tokens < a.max_batch:  # (vLLM's check: every running request decodes a token a step)
         raise ConfigError(f"--max-num-batched-tokens ({a.max_num_batched_tokens}) must be greater than or equal to "
                           f"--max-batch ({a.max_batch}, vLLM's max_num_seqs)")
+    spec = speculation(a)  # (method, draft run, K) or None
     if not 1 <= a.port <= 65535:
         raise ConfigError(f"--port {a.port} must be in 1..65535")
     if rank == 0:  # the address is free before the model loads and before "serving ... at" is said
@@ -554,8 +583,23 @@ def main(argv=None):
             print(f"linear weights in {a.quantization}: {held:,} bytes on rank 0 ({full:,} unquantized)", flush=True)
     context = run.model.config.max_position_embeddings
     blocks = a.num_blocks or a.max_batch * -(-context // a.block_size)
-    loop = Loop(serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption, a.enable_prefix_caching,
-                             a.max_num_batched_tokens), run.tok, world, rank)
+    drafter = None
+    try:
+        if spec:
+            method, draft, k = spec
+            if method == "draft_model":
+                loaded = checkpoint.load_model(draft, tp=tp, ep=ep, reward_model=False, flag="--speculative-model")
+                if loaded.tok.to_str() != run.tok.to_str():
+                    raise ConfigError(f"--speculative-model {draft}: its tokenizer is not --load {a.load}'s (a draft "
+                                      "model needs the same tokenizer)")
+            drafter = speculative.MTP(run.model, k) if method == "mtp" else speculative.DraftModel(loaded.model, k)
+        engine = serve.Engine(run.model, blocks, a.block_size, a.max_batch, a.preemption, a.enable_prefix_caching,
+                              a.max_num_batched_tokens, speculator=drafter)
+    except ValueError as e:  # (the drafter's refusals: no MTP layers, recurrent layers, another vocabulary)
+        if not spec or isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"speculative decoding: {e}") from None
+    loop = Loop(engine, run.tok, world, rank)
     if rank:
         loop.run()
     else:
@@ -574,6 +618,9 @@ def main(argv=None):
         worker.join()
     if world > 1:
         dist.destroy_process_group()
+    if rank == 0 and drafter is not None:
+        print("speculative decoding: {drafted} tokens drafted, {accepted} accepted ({acceptance_rate:.1%}), "
+              "{tokens_per_step:.2f} tokens a step".format(**drafter.stats()), flush=True)
     if rank == 0:
         print(f"stopped: every request answered, {world} rank(s) done", flush=True)
     return 0

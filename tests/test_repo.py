@@ -30,8 +30,8 @@ LAYERS = ["parallel", "metrics", "costs", "interop.tokenizer_files", "data", "co
           "posttraining.quantization", "scheduler",
           "interop.hf", "interop.megatron_flags", "arguments", "checkpoint", "transformer", "interop.convert", "deepseek",
           "gpt", "bert", "t5", "mamba", "llava",
-          "retrieval", "retro", "posttraining.recipes", "serving.paged_attention", "serving.engine", "serving.protocol",
-          "posttraining.rl",
+          "retrieval", "retro", "posttraining.recipes", "serving.paged_attention", "serving.sampling",
+          "serving.speculative", "serving.engine", "serving.protocol", "posttraining.rl",
           "train", "serving.server", "evaluation.tasks", "evaluation.evaluate", "tools"]
 
 

@@ -82,7 +82,7 @@ class Drafter:
         left and (preemption) the blocks no running request needs; 0 for a prompt's chunk."""
         e = self.engine
         left, out = e.budget - sum(counts), []
-        free = e.cache.available() - sum(e.needs(r) for r in e.running) if e.preempt else 0
+        free = e.cache.available() - e.needs() if e.preempt else 0
         for r, n in zip(batch, counts):
             decode = r.output and n == len(r.pending()) == 1  # (its last sampled token, nothing else, to feed)
             k = int(min(self.k, r.params.max_tokens - len(r.output) - 1, left)) if decode else 0

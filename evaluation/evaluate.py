@@ -1,5 +1,5 @@
-"""evaluation/evaluate.py — a saved run evaluated by lm-evaluation-harness on the shipped tasks (evaluation/tasks/),
-through our OpenAI-compatible server or through lm-eval's `hf` model on a Hugging Face export.
+"""evaluation/evaluate.py — a saved run evaluated by lm-evaluation-harness (or EvalScope) on the shipped tasks
+(evaluation/tasks/), through our OpenAI-compatible server or through lm-eval's `hf` model on a Hugging Face export.
 
 Server: `tools.py serve` started on a free port (under torchrun at --nproc > 1, as `make serve` starts it), lm-eval's
 `local-completions` for the log-likelihood tasks (echo + logprobs: the server scores the prompt; context tokens are
@@ -213,10 +213,10 @@ def evalscope(a) -> dict:
             records = [fit(r, tok, context - config["max_tokens"]) if bench == "general_mcq" else r
                        for r in shipped.evalscope_records(t, a.limit)]
             (work / "data" / f"{t}_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            dataset_args[bench] = {"local_path": str(work / "data"), "subset_list": [t], "prompt_template":
-                                   MCQ_TEMPLATE if bench == "general_mcq" else "{question}",
-                                   **({"metric_list": ["Rouge"]} if bench == "general_qa" else {})}  # (BLEU: NLTK's
-        argv = [str(EVALSCOPE), "eval", "--model", name, "--api-url", base + "/v1", "--api-key", "EMPTY",  # data)
+            dataset_args[bench] = {"local_path": str(work / "data"), "subset_list": [t]} | (
+                {"prompt_template": MCQ_TEMPLATE} if bench == "general_mcq" else
+                {"prompt_template": "{question}", "metric_list": ["Rouge"]})  # (its BLEU needs NLTK data: a download)
+        argv = [str(EVALSCOPE), "eval", "--model", name, "--api-url", base + "/v1", "--api-key", "EMPTY",
                 "--eval-type", "openai_api", "--datasets", *dataset_args, "--dataset-args", json.dumps(dataset_args),
                 "--generation-config", json.dumps(config), "--work-dir", str(work), "--no-timestamp", "--seed", "0"]
         r = subprocess.run(argv, env={**os.environ, **OFFLINE}, capture_output=True, text=True)
@@ -262,13 +262,19 @@ def table(out: dict) -> str:
                          f"{err:.4f}" if isinstance(err, (int, float)) else "", str(len(out["per_example"][t]))))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     return "\n".join([" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] +
-                     [f"{t}: skipped ({why})" for t, why in out.get("skipped", {}).items()])
+                     [f"{t}: skipped ({why})" for t, why in out.get("skipped", {}).items()] +
+                     [f"{t}: {sum(x == y for x, y in zip(v, out['per_example'][t]))} of EvalScope's {len(v)} answers "
+                      "are the server's own to the same messages, asked directly" for t, v in
+                      out.get("server_answers", {}).items()])
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     if not (Path(a.load) / "tokenizer.json").exists() and not a.hf:
         print(f"tools.py eval: error: --load {a.load}: not a saved run (train.py --save DIR first)", file=sys.stderr)
+        return 2
+    if a.harness == "evalscope" and not EVALSCOPE.exists():
+        print(f"tools.py eval: error: {EVALSCOPE} is missing (make .venv-evalscope/.stamp builds it)", file=sys.stderr)
         return 2
     out = evalscope(a) if a.harness == "evalscope" else evaluate(a)
     out["run"], out["limit"] = str(a.load), a.limit

@@ -38,7 +38,15 @@ $(STAMP): requirements.txt requirements-test.txt
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# EvalScope in a virtualenv of its own (requirements-evalscope.txt says why); idempotent like .venv. make test needs it
+# (tests/test_eval.py runs evalscope against the server); make eval only with ARGS="--harness evalscope".
+ES_STAMP := .venv-evalscope/.stamp
+$(ES_STAMP): requirements-evalscope.txt
+	$(PYTHON) -m venv .venv-evalscope
+	.venv-evalscope/bin/python -m pip install -q -r requirements-evalscope.txt
+	touch $(ES_STAMP)
+
+test: $(STAMP) $(ES_STAMP)
 	$(PY) -m pytest -q tests/
 
 lint: $(STAMP)
@@ -71,8 +79,9 @@ serve: $(STAMP)
 
 # lm-evaluation-harness on the tasks evaluation/tasks/ ships: the run in RUN served (as make serve serves it; NPROC=2:
 # at TP 2 under torchrun) for the evaluation, then stopped; results in $(RUN).eval.json and one table printed
-# (evaluation/evaluate.py; ARGS="--hf DIR": lm-eval's hf model on tools.py export's folder instead)
-eval: $(STAMP)
+# (evaluation/evaluate.py; ARGS="--hf DIR": lm-eval's hf model on tools.py export's folder instead; ARGS="--harness
+# evalscope": EvalScope's evalscope eval against the server, from .venv-evalscope, results in $(RUN).evalscope.json)
+eval: $(STAMP) $(if $(findstring evalscope,$(ARGS)),$(ES_STAMP))
 	$(PY) tools.py eval --load $(RUN) --nproc $(NPROC) $(ARGS)
 
 # Throughput of the default model: 30 iterations, no evaluation, no checkpoint; prints tokens/s. Then ours vs

@@ -1,5 +1,5 @@
-"""evaluation/evaluate.py — a saved run evaluated by lm-evaluation-harness on the shipped tasks (evaluation/tasks/),
-through our OpenAI-compatible server or through lm-eval's `hf` model on a Hugging Face export.
+"""evaluation/evaluate.py — a saved run evaluated by lm-evaluation-harness (or EvalScope) on the shipped tasks
+(evaluation/tasks/), through our OpenAI-compatible server or through lm-eval's `hf` model on a Hugging Face export.
 
 Server: `tools.py serve` started on a free port (under torchrun at --nproc > 1, as `make serve` starts it), lm-eval's
 `local-completions` for the log-likelihood tasks (echo + logprobs: the server scores the prompt; context tokens are
@@ -11,9 +11,14 @@ the server gets max_length = the context, hf the context - 2, and both score eac
 per-example log-likelihoods agree). Offline: nothing is fetched (HF_*_OFFLINE=1; the tasks' JSON lines are local).
 Results (lm-eval's, and each example's log-likelihoods or answer) go to RUN.eval.json beside the run (--hf:
 RUN.hf-eval.json); one table is printed. Mirrors lm-eval's `lm_eval --model local-completions` (lm_eval/__main__.py).
+--harness evalscope: `evalscope eval` (.venv-evalscope's, a subprocess) against the same server, on the tasks in its
+custom formats (tasks.evalscope_records; a question cut from the left to fit the context, as lm-eval cuts), greedy,
+through the chat template; its files in RUN.evalscope/, ours (each example's prompt, answer, the server's own answer
+to it asked directly) in RUN.evalscope.json. Not the perplexity task: EvalScope has no log-likelihood mode.
 
     make eval RUN=runs/gpt                                           # the three tasks through the server
     .venv/bin/python tools.py eval --load runs/gpt --hf runs/gpt-hf --limit 10   # through the export, 10 each
+    make eval RUN=runs/gpt ARGS="--harness evalscope"                # EvalScope's evalscope eval, same server
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,18 +35,27 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 from evaluation import tasks as shipped
+from interop import tokenizer_files
+from posttraining import recipes
 
 ROOT = Path(__file__).resolve().parent.parent
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_EVALUATE_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 GENERATION = ("brackets",)
+EVALSCOPE = ROOT / ".venv-evalscope" / "bin" / "evalscope"  # (make .venv-evalscope/.stamp builds it)
+NO_LOGLIKELIHOOD = "EvalScope scores generated answers only: it has no log-likelihood (perplexity) mode over an API"
+MCQ_TEMPLATE = "{question}\n\n{choices}\nANSWER:"  # EvalScope's own (an instruction first) is ~60 tokens longer
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Evaluate a saved run with lm-evaluation-harness on the shipped tasks "
                                 "(evaluation/evaluate.py).")
     p.add_argument("--load", required=True, help="the run (a directory train.py saved into)")
+    p.add_argument("--harness", choices=("lm-eval", "evalscope"), default="lm-eval",
+                   help="evalscope: EvalScope's `evalscope eval` (from .venv-evalscope) against the server")
     p.add_argument("--hf", help="evaluate this Hugging Face folder (tools.py export --hf-out) with lm-eval's hf model "
                    "instead of the server")
     p.add_argument("--tasks", default=",".join(shipped.TASKS), help="comma-separated shipped tasks")
@@ -52,6 +67,9 @@ def parse_args(argv=None):
     unknown = sorted(set(a.tasks.split(",")) - set(shipped.TASKS))
     if unknown or (a.limit is not None and a.limit < 1) or a.nproc < 1:
         p.error(f"--tasks: one of {', '.join(shipped.TASKS)} (not {unknown}); --limit and --nproc >= 1")
+    if a.harness == "evalscope" and (a.hf or a.no_chat or not set(a.tasks.split(",")) & set(shipped.EVALSCOPE)):
+        p.error(f"--harness evalscope: through the server's chat API (not --hf, --no-chat), on "
+                f"{' or '.join(shipped.EVALSCOPE)} ({NO_LOGLIKELIHOOD})")
     return a
 
 
@@ -155,17 +173,99 @@ def collect(runs, limit, through: str) -> dict:
     return out
 
 
+def post(url: str, body: dict):
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return json.load(r)
+
+
+def fit(record: dict, tok, room: int) -> dict:
+    """A multiple-choice record whose chat prompt (MCQ_TEMPLATE, the choices as EvalScope lays them out, the run's
+    chat template: the server's ids) is at most `room` tokens: its question's first lines dropped, then its first
+    characters (lm-eval keeps a prompt's end alike)."""
+    def tokens(question):
+        text = MCQ_TEMPLATE.format(question=question, choices="\n".join(f"{k}) {record[k]}" for k in "ABCD"))
+        return len(recipes.chat_prompt_ids([{"role": "user", "content": text}], tok))
+    question = record["question"]
+    while question and tokens(question) > room:
+        question = question.split("\n", 1)[1] if "\n" in question else question[1:]
+    if tokens(question) > room:
+        raise RuntimeError(f"stdlib_next_line example {record['id']}: its choices alone exceed the run's context")
+    return {**record, "question": question}
+
+
+def evalscope(a) -> dict:
+    """`evalscope eval` on the shipped tasks against the served run; EvalScope's results and each example's."""
+    names = [t for t in a.tasks.split(",") if t in shipped.EVALSCOPE]
+    gen = yaml.safe_load(shipped.YAML["brackets"])["generation_kwargs"]  # the generation task's settings, for both
+    config = {"max_tokens": gen["max_gen_toks"], "temperature": 0.0, "stop_seqs": gen["until"]}
+    work = Path(str(a.load).rstrip("/") + ".evalscope")
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "data").mkdir(parents=True)
+    out = {"through": "server", "harness": "evalscope", "results": {}, "per_example": {}, "models": {},
+           "examples": {}, "server_answers": {}, "skipped": {t: NO_LOGLIKELIHOOD for t in a.tasks.split(",")
+                                                             if t not in shipped.EVALSCOPE}}
+    with serving(a.load, a.nproc) as (base, name, context):
+        tok = tokenizer_files.get_tokenizer(None, None, tokenizer_file=str(Path(a.load) / "tokenizer.json"))
+        dataset_args = {}
+        for t in names:
+            bench, split = shipped.EVALSCOPE[t]
+            records = [fit(r, tok, context - config["max_tokens"]) if bench == "general_mcq" else r
+                       for r in shipped.evalscope_records(t, a.limit)]
+            (work / "data" / f"{t}_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            dataset_args[bench] = {"local_path": str(work / "data"), "subset_list": [t]} | (
+                {"prompt_template": MCQ_TEMPLATE} if bench == "general_mcq" else
+                {"prompt_template": "{question}", "metric_list": ["Rouge"]})  # (its BLEU needs NLTK data: a download)
+        argv = [str(EVALSCOPE), "eval", "--model", name, "--api-url", base + "/v1", "--api-key", "EMPTY",
+                "--eval-type", "openai_api", "--datasets", *dataset_args, "--dataset-args", json.dumps(dataset_args),
+                "--generation-config", json.dumps(config), "--work-dir", str(work), "--no-timestamp", "--seed", "0"]
+        r = subprocess.run(argv, env={**os.environ, **OFFLINE}, capture_output=True, text=True)
+        (work / "evalscope.log").write_text(r.stdout + r.stderr)
+        if r.returncode:
+            raise RuntimeError(f"evalscope eval failed ({work / 'evalscope.log'}):\n{(r.stdout + r.stderr)[-3000:]}")
+        for t in names:
+            bench = shipped.EVALSCOPE[t][0]
+            report = json.loads((work / "reports" / name / f"{bench}.json").read_text())
+            primary = next(m for m in report["metrics"] if m["identity"] == report["primary_metric_identity"])
+            subset = next(x for c in primary["categories"] for x in c["subsets"] if x["name"] == t)
+            reviews = [json.loads(line) for line in (work / "reviews" / name / f"{bench}_{t}.jsonl").read_text()
+                       .splitlines()]
+            examples = []
+            for x in sorted(reviews, key=lambda x: x["index"]):
+                score = x["sample_score"]["score"]
+                examples.append({"messages": [{"role": m["role"], "content": m["content"]} for m in x["messages"]
+                                              if m["role"] != "assistant"], "target": x["target"],
+                                 "answer": score["prediction"], "extracted": score["extracted_prediction"],
+                                 "score": score["value"][score["main_score_name"]]})
+            metric = reviews[0]["sample_score"]["score"]["main_score_name"]  # (the primary metric's own name)
+            out["results"][t] = {metric: subset["score"], "n": subset["num"]}
+            if t in GENERATION:  # lm-eval's metric for it, on EvalScope's answers (whitespace ignored, as its YAML)
+                out["results"][t]["exact_match"] = sum("".join(e["answer"].split()) == "".join(
+                    "".join(e["target"]).split()) for e in examples) / len(examples)
+            out["examples"][t], out["per_example"][t] = examples, [e["answer"] for e in examples]
+            out["models"][t] = f"evalscope {bench} (chat template)"
+            out["server_answers"][t] = [post(base + "/v1/chat/completions", {
+                "model": name, "messages": e["messages"], "max_tokens": config["max_tokens"], "temperature": 0.0,
+                "stop": config["stop_seqs"]})["choices"][0]["message"]["content"] for e in examples]
+    return out
+
+
 def table(out: dict) -> str:
-    rows = [("task", "through", "metric", "value", "stderr")]
+    rows = [("task", "through", "metric", "value", "stderr", "n")]
     for t, metrics in out["results"].items():
         for k, v in metrics.items():
-            if "," not in k or "_stderr" in k or not isinstance(v, (int, float)):
+            if ("," not in k and out.get("harness") != "evalscope") or "_stderr" in k or k == "n" or \
+                    not isinstance(v, (int, float)):
                 continue
-            err = metrics.get(k.replace(",", "_stderr,", 1))
+            err = metrics.get(k.replace(",", "_stderr,", 1)) if "," in k else None
             rows.append((t, out["models"][t], k.split(",")[0], f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}",
-                         f"{err:.4f}" if isinstance(err, (int, float)) else ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join(" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+                         f"{err:.4f}" if isinstance(err, (int, float)) else "", str(len(out["per_example"][t]))))
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    return "\n".join([" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] +
+                     [f"{t}: skipped ({why})" for t, why in out.get("skipped", {}).items()] +
+                     [f"{t}: {sum(x == y for x, y in zip(v, out['per_example'][t]))} of EvalScope's {len(v)} answers "
+                      "are the server's own to the same messages, asked directly" for t, v in
+                      out.get("server_answers", {}).items()])
 
 
 def main(argv=None) -> int:
@@ -173,9 +273,13 @@ def main(argv=None) -> int:
     if not (Path(a.load) / "tokenizer.json").exists() and not a.hf:
         print(f"tools.py eval: error: --load {a.load}: not a saved run (train.py --save DIR first)", file=sys.stderr)
         return 2
-    out = evaluate(a)
+    if a.harness == "evalscope" and not EVALSCOPE.exists():
+        print(f"tools.py eval: error: {EVALSCOPE} is missing (make .venv-evalscope/.stamp builds it)", file=sys.stderr)
+        return 2
+    out = evalscope(a) if a.harness == "evalscope" else evaluate(a)
     out["run"], out["limit"] = str(a.load), a.limit
-    path = Path(a.output or str(Path(a.load)).rstrip("/") + (".hf-eval.json" if a.hf else ".eval.json"))
+    suffix = ".evalscope.json" if a.harness == "evalscope" else ".hf-eval.json" if a.hf else ".eval.json"
+    path = Path(a.output or str(Path(a.load)).rstrip("/") + suffix)
     path.write_text(json.dumps(out, indent=1, default=str) + "\n")
     print(table(out))
     print(f"wrote {path}")

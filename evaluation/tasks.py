@@ -9,6 +9,8 @@ The snippets and documents come from the default run's validation documents (the
 --seed 1234 hold out: data.split_documents), so the default run never trained on them; the bracket prompts are
 posttraining/rl.py's held-out ones. The shipped files were built from Python 3.11's stdlib: another Python's stdlib
 builds other examples. Mirrors the task folders of lm-evaluation-harness (lm_eval/tasks/*/ : YAML + a dataset).
+EvalScope reads the same examples converted to its custom-dataset formats (evalscope_records): general_mcq (question,
+A-D, the answer's letter) and general_qa (query, response); it has no perplexity task.
 
     .venv/bin/python tools.py eval-tasks --out evaluation/tasks      # rebuilds the shipped files (~30 s)
 """
@@ -84,6 +86,19 @@ metadata:
   version: 1.0
 """,
 }
+
+
+# EvalScope's custom datasets (evaluation/evaluate.py --harness evalscope): task -> (its benchmark, the split it reads)
+EVALSCOPE = {"stdlib_next_line": ("general_mcq", "val"), "brackets": ("general_qa", "test")}
+
+
+def evalscope_records(task: str, limit: int | None = None) -> list[dict]:
+    """The first `limit` examples of a shipped task in EvalScope's format for it (EVALSCOPE)."""
+    rows = [json.loads(line) for line in (HERE / "tasks" / f"{task}.jsonl").read_text().splitlines()][:limit]
+    if task == "stdlib_next_line":
+        return [{"id": i, "question": r["context"], **dict(zip("ABCD", r["choices"])), "answer": "ABCD"[r["label"]]}
+                for i, r in enumerate(rows)]
+    return [{"id": i, "query": r["prompt"], "response": r["answer"]} for i, r in enumerate(rows)]
 
 
 def held_out_documents() -> list[str]:

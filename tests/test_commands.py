@@ -92,6 +92,7 @@ BENCH = {  # size flags appended to each bench script
     "--t", "0.001"], "bench_moe_balance.py": ["--iters", "2", "--log-interval", "1",
     "--data-path", "small_corpus"], "soak.py": ["--minutes", "0.3"],
     "bench_quant.py": ["--concurrency", "1", "--new-tokens", "2", "--eval-batches", "1"],
+    "bench_evalscope.py": ["--parallel", "1", "--number", "2", "--max-tokens", "4"],
     "bench_serve.py": ["--concurrency", "1", "2", "--new-tokens", "2", "--prompt-len", "2", "6", "--model-args",
                        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --vocab-size 128"],
     "bench_gemm.py": ["--repeats", "1", "--warmup", "0", "--peak-size", "64", "--model-args", "--num-layers 2 "
@@ -132,7 +133,8 @@ def scratch(tmp_path_factory):
         if (ROOT / name).is_file():
             (work / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, work / name)  # (mtimes kept: make sees the virtualenv up to date)
-    (work / ".venv").symlink_to(ROOT / ".venv")
+    for venv in (".venv", ".venv-evalscope"):  # (.venv-evalscope: EvalScope's, tools.py eval --harness evalscope)
+        (work / venv).symlink_to(ROOT / venv)
     (work / "data_cache").mkdir()
     corpus = work / "small_corpus"
     corpus.mkdir()

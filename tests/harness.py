@@ -29,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import sys
 import time
@@ -40,10 +41,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = Path(HERE).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A port free now, drawn below the kernel's ephemeral range (ip_local_port_range), where bind(0) and every
+    outgoing connection take theirs: a port from bind(0), used seconds later (torchrun's store, a server that binds
+    once its model is loaded), could meanwhile go to one of the many gloo connections of make test's other worker."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _worker(env, rank, world, port, inq, outq):
@@ -124,7 +135,7 @@ class Pool:
     def _start(self):
         ctx = mp.get_context("forkserver")  # ranks forked from one process that imported torch and train.py once
         ctx.set_forkserver_preload(["torch", "torch.distributed", "train", "transformers"])  # (the test files import it)
-        port = _free_port()
+        port = free_port()
         self.inqs = [ctx.Queue() for _ in range(self.world)]
         self.outq = ctx.Queue()
         port = (port,) if self.target is _worker else ()  # _train_worker's runs each make their own process group
@@ -218,7 +229,7 @@ def launch(n: int, argv: list[str], timeout: float = 300.0, cwd=None, patch=None
     if n not in _LAUNCHERS:
         _LAUNCHERS[n] = Pool(n, timeout, target=_train_worker)
     pool = _LAUNCHERS[n]
-    port = _free_port()
+    port = free_port()
     for r in range(n):
         pool.inqs[r].put((list(argv), port, None if cwd is None else str(cwd), dict(patch or {})))
     codes, outs, deadline = {}, {}, time.monotonic() + timeout

@@ -347,7 +347,6 @@ def run_server(argv: list[str], work: Path, nproc: int = 1):
     """tools.py serve: started in `work` on a free port, one completion asked over HTTP, stopped by SIGTERM (exit 0). At
     TP > 1 only its arguments are parsed unless COMMANDS=all (tests/test_server.py serves at TP 2 itself)."""
     import signal
-    import socket
     import time
     import urllib.request
 
@@ -355,9 +354,7 @@ def run_server(argv: list[str], work: Path, nproc: int = 1):
     a = server.parse_args(argv)
     if nproc > 1 and not FULL:
         raise Skipped(f"tools.py serve on {nproc} ranks: its arguments parsed (tests/test_server.py serves at TP 2)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(harness.free_port())
     argv = [w for i, w in enumerate(argv) if w != "--port" and argv[i - 1:i] != ["--port"]] + ["--port", port]
     launch = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [PY]
     proc = subprocess.Popen([*launch, str(ROOT / "tools.py"), "serve", *argv], cwd=work, stdout=subprocess.PIPE,

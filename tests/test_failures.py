@@ -269,9 +269,7 @@ def test_a_run_is_refused_where_it_is_the_wrong_kind_and_a_reward_model_says_its
     assert re.search(r"iteration 3: validation loss [\d.]+, accuracy [\d.]+", out), out
     done = next(ln for ln in out.splitlines() if ln.startswith("done: "))
     assert "; validation accuracy " in done and done.endswith("note: --task rm trained from random weights"), done
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(harness.free_port())
     line = fails(["serve", "--load", str(tmp_path / "rm"), "--port", port], capsys, tools.main, "tools.py")
     assert line.endswith("is a reward model (--task rm): it scores text (tools.py score), it does not generate or "
                          "export as a causal LM"), line
@@ -407,9 +405,7 @@ def test_serve_check_only_reads_no_weights(run, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(checkpoint.dcp, "load", lambda *a, **k: pytest.fail("--check-only read the weights"))
     monkeypatch.setattr(server.dist, "init_process_group", lambda *a, **k: pytest.fail("a process group was made"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(harness.free_port())
     assert server.main(["--load", str(run), "--tensor-model-parallel-size", "2", "--port", port, "--check-only"]) == 0
 
 
@@ -460,9 +456,7 @@ def test_prefix_caching_is_refused_at_start_for_a_model_that_cannot_have_it(monk
     from serving import server
     monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: types.SimpleNamespace(
         model_file=contract.model_file("mamba")))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(harness.free_port())
     with pytest.raises(contract.ConfigError, match="^--model mamba with --enable-prefix-caching: a cached prefix holds "
                        "keys and values, not the recurrent state after it$"):
         server.main(["--load", "any", "--port", port, "--enable-prefix-caching"])

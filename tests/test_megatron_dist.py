@@ -41,7 +41,7 @@ import checkpoint
 import tools
 import train
 from equivalence import rel_err
-from harness import SNIPPET, _free_port
+from harness import SNIPPET, free_port
 from interop import convert, tokenizer_files
 
 HERE = Path(__file__).resolve().parent
@@ -149,7 +149,7 @@ def work(tmp_path_factory):
     tok = tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=384)
     tok.save(str(d / "tokenizer.json"))
     code = (f"import sys; sys.path[:0] = [{str(HERE.parent)!r}, {str(HERE)!r}]; import test_megatron_dist as t; "
-            f"t.megatron_side({str(d)!r}, {_free_port()})")
+            f"t.megatron_side({str(d)!r}, {free_port()})")
     r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return d

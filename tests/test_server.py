@@ -27,7 +27,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ import torch
 import checkpoint
 import gpt
 from arguments import parse_args
-from harness import SNIPPET
+from harness import SNIPPET, free_port
 from interop import tokenizer_files
 from posttraining import recipes
 from serving import engine as serve
@@ -97,12 +96,6 @@ def oracle(run):
     return make_oracle(run)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """serving/server.py (or torchrun of it) in a subprocess, up once /health answers."""
 
@@ -118,7 +111,8 @@ class Server:
         while not self.healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                raise AssertionError(f"server did not come up:\n{self.proc.stdout.read()[-3000:]}")
+                out = self.proc.stdout.read()  # (its head too: a rank's own error comes before torchrun's report)
+                raise AssertionError(f"server did not come up:\n{out[:2500]}\n...\n{out[-3500:]}")
             time.sleep(0.5)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=120,
                                     max_retries=0)

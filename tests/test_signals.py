@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -90,9 +89,7 @@ def test_signal_to_torchrun_stops_every_rank_saves_and_resumes_bit_exactly(corpu
     k = random.Random().randint(2, 6)  # the signal is sent once iteration k is logged
     run = tmp_path / "run"
     argv = run_argv(corpus, cache, run, *layout, "--log-interval", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = harness.free_port()
     log = tmp_path / "torchrun.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

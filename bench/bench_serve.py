@@ -1,28 +1,26 @@
-"""Serving throughput, latency and KV memory: serving.engine.Engine (continuous batching, paged KV cache) against the
-same requests run one after another through serving.engine.generate_one (a static KV cache, one request at a time).
+"""Serving throughput, latency and KV memory: serving.engine.Engine (continuous batching, a paged KV cache) against the
+same requests one after another through serving.engine.generate_one (a static KV cache) and, with --hf, transformers.
 
-For each concurrency n (default 1, 8 and 32): n requests arrive together at time 0 (random token ids, --prompt-len
-lengths, --new-tokens each, greedy); the engine takes all n in one batch, the sequential path serves them in order.
-Columns: tokens/s over the whole load (prefills included); latency and TTFT (time to the last and the first token:
-mean, p50, p90 by nearest rank; sequentially including the wait for earlier requests); KV memory (the paged blocks
-held at the peak step against the smallest dense cache [n, max_len] that holds the load; a Mamba model's state slots
-in both); same tokens (the engine's greedy tokens equal generate_one's; fp32, unless two logits tie to rounding).
---engines gather paged:2048 runs, beside the sequential path, the engine's plain attention (gathered keys, a
-block-diagonal mask), then serving/paged_attention.py with a 2,048-token budget a step (chunked prefill).
-The model is train.py's default GPT with random weights, fp32, its context raised to the longest request;
+For each --concurrency n (default 1, 8, 32): n requests at time 0 (random tokens, --prompt-len lengths, --new-tokens
+each, greedy), in one engine batch and in order. Columns: tokens/s over the load (prefills included); latency and TTFT
+(to the last and first token: mean, p50, p90 nearest-rank; sequentially with the wait for earlier requests); KV memory
+(paged blocks held at the peak against the smallest dense [n, max_len] cache; a Mamba model's state slots in both);
+same tokens (greedy, fp32: the engine's equal generate_one's unless two logits tie to rounding). --engines gather
+paged:2048: a row per engine (the gather path; serving/paged_attention.py, 2,048 tokens a step: chunked prefill).
+--hf: the same prompts through Hugging Face generate (our model converted in memory as tools.py export does; one
+left-padded batch, then one at a time; exactly --new-tokens each): tokens/s, the engine's ratio to each, and how many
+requests got the engine's tokens. The model is train.py's default GPT, random, fp32, its context the longest request;
 --model-args changes its shape (train.py's flags); --load RUN serves a trained run (checkpoint.load_model).
-
---soak N instead: N requests through one engine (the largest --concurrency running, twice as many queued); the RSS
-after each tenth of them. --system-prompt L instead: requests sharing an L-token head, with and without prefix
-caching (tokens computed, wall time). --attention-kernels instead: one mixed step's attention (max(--concurrency) − 1
-decodes, one prompt) by each torch mechanism from the same block pool — the gather path, serving/paged_attention.py,
-one SDPA per request, one padded batch, (--flex) flex_attention compiled — ms a step and each one's largest
-difference from the gather path. --speculative K instead: max(--concurrency) greedy requests without and with
-speculative decoding, twice in turn (K drafts a step; --draft: layers:N, the model's first N layers as the draft, its
-MTP layer, or a run): the better tokens/s of each, the acceptance rate, tokens a verifying step, same tokens.
+Instead of the table: --soak N (N requests through one engine, max(--concurrency) running, twice that queued: the RSS
+after each tenth); --system-prompt L (an L-token shared head, prefix caching off and on: tokens computed, wall time);
+--attention-kernels (one mixed step's attention, max(--concurrency) − 1 decodes and a prompt, by each mechanism from
+one block pool: gather, serving/paged_attention.py, an SDPA per request, a padded batch, --flex's compiled
+flex_attention: ms a step, largest difference from gather); --speculative K (greedy requests without and with K drafts
+a step, --draft layers:N, mtp or a run, twice in turn: the better tokens/s, acceptance, tokens a step, same tokens).
 
     .venv/bin/python bench/bench_serve.py --concurrency 1 8 --new-tokens 16 --prompt-len 16 32        (~1 min)
     .venv/bin/python bench/bench_serve.py        (the full table: 1, 8, 32 requests of 16-128 + 64 tokens)
+    .venv/bin/python bench/bench_serve.py --concurrency 1 64 --hf        (beside Hugging Face generate)
     .venv/bin/python bench/bench_serve.py --attention-kernels --concurrency 64        (~1 min)
     .venv/bin/python bench/bench_serve.py --speculative 3 --concurrency 8 --new-tokens 32        (~1 min)
 """
@@ -73,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--draft", default="layers:1", help="--speculative's drafter: layers:N (the model's embedding, "
                    "first N layers and output layer), mtp (its MTP layer), or a saved run")
     p.add_argument("--repeats", type=int, default=5, help="--attention-kernels: timed runs of each (the median)")
+    p.add_argument("--hf", action="store_true", help="the main table: the same prompts through transformers too (the "
+                   "model converted as tools.py export does): one left-padded batch, and one prompt at a time")
     p.add_argument("--flex", action="store_true", help="--attention-kernels: flex_attention too (compiled by "
                    "torch.compile: minutes on a CPU)")
     return p.parse_args(argv)
@@ -148,6 +148,62 @@ def run_sequential(model, prompts, new_tokens: int):
         out.append(serve.generate_one(model, p, params))
         latencies.append(time.perf_counter() - t0)
     return out, latencies, time.perf_counter() - t0
+
+
+def hf_model(a, model):
+    """Our model as transformers' class, in memory, converted as tools.py export converts it: an imported run's own
+    folder layout (interop/hf.py export_state), else the model file's to_hf (GPT-2, Llama, Mixtral); fp32, eval.
+    Generation ends only at max_new_tokens (no eos: exactly --new-tokens each, as the engine's requests)."""
+    import transformers
+
+    from interop import hf
+
+    if a.load:
+        run = checkpoint.load_model(a.load, build=False)
+        arch, mf = run.args.hf_architecture, run.model_file
+    else:
+        args = arguments.parse_args(["--vocab-size", "8192", *shlex.split(a.model_args)])
+        arch, mf = None, config.model_file(args.model)
+    full = {k: v.float() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    if arch:
+        hc, state = arch["config"], hf.export_state(arch, full, torch.float32)[0]
+    elif mf.to_hf is None:
+        raise SystemExit(f"bench_serve.py: error: --hf: --model {mf.name} has no Hugging Face export here")
+    else:
+        hc, state = mf.to_hf(model.config, full)
+    hc = {k: v for k, v in hc.items() if k not in ("dtype", "torch_dtype")}
+    out = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hc), dtype=torch.float32)
+    missing, unexpected = out.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if out.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise SystemExit(f"bench_serve.py: error: --hf: the export does not fill {out.__class__.__name__}: missing "
+                         f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    out.tie_weights()
+    out.generation_config.update(eos_token_id=None, bos_token_id=None, pad_token_id=0, do_sample=False)
+    return out.to(a.device).eval()
+
+
+@torch.no_grad()
+def run_hf(hf_model, prompts, new_tokens: int, left: bool = True):
+    """The prompts as one padded batch through transformers' greedy generate, the padding on the left (on the right:
+    the negative control, new tokens after padding): (tokens per request, wall s)."""
+    device, L = next(hf_model.parameters()).device, max(len(p) for p in prompts)
+    pad = lambda p, x: [x] * (L - len(p)) + p if left else p + [x] * (L - len(p))
+    ids = torch.tensor([pad(p, 0) for p in prompts], device=device)
+    mask = torch.tensor([pad([1] * len(p), 0) for p in prompts], device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, use_cache=True)
+    sync(device)
+    return [row[L:].tolist() for row in out], time.perf_counter() - t0
+
+
+def run_hf_sequential(hf_model, prompts, new_tokens: int):
+    """The prompts one after another through transformers' generate, unpadded: (tokens per request, wall s)."""
+    out, t0 = [], time.perf_counter()
+    for p in prompts:
+        out += run_hf(hf_model, [p], new_tokens)[0]
+    return out, time.perf_counter() - t0
 
 
 def kv_bytes(engine) -> tuple[int, int]:
@@ -405,11 +461,18 @@ def main(argv=None):
           f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f} at the start")
     print("| requests | engine | engine tokens/s | sequential tokens/s | speed-up | engine latency mean / p50 / p90 (s) | "
           "engine TTFT mean / p50 / p90 (s) | sequential latency mean / p50 / p90 (s) | paged KV at peak | "
-          "dense KV [n, max_len] | paged / dense | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "dense KV [n, max_len] | paged / dense | same tokens |" + (" HF batch tokens/s | HF sequential tokens/s | "
+          "engine / HF batch | engine / HF sequential | same tokens as HF (batch, sequential) |" if a.hf else ""))
+    print("|---" * (17 if a.hf else 12) + "|")
+    hf = hf_model(a, model) if a.hf else None
+    if hf is not None:
+        run_hf(hf, requests(2, tuple(a.prompt_len), vocab, a.seed + 1), min(a.new_tokens, 4))  # warm-up
     for n in a.concurrency:
         prompts = requests(n, tuple(a.prompt_len), vocab, a.seed + n)
         seq_tokens, seq_lat, seq_wall = run_sequential(model, prompts, a.new_tokens)
+        if hf is not None:  # (the same minute as the engine's rows)
+            (hf_tokens, hf_wall), (hfs_tokens, hfs_wall) = (run_hf(hf, prompts, a.new_tokens),
+                                                            run_hf_sequential(hf, prompts, a.new_tokens))
         for spec in a.engines:  # (the same minute as the sequential run: the machine's load moves both alike)
             attention, _, budget = spec.partition(":")
             tokens, lat, wall, peak, engine, ttft = run_engine(model, prompts, a.new_tokens, a.block_size, attention,
@@ -419,7 +482,13 @@ def main(argv=None):
             fmt = lambda s: " / ".join(f"{x:.3f}" for x in summary(s))
             print(f"| {n} | {spec} | {rate:,.1f} | {seq_rate:,.1f} | {rate / seq_rate:.2f}× | {fmt(lat)} | {fmt(ttft)} | "
                   f"{fmt(seq_lat)} | {mib(paged)} ({peak} blocks) | {mib(dense)} | {paged / dense:.2f} | "
-                  f"{'yes' if tokens == seq_tokens else 'NO'} |", flush=True)
+                  f"{'yes' if tokens == seq_tokens else 'NO'} |", end="")
+            if hf is not None:
+                same = lambda got: f"{sum(x == y for x, y in zip(got, tokens))}/{n}"
+                hf_rate, hfs_rate = n * a.new_tokens / hf_wall, n * a.new_tokens / hfs_wall
+                print(f" {hf_rate:,.1f} | {hfs_rate:,.1f} | {rate / hf_rate:.2f}× | {rate / hfs_rate:.2f}× | "
+                      f"{same(hf_tokens)}, {same(hfs_tokens)} |", end="")
+            print(flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

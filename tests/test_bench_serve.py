@@ -5,7 +5,9 @@ is 2 (K, V) × layers × key/value heads × block size × head dim × 4 bytes (f
 longest request's positions × a position's bytes. Percentiles are nearest-rank. Negative control: a peak read after
 each step (not at each allocation) misses the final step's blocks, freed within that step. --system-prompt: the head
 is taken from the cache by every request after the first, exactly; --soak ends with the engine empty; --engines
-gives a row per engine, and --attention-kernels' mechanisms agree with the gather path.
+gives a row per engine, and --attention-kernels' mechanisms agree with the gather path. --hf: transformers' greedy
+generate on our model converted as tools.py export does (3 prompts of different lengths, one left-padded batch and
+one at a time) gives the engine's tokens; negative control: padding on the right changes them.
 Tolerance: none; blocks, bytes and tokens are integers, compared exactly.
 """
 from __future__ import annotations
@@ -96,3 +98,31 @@ def test_a_shared_head_is_computed_once_and_the_soak_ends_empty(capsys):
     assert out_on == out_off and reused_off == 0 and reused == 4 * (10 // 4 * 4) and off - on == reused
     B.main(["--soak", "20", "--concurrency", "3", *TINY])
     assert "(engine: 0 requests held, " in capsys.readouterr().out
+
+
+def assert_hf_tokens_are_the_engines(left=True):
+    """--hf: our tiny GPT converted in memory as tools.py export does, 3 prompts of different lengths as one padded
+    batch through transformers' greedy generate (and one at a time): the engine's tokens, exactly."""
+    B = bench()
+    a = B.parse_args(["--hf", "--block-size", "4", "--new-tokens", "4", "--device", "cpu", "--model-args",
+                      "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 128"])
+    model = B.build(a, 16)
+    prompts = [[5, 17, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [64, 32, 16, 8, 4, 2]]
+    want = B.run_engine(model, prompts, 4, a.block_size)[0]
+    hf = B.hf_model(a, model)
+    assert B.run_hf_sequential(hf, prompts, 4)[0] == want
+    got = B.run_hf(hf, prompts, 4, left=left)[0]
+    assert got == want, f"HF's padded batch gave {got}, the engine {want}"
+
+
+def test_hf_greedy_tokens_are_the_engines(capsys):
+    assert_hf_tokens_are_the_engines()
+    bench().main(["--concurrency", "2", "--hf", *TINY])  # the table's 5 HF columns, every request the same tokens
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(rows) == 1 and len(rows[0]) == 19 and rows[0][-2].strip() == "2/2, 2/2", rows
+
+
+def test_right_padding_is_caught():
+    """Negative control: padding on the right, the short prompts' new tokens follow pad tokens and change."""
+    with pytest.raises(AssertionError, match=r"HF's padded batch gave .*, the engine "):
+        assert_hf_tokens_are_the_engines(left=False)

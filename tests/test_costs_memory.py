@@ -190,6 +190,9 @@ LAYOUTS = [
     (2, dict(seq=8, tp=2, micro_batch=1, global_batch=1, sequence_parallel=True), dict(MOE,
                                                                                       moe_token_dispatcher_type="alltoall")),
     (2, dict(seq=8, pp=2, micro_batch=1, global_batch=2), dict(MLA, **MOE, mtp_num_layers=2)),
+    (1, dict(seq=8, micro_batch=2, global_batch=2, recompute="full"), dict(MOE, recompute_num_layers=2)),
+    (4, dict(seq=8, tp=2, dp=2, ep=2, micro_batch=1, global_batch=2, sequence_parallel=True),
+     dict(MOE, moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=8)),
 ]
 
 

@@ -221,19 +221,25 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0, ro
         c.num_query_groups, c.kv_channels
     up = 2 if c.gated_linear_unit else 1
     moe = c.is_moe_layer(i)
-    f = c.moe_shared_expert_intermediate_size or 0 if moe else c.ffn_hidden_size  # (MoE: the shared expert's MLP)
+    f = (c.moe_shared_expert_intermediate_size or 0) if moe else c.ffn_hidden_size  # (MoE: the shared expert's MLP)
     mask = (B if cpu else 1) * (c.hidden_dropout > 0)  # one dropout mask value
     sb = s * b
     whole = sb * h * (2 * B + 2 * mask + 2 * B)  # LayerNorm inputs; hidden-dropout masks; linear_qkv's, fc1's inputs
     experts = 0
-    if moe:  # the router's and the shared expert's inputs: fc1's (16-bit: the router's own fp32 copy; the norm's
-        whole += sb * h * (4 - B * (not f)) * (cpu and B < 4)  # output then kept only by a shared expert)
-        post, aux = not c.moe_router_pre_softmax, bool(c.moe_aux_loss_coeff)  # (router, fp32) [T, E]: the softmax's
-        whole += sb * c.num_experts * 4 * (1 + post * aux) + sb * c.moe_router_topk * (8 + 4 * post)  # output
-        whole += 4 * (3 * c.num_experts + 2) * aux  # (post-softmax: the top-k's logits; the softmax's with the aux
-        experts = moe_experts(c, layout, accounting, routed)  # loss), the top-k indices (int64) [T, k] (post-softmax:
-        whole += sb * B * (h + 1) * bool(c.moe_shared_expert_gate)  # their softmax); aux loss: the router's statistics
-        # [3E + 1] and the loss; the shared expert's gate: the shared expert's output [T, h] and the sigmoid [T, 1]
+    if moe:  # parallel.Router (fp32) on the T = s·b tokens (s/t·b under SP); the dispatcher and experts: moe_experts
+        k, E, aux, z = c.moe_router_topk, c.num_experts, bool(c.moe_aux_loss_coeff), bool(c.moe_z_loss_coeff)
+        sig, post = c.moe_router_score_function == "sigmoid", not c.moe_router_pre_softmax
+        whole += sb * h * (4 - B * (not f)) * (cpu and B < 4)  # 16-bit: the router's fp32 copy of its input (the
+        # norm's output, fc1's input above, then kept by a shared expert only)
+        whole += 4 * sb * E * (1 + (post and not sig) * aux + z * (sig or not post))  # [T, E]: the scores (sigmoid;
+        # pre-softmax) or the top-k's logits (post-softmax; with the aux loss the softmax's too); z-loss: the logits
+        whole += sb * k * (8 + 4 * (post and (k > 1 or not sig)))  # the top-k indices (int64) and weights [T, k]
+        whole += 4 * sb * (sig * (k > 1) + sig * aux + z)  # sigmoid: the sums [T, 1] the weights and the aux loss's
+        # scores are normalised by; z-loss: the logsumexp [T]
+        whole += sb * B * (h + 1) * bool(c.moe_shared_expert_gate)  # the shared expert's output [T, h], gate [T, 1]
+        seq = c.moe_router_load_balancing_type == "seq_aux_loss"  # the aux loss's token counts (the router's
+        experts = 4 * ((b * E if seq else 3 * E + 1) + 1) * aux + 4 * z  # statistics [3E + 1]; per sequence [b, E]),
+        experts += moe_experts(c, layout, accounting, routed)  # the losses (scalars: whole under SP too)
     qkv = sb * B * (n + 2 * g) * d  # linear_qkv's output: q, k, v [s, b, (n + 2g)·d]
     split = sb * B * (n * d + up * f + f)  # linear_proj's input; fc1's output (the activation's input); fc2's input
     split += sb * B * f * (cpu and up == 2)  # CPU SwiGLU: also the activation of the gate (transformer.SwiGLU)

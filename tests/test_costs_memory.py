@@ -191,6 +191,12 @@ LAYOUTS = [
                                                                                       moe_token_dispatcher_type="alltoall")),
     (2, dict(seq=8, pp=2, micro_batch=1, global_batch=2), dict(MLA, **MOE, mtp_num_layers=2)),
     (1, dict(seq=8, micro_batch=2, global_batch=2, recompute="full"), dict(MOE, recompute_num_layers=2)),
+    (1, dict(seq=8, micro_batch=2, global_batch=2), dict(MOE, moe_router_pre_softmax=True, moe_z_loss_coeff=1e-3,
+                                                         moe_aux_loss_coeff=0.01)),
+    (2, dict(seq=8, tp=2, micro_batch=2, global_batch=2, sequence_parallel=True), dict(
+        MOE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=2,
+        moe_router_group_topk=1, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="seq_aux_loss",
+        moe_z_loss_coeff=1e-3)),
     (4, dict(seq=8, tp=2, dp=2, ep=2, micro_batch=1, global_batch=2, sequence_parallel=True),
      dict(MOE, moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=8)),
 ]

@@ -240,6 +240,7 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0, ro
         seq = c.moe_router_load_balancing_type == "seq_aux_loss"  # the aux loss's token counts (the router's
         experts = 4 * ((b * E if seq else 3 * E + 1) + 1) * aux + 4 * z  # statistics [3E + 1]; per sequence [b, E]),
         experts += moe_experts(c, layout, accounting, routed)  # the losses (scalars: whole under SP too)
+        experts += sb * E * (c.moe_expert_capacity_factor is not None)  # capacity: the keep mask (bool [T, E], whole)
     qkv = sb * B * (n + 2 * g) * d  # linear_qkv's output: q, k, v [s, b, (n + 2g)·d]
     split = sb * B * (n * d + up * f + f)  # linear_proj's input; fc1's output (the activation's input); fc2's input
     split += sb * B * f * (cpu and up == 2)  # CPU SwiGLU: also the activation of the gate (transformer.SwiGLU)
@@ -277,11 +278,12 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0, ro
 
 
 def moe_experts(c, layout: Layout, accounting: str, routed: int | None = None) -> int:
-    """What parallel.MoELayer's dispatcher and experts keep per micro-batch (dropless routing; capacity's dropping is
-    not itemised): N_s = s·b·k (token, expert) pairs of this rank's tokens (all s·b: gathered over TP), and
-    N_r = `routed`, the rows its E/ep experts receive — set by the routing: given (measured), exact; else balanced,
-    s·b·k. The accounting "gpu" keeps the experts' MLP on the N_r rows (16-bit values) and, per pair, its indices,
-    prob (fp32) and expert output (Megatron's permutation map, permuted probs, the output the probs weight)."""
+    """What parallel.MoELayer's dispatcher and experts keep per micro-batch: N_s = s·b·k (token, expert) pairs of
+    this rank's tokens (all s·b: gathered over TP; with a capacity factor fewer, which this count does not know: the
+    all-to-all dispatcher at EP > 1 is then not exact), and N_r = `routed`, the rows its E/ep experts receive — set by
+    the routing: given (measured), exact; else balanced, s·b·k. The accounting "gpu" keeps the experts' MLP on the
+    N_r rows (16-bit values) and, per pair, its indices, prob (fp32) and expert output (Megatron's permutation map,
+    permuted probs, the output the probs weight)."""
     cpu, B, ep, E, k = accounting == "cpu", BYTES[layout.dtype], layout.ep, c.num_experts, c.moe_router_topk
     up, fe, h = 2 if c.gated_linear_unit else 1, c.moe_ffn_hidden_size // layout.tp, c.hidden_size
     sb = layout.seq // layout.cp * layout.micro_batch

@@ -191,6 +191,7 @@ LAYOUTS = [
                                                                                       moe_token_dispatcher_type="alltoall")),
     (2, dict(seq=8, pp=2, micro_batch=1, global_batch=2), dict(MLA, **MOE, mtp_num_layers=2)),
     (1, dict(seq=8, micro_batch=2, global_batch=2, recompute="full"), dict(MOE, recompute_num_layers=2)),
+    (2, dict(seq=8, dp=2, ep=2, micro_batch=2, global_batch=4), dict(MOE, moe_expert_capacity_factor=1.0)),
     (1, dict(seq=8, micro_batch=2, global_batch=2), dict(MOE, moe_router_pre_softmax=True, moe_z_loss_coeff=1e-3,
                                                          moe_aux_loss_coeff=0.01)),
     (2, dict(seq=8, tp=2, micro_batch=2, global_batch=2, sequence_parallel=True), dict(

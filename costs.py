@@ -106,11 +106,12 @@ def layer_parameters(c, layout: Layout, i: int) -> list[Param]:
             [Param(h * f // t, True)] + bias(h, c.add_bias_linear)
     E, fe, etp = c.num_experts, c.moe_ffn_hidden_size, layout.tp  # experts split over TP as the MLP (etp = tp)
     ps += [Param(E * h, True, fp32=True)] + ([Param(E, fp32=True)] if c.add_bias_linear else [])  # the router
-    ps += [Param(up * fe // etp * h, True, "expert"), Param(h * fe // etp, True, "expert")] * (E // layout.ep)
+    ps += [Param(up * fe // etp * h, True, "expert")] * (E // layout.ep) + [Param(h * fe // etp, True, "expert")] * \
+        (E // layout.ep)  # experts.linear_fc1.weight0..., then linear_fc2's
     if c.moe_shared_expert_intermediate_size:
         fs = c.moe_shared_expert_intermediate_size
-        ps += [Param(up * fs // t * h, True)] + bias(up * fs // t, c.add_bias_linear) + [Param(h * fs // t, True)] + \
-            bias(h, c.add_bias_linear) + ([Param(h)] if c.moe_shared_expert_gate else [])
+        ps += ([Param(h, True)] if c.moe_shared_expert_gate else []) + [Param(up * fs // t * h, True)] + \
+            bias(up * fs // t, c.add_bias_linear) + [Param(h * fs // t, True)] + bias(h, c.add_bias_linear)  # (gate first)
     return ps
 
 
@@ -208,22 +209,38 @@ def state_bytes(c, layout: Layout, stage: int, accounting: str = "gpu") -> dict:
             "optimizer": shard * 4 * low + round(shard * 4 * mean_moments)}
 
 
-def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) -> int:
+def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0, routed=None) -> int:
     """Bytes layer i keeps for backward per micro-batch (Korthikanti et al. 2022, §4 and Table 2): the paper's items
     with our dims (s/c tokens per CP rank; GQA's g key/value heads; f, SwiGLU's 2f), B bytes a value and masks 1 byte
     ("gpu"); this CPU's items (DESIGN.md §6): dropout masks of B bytes, LayerNorm's mean and rstd, and the math SDPA
-    (taken with attention dropout): fp32 q·scale, kᵀ (and v, from 16-bit) and three fp32 a·s²·b tensors."""
+    (taken with attention dropout): fp32 q·scale, kᵀ (and v, from 16-bit) and three fp32 a·s²·b tensors. MoE layers:
+    `routed`, the rows this rank's experts receive (moe_experts); MLA and MoE items: DESIGN.md §6."""
     cpu, B, t = accounting == "cpu", BYTES[layout.dtype], layout.tp
     sp = layout.sequence_parallel and t > 1
     s, b, h, n, g, d = layout.seq // layout.cp, layout.micro_batch, c.hidden_size, c.num_attention_heads, \
         c.num_query_groups, c.kv_channels
     up = 2 if c.gated_linear_unit else 1
-    f = c.ffn_hidden_size
-    if c.is_moe_layer(i):  # the experts see top-k copies of each token (an estimate: the router's and the
-        f = c.moe_router_topk * c.moe_ffn_hidden_size  # dispatcher's buffers are left out)
+    moe = c.is_moe_layer(i)
+    f = (c.moe_shared_expert_intermediate_size or 0) if moe else c.ffn_hidden_size  # (MoE: the shared expert's MLP)
     mask = (B if cpu else 1) * (c.hidden_dropout > 0)  # one dropout mask value
     sb = s * b
     whole = sb * h * (2 * B + 2 * mask + 2 * B)  # LayerNorm inputs; hidden-dropout masks; linear_qkv's, fc1's inputs
+    experts = 0
+    if moe:  # parallel.Router (fp32) on the T = s·b tokens (s/t·b under SP); the dispatcher and experts: moe_experts
+        k, E, aux, z = c.moe_router_topk, c.num_experts, bool(c.moe_aux_loss_coeff), bool(c.moe_z_loss_coeff)
+        sig, post = c.moe_router_score_function == "sigmoid", not c.moe_router_pre_softmax
+        whole += sb * h * (4 - B * (not f)) * (cpu and B < 4)  # 16-bit: the router's fp32 copy of its input (the
+        # norm's output, fc1's input above, then kept by a shared expert only)
+        whole += 4 * sb * E * (1 + (post and not sig) * aux + z * (sig or not post))  # [T, E]: the scores (sigmoid;
+        # pre-softmax) or the top-k's logits (post-softmax; with the aux loss the softmax's too); z-loss: the logits
+        whole += sb * k * (8 + 4 * (post and (k > 1 or not sig)))  # the top-k indices (int64) and weights [T, k]
+        whole += 4 * sb * (sig * (k > 1) + sig * aux + z)  # sigmoid: the sums [T, 1] the weights and the aux loss's
+        # scores are normalised by; z-loss: the logsumexp [T]
+        whole += sb * B * (h + 1) * bool(c.moe_shared_expert_gate)  # the shared expert's output [T, h], gate [T, 1]
+        seq = c.moe_router_load_balancing_type == "seq_aux_loss"  # the aux loss's token counts (the router's
+        experts = 4 * ((b * E if seq else 3 * E + 1) + 1) * aux + 4 * z  # statistics [3E + 1]; per sequence [b, E]),
+        experts += moe_experts(c, layout, accounting, routed)  # the losses (scalars: whole under SP too)
+        experts += sb * E * (c.moe_expert_capacity_factor is not None)  # capacity: the keep mask (bool [T, E], whole)
     qkv = sb * B * (n + 2 * g) * d  # linear_qkv's output: q, k, v [s, b, (n + 2g)·d]
     split = sb * B * (n * d + up * f + f)  # linear_proj's input; fc1's output (the activation's input); fc2's input
     split += sb * B * f * (cpu and up == 2)  # CPU SwiGLU: also the activation of the gate (transformer.SwiGLU)
@@ -243,26 +260,69 @@ def layer_activations(c, layout: Layout, accounting: str = "gpu", i: int = 0) ->
         if layout.cp > 1:  # context parallelism's p2p ring (parallel._RingAttention): q, the last K/V block it held
             qkv += sb * B * (2 * g * d - g * d * new_qk)  # [2, b, g, s/c, d] (not k), the merged logsumexp
     stats = 2 * norm_extra(c, B, sb * h, sb) if cpu else 0  # the two norms' statistics
-    if c.multi_latent_attention:  # an estimate in both accountings (not itemised on this CPU), the paper's rules on
-        qd, dv = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim  # MLA's tensors: the core's q, k [n·qd], v [n·dv],
-        qkv, split = sb * B * n * (2 * qd + dv), split + sb * B * n * (dv - d)  # linear_proj's input n·dv; the
-        # latents' norm and up-projection inputs and the shared rope key, replicated over TP
-        whole += sb * B * (2 * (c.q_lora_rank or 0) + 2 * c.kv_lora_rank + c.qk_pos_emb_head_dim)
+    if c.multi_latent_attention:  # deepseek.MLASelfAttention: the heads' q·scale, k [n·qd] and v [n·dv] (fp32 on
+        qd, dv, rq, rkv = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim, c.q_lora_rank or 0, c.kv_lora_rank
+        qkv, split = sb * B * n * (2 * qd + dv), split + sb * B * n * (dv - d)  # CPU); linear_proj's input n·dv
+        if cpu:  # SDPA's math path (qd != dv): q·scale, k fp32; v a view of linear_kv_up_proj's output (fp32: a copy)
+            qkv = sb * 4 * n * 2 * qd + sb * n * (B * (c.qk_head_dim + dv) if B == 4 else 4 * dv)
+            core = n * s * s * b * (12 if c.attention_dropout > 0 else 4)  # (no dropout: the softmax's output only)
+        # replicated over TP (whole on every rank, /t with SP): q's latent norm's input, its output (linear_q_up_proj's
+        # input), linear_kv_down_proj's output [rkv + dr] (kv_layernorm's input is a view of it), kv_layernorm's output
+        whole += sb * B * (2 * rq + 2 * rkv + c.qk_pos_emb_head_dim * (not cpu or not fp32_norm(c, B)))
+        whole += (norm_extra(c, B, sb * rq, sb) * bool(rq) + norm_extra(c, B, sb * rkv, sb)) * cpu  # their statistics
+    # 16-bit RoPE (CPU): apply_rope casts the fp32 angles cos, sin [s, 1, 1, r] to the dtype for q and for k
+    angles = 4 * s * rope_dims(c) * B * (cpu and B < 4 and c.position_embedding_type in ("rope", "yarn"))
     if sp:  # sequence parallelism: every item is a sequence shard
-        return (whole + qkv + split + core + stats) // t
-    return whole + (qkv + split + core) // t + stats
+        return (whole + qkv + split + core + stats) // t + angles + experts
+    return whole + (qkv + split + core) // t + stats + angles + experts
+
+
+def moe_experts(c, layout: Layout, accounting: str, routed: int | None = None) -> int:
+    """What parallel.MoELayer's dispatcher and experts keep per micro-batch: N_s = s·b·k (token, expert) pairs of
+    this rank's tokens (all s·b: gathered over TP; with a capacity factor fewer, which this count does not know: the
+    all-to-all dispatcher at EP > 1 is then not exact), and N_r = `routed`, the rows its E/ep experts receive — set by
+    the routing: given (measured), exact; else balanced, s·b·k. The accounting "gpu" keeps the experts' MLP on the
+    N_r rows (16-bit values) and, per pair, its indices, prob (fp32) and expert output (Megatron's permutation map,
+    permuted probs, the output the probs weight)."""
+    cpu, B, ep, E, k = accounting == "cpu", BYTES[layout.dtype], layout.ep, c.num_experts, c.moe_router_topk
+    up, fe, h = 2 if c.gated_linear_unit else 1, c.moe_ffn_hidden_size // layout.tp, c.hidden_size
+    sb = layout.seq // layout.cp * layout.micro_batch
+    ns = sb * k
+    nr = ns if routed is None else routed
+    mlp = nr * B * (h + up * fe + fe + fe * (cpu and up == 2))  # x [N_r, h], fc1's output, fc2's input (SwiGLU: silu)
+    a2a = c.moe_token_dispatcher_type == "alltoall"
+    home = ns if a2a else nr  # the pairs weighted and summed on this rank (all-gather: those of its experts)
+    if not cpu:
+        return mlp + home * (16 + 4 + h * B)
+    a2a = 16 * nr * (a2a and ep > 1)  # all-to-all: the order of the received rows and its inverse (int64)
+    # the grouped GEMM's stacked weights [E/ep, h, up·fe], [E/ep, fe, h] and offsets (int32, one per GEMM); the
+    # (token, expert) pairs (int64 [N, 2]); each pair's prob [N, 1] (fp32), expert output [N, h] and their product
+    return E // ep * (h * (up + 1) * fe * B + 8) + 16 * home + a2a + mlp + home * (4 + h * B + h * 4)
+
+
+def fp32_norm(c, B: int) -> bool:
+    """A 16-bit RMSNorm keeps an fp32 copy of its input, not the input itself (norm_extra counts it as if)."""
+    return c.normalization == "RMSNorm" and B < 4
+
+
+def rope_dims(c) -> int:
+    """r, the rotated dims of a head: MLA's qk_pos_emb_head_dim, else int(kv_channels · rotary_percent)."""
+    return c.qk_pos_emb_head_dim if c.multi_latent_attention else int(c.kv_channels * c.rotary_percent)
 
 
 def norm_extra(c, B: int, values: int, rows: int) -> int:
     """What this CPU's norm keeps besides its input: LayerNorm its mean and rstd [s, b, 1]; RMSNorm (torch's
-    composite) its rstd [s, b, 1] in fp32 and the normalized input [s, b, h]."""
-    return 2 * B * rows if c.normalization == "LayerNorm" else 4 * rows + B * values
+    composite) its rstd [s, b, 1] in fp32 and the normalized input [s, b, h] (16-bit: also the input in fp32)."""
+    return 2 * B * rows if c.normalization == "LayerNorm" else 4 * rows + B * values + 4 * values * (B < 4)
 
 
-def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, accounting: str = "gpu"):
+def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, accounting: str = "gpu",
+                      routed: dict | None = None):
     """(kept, peak): the bytes one virtual chunk keeps per micro-batch after its forward — its layers (under full
     recomputation only each recomputed unit's input), the embedding's (first chunk), the output layer's and the
-    loss's (last chunk) — and their peak during its backward (full recomputation: one unit's layers recomputed)."""
+    loss's (last chunk) — and their peak during its backward (full recomputation: one unit's layers recomputed).
+    routed: {global layer (MTP depth d: num_layers + d): rows its experts receive} (moe_experts; default balanced)."""
+    routed = routed or {}
     cpu, B, t = accounting == "cpu", BYTES[layout.dtype], layout.tp
     sp = layout.sequence_parallel and t > 1
     s, b, h, V = layout.seq // layout.cp, layout.micro_batch, c.hidden_size, c.padded_vocab_size
@@ -274,15 +334,26 @@ def chunk_activations(c, layout: Layout, pre: bool, post: bool, layers: range, a
         # final LayerNorm input + mean, rstd; the output layer's input; the fp32 softmax [s, b, V/t] (the logits'
         # own buffer, parallel.vocab_parallel_cross_entropy), the target index (int64) and its bool mask
         tail = post * (x + norm_extra(c, B, x // B, sb // (t if sp else 1)) + x + 4 * sb * V // t + 8 * sb + sb)
-        rope = c.position_embedding_type in ("rope", "yarn")  # the chunk's RoPE angles cos, sin [s, 1, 1, r] fp32
-        head += 2 * 4 * s * int(c.kv_channels * c.rotary_percent) * rope
+        rope = c.position_embedding_type in ("rope", "yarn") and B == 4  # the chunk's RoPE angles cos, sin
+        head += 2 * 4 * s * rope_dims(c) * rope  # [s, 1, 1, r] fp32 (16-bit: each layer's cast copies instead)
     else:  # Megatron's theoretical_memory_usage.py: the ids 8·s·b and the embedding's dropout mask s·b·h; the
         # output layer's input and the fp32 logits 4·s·b·(h + V); all / t
         head, tail = pre * (8 * sb + sb * h * (c.hidden_dropout > 0)) // t, post * 4 * sb * (h + V) // t
-    if post and c.mtp_num_layers:  # an estimate in both accountings: each MTP depth's layer, its norms' and eh_proj's
-        tail += c.mtp_num_layers * (layer_activations(c, layout, accounting, c.num_layers - 1)  # inputs [s, b, 2h],
-                                    + 6 * x + 4 * sb * V // t)  # the output layer's input and its fp32 logits
-    full = [layer_activations(c, layout, accounting, i) for i in layers]
+    if post and c.mtp_num_layers:  # deepseek.MTPLayer, each depth: the embedding of the rolled ids (as the head), its
+        D, drop = c.mtp_num_layers, x * (c.hidden_dropout > 0)  # layer, the output layer and the loss (as the main's)
+        tail += sum(layer_activations(c, layout, accounting, c.num_layers - 1, routed.get(c.num_layers + k))
+                    for k in range(D))
+        if cpu:  # ids (int64; t > 1 their masked copy and mask), position ids, the dropout mask; enorm's input and
+            ne = norm_extra(c, B, x // B, sb // (t if sp else 1))  # statistics, hnorm's (its input is the output
+            # layer's already, unless a 16-bit RMSNorm's fp32 copy replaces it), eh_proj's input [s, b, 2h]; the final
+            # norm's input, the output layer's; the loss as the main one's; the rolled `valid` [b, s] the loss is
+            # masked with; once: the summed loss (fp32)
+            tail += D * (8 * sb + sb * (t > 1) + 8 * sb * (c.position_embedding_type == "learned_absolute") + drop +
+                         x + 3 * ne + x * fp32_norm(c, B) + 2 * x + 2 * x + 4 * sb * V // t + 9 * sb + B * sb) + 4
+        else:  # the ids and dropout mask, enorm's and eh_proj's inputs (1 + 2), the final norm's; the output layer's
+            tail += D * ((8 * sb + sb * h * (c.hidden_dropout > 0)) // t + 4 * x + 4 * sb * (h + V) // t)  # input
+            # and fp32 logits as the main tail's
+    full = [layer_activations(c, layout, accounting, i, routed.get(i)) for i in layers]
     if layout.recompute != "full":
         return head + sum(full) + tail, head + sum(full) + tail
     N, L = c.recompute_num_layers or 1, len(layers)  # transformer.Decoder.recomputed: uniform = units of N layers,

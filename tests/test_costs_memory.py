@@ -8,8 +8,9 @@ model's own list, element counts, Muon's eligibility and DDP's bucket group, the
 tensors or DDP's buffer; optimizer: the moments (and master weights where separate), per storage; activations: the
 peak over the step of the bytes that autograd's saved tensors keep alive, per storage, parameters excluded
 (torch.autograd.graph.saved_tensors_hooks; a storage counts while any saved tensor holds it). Every figure must equal
-costs.memory(..., accounting="cpu") to the byte. Negative controls: the old sequence-parallel path (the column-parallel
-linear keeping the gathered input) and a 1F1B count of one micro-batch in flight make the prediction fail.
+costs.memory(..., accounting="cpu") to the byte (MoE: given the rows each rank's experts received). Negative controls:
+the old sequence-parallel path (the column-parallel linear keeping the gathered input), a 1F1B count of one micro-batch
+in flight, MoE's balanced routing and a left-out dispatcher buffer make the prediction fail.
 
 Run:    .venv/bin/python -m pytest -q tests/test_costs_memory.py
 """
@@ -31,14 +32,17 @@ from transformer import InferenceContext
 
 # ---------------------------------------------------------------------------------------------- measuring
 class LiveSaved:
-    """saved_tensors_hooks that keep the bytes of the storages saved tensors hold alive now, and their peak."""
+    """saved_tensors_hooks that keep the bytes of the storages saved tensors hold alive now, and their peak. A saved
+    tensor is held detached: a node saving its own output would otherwise hold itself alive (node -> Held -> output
+    -> grad_fn = node), a cycle autograd's own saving avoids (e.g. the MoE router's softmax, outside the loss's graph
+    without an aux loss, would outlive its micro-batch)."""
 
     def __init__(self, exclude: set[int]):
         self.exclude, self.refs, self.live, self.peak = exclude, {}, 0, 0
 
     def pack(self, t):
         store = t.untyped_storage()
-        return t if store.data_ptr() in self.exclude else Held(self, t, store.data_ptr(), store.nbytes())
+        return t if store.data_ptr() in self.exclude else Held(self, t.detach(), store.data_ptr(), store.nbytes())
 
     @staticmethod
     def unpack(x):
@@ -88,6 +92,13 @@ def memory_case(rank, n, config: dict, layout: dict, old_sp_path: bool = False):
         chunks = P.build_chunks(lambda pre, post, off, nl: gpt.Model(c, grid, pre, post, off, nl), c.num_layers, grid,
                                 lay.vpp)
         params = [p for m in chunks for p in m.parameters()]
+        routed = {}  # MoE: the rows each layer's local experts receive (global layer; MTP depth d: num_layers + d)
+        for m in chunks:
+            for name, mod in m.named_modules():
+                if isinstance(mod, P.GroupedMLP):
+                    _, _, k, *_ = name.split(".")  # decoder.layers.k... or mtp.layers.k...
+                    key = (m.layer_offset if name.startswith("decoder") else c.num_layers) + int(k)
+                    mod.register_forward_pre_hook(lambda mod, args, key=key: routed.__setitem__(key, len(args[0])))
         group = lambda p: "expert" if getattr(p, "expert_parallel", False) else \
             "tied" if getattr(p, "shared_embedding", False) else "dense"
         listed = [(p.numel(), P.muon_eligible(p), group(p)) for p in params]
@@ -119,12 +130,15 @@ def memory_case(rank, n, config: dict, layout: dict, old_sp_path: bool = False):
         st_ = opt.adam.state
         state = dict(parameters=nbytes(params), gradients=nbytes([p.grad for p in params]),
                      optimizer=nbytes([st_[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]))
-    return dict(state, activations=live.peak, stage=grid.pp.rank, listed=listed)
+    return dict(state, activations=live.peak, stage=grid.pp.rank, listed=listed, routed=routed)
 
 
 # ---------------------------------------------------------------------------------------------- the layouts
 TINY = dict(num_layers=4, hidden_size=16, num_attention_heads=4, vocab_size=100, make_vocab_size_divisible_by=8,
             max_position_embeddings=16)
+MLA = dict(multi_latent_attention=True, position_embedding_type="rope", q_lora_rank=12, kv_lora_rank=8, qk_head_dim=4,
+           qk_pos_emb_head_dim=2, v_head_dim=4, mtp_num_layers=1)
+MOE = dict(num_experts=4, moe_router_topk=2)
 # (world, layout, config changes): >= 20 layouts over every dimension the model covers
 LAYOUTS = [
     (1, dict(seq=8, micro_batch=2, global_batch=2), {}),
@@ -157,26 +171,59 @@ LAYOUTS = [
     (4, dict(seq=8, tp=2, dp=2, micro_batch=1, global_batch=2, sequence_parallel=True, distributed_optimizer=True), {}),
     (4, dict(seq=8, pp=2, dp=2, micro_batch=1, global_batch=4, distributed_optimizer=True), {}),
     (4, dict(seq=8, pp=4, micro_batch=1, global_batch=4), {}),
+    # DeepSeek-V3's multi-latent attention (with and without q-lora) and MTP depths
+    (1, dict(seq=8, micro_batch=2, global_batch=2), MLA),
+    (1, dict(seq=8, micro_batch=2, global_batch=2, dtype="bf16"), dict(MLA, q_lora_rank=None, normalization="RMSNorm",
+                                                                       attention_dropout=0.0, mtp_num_layers=2)),
+    (2, dict(seq=8, tp=2, micro_batch=2, global_batch=2), dict(MLA, q_lora_rank=None)),
+    (2, dict(seq=8, tp=2, micro_batch=1, global_batch=1, sequence_parallel=True), dict(MLA, normalization="RMSNorm")),
+    (2, dict(seq=8, pp=2, micro_batch=1, global_batch=2), dict(mtp_num_layers=2, share_embeddings_and_output_weights=False)),
+    # MoE (one micro-batch per rank: the experts' rows depend on its routing), the router's variants, EP, TP
+    (1, dict(seq=8, micro_batch=2, global_batch=2), dict(MOE, moe_shared_expert_intermediate_size=8, gated_linear_unit=True,
+                                                         activation="silu", moe_aux_loss_coeff=0.01)),
+    (1, dict(seq=8, micro_batch=2, global_batch=2, dtype="bf16"), dict(MOE, moe_router_pre_softmax=True)),
+    (2, dict(seq=8, dp=2, ep=2, micro_batch=1, global_batch=2), dict(MOE, moe_token_dispatcher_type="alltoall",
+                                                                     moe_shared_expert_intermediate_size=8,
+                                                                     moe_shared_expert_gate=True)),
+    (2, dict(seq=8, dp=2, ep=2, micro_batch=2, global_batch=4), dict(MOE, moe_aux_loss_coeff=0.01)),
+    (2, dict(seq=8, tp=2, micro_batch=2, global_batch=2), dict(MOE, moe_shared_expert_intermediate_size=8)),
+    (2, dict(seq=8, tp=2, micro_batch=1, global_batch=1, sequence_parallel=True), dict(MOE,
+                                                                                      moe_token_dispatcher_type="alltoall")),
+    (2, dict(seq=8, pp=2, micro_batch=1, global_batch=2), dict(MLA, **MOE, mtp_num_layers=2)),
+    (1, dict(seq=8, micro_batch=2, global_batch=2, recompute="full"), dict(MOE, recompute_num_layers=2)),
+    (2, dict(seq=8, dp=2, ep=2, micro_batch=2, global_batch=4), dict(MOE, moe_expert_capacity_factor=1.0)),
+    (1, dict(seq=8, micro_batch=2, global_batch=2), dict(MOE, moe_router_pre_softmax=True, moe_z_loss_coeff=1e-3,
+                                                         moe_aux_loss_coeff=0.01)),
+    (2, dict(seq=8, tp=2, micro_batch=2, global_batch=2, sequence_parallel=True), dict(
+        MOE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=2,
+        moe_router_group_topk=1, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="seq_aux_loss",
+        moe_z_loss_coeff=1e-3)),
+    (4, dict(seq=8, tp=2, dp=2, ep=2, micro_batch=1, global_batch=2, sequence_parallel=True),
+     dict(MOE, moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=8)),
 ]
 
 
 STATE = ("parameters", "gradients", "optimizer")
 
 
-def check(pool, n, layout, change, what=STATE + ("activations",), **kw):
+def check(pool, n, layout, change, what=STATE + ("activations",), routing=True, **kw):
+    """Every rank's measured bytes against costs' prediction for it (MoE: given the rows its experts received, unless
+    `routing` is False: balanced routing, costs' default)."""
     config = dict(TINY, **change)
     lay = costs.Layout(**layout)
     res = pool.run(memory_case, n, config=config, layout=layout, **kw)
     c = model_config(dict(config), lay)
     for r in res:  # every rank against the prediction for its pipeline stage
         want = costs.state_bytes(c, lay, r["stage"], "cpu")
-        chunk_bytes = [costs.chunk_activations(c, lay, *ch, "cpu") for ch in costs.chunks(c, lay, r["stage"])]
+        chunk_bytes = [costs.chunk_activations(c, lay, *ch, "cpu", routed=r["routed"] if routing else None)
+                       for ch in costs.chunks(c, lay, r["stage"])]
         want["activations"] = costs.in_flight(chunk_bytes, lay, r["stage"])
         assert r["listed"] == [tuple(p)[:3] for p in costs.stage_parameters(c, lay, r["stage"])]
         for k in what:
             assert r[k] == want[k], f"{k}: measured {r[k]:,} B, the model says {want[k]:,} B (stage {r['stage']})"
     most = costs.memory(c, lay, "cpu")  # the rank that holds the most
-    assert most["total"] == max(sum(r[k] for k in STATE + ("activations",)) for r in res) or "activations" not in what
+    assert most["total"] == max(sum(r[k] for k in STATE + ("activations",)) for r in res) or \
+        "activations" not in what or any(r["routed"] for r in res)  # (MoE: costs.memory assumes balanced routing)
     return res, c, lay
 
 
@@ -187,14 +234,25 @@ def test_memory_matches_measured_bytes(pool, n, layout, change):
 
 
 def test_moe_state_matches_measured_bytes(pool):
-    """MoE under EP: each rank's E/ep experts in buckets of their own, sharded over expert_dp. (Its activations are
-    the "gpu" accounting's estimate only: the router's and the dispatcher's buffers are not itemised.)"""
+    """MoE under EP: each rank's E/ep experts in buckets of their own, sharded over expert_dp; its activations given
+    the rows each rank's experts received (costs.moe_experts)."""
     check(pool, 2, dict(seq=8, dp=2, ep=2, micro_batch=1, global_batch=2, distributed_optimizer=True),
-          dict(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=8), what=STATE)
+          dict(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=8))
 
 
-MLA = dict(multi_latent_attention=True, position_embedding_type="rope", q_lora_rank=12, kv_lora_rank=8, qk_head_dim=4,
-           qk_pos_emb_head_dim=2, v_head_dim=4, mtp_num_layers=1)
+def test_moe_items_fail_the_prediction_when_left_out(pool, monkeypatch):
+    """Negative controls at EP 2 (all-to-all): balanced routing (costs' default, not the rows each rank's experts
+    received) mispredicts, and so does leaving out the dispatcher's (token, expert) pairs (int64 [s·b·k, 2])."""
+    layout, change = dict(seq=8, dp=2, ep=2, micro_batch=1, global_batch=2), dict(MOE, moe_token_dispatcher_type="alltoall")
+    check(pool, 2, layout, change)  # (exact as it is)
+    with pytest.raises(AssertionError, match="activations: measured"):
+        check(pool, 2, layout, change, routing=False)
+    experts = costs.moe_experts
+    monkeypatch.setattr(costs, "moe_experts", lambda c, lay, *a: experts(c, lay, *a) - 16 * lay.seq * lay.micro_batch *
+                        c.moe_router_topk)
+    with pytest.raises(AssertionError, match="activations: measured"):
+        check(pool, 2, layout, change)
+
 
 
 @pytest.mark.parametrize("n,layout,change", [
@@ -207,9 +265,9 @@ MLA = dict(multi_latent_attention=True, position_embedding_type="rope", q_lora_r
     ids=["tp2-sp", "pp2-no-q-lora", "pp2-mtp-untied-learned", "dp2-distmuon-moe-mtp2"])
 def test_mla_and_mtp_state_matches_measured_bytes(pool, n, layout, change):
     """DeepSeek-V3's pieces: multi-latent attention (its replicated down projections, the latents' norms, the split up
-    projections) and MTP depths on the last stage (their embedding's copy synced as a tied one). Their activations
-    are an estimate in both accountings (DESIGN.md §6), not checked here."""
-    check(pool, n, layout, change, what=STATE)
+    projections) and MTP depths on the last stage (their embedding's copy synced as a tied one); their activations
+    too (MoE's given the rows its experts received)."""
+    check(pool, n, layout, change)
 
 
 @given(heads=st.sampled_from([2, 4]), head_dim=st.sampled_from([2, 4, 8]), layers=st.sampled_from([2, 4]),

@@ -46,10 +46,8 @@ $(ES_STAMP): requirements-evalscope.txt
 	.venv-evalscope/bin/python -m pip install -q -r requirements-evalscope.txt
 	touch $(ES_STAMP)
 
-# Two pytest-xdist workers (TEST_WORKERS=0: one process), each test file whole on one worker (its module fixtures once)
-TEST_WORKERS ?= 2
 test: $(STAMP) $(ES_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/
+	$(PY) -m pytest -q tests/
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -18,8 +18,7 @@ settings.register_profile("ci", max_examples=3, derandomize=True, deadline=None,
 settings.register_profile("deep", max_examples=60, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-# One intra-op thread per pytest-xdist worker (make test runs two; more threads than cores makes OpenMP spin), else 2
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +49,18 @@ COLLECTED = pytest.StashKey[set]()  # every node id this session collected (test
 @pytest.hookimpl(tryfirst=True)  # (before -k / -m deselect any)
 def pytest_collection_modifyitems(session, config, items):
     config.stash[COLLECTED] = {item.nodeid for item in items}
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_kept(request):
+    """A test that leaves a SIGINT or SIGTERM handler behind (an in-process server, a training loop that did not
+    restore its own) would change how every later test's process takes a signal (tests/test_signals.py's plain
+    KeyboardInterrupt): put the handlers back after each test, and warn with the test's name."""
+    import signal
+    import warnings
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in before.items():
+        if signal.getsignal(s) is not h:
+            warnings.warn(f"{request.node.nodeid} left a {s.name} handler behind: {signal.getsignal(s)!r}", stacklevel=1)
+            signal.signal(s, h)

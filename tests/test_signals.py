@@ -78,8 +78,12 @@ def test_a_second_ctrl_c_stops_at_once_and_the_handler_can_be_turned_off(corpus,
     with pytest.raises(SystemExit, match="^130$"):
         train.main(run_argv(corpus, cache, tmp_path / "twice"))
     assert "train.py: interrupted: stopped at once" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="^130$"):  # without the handler: Python's KeyboardInterrupt at once
-        train.main(run_argv(corpus, cache, tmp_path / "off", "--no-exit-signal-handler"))
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (Python's own, whatever pytest started with)
+    try:
+        with pytest.raises(SystemExit, match="^130$"):  # without the handler: Python's KeyboardInterrupt at once
+            train.main(run_argv(corpus, cache, tmp_path / "off", "--no-exit-signal-handler"))
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert not (tmp_path / "off" / "latest_checkpointed_iteration.txt").exists()
 
 

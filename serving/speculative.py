@@ -114,10 +114,10 @@ class Drafter:
                     tokens_per_step=(self.accepted + self.verified) / max(self.verified, 1))
 
     def seen(self, r, hidden_rows: slice):
-        pass
+        """After a step: request r's rows of the model's last hidden states (a drafter that reads them keeps them)."""
 
     def forget(self, r):
-        pass
+        """Request r ended or was preempted: drop what the drafter keeps for it."""
 
     def forward(self, requests, cached: list[int], counts: list[int], run):
         """One packed forward of the drafter: request i feeds counts[i] positions after cached[i], in its own block

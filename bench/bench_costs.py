@@ -6,8 +6,10 @@ as every link (bandwidth and latency as bench/README measured them); the DP redu
 default: no --overlap-grad-reduce); the optimizer the run's (the default GPT's Muon). Every rate is measured on the
 thread's own clock (time.thread_time), as is the rank's step in the "work" columns: on a machine other processes load,
 the wall time holds their time slices; the work the model predicts besides communication and bubble should not.
-What a measured collective's time holds: its transfer and the wait for the other rank — for PP 2 the bubble is in it
-(a stage waits in recv), so PP's column compares predicted sends + bubble with it. Megatron's counterpart: none (its
+What a measured collective's time holds: its transfer and the wait for the other rank; bench_scaling keeps the rank
+that waits most. For PP 2 that is the first stage: in recv it waits out the bubble and, m times, the last stage's extra
+work (the output layer: most of this small model's FLOPs), so PP's column compares the predicted sends + that rank's
+idle time (timing.pipeline: the bubble, the imbalance) with it. Megatron's counterpart: none (its
 papers' Table 1 is the GPU check, tests/test_costs_time.py).
 
     .venv/bin/python bench/bench_costs.py --iters 8        (~2-3 min: 4 runs of ~30 s, set-up included)
@@ -121,17 +123,19 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.layouts:
             m, p = bench_scaling.measure(name, scaling, Path(tmp)), predicted(name, a, gpu)
-            comm = p["dp_exposed"] + p["tp_comm"] + p["pp_comm"] + p["bubble"]
-            work = p["seconds_per_iteration"] - comm  # what the rank's own thread does
+            comm = p["dp_exposed"] + p["tp_comm"] + p["pp_comm"] + p["tied_comm"]
+            work = p["seconds_per_iteration"] - comm - p["bubble"]  # what the slowest rank's own thread does
+            imbalance = max(p["idle"]) - p["bubble"]  # PP: the first rank's wait for the slower last one
             rows.append(f"| {name} | {p['gemm_rate'] / 1e9:.1f} | {p['seconds_per_iteration']:.3f} | {m['step_s']:.3f} | "
                         f"{p['seconds_per_iteration'] / m['step_s'] - 1:+.0%} | {work:.3f} (optimizer "
-                        f"{p['optimizer']:.3f}) | {m['cpu_s']:.3f} | {work / m['cpu_s'] - 1:+.0%} | {comm:.3f} (bubble "
-                        f"{p['bubble']:.3f}) | {m['collective_s']:.3f} |")
+                        f"{p['optimizer']:.3f}) | {m['cpu_s']:.3f} | {work / m['cpu_s'] - 1:+.0%} | {comm + max(p['idle']):.3f} "
+                        f"(bubble {p['bubble']:.3f}, imbalance {imbalance:.3f}) | {m['collective_s']:.3f} |")
             print(f"  {name}: {m['wall']:.0f} s", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end; medians over iterations {a.warmup + 1}-{a.iters}, the "
           "slower rank's (on the rank's thread: the best of them)\n")
     print("| layout | GEMM GFLOP/s at its shapes | predicted s / iteration | measured | error | predicted work s | "
-          "measured on the rank's thread s | error | predicted communication + bubble s | measured in collectives s |"
+          "measured on the rank's thread s | error | predicted communication + idle s (the most idle rank) | measured in "
+          "collectives s |"
           "\n|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

@@ -128,8 +128,9 @@ def report(entries: list[dict], gpu: GPU, gpus: int) -> str:
         f"memory per GPU (pipeline rank {mem['stage']}, the largest): {parts}; total {mem['total'] / G:.2f} GB of "
         f"{gpu.memory / G:.0f} GB ({'fits' if x['fits'] else 'does NOT fit'} in {USABLE:.0%})",
         f"time per iteration: {t['seconds_per_iteration']:.3g} s = compute {t['compute']:.3g} (TP communication "
-        f"{t['tp_comm']:.3g} in it) + bubble {t['bubble']:.3g} ({t['bubble_fraction']:.1%}) + PP sends "
-        f"{t['pp_comm']:.3g} + DP {t['dp_exposed']:.3g} exposed of {t['dp_comm']:.3g} + optimizer {t['optimizer']:.3g}",
+        f"{t['tp_comm']:.3g} in it) + bubble {t['bubble']:.3g} ({t['bubble_fraction']:.1%} of the compute; rank 0 idles "
+        f"{t['idle'][0]:.3g}) + PP sends {t['pp_comm']:.3g} + tied embedding {t['tied_comm']:.3g} + DP {t['dp_exposed']:.3g} "
+        f"exposed of {t['dp_comm']:.3g} + optimizer {t['optimizer']:.3g}",
         f"{x['tflops_per_gpu']:.0f} TFLOP/s per GPU ({t['flops'] / 1e15:.4g} PFLOP an iteration, recomputation "
         "included)"])
 

@@ -1,5 +1,6 @@
 """planning/timing.py — the seconds one training iteration takes for a layout on a GPU (or this CPU): FLOPs, GEMM and
-memory-bound time, α-β collectives per link, the pipeline bubble, what overlaps, and the optimizer step.
+memory-bound time, α-β collectives per link, the pipeline's fill, drain and unequal stages, what overlaps, and the
+optimizer step.
 
 Mirrors the arithmetic of Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (FLOPs per iteration, its Eq. 3; the 1F1B and interleaved schedules' bubble, §2.2; Table 1, the check)
@@ -7,8 +8,8 @@ and megatron/training/training.py's FLOPs count (metrics.py here); the GPUs' fig
 Checked against hand-worked cases and Table 1 (tests/test_costs_time.py), against this CPU's measured steps
 (bench/bench_costs.py). The formulas and their sources: DESIGN.md §12.
 
-    step_time(c, layout, gpu) -> {"seconds_per_iteration", "tflops_per_gpu", "compute", "bubble", "tp_comm",
-    "pp_comm", "dp_exposed", "optimizer", ...}; GPUS: the presets; cpu_gpu(): this machine.
+    step_time(c, layout, gpu) -> {"seconds_per_iteration", "tflops_per_gpu", "compute", "bubble", "idle" (per
+    pipeline rank), "tp_comm", "pp_comm", "dp_exposed", "optimizer", ...}; GPUS: the presets; cpu_gpu(): this machine.
 
 Run:    .venv/bin/python tools.py plan --gpu h100-80gb --gpus 8 --num-layers 24 --hidden-size 2048 \
             --num-attention-heads 16 --pipeline-model-parallel-size 4 --micro-batch-size 1 --global-batch-size 32
@@ -51,8 +52,8 @@ GPUS = {"a100-80gb": GPU("a100-80gb", 312e12, 2.039e12, 80e9, 300e9, 25e9),
         "h200": GPU("h200", 989e12, 4.8e12, 141e9, 450e9, 50e9)}
 # Fitted on two rows of Table 1 (1.7B and 1T, tests/test_costs_time.py), tested on the other eight: the fraction of
 # peak the large GEMMs reach, and how many times each activation byte (Korthikanti's count) crosses HBM per pass.
-GEMM_EFFICIENCY = 0.71
-HBM_PASSES = 2.45
+GEMM_EFFICIENCY = 0.70
+HBM_PASSES = 2.42
 
 
 def cpu_gpu(seconds: float = 0.3, attention_shape=(8, 8, 128, 32), clock=time.perf_counter) -> GPU:
@@ -121,6 +122,21 @@ def allreduce_time(n_bytes: float, ranks: int, bw: float, alpha: float) -> float
     return 0.0 if ranks == 1 else 2 * (ranks - 1) * (alpha + n_bytes / ranks / bw)
 
 
+def pipeline(stages: list[float], m: int, v: int = 1) -> tuple[float, float, list[float]]:
+    """(compute, bubble, idle per rank) of m micro-batches through pipeline ranks whose forward and backward of one
+    micro-batch (all v chunks) take stages[r] = T_r seconds. 1F1B: the slowest rank runs its m micro-batches back to
+    back; before its first, the first micro-batch's forward crosses the ranks before it, after its last, the last
+    one's backward crosses them back: iteration = (m − 1)·max T + Σ T_r, so compute m·max T and bubble Σ T_r − max T.
+    Exact for 1F1B when the slowest rank is the last (this model's: alike layers, the output layer on the last);
+    with equal stages it is the paper's (p − 1)·(t_f + t_b), (p − 1)/m of the compute (Narayanan et al. 2021, §2.2).
+    Interleaved (v chunks a rank): the fill and drain cross chunks 1/v as long, bubble (Σ T_r − max T)/v, the paper's
+    (p − 1)/(m·v) when equal. Rank r idles the iteration less its own work: the bubble plus m·(max T − T_r), its
+    wait for the slower stage (tests/test_costs_time.py simulates the 1F1B schedule; DESIGN.md §12, "Pipeline")."""
+    slow = max(stages)
+    compute, bubble = m * slow, (sum(stages) - slow) / v
+    return compute, bubble, [compute + bubble - m * x for x in stages]
+
+
 def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | None = None,
               overlap: bool | None = None) -> dict:
     """Seconds per iteration on the slowest rank, and its parts (DESIGN.md §12). paper=True: as Narayanan et al.
@@ -133,7 +149,7 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | 
     h, a, s, L, V = c.hidden_size, c.num_attention_heads, lo.seq / cp, c.num_layers, c.padded_vocab_size
     by, sp, full = BYTES[lo.dtype], lo.sequence_parallel, lo.recompute == "full"
     passes = 4 if full else 3  # forward, backward's two GEMMs per forward one (dgrad, wgrad), recomputed forward
-    # compute of one micro-batch on one rank: its L/p layers (all v chunks) and, on the last stage, the logits
+    # one layer's forward and backward for one micro-batch (FLOPs at the GEMM rate, activation bytes at HBM's), the logits'
     moe = [c.is_moe_layer(i) for i in range(L)] if c.num_experts else [False] * L
     dense = b * s * 2 * (metrics.self_attention_flops(c, lo.seq, causal=not paper)  # one layer, FLOPs forward
                          + sum(metrics.mlp_flops(c, x) for x in moe) / L)
@@ -162,15 +178,22 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | 
     moe_layers = sum(c.is_moe_layer(i) for i in range(L)) if c.num_experts else 0
     ep_layer = 0.0 if e == 1 else (2 + full) * 2 * (e - 1) / e * (
         gpu.alpha_inter + b * s * c.moe_router_topk * h * by / (gpu.ib if t * e > gpu.per_node else gpu.nvlink))
-    per_mb = L / p * (layer + tp_layer + cp_exposed) + moe_layers / p * ep_layer + logits
+    # one micro-batch's forward and backward on each pipeline rank: its L/p layers (all v chunks); the last one also
+    # the output layer and the loss (its embedding, the first rank's, is a lookup: not counted)
+    layers = L / p * (layer + tp_layer + cp_exposed) + moe_layers / p * ep_layer
+    stages = [layers + logits * (r == p - 1) for r in range(p)]
+    per_mb = max(stages)
     # pipeline: each chunk sends its output forward and receives its gradient back: 2·v sends per micro-batch,
     # inter-node once t·d·cp fills a node; the paper's scatter-gather (its §4.1): each of the t ranks sends 1/t
     inter_p = t * d * cp >= gpu.per_node
     send = 0.0 if p == 1 else (gpu.alpha_inter if inter_p else gpu.alpha_intra) + \
         act_bytes / t / (gpu.ib if inter_p else gpu.nvlink) + (0 if sp else act_bytes * (t - 1) / t / tbw)
     pp_comm = 2 * v * send * m
-    compute = m * per_mb
-    bubble = (p - 1) / (m * v) * compute  # 1F1B / interleaved: (p-1)/(m·v) of the ideal time (the paper's §2.2)
+    # tied embeddings: the first and last stages all-reduce the word embedding's fp32 gradient [V/t, h] once an
+    # iteration, after the flush (Megatron's finalize_model_grads: _allreduce_word_embedding_grads), over the PP link
+    tied = 0.0 if p == 1 or not c.share_embeddings_and_output_weights else allreduce_time(
+        4 * V / t * h, 2, gpu.ib if inter_p else gpu.nvlink, gpu.alpha_inter if inter_p else gpu.alpha_intra)
+    compute, bubble, idle = pipeline(stages, m, v)
     # data parallelism: the gradients (fp32 main grads) all-reduced, or reduce-scattered and the 16-bit parameters
     # all-gathered (distributed optimizer); over NVLink inside a node, else over the NICs of the group's members there
     n_params = n_params or params_per_rank(c, lo)
@@ -192,12 +215,13 @@ def step_time(c, layout: Layout, gpu: GPU, paper: bool = False, n_params: int | 
         first = ag / (L / p) if zero3 else ag  # what no compute hides: the first layer's gather, or the last all-gather
         dp_exposed = m * max(0.0, per_mb_comm - per_mb) + first if hide else dp
     optimizer = optimizer_time(c, lo, gpu, n_params)
-    total = compute + bubble + pp_comm + dp_exposed + optimizer
+    total = compute + bubble + pp_comm + tied + dp_exposed + optimizer
     counted = flops_per_iteration(c, lo, causal=not paper)
     return {"seconds_per_iteration": total, "tflops_per_gpu": counted / total / lo.world / 1e12,
-            "flops": counted, "compute": compute, "bubble": bubble, "bubble_fraction": (p - 1) / (m * v),
+            "flops": counted, "compute": compute, "bubble": bubble, "bubble_fraction": bubble / compute,
+            "stages": stages, "idle": idle,
             "tp_comm": m * L / p * tp_layer, "cp_comm": m * L / p * cp_layer, "ep_comm": m * moe_layers / p * ep_layer,
-            "pp_comm": pp_comm, "dp_comm": dp, "dp_exposed": dp_exposed, "optimizer": optimizer}
+            "pp_comm": pp_comm, "tied_comm": tied, "dp_comm": dp, "dp_exposed": dp_exposed, "optimizer": optimizer}
 
 
 # Eager PyTorch (a device with op > 0: this CPU) runs each op alone: a fixed cost each and a pass over its operands.

@@ -1,5 +1,5 @@
-"""planning/timing.py and planning/planner.py: the time model against hand-worked cases and Narayanan et al. 2021's
-Table 1, and the planner.
+"""planning/timing.py and planning/planner.py: the time model against hand-worked cases (the pipeline of unequal stages
+among them) and Narayanan et al. 2021's Table 1, and the planner.
 
 Table 1 of "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (arXiv 2104.04473):
 GPT, V 51,200, s 2,048, A100-80GB, fp16, full recomputation; its ten rows (parameters, heads, hidden, layers, TP, PP,
@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 import gpt
+import parallel as P
 import tools
 import train
 from planning import memory, planner, timing
@@ -100,12 +102,19 @@ def test_hand_worked_collectives_and_bubble():
     # ring all-reduce: 2(n-1) steps of (α + N/(n·β)): 100 MB over 4 ranks at 100 GB/s, α 5 µs
     assert timing.allreduce_time(100e6, 4, 100e9, 5e-6) == pytest.approx(6 * (5e-6 + 25e6 / 100e9))
     assert timing.allreduce_time(100e6, 1, 100e9, 5e-6) == 0
-    # the 39.1B row: p 2, d 32, m 1536/32 = 48: bubble (p-1)/(m·v) = 1/48 of the compute; interleaved v 2: 1/96
+    # the 39.1B row: p 2, d 32, m 1536/32 = 48. The last stage also runs the output layer (6·b·s·h·V/t FLOPs, its fp32
+    # logits through HBM): the slower one, its 48 micro-batches the compute; the bubble one micro-batch of the first
+    # stage (timing.pipeline: Σ T_r − max T), under the even model's 1/48 of the compute; interleaved v 2: half of it
     c, lo = config(*TABLE1[4][1:4]), paper_layout(TABLE1[4])
     t1 = timing.step_time(c, lo, A100, paper=True)
-    assert t1["bubble_fraction"] == 1 / 48 and t1["bubble"] == pytest.approx(t1["compute"] / 48, rel=1e-12)
+    first, last = t1["stages"]
+    logits = 6 * 2048 * 8192 * 51200 / 8 / (312e12 * timing.GEMM_EFFICIENCY) + \
+        timing.HBM_PASSES * 3 * 2048 * 51200 / 8 * 4 / 2.039e12
+    assert last - first == pytest.approx(logits, rel=1e-9) and t1["compute"] == pytest.approx(48 * last, rel=1e-12)
+    assert t1["bubble"] == pytest.approx(first, rel=1e-12) and t1["bubble_fraction"] < 1 / 48
+    assert t1["idle"] == pytest.approx([48 * (last - first) + first, first], rel=1e-12)  # rank 0 waits for rank 1
     t2 = timing.step_time(c, dataclasses.replace(lo, vpp=2), A100, paper=True)
-    assert t2["bubble_fraction"] == 1 / 96 and t2["seconds_per_iteration"] < t1["seconds_per_iteration"]
+    assert t2["bubble"] == pytest.approx(first / 2, rel=1e-12) and t2["seconds_per_iteration"] < t1["seconds_per_iteration"]
     # TP: 6 all-reduces of b·s·h 16-bit values per layer and micro-batch (2 forward, 2 backward, 2 recomputed),
     # over NVLink (300 GB/s a direction, 5 µs): 48 layers / 2 stages x 48 micro-batches
     ar = 2 * 7 * (5e-6 + 2048 * 8192 * 2 / 8 / 300e9)
@@ -114,6 +123,76 @@ def test_hand_worked_collectives_and_bubble():
     # the 8 TP ranks sends 1/8 over its own NIC (25 GB/s, 10 µs), then an all-gather of the rest over NVLink
     send = 10e-6 + 2048 * 8192 * 2 / 8 / 25e9 + 2048 * 8192 * 2 * 7 / 8 / 300e9
     assert t1["pp_comm"] == pytest.approx(2 * 48 * send, rel=1e-12)
+    # tied embeddings: the first and last stages all-reduce the word embedding's fp32 gradient [V/t, h] once, across
+    # nodes (the PP link): 2 ranks, 2·(2 − 1)·(α + N/(2·β))
+    assert t1["tied_comm"] == pytest.approx(2 * (10e-6 + 4 * 51200 / 8 * 8192 / 2 / 25e9), rel=1e-12)
+
+
+def simulate_1f1b(forward: list[float], backward: list[float], m: int) -> tuple[float, list[float]]:
+    """(the iteration's seconds, each rank's busy seconds) of parallel.schedule_1f1b's actions on len(forward) ranks,
+    rank r taking forward[r] and backward[r] seconds a micro-batch: each action starts once its rank is free and its
+    input is there (a forward: the rank before's forward; a backward: the rank after's backward, or its own forward)."""
+    p = len(forward)
+    todo = [list(P.schedule_1f1b(p, r, m)) for r in range(p)]
+    done, free = {}, [0.0] * p
+    while any(todo):
+        moved = False
+        for r in range(p):
+            while todo[r]:
+                kind, i, _ = todo[r][0]
+                dep = ("F", r - 1, i) if kind == "F" else ("B", r + 1, i) if r < p - 1 else ("F", r, i)
+                if dep[1] >= 0 and dep not in done:
+                    break
+                start = max(free[r], done.get(dep, 0.0))
+                free[r] = done[(kind, r, i)] = start + (forward if kind == "F" else backward)[r]
+                todo[r].pop(0)
+                moved = True
+        assert moved, "the schedule deadlocks"
+    return max(free), [m * (f + b) for f, b in zip(forward, backward)]
+
+
+def even_pipeline(stages: list[float], m: int, v: int = 1):
+    """The even model (the negative control): every stage at the slowest one's pace, (p − 1)/(m·v) of the compute."""
+    compute = m * max(stages)
+    return compute, (len(stages) - 1) / (m * v) * compute, [(len(stages) - 1) / (m * v) * compute] * len(stages)
+
+
+def check_two_unequal_stages(pipeline):
+    """Two stages, m 4: rank 0's forward 1 s and backward 2; rank 1's (the output layer too) 2 and 4. By hand along
+    parallel.schedule_1f1b: rank 0 F0 0-1, F1 1-2, B0 7-9, F2 9-10, B1 13-15, F3 15-16, B2 19-21, B3 25-27; rank 1
+    F0 1-3, B0 3-7, F1 7-9, B1 9-13, F2 13-15, B2 15-19, F3 19-21, B3 21-25. 27 s = (m − 1)·6 + (3 + 6); rank 1 idles
+    27 − 4·6 = 3 (the bubble: one micro-batch of rank 0's), rank 0 27 − 4·3 = 15 (it also waits for rank 1)."""
+    compute, bubble, idle = pipeline([3.0, 6.0], 4)
+    assert simulate_1f1b([1, 2], [2, 4], 4) == (27, [12, 24])
+    assert compute + bubble == 27, f"predicted {compute + bubble} s, by hand 27 s"
+    assert idle == [15, 3]
+
+
+def test_hand_worked_pipeline_of_unequal_stages():
+    """timing.pipeline on two unequal stages is the hand-worked 27 s; the even model ((m + p − 1)·max T = 30 s) is not
+    (the negative control)."""
+    check_two_unequal_stages(timing.pipeline)
+    with pytest.raises(AssertionError, match="predicted 30.0 s, by hand 27 s"):
+        check_two_unequal_stages(even_pipeline)
+
+
+def test_pipeline_is_the_simulated_1f1b_schedule():
+    """(m − 1)·max T + Σ T_r is the simulated schedule's iteration whenever the last stage is the slowest (the time
+    model's stages: alike layers, the output layer on the last), at random times, p 2-6, m 1-12; and step_time's own
+    stages on Table 1's 76.1B row (p 4, m 56) give the simulated iteration too."""
+    rng = random.Random(0)
+    for _ in range(200):
+        p, m = rng.randint(2, 6), rng.randint(1, 12)
+        f = [rng.uniform(0.1, 1) for _ in range(p)]
+        b = [x * rng.uniform(1, 3) for x in f]
+        f[-1], b[-1] = f[-1] + max(f), b[-1] + max(b)  # (the slowest)
+        compute, bubble, idle = timing.pipeline([x + y for x, y in zip(f, b)], m)
+        it, busy = simulate_1f1b(f, b, m)
+        assert compute + bubble == pytest.approx(it, rel=1e-12)
+        assert idle == pytest.approx([it - x for x in busy], rel=1e-9, abs=1e-12)
+    t = timing.step_time(config(*TABLE1[5][1:4]), paper_layout(TABLE1[5]), A100, paper=True)
+    it, _ = simulate_1f1b([x / 3 for x in t["stages"]], [2 * x / 3 for x in t["stages"]], 56)
+    assert t["compute"] + t["bubble"] == pytest.approx(it, rel=1e-12)
 
 
 def test_hand_worked_compute_and_dp():
@@ -137,7 +216,8 @@ def test_a_bubble_and_communication_cost_time():
     overlap (paper=True) the DP reduction is all exposed, with it (the default) the last backward hides part."""
     c, lo = config(*TABLE1[6][1:4]), paper_layout(TABLE1[6])
     big, small = (timing.step_time(c, dataclasses.replace(lo, global_batch=B), A100, paper=True) for B in (2304, 480))
-    assert small["bubble_fraction"] == 7 / 20 > big["bubble_fraction"] and small["tflops_per_gpu"] < big["tflops_per_gpu"]
+    assert small["bubble"] == pytest.approx(7 * small["stages"][0], rel=1e-12)  # (p 8: 7 of a first stage's, any m)
+    assert small["bubble_fraction"] > big["bubble_fraction"] and small["tflops_per_gpu"] < big["tflops_per_gpu"]
     c0, lo0 = config(*TABLE1[0][1:4]), paper_layout(TABLE1[0])
     plain, overlapped = timing.step_time(c0, lo0, A100, paper=True), timing.step_time(c0, lo0, A100)
     assert plain["dp_exposed"] == plain["dp_comm"] > 0 and overlapped["dp_exposed"] < overlapped["dp_comm"]

@@ -14,7 +14,7 @@ file of its own so that train.py is only the training loop. Each command loads t
     python tools.py import-megatron --load runs/gpt-mcore --save runs/gpt-from-mcore --model gpt \
         --tokenizer-file runs/gpt/tokenizer.json    # a Megatron-core checkpoint as a run (architecture flags: see below)
     python tools.py eval --load runs/gpt --hf runs/gpt-hf --limit 10     # lm-eval on the shipped tasks (make eval)
-    python tools.py plan --gpus 16 --num-layers 24 --hidden-size 2048 --num-attention-heads 16  # layouts (costs.py)
+    python tools.py plan --gpus 16 --num-layers 24 --hidden-size 2048 --num-attention-heads 16  # layouts (planning/)
 
 sample --chat: one user turn in the chat template SFT trains on (or a Hugging Face folder's own), only the answer
 printed; export: what serving needs (weights, config.json, the tokenizer, the chat template as Jinja) — DESIGN.md §1,
@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import costs
 import data
 from arguments import Args, ArgumentParser, ConfigError, check_args, flags_of, model_config, parse_args, run_flags
 from config import model_file
 from interop import convert, hf, tokenizer_files
+from planning import planner, timing
 from posttraining import lora, quantization, recipes
 
 
@@ -256,28 +256,29 @@ APPS = {"serve": "an OpenAI-compatible HTTP server for a run (serving/server.py;
 
 
 def plan(a, model_flags):
-    """The layouts of --gpus GPUs that fit, fastest first; with layout flags, that layout's memory and time (costs.py).
-    The model is train.py's flags (or a Megatron script's); 16-bit on a GPU (--fp16, else bf16), the run's on cpu."""
+    """The layouts of --gpus GPUs that fit, fastest first; with layout flags, that layout's memory and time
+    (planning/planner.py). The model is train.py's flags (or a Megatron script's); 16-bit on a GPU (--fp16, else bf16),
+    the run's on cpu."""
     args = parse_args(model_flags)
     c = model_config(model_file(args.model), args)
-    gpu = costs.cpu_gpu() if a.gpu == "cpu" else costs.GPUS[a.gpu]
+    gpu = timing.cpu_gpu() if a.gpu == "cpu" else timing.GPUS[a.gpu]
     dtype = "fp16" if args.fp16 else "bf16" if args.bf16 or a.gpu != "cpu" else "fp32"
     accounting = "cpu" if a.gpu == "cpu" else "gpu"
     try:
-        single = any(f.split("=")[0] in costs.LAYOUT_FLAGS for f in model_flags)
+        single = any(f.split("=")[0] in planner.LAYOUT_FLAGS for f in model_flags)
         if single:
-            entries = [costs.evaluate(c, costs.layout_of(args, c, a.gpus, dtype), gpu, accounting)]
+            entries = [planner.evaluate(c, planner.layout_of(args, c, a.gpus, dtype), gpu, accounting)]
         else:
-            entries = costs.plan(c, gpu, a.gpus, args.seq_length, args.global_batch_size or
-                                 args.micro_batch_size * a.gpus, dtype, accounting, top=a.top)
+            entries = planner.plan(c, gpu, a.gpus, args.seq_length, args.global_batch_size or
+                                   args.micro_batch_size * a.gpus, dtype, accounting, top=a.top)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not entries:
         raise ConfigError(f"no layout of {a.gpus} x {gpu.name} fits this model")
     if a.plot:
-        costs.plot(entries[0], a.plot)
+        planner.plot(entries[0], a.plot)
     print(json.dumps(entries[0] if single else {"layouts": entries}, indent=1)
-          if a.json else costs.report(entries, gpu, a.gpus))
+          if a.json else planner.report(entries, gpu, a.gpus))
 
 
 def parse(argv):
@@ -332,7 +333,7 @@ def parse(argv):
     c.add_argument("--load", required=True, help="the reward model's run")
     c.add_argument("--data-path", required=True, help="a JSON-lines file of prompts with responses")
     c.set_defaults(run=score)
-    n = sub.add_parser("plan", help="rank the layouts of N GPUs that fit a model by predicted throughput (costs.py); "
+    n = sub.add_parser("plan", help="rank the layouts of N GPUs that fit a model by predicted throughput (planning/); "
                        "train.py's model flags follow (layout flags: that layout's memory and time)")
     n.add_argument("--gpu", default="a100-80gb", choices=["a100-80gb", "h100-80gb", "h200", "cpu"],
                    help="cpu: this machine, its measured GEMM rate, one process a rank")

@@ -14,7 +14,7 @@ s sequence, b batch, h hidden, a heads, t tensor-parallel size, in fp16 (2 bytes
     TP + SP             s·b·h·(34 + 5·a·s/h) / t
     TP + SP, selective  34·s·b·h / t                 (the a·s² attention core recomputed)
     full recompute      2·s·b·h (/t with SP)         (the layer input only)
-Ours differs: `ours()` below, costs.py's memory model, matches the measurement byte for byte; see DESIGN.md §6.
+Ours differs: `ours()` below, planning/memory.py, matches the measurement byte for byte; see DESIGN.md §6.
 """
 import argparse
 import os
@@ -25,9 +25,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import costs  # noqa: E402
 import gpt  # noqa: E402
 import parallel as P  # noqa: E402
+from planning import memory  # noqa: E402
+from planning.layout import Layout  # noqa: E402
 from transformer import Decoder  # noqa: E402
 
 S, B, H, A = 128, 2, 256, 8  # sequence, batch, hidden, heads
@@ -67,12 +68,12 @@ def measure(grid, t, sp, rc, listing):
 
 
 def layer_bytes(t, sp, rc, accounting):
-    """One layer's bytes by costs.py's memory model: "cpu" ours, "gpu" the paper's 16-bit items (DESIGN.md §6)."""
+    """One layer's bytes by planning/memory.py: "cpu" ours, "gpu" the paper's 16-bit items (DESIGN.md §6)."""
     c = gpt.Config(num_layers=1, hidden_size=H, num_attention_heads=A, vocab_size=128, max_position_embeddings=S,
                    hidden_dropout=0.1, attention_dropout=0.1, **RECOMPUTE[rc])
-    layout = costs.Layout(seq=S, micro_batch=B, tp=t, sequence_parallel=sp, recompute=None if rc == "off" else rc,
+    layout = Layout(seq=S, micro_batch=B, tp=t, sequence_parallel=sp, recompute=None if rc == "off" else rc,
                           dtype="fp32" if accounting == "cpu" else "bf16")
-    return costs.chunk_activations(c, layout, False, False, range(1), accounting)[0]  # (kept after forward)
+    return memory.chunk_activations(c, layout, False, False, range(1), accounting)[0]  # (kept after forward)
 
 
 def ours(t, sp, rc):

@@ -1,13 +1,15 @@
-"""The time model on this CPU: costs.step_time's predicted step time, communication and pipeline bubble against a real
+"""The time model on this CPU: timing.step_time's predicted step time, communication and pipeline bubble against a real
 train.py run of one process, DP 2, TP 2 and PP 2 (bench/bench_scaling.py's measure: torchrun, gloo, one thread a rank,
-every collective inside train.train_step timed). The prediction's GPU is costs.cpu_gpu() on one thread (as a rank has),
+every collective inside train.train_step timed). The prediction's GPU is timing.cpu_gpu() on one thread (as a rank has),
 its GEMM rate that of the rank's own GEMM shapes (bench/bench_gemm.py's ceiling, split over TP), gloo over loopback
 as every link (bandwidth and latency as bench/README measured them); the DP reduction not overlapped (train.py's
 default: no --overlap-grad-reduce); the optimizer the run's (the default GPT's Muon). Every rate is measured on the
 thread's own clock (time.thread_time), as is the rank's step in the "work" columns: on a machine other processes load,
 the wall time holds their time slices; the work the model predicts besides communication and bubble should not.
-What a measured collective's time holds: its transfer and the wait for the other rank — for PP 2 the bubble is in it
-(a stage waits in recv), so PP's column compares predicted sends + bubble with it. Megatron's counterpart: none (its
+What a measured collective's time holds: its transfer and the wait for the other rank; bench_scaling keeps the rank
+that waits most. For PP 2 that is the first stage: in recv it waits out the bubble and, m times, the last stage's extra
+work (the output layer: most of this small model's FLOPs), so PP's column compares the predicted sends + that rank's
+idle time (timing.pipeline: the bubble, the imbalance) with it. Megatron's counterpart: none (its
 papers' Table 1 is the GPU check, tests/test_costs_time.py).
 
     .venv/bin/python bench/bench_costs.py --iters 8        (~2-3 min: 4 runs of ~30 s, set-up included)
@@ -32,8 +34,9 @@ import bench_scaling  # noqa: E402
 import torch  # noqa: E402
 
 import arguments  # noqa: E402
-import costs  # noqa: E402
 from config import model_file  # noqa: E402
+from planning import planner, timing  # noqa: E402
+from planning.layout import Layout  # noqa: E402
 
 # name -> (processes, train.py flags); PP 2 with micro-batches of 4: m = 4, a bubble of (p-1)/m = 1/4
 bench_scaling.LAYOUTS.update(pp2=(2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4"]))
@@ -67,21 +70,21 @@ def gemm_ceiling(c, tokens: int, tp: int) -> float:
     return flops / secs
 
 
-def predicted(name: str, a, gpu: costs.GPU) -> dict:
-    """costs.step_time of the layout the run has (train.py's default model and these flags, fp32, causal core), the
+def predicted(name: str, a, gpu: timing.GPU) -> dict:
+    """timing.step_time of the layout the run has (train.py's default model and these flags, fp32, causal core), the
     GEMM rate that of the rank's own GEMM shapes."""
     flags = [*bench_scaling.LAYOUTS[name][1], *shlex.split(a.train_args)]
     args = arguments.parse_args(["--global-batch-size", str(a.global_batch), *flags])
     c = arguments.model_config(model_file(args.model), args)
     dp = 2 if name == "dp2" else 1
-    lo = costs.Layout(args.seq_length, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dp=dp,
+    lo = Layout(args.seq_length, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dp=dp,
                       micro_batch=args.micro_batch_size if name == "pp2" else a.global_batch // dp,
                       global_batch=a.global_batch, recompute=args.recompute_granularity, optimizer=args.optimizer,
                       dtype="fp32")
     rate = gemm_ceiling(c, lo.micro_batch * lo.seq, lo.tp)
-    core = costs.attention_rate(lo.micro_batch, c.num_attention_heads // lo.tp, lo.seq, c.kv_channels, 0.5,
+    core = timing.attention_rate(lo.micro_batch, c.num_attention_heads // lo.tp, lo.seq, c.kv_channels, 0.5,
                                 time.thread_time)
-    return costs.step_time(c, lo, dataclasses.replace(gpu, peak=rate / costs.GEMM_EFFICIENCY, attention=core),
+    return timing.step_time(c, lo, dataclasses.replace(gpu, peak=rate / timing.GEMM_EFFICIENCY, attention=core),
                            overlap=args.overlap_grad_reduce) | {"gemm_rate": rate}
 
 
@@ -93,8 +96,8 @@ def table1():
     for i, row in enumerate(TABLE1):
         params, heads, h, L, t, p, n, batch, paper = row
         c, lo = config(heads, h, L), paper_layout(row)
-        r = costs.step_time(c, lo, A100, paper=True)
-        top = costs.plan(c, A100, n, 2048, batch, "fp16", paper=True, top=3, micro_batch=1, recompute="full",
+        r = timing.step_time(c, lo, A100, paper=True)
+        top = planner.plan(c, A100, n, 2048, batch, "fp16", paper=True, top=3, micro_batch=1, recompute="full",
                          distributed_optimizer=False, vpp=1, cp=1, sequence_parallel=False)
         top = ", ".join(f"({x['tensor_model_parallel_size']}, {x['pipeline_model_parallel_size']})" for x in top)
         print(f"| {params}B{' (fit)' if i in FIT_ROWS else ''} | {n} | {t}, {p} | {paper} | {r['tflops_per_gpu']:.1f} "
@@ -110,8 +113,8 @@ def main():
         return table1()
     print(f"command: .venv/bin/python bench/bench_costs.py {shlex.join(sys.argv[1:])}".rstrip())
     torch.set_num_threads(1)  # a rank's share: torchrun gives each one thread
-    gpu = costs.cpu_gpu(1.0, clock=time.thread_time)
-    print(f"this CPU on one thread: {gpu.peak * costs.GEMM_EFFICIENCY / 1e9:.1f} GFLOP/s fp32 GEMM, {gpu.hbm / 1e9:.1f} "
+    gpu = timing.cpu_gpu(1.0, clock=time.thread_time)
+    print(f"this CPU on one thread: {gpu.peak * timing.GEMM_EFFICIENCY / 1e9:.1f} GFLOP/s fp32 GEMM, {gpu.hbm / 1e9:.1f} "
           f"GB/s copy, attention core {gpu.attention / 1e9:.1f} GFLOP/s, {gpu.op * 1e6:.1f} µs an eager op (measured, "
           "on its own time); "
           f"load average {os.getloadavg()[0]:.1f} at the start")
@@ -120,17 +123,19 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.layouts:
             m, p = bench_scaling.measure(name, scaling, Path(tmp)), predicted(name, a, gpu)
-            comm = p["dp_exposed"] + p["tp_comm"] + p["pp_comm"] + p["bubble"]
-            work = p["seconds_per_iteration"] - comm  # what the rank's own thread does
+            comm = p["dp_exposed"] + p["tp_comm"] + p["pp_comm"] + p["tied_comm"]
+            work = p["seconds_per_iteration"] - comm - p["bubble"]  # what the slowest rank's own thread does
+            imbalance = max(p["idle"]) - p["bubble"]  # PP: the first rank's wait for the slower last one
             rows.append(f"| {name} | {p['gemm_rate'] / 1e9:.1f} | {p['seconds_per_iteration']:.3f} | {m['step_s']:.3f} | "
                         f"{p['seconds_per_iteration'] / m['step_s'] - 1:+.0%} | {work:.3f} (optimizer "
-                        f"{p['optimizer']:.3f}) | {m['cpu_s']:.3f} | {work / m['cpu_s'] - 1:+.0%} | {comm:.3f} (bubble "
-                        f"{p['bubble']:.3f}) | {m['collective_s']:.3f} |")
+                        f"{p['optimizer']:.3f}) | {m['cpu_s']:.3f} | {work / m['cpu_s'] - 1:+.0%} | {comm + max(p['idle']):.3f} "
+                        f"(bubble {p['bubble']:.3f}, imbalance {imbalance:.3f}) | {m['collective_s']:.3f} |")
             print(f"  {name}: {m['wall']:.0f} s", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end; medians over iterations {a.warmup + 1}-{a.iters}, the "
           "slower rank's (on the rank's thread: the best of them)\n")
     print("| layout | GEMM GFLOP/s at its shapes | predicted s / iteration | measured | error | predicted work s | "
-          "measured on the rank's thread s | error | predicted communication + bubble s | measured in collectives s |"
+          "measured on the rank's thread s | error | predicted communication + idle s (the most idle rank) | measured in "
+          "collectives s |"
           "\n|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

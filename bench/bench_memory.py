@@ -7,7 +7,7 @@ Counted on rank 0 from the real buffers: model parameters, the fp32 gradient buf
 separate copy only when the parameters are bf16) and the two Adam moments. Formula (DESIGN.md §4, d = DP size):
 fp32 parameters 4 + 4 + (4+4)/d = 8 + 8/d;  bf16 parameters + fp32 grads 2 + 4 + (4+4+4)/d = 6 + 12/d.
 Buckets are padded to a multiple of d, so the measured value may exceed the formula by a few elements per bucket;
-costs.py's memory model (costs.state_bytes, accounting "cpu") counts the padding too and must equal it (asserted).
+planning/memory.py (state_bytes, accounting "cpu") counts the padding too and must equal it (asserted).
 The strategies' table: fp32, one iteration (one micro-batch per rank); held after the step, per parameter: each
 storage of the parameters, gradients and Adam state once; ZeRO-3's peak of gathered buckets during it; and the bytes
 of its DP collectives (parallel.count_collectives' convention: the whole tensor each works on).
@@ -21,9 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import costs  # noqa: E402
 import gpt  # noqa: E402
 import parallel as P  # noqa: E402
+from planning import memory  # noqa: E402
+from planning.layout import Layout  # noqa: E402
 
 
 def config(dtype):
@@ -116,7 +117,7 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     ctx = mp.get_context("spawn")
-    print("| params | d | bytes/param measured | formula | costs.py |\n|---|---|---|---|---|")
+    print("| params | d | bytes/param measured | formula | planning/memory.py |\n|---|---|---|---|---|")
     for dtype, formula in [(torch.float32, lambda d: 8 + 8 / d), (torch.bfloat16, lambda d: 6 + 12 / d)]:
         for d in args.dp:
             q = ctx.Queue()
@@ -127,10 +128,10 @@ def main():
             total, n = q.get()
             for p in procs:
                 p.join()
-            layout = costs.Layout(seq=1, dp=d, distributed_optimizer=True, dtype="bf16" if dtype == torch.bfloat16
+            layout = Layout(seq=1, dp=d, distributed_optimizer=True, dtype="bf16" if dtype == torch.bfloat16
                                   else "fp32")
-            model = sum(costs.state_bytes(config(dtype), layout, 0, "cpu").values())
-            assert total == model, f"d={d} {dtype}: measured {total:,} B, costs.py says {model:,} B"
+            model = sum(memory.state_bytes(config(dtype), layout, 0, "cpu").values())
+            assert total == model, f"d={d} {dtype}: measured {total:,} B, planning/memory.py says {model:,} B"
             print(f"| {str(dtype).split('.')[1]} | {d} | {total / n:.4f} | {formula(d):.4f} | {model / n:.4f} |")
     strategies(args.dp, ctx)
 

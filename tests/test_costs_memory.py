@@ -1,4 +1,4 @@
-"""The memory model (costs.py section 2) against the bytes this CPU keeps, measured, at layouts across TP, SP, PP
+"""The memory model (planning/memory.py) against the bytes this CPU keeps, measured, at layouts across TP, SP, PP
 (1F1B and interleaved), DP, CP, EP, recomputation and the optimizers (DESIGN.md §6).
 
 Measured on every rank of a gloo world (tests/harness.py's pools): the real model at that layout (gpt.Model chunks of
@@ -8,7 +8,7 @@ model's own list, element counts, Muon's eligibility and DDP's bucket group, the
 tensors or DDP's buffer; optimizer: the moments (and master weights where separate), per storage; activations: the
 peak over the step of the bytes that autograd's saved tensors keep alive, per storage, parameters excluded
 (torch.autograd.graph.saved_tensors_hooks; a storage counts while any saved tensor holds it). Every figure must equal
-costs.memory(..., accounting="cpu") to the byte (MoE: given the rows each rank's experts received). Negative controls:
+memory.memory(..., accounting="cpu") to the byte (MoE: given the rows each rank's experts received). Negative controls:
 the old sequence-parallel path (the column-parallel linear keeping the gathered input), a 1F1B count of one micro-batch
 in flight, MoE's balanced routing and a left-out dispatcher buffer make the prediction fail.
 
@@ -23,10 +23,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import costs
 import gpt
 import parallel as P
 from equivalence import forward_step, make_batch
+from planning import memory
+from planning.layout import Layout
 from transformer import InferenceContext
 
 
@@ -73,7 +74,7 @@ def nbytes(tensors) -> int:
     return sum(seen.values())
 
 
-def model_config(config: dict, lay: costs.Layout) -> gpt.Config:
+def model_config(config: dict, lay: Layout) -> gpt.Config:
     rc = dict(recompute_granularity=lay.recompute)
     if lay.recompute == "full":
         rc.update(recompute_method=config.pop("recompute_method", "uniform"),
@@ -84,7 +85,7 @@ def model_config(config: dict, lay: costs.Layout) -> gpt.Config:
 
 def memory_case(rank, n, config: dict, layout: dict, old_sp_path: bool = False):
     """This rank's measured bytes and parameter list, after one training step at `layout`."""
-    lay = costs.Layout(**layout)
+    lay = Layout(**layout)
     grid = P.Grid(tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep)
     c = model_config(dict(config), lay)
     P.ColumnParallelLinear.save_shard = not old_sp_path
@@ -207,23 +208,23 @@ STATE = ("parameters", "gradients", "optimizer")
 
 
 def check(pool, n, layout, change, what=STATE + ("activations",), routing=True, **kw):
-    """Every rank's measured bytes against costs' prediction for it (MoE: given the rows its experts received, unless
-    `routing` is False: balanced routing, costs' default)."""
+    """Every rank's measured bytes against the model's prediction for it (MoE: given the rows its experts received, unless
+    `routing` is False: balanced routing, the model's default)."""
     config = dict(TINY, **change)
-    lay = costs.Layout(**layout)
+    lay = Layout(**layout)
     res = pool.run(memory_case, n, config=config, layout=layout, **kw)
     c = model_config(dict(config), lay)
     for r in res:  # every rank against the prediction for its pipeline stage
-        want = costs.state_bytes(c, lay, r["stage"], "cpu")
-        chunk_bytes = [costs.chunk_activations(c, lay, *ch, "cpu", routed=r["routed"] if routing else None)
-                       for ch in costs.chunks(c, lay, r["stage"])]
-        want["activations"] = costs.in_flight(chunk_bytes, lay, r["stage"])
-        assert r["listed"] == [tuple(p)[:3] for p in costs.stage_parameters(c, lay, r["stage"])]
+        want = memory.state_bytes(c, lay, r["stage"], "cpu")
+        chunk_bytes = [memory.chunk_activations(c, lay, *ch, "cpu", routed=r["routed"] if routing else None)
+                       for ch in memory.chunks(c, lay, r["stage"])]
+        want["activations"] = memory.in_flight(chunk_bytes, lay, r["stage"])
+        assert r["listed"] == [tuple(p)[:3] for p in memory.stage_parameters(c, lay, r["stage"])]
         for k in what:
             assert r[k] == want[k], f"{k}: measured {r[k]:,} B, the model says {want[k]:,} B (stage {r['stage']})"
-    most = costs.memory(c, lay, "cpu")  # the rank that holds the most
+    most = memory.memory(c, lay, "cpu")  # the rank that holds the most
     assert most["total"] == max(sum(r[k] for k in STATE + ("activations",)) for r in res) or \
-        "activations" not in what or any(r["routed"] for r in res)  # (MoE: costs.memory assumes balanced routing)
+        "activations" not in what or any(r["routed"] for r in res)  # (MoE: memory.memory assumes balanced routing)
     return res, c, lay
 
 
@@ -235,20 +236,20 @@ def test_memory_matches_measured_bytes(pool, n, layout, change):
 
 def test_moe_state_matches_measured_bytes(pool):
     """MoE under EP: each rank's E/ep experts in buckets of their own, sharded over expert_dp; its activations given
-    the rows each rank's experts received (costs.moe_experts)."""
+    the rows each rank's experts received (memory.moe_experts)."""
     check(pool, 2, dict(seq=8, dp=2, ep=2, micro_batch=1, global_batch=2, distributed_optimizer=True),
           dict(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=8))
 
 
 def test_moe_items_fail_the_prediction_when_left_out(pool, monkeypatch):
-    """Negative controls at EP 2 (all-to-all): balanced routing (costs' default, not the rows each rank's experts
+    """Negative controls at EP 2 (all-to-all): balanced routing (the model's default, not the rows each rank's experts
     received) mispredicts, and so does leaving out the dispatcher's (token, expert) pairs (int64 [s·b·k, 2])."""
     layout, change = dict(seq=8, dp=2, ep=2, micro_batch=1, global_batch=2), dict(MOE, moe_token_dispatcher_type="alltoall")
     check(pool, 2, layout, change)  # (exact as it is)
     with pytest.raises(AssertionError, match="activations: measured"):
         check(pool, 2, layout, change, routing=False)
-    experts = costs.moe_experts
-    monkeypatch.setattr(costs, "moe_experts", lambda c, lay, *a: experts(c, lay, *a) - 16 * lay.seq * lay.micro_batch *
+    experts = memory.moe_experts
+    monkeypatch.setattr(memory, "moe_experts", lambda c, lay, *a: experts(c, lay, *a) - 16 * lay.seq * lay.micro_batch *
                         c.moe_router_topk)
     with pytest.raises(AssertionError, match="activations: measured"):
         check(pool, 2, layout, change)
@@ -298,10 +299,10 @@ def test_pipeline_keeps_p_minus_r_micro_batches(pool):
     negative control: one micro-batch in flight (no pipeline) undercounts stage 0."""
     res, c, lay = check(pool, 2, dict(seq=8, pp=2, micro_batch=1, global_batch=4), {})
     for r in res:
-        (kept, _), = [costs.chunk_activations(c, lay, *ch, "cpu") for ch in costs.chunks(c, lay, r["stage"])]
+        (kept, _), = [memory.chunk_activations(c, lay, *ch, "cpu") for ch in memory.chunks(c, lay, r["stage"])]
         assert r["activations"] == (2 - r["stage"]) * kept
         if r["stage"] == 0:
-            assert r["activations"] != costs.in_flight([(kept, kept)], dataclasses.replace(lay, pp=1), 0)
+            assert r["activations"] != memory.in_flight([(kept, kept)], dataclasses.replace(lay, pp=1), 0)
 
 
 def test_kv_cache_bytes():
@@ -311,7 +312,7 @@ def test_kv_cache_bytes():
     with torch.no_grad():
         model(torch.randint(0, c.vocab_size, (3, 5)), inference_context=cache)
     got = sum(t.untyped_storage().nbytes() for kv in cache.key_value_memory_dict.values() for t in kv)
-    assert got == costs.kv_cache_bytes(c, batch=3, seq=12, dtype_bytes=4) == 2 * 4 * 3 * 2 * 12 * 4 * 4
+    assert got == memory.kv_cache_bytes(c, batch=3, seq=12, dtype_bytes=4) == 2 * 4 * 3 * 2 * 12 * 4 * 4
 
 
 # ---------------------------------------------------------------------------------------------- the papers' numbers
@@ -325,20 +326,20 @@ def test_gpu_accounting_is_the_papers():
     for t, sp, rc, per in [(1, False, None, 34 + 5 * a * s / h), (2, False, None, 10 + 24 / 2 + 5 * a * s / (h * 2)),
                            (4, True, None, (34 + 5 * a * s / h) / 4), (4, True, "selective", 34 / 4),
                            (2, False, "full", 2), (2, True, "full", 1)]:
-        lay = costs.Layout(seq=s, micro_batch=b, tp=t, sequence_parallel=sp, recompute=rc, dtype="bf16")
+        lay = Layout(seq=s, micro_batch=b, tp=t, sequence_parallel=sp, recompute=rc, dtype="bf16")
         cc = dataclasses.replace(c, recompute_granularity=rc, **(dict(recompute_method="uniform", recompute_num_layers=1)
                                                                  if rc == "full" else {}))
-        kept, _ = costs.chunk_activations(cc, lay, False, False, range(1))
+        kept, _ = memory.chunk_activations(cc, lay, False, False, range(1))
         assert kept == per * s * b * h, (t, sp, rc)
     c = gpt.Config(num_layers=8)
-    n = sum(p.numel for p in costs.stage_parameters(c, costs.Layout(seq=8), 0))
+    n = sum(p.numel for p in memory.stage_parameters(c, Layout(seq=8), 0))
     for dtype, plain, d, sharded in [("bf16", 18, 4, 6 + 12 / 4), ("fp32", 16, 8, 8 + 8 / 8)]:
-        m = costs.memory(c, costs.Layout(seq=8, dtype=dtype))
+        m = memory.memory(c, Layout(seq=8, dtype=dtype))
         assert m["parameters"] + m["gradients"] + m["optimizer"] == plain * n
-        m = costs.memory(c, costs.Layout(seq=8, dp=d, dtype=dtype, distributed_optimizer=True))
+        m = memory.memory(c, Layout(seq=8, dp=d, dtype=dtype, distributed_optimizer=True))
         assert m["parameters"] + m["gradients"] + m["optimizer"] == pytest.approx(sharded * n, abs=3 * 16 * d)
     for p, v in [(4, 2), (8, 4), (2, 3)]:
         c = gpt.Config(num_layers=p * v * 2, hidden_dropout=0.0)
-        lay = costs.Layout(seq=64, pp=p, vpp=v, global_batch=4 * p)
-        layer = costs.layer_activations(c, lay)  # every chunk: 2 layers
-        assert costs.in_flight([(2 * layer, 2 * layer)] * v, lay, 0) == (1 + (p - 1) / (p * v)) * c.num_layers * layer
+        lay = Layout(seq=64, pp=p, vpp=v, global_batch=4 * p)
+        layer = memory.layer_activations(c, lay)  # every chunk: 2 layers
+        assert memory.in_flight([(2 * layer, 2 * layer)] * v, lay, 0) == (1 + (p - 1) / (p * v)) * c.num_layers * layer

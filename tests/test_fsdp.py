@@ -18,12 +18,13 @@ from test_muon import MOE, MUON
 from test_muon import reference as muon_reference
 
 import arguments
-import costs
 import gpt
 import parallel as P
 import train
 from equivalence import assert_same, clipped_steps, forward_step, rel_err
 from harness import assert_close, metrics, tiny, torchrun
+from planning import memory
+from planning.layout import Layout
 
 
 def fsdp_case(rank, n, cfg, tp, pp, vp, M, sp, strategy, steps=3, sabotage=None, count=False, b=8, s=8, ep=1,
@@ -182,7 +183,7 @@ def test_memory_per_rank_is_the_formula(pool, strategy):
     ZeRO-3 also holds, at the peak of the step, its gathered buckets: the root group (embedding, final norm, output
     layer: gathered from the first forward to the step's end) and two layers (the one computing, the one prefetched);
     ZeRO-2/3 the whole gradients of at most the root group and three layers (one being made, two reduce-scattering).
-    costs.py's memory model (costs.state_bytes, accounting "cpu", Layout.sharding) says the same bytes."""
+    planning/memory.py (state_bytes, accounting "cpu", Layout.sharding) says the same bytes."""
     dp = 2
     r = pool.run(budget_case, dp, strategy=strategy, dtype=torch.float32)[0]
     N, e = r["numel"], 4
@@ -190,9 +191,9 @@ def test_memory_per_rank_is_the_formula(pool, strategy):
             "optim_grads": (N * e, N * e // dp, 2 * N * e // dp),
             "optim_grads_params": (N * e // dp, N * e // dp, 2 * N * e // dp)}[strategy]
     assert (r["params"], r["grads"], r["optim"]) == want, (strategy, (r["params"], r["grads"], r["optim"]), want)
-    if strategy != "no_shard":  # (costs.py's plain layout is parallel.Optimizer's, not DDP's)
-        layout = costs.Layout(seq=8, dp=dp, distributed_optimizer=strategy == "optim", sharding=strategy)
-        model = costs.state_bytes(gpt.Config(**dict(CFG, params_dtype=torch.float32)), layout, 0, "cpu")
+    if strategy != "no_shard":  # (the memory model's plain layout is parallel.Optimizer's, not DDP's)
+        layout = Layout(seq=8, dp=dp, distributed_optimizer=strategy == "optim", sharding=strategy)
+        model = memory.state_bytes(gpt.Config(**dict(CFG, params_dtype=torch.float32)), layout, 0, "cpu")
         assert (model["parameters"], model["gradients"], model["optimizer"]) == want, (strategy, model, want)
     if strategy.startswith("optim_grads"):
         root, layer = r["units"][-1][0] * e, max(u[0] for u in r["units"][:-1]) * e

@@ -26,7 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. The infrastructure reaches the model files only through importlib (config.model_file), at run time.
-LAYERS = ["parallel", "metrics", "costs", "interop.tokenizer_files", "data", "config", "posttraining.lora",
+LAYERS = ["parallel", "metrics", "planning.layout", "planning.memory", "planning.timing", "planning.planner",
+          "interop.tokenizer_files", "data", "config", "posttraining.lora",
           "posttraining.quantization", "scheduler",
           "interop.hf", "interop.megatron_flags", "arguments", "checkpoint", "transformer", "interop.convert", "deepseek",
           "gpt", "bert", "t5", "mamba", "llava",
@@ -35,7 +36,7 @@ LAYERS = ["parallel", "metrics", "costs", "interop.tokenizer_files", "data", "co
           "train", "serving.server", "evaluation.tasks", "evaluation.evaluate", "tools"]
 
 
-PACKAGES = ("interop", "posttraining", "serving", "evaluation")
+PACKAGES = ("interop", "posttraining", "serving", "evaluation", "planning")
 
 
 def module_paths() -> dict[str, Path]:

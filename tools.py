@@ -121,15 +121,15 @@ def export(a):
     return out
 
 
-def awq_scaled(run, load_dir, samples: int = 16, clip: bool = True):
+def awq_scaled(run, load_dir, samples: int = 16, clip: bool = True, group: int | None = None):
     """The run's model with AWQ's scales folded in and, with `clip`, its weights clipped (still full precision: int4
-    round-to-nearest of it is AWQ-int4), both searched on its first `samples` training samples
-    (quantization.awq_scale, awq_clip)."""
+    round-to-nearest of it, one scale per `group` input features, is AWQ-int4), both searched on its first `samples`
+    training samples for that int4 (quantization.awq_scale, awq_clip; group None: the export's)."""
     corpus = data.build_data(run.args, run.model_file.dataset, Path(load_dir) / "tokenizer.json", run.args.vocab_size)
     batches = data.global_batch(corpus.train, start=0, size=samples)[:, :-1].split(4)
-    quantization.awq_scale(run.model, batches)
+    quantization.awq_scale(run.model, batches, group=group)
     if clip:
-        quantization.awq_clip(run.model, batches)
+        quantization.awq_clip(run.model, batches, group=group)
     return run.model
 
 

@@ -3,6 +3,7 @@ speed and quality of fp32, int8 and int4 (one scale per 128 input features) on t
 
 For each format the attention and MLP linears are quantized as the server does (quantization.quantize_linears), then:
   - bytes: of those linears' weights as stored (codes + scales), and of the whole model (parameters + buffers);
+  - int4 and awq: one scale per --group input features (the server's 128 by default), codes in [-8, 7];
   - tokens/s: n requests arriving together (prompts of 16-64 random tokens, --new-tokens each, greedy) through one
     serve.Engine, the sampled tokens over the wall time (prefills included), for each --concurrency n;
   - awq (--formats, with --load): AWQ's scales searched on the run's first 16 training samples, then int4;
@@ -42,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--load", metavar="RUN", help="a saved run instead of the default GPT with random weights")
     p.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"], choices=["fp32", "int8", "int4", "awq"],
                    help="awq (with --load): AWQ's scales (tools.awq_scaled), then int4")
+    p.add_argument("--group", type=int, default=Q.GROUP, help="int4's and awq's input features a scale (the "
+                   "server's: 128; tools.py export's AWQ: the largest power of 2 up to 128 dividing every linear)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests arriving together")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches of 16 (with --load)")
@@ -102,14 +105,15 @@ def main(argv=None):
         model = copy.deepcopy(base)
         if fmt == "awq":
             import tools
-            model = tools.awq_scaled(checkpoint.load_model(a.load), a.load).eval()
+            model = tools.awq_scaled(checkpoint.load_model(a.load), a.load, group=a.group).eval()  # int4's groups
         if fmt != "fp32":
-            Q.quantize_linears(model, "int4" if fmt == "awq" else fmt, Q.SERVING)
+            Q.quantize_linears(model, "int4" if fmt == "awq" else fmt,
+                               {**Q.SERVING, "int4": lambda w, shard=Q.WHOLE: Q.IntWeight(w, 4, a.group, shard)})
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         speeds = [tokens_per_s(model, n, a.new_tokens, vocab) for n in a.concurrency]
         print(f"| {fmt} | {Q.linear_weight_bytes(model) / 2**20:.2f} | {whole / 2**20:.2f} | "
-              f"{quality(model, ref, ids, valid, a.eval_batches):.4g} | " + " | ".join(f"{s:.1f}" for s in speeds)
-              + " |", flush=True)
+              f"{quality(model, ref, ids, valid, a.eval_batches):{'.4f' if valid is not None else '.4g'}} | "
+              + " | ".join(f"{s:.1f}" for s in speeds) + " |", flush=True)
 
 
 if __name__ == "__main__":

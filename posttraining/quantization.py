@@ -137,8 +137,9 @@ class IntWeight(Quantized):
 
 
 FORMATS = {"nf4": NF4Weight, "int8": lambda w, shard=WHOLE: IntWeight(w, 8, None, shard)}  # QLoRA's base
-SERVING = {"int8": lambda w, shard=WHOLE: IntWeight(w, 8, 128, shard),  # weight-only, group-wise
-           "int4": lambda w, shard=WHOLE: IntWeight(w, 4, 128, shard)}
+GROUP = 128  # serving's input features a scale (vLLM's and AWQ's)
+SERVING = {"int8": lambda w, shard=WHOLE: IntWeight(w, 8, GROUP, shard),  # weight-only, group-wise
+           "int4": lambda w, shard=WHOLE: IntWeight(w, 4, GROUP, shard)}
 
 
 class _DequantizedLinear(torch.autograd.Function):
@@ -207,12 +208,13 @@ def fake_quantize(model: nn.Module, fmt: str, formats=FORMATS, targets=lora.TARG
 
 # ---------------------------------------------------------------------------------------------- AWQ
 @torch.no_grad()
-def awq_scale(model: nn.Module, batches, group: int = 128, grid: int = 20) -> dict[str, float]:
+def awq_scale(model: nn.Module, batches, group: int | None = None, grid: int = 20) -> dict[str, float]:
     """AWQ (Lin et al. 2024; AutoAWQ's auto_scale): per input channel scales s that protect the channels with large
     activations before int4 round-to-nearest. For each linear whose input a preceding op can absorb — linear_qkv
     (input_layernorm), linear_fc1 (pre_mlp_layernorm), SwiGLU's linear_fc2 (fc1's `up` rows) — on the inputs x the
     calibration `batches` ([b, s] token ids) give it: s = mean|x|^a, a in [0, 1) on `grid` points, the one whose
-    deq(quant(W·s))·(x/s) is closest to W·x; then W := W·s and the preceding op := op / s (the fp model unchanged).
+    deq(quant(W·s))·(x/s) is closest to W·x, quant the int4 of one scale per `group` input features (None:
+    export_group's, as the export writes it); then W := W·s and the preceding op := op / s (the fp model unchanged).
     One process (TP 1), the model's own eval forward. Returns each scaled linear's chosen a."""
     inputs, hooks = {}, []
     groups = []  # (name, linear, absorb(s)): the op before it divides by s
@@ -226,6 +228,7 @@ def awq_scale(model: nn.Module, batches, group: int = 128, grid: int = 20) -> di
                 groups.append((f"{name}.mlp.linear_fc2", layer[1].linear_fc2, m.mlp.linear_fc1))
     groups = [(n, lin, [t.chunk(2)[1] if isinstance(prev, P.ColumnParallelLinear) else t  # fc1: its up half
                         for t in (prev.weight, getattr(prev, "bias", None)) if t is not None]) for n, lin, prev in groups]
+    group = group or export_group([m.weight.shape[1] for m in _targets(model, lora.TARGETS)])
     for name, lin, _ in groups:
         hooks.append(lin.register_forward_hook(
             lambda mod, inp, out, name=name: inputs.setdefault(name, []).append(inp[0].reshape(-1, inp[0].shape[-1]))))
@@ -242,7 +245,7 @@ def awq_scale(model: nn.Module, batches, group: int = 128, grid: int = 20) -> di
         for a in torch.arange(grid) / grid:
             s = mean.pow(a).clamp_min(1e-4)
             s = s / (s.max() * s.min()).sqrt()
-            err = ((x / s) @ SERVING["int4"](w * s).dequantize().T - y).pow(2).mean()
+            err = ((x / s) @ IntWeight(w * s, 4, group).dequantize().T - y).pow(2).mean()
             if best is None or err < best[0]:
                 best = err, float(a), s
         _, chosen[name], s = best
@@ -261,17 +264,18 @@ def export_group(widths, group: int = 128) -> int:
 
 
 @torch.no_grad()
-def awq_clip(model: nn.Module, batches, grid: int = 20, max_shrink: float = 0.5, tokens: int = 512) -> dict:
+def awq_clip(model: nn.Module, batches, grid: int = 20, max_shrink: float = 0.5, tokens: int = 512,
+             group: int | None = None) -> dict:
     """AWQ's weight clipping (Lin et al. 2024; AutoAWQ's auto_clip), after awq_scale: for each output row and int4
-    group (export_group) of linear_proj, linear_fc1 and linear_fc2 — not linear_qkv: q·k amplifies q's and k's
-    errors, and AutoAWQ skips a fused Wqkv — the clip t = r·absmax(group), r = 1 - k/grid for k < max_shrink·grid,
-    whose int4 round-to-nearest of clamp(w, -t, t) gives the group's outputs closest (mean square) to w's on the
-    calibration `batches`' inputs (every k-th token, about `tokens` of them); the first such r on ties. Then
-    W := clamp(W, -t, t), so int4 of it scales by t/7. Returns each clipped linear's chosen r [o, groups]."""
+    group (`group` input features; None: export_group's) of linear_proj, linear_fc1 and linear_fc2 — not linear_qkv:
+    q·k amplifies q's and k's errors, and AutoAWQ skips a fused Wqkv — the clip t = r·absmax(group), r = 1 - k/grid
+    for k < max_shrink·grid, whose int4 round-to-nearest of clamp(w, -t, t) gives the group's outputs closest (mean
+    square) to w's on the calibration `batches`' inputs (every k-th token, about `tokens` of them); the first such r
+    on ties. Then W := clamp(W, -t, t), so int4 of it scales by t/7. Returns each clipped linear's r [o, groups]."""
     names = ("linear_proj", "linear_fc1", "linear_fc2")
     linears = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names + ("linear_qkv",)
                and isinstance(m, (P.ColumnParallelLinear, P.RowParallelLinear)) and m.weight is not None}
-    group = export_group([m.weight.shape[1] for m in linears.values()])
+    group = group or export_group([m.weight.shape[1] for m in linears.values()])
     linears = {n: m for n, m in linears.items() if not n.endswith("linear_qkv")}
     inputs, hooks = {}, [m.register_forward_hook(lambda mod, inp, out, n=n: inputs.setdefault(n, []).append(
         inp[0].reshape(-1, inp[0].shape[-1]))) for n, m in linears.items()]
@@ -283,16 +287,16 @@ def awq_clip(model: nn.Module, batches, grid: int = 20, max_shrink: float = 0.5,
     ratios, chosen = 1 - torch.arange(int(max_shrink * grid)) / grid, {}
     for name, lin in linears.items():
         x = torch.cat(inputs[name]).float()
-        x = x[::max(1, len(x) // tokens)]
-        x, o = x.view(len(x), -1, group), lin.weight.shape[0]  # [t, groups, group]
-        wg = lin.weight.float().view(o, -1, group)  # [o, groups, group]
+        x, (o, i) = x[::max(1, len(x) // tokens)], lin.weight.shape
+        pad = (0, -i % group)  # zeros: a width `group` does not divide ends in a short group, as IntWeight's does
+        x, wg = F.pad(x, pad).view(len(x), -1, group), F.pad(lin.weight.float(), pad).view(o, -1, group)  # [t|o, g, group]
         ref, top, errs = torch.einsum("tgk,ogk->otg", x, wg), wg.abs().amax(-1, keepdim=True), []
         for r in ratios:
             q = IntWeight(torch.clamp(wg, -r * top, r * top).view(o, -1), 4, group).dequantize().view(o, -1, group)
             errs.append((torch.einsum("tgk,ogk->otg", x, q) - ref).pow(2).mean(1))  # [o, groups]
         chosen[name] = ratios[torch.stack(errs).argmin(0)]  # (argmin: the first of equal errors)
         t = (chosen[name][..., None] * top).to(lin.weight.dtype)
-        lin.weight.copy_(torch.clamp(lin.weight.view(o, -1, group), -t, t).view(o, -1))
+        lin.weight.copy_(torch.clamp(F.pad(lin.weight, pad).view(o, -1, group), -t, t).view(o, -1)[:, :i])
     return chosen
 
 

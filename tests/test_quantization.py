@@ -240,11 +240,14 @@ def test_awq_scales_keep_the_model_and_beat_round_to_nearest():
     assert err(w0, s) < 0.9 * err(w0, torch.ones(128, dtype=torch.float64))
 
 
-def test_awq_clip_lowers_the_output_error_and_is_the_best_on_its_grid():
+@pytest.mark.parametrize("group", [None, 96])
+def test_awq_clip_lowers_the_output_error_and_is_the_best_on_its_grid(group):
     """awq_clip on a layer with outlier weights (a few per group, as trained LLMs have): int4 of the clipped fc2 gives
     outputs closer to the unclipped full-precision fc2's on its calibration inputs than int4 of it unclipped (the same
     bits); each row's and group's chosen ratio is the one of smallest error on the grid (the plain oracle: each ratio
     tried in turn, by hand; 1e-5 relative: the sums' order); linear_qkv is left as it was (AutoAWQ skips q and k).
+    `group`: the int4 searched for and applied — None: the export's (128 here); 96, which does not divide fc2's 256
+    input features: groups of 96, 96 and 64, as IntWeight pads the last (the bench's int4 at 128 on a width of 704).
     Negative control: a ratio one grid step off the chosen one has a larger error somewhere (the grid is not flat)."""
     cfg = dict(LLAMA, hidden_size=128, ffn_hidden_size=256, num_layers=2)
     model = gpt.Model(gpt.Config(**cfg))
@@ -258,23 +261,24 @@ def test_awq_clip_lowers_the_output_error_and_is_the_best_on_its_grid():
         model(ids)
     h.remove()
     w0, qkv0 = fc2.weight.detach().clone(), qkv.weight.detach().clone()
-    chosen = Q.awq_clip(model, ids.split(4))
+    chosen, g = Q.awq_clip(model, ids.split(4), group=group), group or 128  # (g: the int4 group from here on)
     assert set(chosen) == {f"decoder.layers.{i}.{n}" for i in (0, 1) for n in ("self_attention.linear_proj",
                                                                              "mlp.linear_fc1", "mlp.linear_fc2")}
     assert torch.equal(qkv.weight, qkv0)
-    r, ref = chosen["decoder.layers.0.mlp.linear_fc2"], x["x"] @ w0.T  # [256 rows, 2 groups of 128]
-    err = lambda w: float((x["x"] @ Q.SERVING["int4"](w).dequantize().T - ref).pow(2).mean())
-    assert r.shape == (128, 2) and r.min() < 1.0 and err(fc2.weight.detach()) < 0.9 * err(w0), (err(fc2.weight), err(w0))
+    r, ref, ngroups = chosen["decoder.layers.0.mlp.linear_fc2"], x["x"] @ w0.T, -(-256 // g)  # [128 rows, groups]
+    err = lambda w: float((x["x"] @ Q.IntWeight(w, 4, g).dequantize().T - ref).pow(2).mean())
+    clipped, plain = err(fc2.weight.detach()), err(w0)
+    assert r.shape == (128, ngroups) and r.min() < 1.0 and clipped < 0.9 * plain, (clipped, plain)
     grid = (1 - torch.arange(10) / 20).tolist()  # AutoAWQ's: 20 points, shrinking to half at most (float32's values)
 
     def group_err(row, grp, ratio):  # int4 of one row's group clipped at ratio x its absmax: its outputs' error
-        w, xs = w0[row, 128 * grp:128 * (grp + 1)], x["x"][:, 128 * grp:128 * (grp + 1)]
+        w, xs = w0[row, g * grp:g * (grp + 1)], x["x"][:, g * grp:g * (grp + 1)]
         t = ratio * float(w.abs().max())
-        q = Q.IntWeight(w.clamp(-t, t)[None], 4, 128).dequantize()[0]
+        q = Q.IntWeight(w.clamp(-t, t)[None], 4, g).dequantize()[0]
         return float((xs @ q - xs @ w).pow(2).mean())
     worse = 0
     for row in range(0, 128, 8):
-        for grp in range(2):
+        for grp in range(ngroups):
             errs = [group_err(row, grp, ratio) for ratio in grid]
             k = grid.index(float(r[row, grp]))  # the chosen ratio: the smallest error (float32's summation order aside)
             assert errs[k] <= min(errs) * (1 + 1e-5), (row, grp, grid[k], errs)

@@ -3,11 +3,11 @@
 Mirrors Megatron-LM's `megatron/core/transformer/` — `attention.py`, `mlp.py`, `transformer_layer.py`,
 `transformer_block.py` — with the same parameter names and tensor layouts, so a Megatron-core checkpoint loads by
 name (fused QKV grouped per query group, SwiGLU fc1 as [gate; up]). Read it top down: the layer stack (Decoder ->
-TransformerLayer -> Attention, MLP -> Norm), then the layers' optional parts (zero-centered norms, the fused SwiGLU,
-MoE's shared expert, the KV cache), activation recomputation (section "recomputation": Decoder's full, Attention's
-selective, with the RNG replay of Megatron's `tensor_parallel/random.py` CheckpointFunction), the rotary position
-embeddings with their context-extending scalings (section "rotary position embeddings"), and T5's learned
-relative-position bias (section "relative position embeddings").
+TransformerLayer -> Attention, MLP -> Norm), then the layers' optional parts (zero-centered norms, Mamba's gated norm,
+the fused SwiGLU, MoE's shared expert, the KV cache), activation recomputation (section "recomputation": Decoder's
+full, Attention's selective, with the RNG replay of Megatron's `tensor_parallel/random.py` CheckpointFunction), the
+rotary position embeddings with their context-extending scalings (section "rotary position embeddings"), and T5's
+learned relative-position bias (section "relative position embeddings").
 Papers: Vaswani et al. 2017 (attention); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU); Ainslie et al. 2023 (GQA);
         Shoeybi et al. 2019 (Megatron-LM tensor parallelism: the column/row-parallel split of attention and MLP);
         Chen et al. 2016 and Korthikanti et al. 2022 (activation recomputation, full and selective).
@@ -261,6 +261,22 @@ class ZeroCenteredNorm(nn.Module):
         if self.layer_norm:
             return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
         return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(y·silu(z))·weight over groups of group_size channels: mamba_ssm's RMSNormGated (norm_before_gate=False),
+    the output norm of mamba.py's mixer. A group never straddles two TP ranks, so the norm is local; its weight is
+    this rank's channels' (partition_dim 0)."""
+
+    def __init__(self, d_local: int, group_size: int, eps: float, dtype=None):
+        super().__init__()
+        self.group_size, self.eps = group_size, eps
+        self.weight = P.mark(nn.Parameter(torch.empty(d_local, dtype=dtype)), ("ones",), partition_dim=0)
+
+    def forward(self, y, z):  # [..., d_local]
+        y = rearrange(y * F.silu(z), "... (g e) -> ... g e", e=self.group_size)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return rearrange(y, "... g e -> ... (g e)") * self.weight
 
 
 class SwiGLU(torch.autograd.Function):

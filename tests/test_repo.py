@@ -399,7 +399,7 @@ def test_parallel_sections_stay_short():
 # rationale lives in DESIGN.md), and train.py's loop <= 450. Files allowed over, each with its line count measured when
 # it was let through: it may not grow past it, and leaves this list once it is back under its limit.
 LINE_LIMITS = {**dict.fromkeys(["gpt", "bert", "t5", "retro", "mamba", "llava", "deepseek"], 400), "train": 450}
-LONG_FILES = {"mamba": 509, "llava": 464}
+LONG_FILES = {"llava": 464}
 
 
 def long_files(lengths: dict[str, int], allowed: dict[str, int] = LONG_FILES) -> list[str]:

@@ -2,9 +2,8 @@
 
 Mirrors Megatron-LM's megatron/core/ssm/mamba_mixer.py (MambaMixer), mamba_layer.py (MambaLayer), mlp_layer.py,
 mamba_block.py (MambaStack), mamba_hybrid_layer_allocation.py (the pattern symbols) and models/mamba/mamba_model.py,
-with the same parameter names and tensor layouts. Megatron runs the scan in CUDA/Triton kernels (mamba_ssm's
-mamba_chunk_scan_combined); here it is the chunked SSD algorithm in einsums (`ssd_chunked`), checked against the
-sequential recurrence (`ssd_sequential`, which is also the generation step), so it runs wherever torch does.
+with the same parameter names and tensor layouts; the scan is the chunked SSD algorithm in einsums (`ssd_chunked`,
+where Megatron runs kernels), checked against the recurrence (`ssd_sequential`): DESIGN.md §9, "Mamba".
 Papers: Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces"; Dao & Gu 2024, "Transformers
 are SSMs" (Mamba-2, SSD; `ssd_chunked` follows its Listing 1: state-spaces/mamba's mamba_ssm/modules/ssd_minimal.py).
 
@@ -17,8 +16,6 @@ Dimension glossary (the paper's letters in brackets)
   G groups (mamba_num_groups): heads of a group share B and C (like GQA's key/value heads); R = H/G heads per group
   k conv kernel (4)   conv_dim = d_inner + 2·G·N, the channels [x, B, C] that go through the causal conv
   c chunks of q positions (mamba_chunk_size Q); z, s index chunks / positions as sources in the einsums
-  Under TP every rank holds H/tp heads and G/tp groups: all a head needs (its x, z, dt, its group's B and C, its
-  A, D, dt_bias and norm channels) lives on one rank, so the mixer needs no communication inside.
 """
 from __future__ import annotations
 
@@ -33,26 +30,24 @@ from einops import rearrange, repeat
 from torch import nn
 
 import gpt
+import metrics
 import parallel as P
 import transformer
 from config import ConfigError
-from interop import convert
+from interop import convert, megatron_flags
 
 SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}  # and "|": a pipeline-stage boundary
 
 
 class DefaultPattern(str):
-    """The default run's --hybrid-layer-pattern (TRAIN_DEFAULTS), told apart from a typed one: it gives way when
-    --num-layers or a --hybrid-*-ratio asks for another stack (layer_pattern). It is Megatron's allocation of 7
-    layers at attention ratio 1/7 and MLP ratio 3/7."""
+    """The default run's pattern (TRAIN_DEFAULTS), told apart from a typed one: it gives way (derived_flags)."""
 
 
-# `make train MODEL=mamba`: a small hybrid, 3 Mamba + 1 attention + 3 MLP layers; Muon at 3x AdamW's rate, 350
-# iterations in 8 minutes (bench/README.md, "Levers for the other default runs")
-TRAIN_DEFAULTS = dict(hybrid_layer_pattern=DefaultPattern("M-M*-M-"), num_layers=7, hidden_size=256,
-                      num_attention_heads=8, mamba_num_groups=8, mamba_head_dim=32, mamba_state_dim=32, mamba_chunk_size=64,
-                      position_embedding_type="none", normalization="RMSNorm", train_iters=350, optimizer="muon",
-                      lr=9e-3, min_lr=9e-4)
+# `make train MODEL=mamba`: a small hybrid, 3 Mamba + 1 attention + 3 MLP layers (DESIGN.md §9, "Mamba"); Muon at 3x
+# AdamW's rate, 350 iterations in 8 minutes (bench/README.md, "Levers for the other default runs")
+TRAIN_DEFAULTS = dict(hybrid_layer_pattern=DefaultPattern("M-M*-M-"), num_layers=7, hidden_size=256, num_attention_heads=8,
+                      mamba_num_groups=8, mamba_head_dim=32, mamba_state_dim=32, mamba_chunk_size=64, normalization="RMSNorm",
+                      position_embedding_type="none", train_iters=350, optimizer="muon", lr=9e-3, min_lr=9e-4)
 
 
 def add_arguments(p):
@@ -63,9 +58,8 @@ def add_arguments(p):
     p.add_argument("--hybrid-attention-ratio", type=float, default=0.0, help="without a pattern: the share of "
                    "attention layers of --num-layers, placed as Megatron places them (mamba_hybrid_layer_allocation)")
     p.add_argument("--hybrid-mlp-ratio", type=float, default=0.0, help="the same for MLP layers")
-    for name, what in (("state-dim", "N, the SSM state size"), ("head-dim", "P"), ("num-groups", "G, heads sharing B "
-                       "and C (divides the heads)"), ("num-heads", "H (default 2·hidden / head-dim)"),
-                       ("chunk-size", "Q, the SSD scan's chunk")):
+    for name, what in (("state-dim", "N, the SSM state size"), ("head-dim", "P"), ("num-groups", "G, heads sharing B and C"),
+                       ("num-heads", "H (default 2·hidden / head-dim)"), ("chunk-size", "Q, the SSD scan's chunk")):
         p.add_argument(f"--mamba-{name}", type=int, default=None, help=what)
 
 
@@ -74,60 +68,22 @@ MEGATRON_SPECS = (("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_
 ARCH_FLAGS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
 
-def allocate(n: int, attention_ratio: float, mlp_ratio: float) -> str:
-    """Megatron's hybrid allocation (megatron/core/ssm/mamba_hybrid_layer_allocation.py, _allocate_auto) of n layers:
-    round(n·attention_ratio) attention layers spread evenly between n − that many Mamba layers (a Mamba section of
-    equal length before, between and after them), then round(n·mlp_ratio) of the Mamba layers turned into MLP layers,
-    spread evenly and right-justified. Each placement walks the layers with a budget x, one layer costing 1: a layer
-    is placed where the budget has fallen below 1/2, which then grows by the section length again.
-    tests/test_megatron_flags.py checks it against Megatron's function."""
-    layers = ["M"] * n
-    attention = round(n * attention_ratio)
-    section = (n - attention) / (attention + 1)  # Mamba layers per section
-    x = section
-    for i in range(n):
-        if x < 0.5:
-            layers[i], x = "*", x + section
-        else:
-            x -= 1
-    mlp = round(n * mlp_ratio)
-    if mlp > 0:
-        per = (n - attention - mlp) / mlp  # Mamba layers per MLP layer
-        x = per
-        for i in range(n):
-            if layers[i] == "M":
-                if x < 0.5:
-                    layers[i], x = "-", x + per
-                else:
-                    x -= 1
-    return "".join(layers)
-
-
-def layer_pattern(args) -> str | None:
-    """The run's pattern: --hybrid-layer-pattern, or with --hybrid-attention-ratio / --hybrid-mlp-ratio Megatron's
-    allocation of --num-layers layers (allocate); both given, the pattern must hold as many layers of each kind as the
-    allocation (Megatron's rule). The default run's pattern (DefaultPattern) gives way to the ratios, and to a
-    --num-layers of another length (Megatron: no ratios, all Mamba)."""
+def derived_flags(args) -> dict:
+    """The run's pattern as a plain string (what a checkpoint records): --hybrid-layer-pattern, or Megatron's allocation
+    of --num-layers layers by --hybrid-attention-ratio / --hybrid-mlp-ratio (interop/megatron_flags.py); both given,
+    they must agree (DESIGN.md §9, "Mamba"). The default run's pattern gives way to the ratios and to another length."""
     pattern, ratios = args.hybrid_layer_pattern, (args.hybrid_attention_ratio, args.hybrid_mlp_ratio)
     if not (0 <= ratios[0] <= 1 and 0 <= ratios[1] <= 1 and sum(ratios) <= 1):
         raise ConfigError(f"--hybrid-attention-ratio={ratios[0]} and --hybrid-mlp-ratio={ratios[1]} must be in [0, 1] "
                           "and sum to at most 1")
     default = isinstance(pattern, DefaultPattern)
-    if not any(ratios) and not (default and args.num_layers != len(pattern)):
-        return pattern
-    auto = allocate(args.num_layers, *ratios)
-    if pattern is None or default:
-        return auto
-    count = lambda p: {k: p.count(k) for k in SYMBOLS}
-    if count(pattern) != count(auto):
-        raise ConfigError(f"--hybrid-layer-pattern {pattern!r} has {count(pattern)} layers of each kind; the ratios "
-                          f"allocate {auto!r} ({count(auto)}): Megatron requires the same counts")
-    return pattern
-
-
-def derived_flags(args) -> dict:
-    """The pattern that runs, as a plain string (what a checkpoint records: a resumed run reads it as given)."""
-    pattern = layer_pattern(args)
+    if any(ratios) or default and args.num_layers != len(pattern):
+        auto = megatron_flags.hybrid_allocation(args.num_layers, *ratios)
+        count = lambda p: {k: p.count(k) for k in SYMBOLS}  # layers of each kind
+        if pattern is not None and not default and count(pattern) != count(auto):
+            raise ConfigError(f"--hybrid-layer-pattern {pattern!r} has {count(pattern)} layers of each kind; the ratios "
+                              f"allocate {auto!r} ({count(auto)}): Megatron requires the same counts")
+        pattern = auto if pattern is None or default else pattern
     return dict(hybrid_layer_pattern=None if pattern is None else str(pattern))
 
 
@@ -136,12 +92,9 @@ class Config(gpt.Config):
     """gpt.Config plus Megatron's Mamba fields; defaults follow Megatron's MambaModel (no positions, RMSNorm)."""
     FULL_RECOMPUTE = False  # full recomputation: its hybrid stack is its own, not transformer.Decoder's
     UNSUPPORTED: ClassVar[dict] = {
-        "context_parallel": "Mamba's scan is a recurrence along the sequence: splitting it needs the SSM state "
-                            "passed from rank to rank, which is not implemented",
-        "document_packing": "Mamba's scan carries its state from one document into the next (a recurrence has no "
-                            "block-diagonal mask)",
-        "sft_packing": "the scan's state would cross from one packed sample into the next (a recurrence has no "
-                       "block-diagonal mask)",
+        "context_parallel": "Mamba's scan is a recurrence along the sequence: its state is not passed from rank to rank",
+        "document_packing": "Mamba's scan carries its state from one document into the next (no block-diagonal mask)",
+        "sft_packing": "the scan's state would cross from one packed sample into the next (no block-diagonal mask)",
         "prefix_caching": "a cached prefix holds keys and values, not the recurrent state after it",
         **gpt.DEEPSEEK_UNSUPPORTED}
     num_layers: int | None = None  # None = the pattern's length
@@ -162,8 +115,7 @@ class Config(gpt.Config):
 
     def __post_init__(self):
         p = self.hybrid_layer_pattern if self.hybrid_layer_pattern is not None else "M" * (self.num_layers or 4)
-        bad = sorted(set(p) - set(SYMBOLS) - {"|"})
-        if bad:
+        if bad := sorted(set(p) - set(SYMBOLS) - {"|"}):
             raise ValueError(f"hybrid_layer_pattern={p!r}: unknown symbols {bad}; allowed are M (Mamba), * (attention),"
                              " - (MLP), E (MoE), | (pipeline boundary)")
         layers = p.replace("|", "")
@@ -179,10 +131,9 @@ class Config(gpt.Config):
         if "E" in layers and not self.num_experts:
             raise ValueError(f"hybrid_layer_pattern={p!r} has MoE layers (E): set num_experts")
         h, Pd, G = self.hidden_size, self.mamba_head_dim, self.mamba_num_groups
-        if self.mamba_num_heads is None:
-            if 2 * h % Pd:
-                raise ValueError(f"2·hidden_size={2 * h} is not divisible by mamba_head_dim={Pd}")
-            self.mamba_num_heads = 2 * h // Pd
+        if self.mamba_num_heads is None and 2 * h % Pd:
+            raise ValueError(f"2·hidden_size={2 * h} is not divisible by mamba_head_dim={Pd}")
+        self.mamba_num_heads = self.mamba_num_heads or 2 * h // Pd
         if self.mamba_num_heads % G:
             raise ValueError(f"mamba_num_heads={self.mamba_num_heads} is not divisible by mamba_num_groups={G} (groups "
                              f"share B and C among heads: --mamba-num-groups must divide {self.mamba_num_heads})")
@@ -193,9 +144,9 @@ class Config(gpt.Config):
 
     def tp_split_sizes(self) -> list[tuple[str, int]]:
         """What TP splits: the vocabulary and the sizes of the layer kinds the pattern uses."""
-        per_kind = {"M": ["mamba_num_heads", "mamba_num_groups"], "*": ["num_attention_heads", "num_query_groups"],
-                    "-": ["ffn_hidden_size"], "E": ["moe_ffn_hidden_size"]}
-        names = [n for kind, ns in per_kind.items() if kind in self.layer_types for n in ns]
+        kinds = {"M": ["mamba_num_heads", "mamba_num_groups"], "*": ["num_attention_heads", "num_query_groups"],
+                 "-": ["ffn_hidden_size"], "E": ["moe_ffn_hidden_size"]}
+        names = [n for kind, ns in kinds.items() if kind in self.layer_types for n in ns]
         return [("padded vocabulary", self.padded_vocab_size)] + [(n, getattr(self, n)) for n in names]
 
     def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
@@ -204,39 +155,29 @@ class Config(gpt.Config):
 
     def stage_layers(self, num_layers: int, grid, vp: int = 1, chunk: int = 0) -> tuple[int, int]:
         """(first global layer, layer count) of this rank's pipeline stage: the pattern's '|' cuts, else even."""
-        pp, rank = (grid.pp_size, grid.pp.rank) if grid is not None else (1, 0)
         if "|" not in self.hybrid_layer_pattern:
             return super().stage_layers(num_layers, grid, vp, chunk)
         if vp > 1:
             raise ValueError(f"hybrid_layer_pattern={self.hybrid_layer_pattern!r} cuts its own pipeline stages ('|'):"
                              f" virtual pipeline stages (vp={vp}) need a pattern without '|'")
-        offset, symbols = self.stages(pp)[rank]
+        offset, symbols = self.stages(grid.pp_size if grid is not None else 1)[grid.pp.rank if grid is not None else 0]
         return offset, len(symbols)
 
     def stages(self, pp: int = 1) -> list[tuple[int, str]]:
         """Each pipeline stage's (first global layer, layer symbols): cut at '|', else evenly (Megatron's MambaStack)."""
-        p, L = self.hybrid_layer_pattern, self.num_layers
-        if pp == 1:
-            parts = [self.layer_types]
-        elif "|" in p:
-            parts = p.split("|")
-            if len(parts) != pp:
-                raise ValueError(f"hybrid_layer_pattern={p!r} has {len(parts)} stages, pipeline-model-parallel size is {pp}")
-        elif L % pp:
+        p, L, cut = self.hybrid_layer_pattern, self.num_layers, pp > 1 and "|" in self.hybrid_layer_pattern
+        if cut and p.count("|") + 1 != pp:
+            raise ValueError(f"hybrid_layer_pattern={p!r} has {p.count('|') + 1} stages, pipeline-model-parallel size is {pp}")
+        if not cut and L % pp:
             raise ValueError(f"num_layers={L} is not divisible by pipeline-model-parallel size {pp}")
-        else:
-            parts = [self.layer_types[i * L // pp:(i + 1) * L // pp] for i in range(pp)]
-        offsets = [sum(len(q) for q in parts[:i]) for i in range(len(parts))]
-        return list(zip(offsets, parts))
+        parts = p.split("|") if cut else [self.layer_types[i * L // pp:(i + 1) * L // pp] for i in range(pp)]
+        return [(sum(map(len, parts[:i])), part) for i, part in enumerate(parts)]
 
 
 # ---------------------------------------------------------------------------------------------- the SSD scan
 def segsum(a):
-    """a [..., q] -> [..., q, q]: out[i, j] = a[j+1] + ... + a[i] for j <= i, and -inf above the diagonal, so that
-    exp(out[i, j]) is the decay from step j to step i (1 on the diagonal, 0 towards the future).
-
-    The naive version, cs = a.cumsum(-1); cs[..., :, None] - cs[..., None, :], subtracts two long sums that are
-    nearly equal (catastrophic cancellation). The stable one sums only the masked terms."""
+    """a [..., q] -> [..., q, q]: out[i, j] = a[j+1] + ... + a[i] for j <= i, -inf above the diagonal: exp(out[i, j]) is
+    the decay from step j to step i. Sums the masked terms, never two cumulative sums (DESIGN.md §9, "Mamba")."""
     q = a.shape[-1]
     ones = torch.ones(q, q, dtype=torch.bool, device=a.device)
     a = repeat(a, "... d -> ... e d", e=q).masked_fill(~ones.triu(1), 0)  # a[..., e, d] = a[d] where d > e, else 0
@@ -246,11 +187,9 @@ def segsum(a):
 
 def ssd_chunked(x, dt, A, B, C, chunk: int, state=None):
     """The SSD algorithm (Dao & Gu 2024, Listing 1): the scan as matmuls within chunks plus a short recurrence across.
-
     x [b, l, H, P], dt [b, l, H] (> 0, discretized), A [H] (< 0), B, C [b, l, G, N], state [b, H, P, N] or None.
     Returns y [b, l, H, P] and the final state [b, H, P, N]. Lengths that are not a multiple of `chunk` are padded
-    with dt = 0: a padded step neither decays the state (exp(0·A) = 1) nor adds to it (dt·x = 0).
-    """
+    with dt = 0: a padded step neither decays the state (exp(0·A) = 1) nor adds to it (dt·x = 0)."""
     b, l, H, _ = x.shape
     G = B.shape[2]
     pad = -l % chunk
@@ -283,8 +222,7 @@ def ssd_sequential(x, dt, A, B, C, chunk: int | None = None, state=None):
         state_t = exp(dt_t·A)·state_{t-1} + dt_t·x_t ⊗ B_t        y_t = state_t · C_t
     Same signature and result as `ssd_chunked` (`chunk` is ignored). One step of it is the generation step."""
     b, l, H, Pd = x.shape
-    R = H // B.shape[2]
-    B, C = (repeat(t, "b l g n -> b l (g r) n", r=R) for t in (B, C))
+    B, C = (repeat(t, "b l g n -> b l (g r) n", r=H // t.shape[2]) for t in (B, C))  # each head its group's [b, l, H, N]
     state = x.new_zeros(b, H, Pd, B.shape[-1]) if state is None else state
     ys = []
     for t in range(l):
@@ -295,24 +233,8 @@ def ssd_sequential(x, dt, A, B, C, chunk: int | None = None, state=None):
 
 
 # ---------------------------------------------------------------------------------------------- the mixer
-class GatedRMSNorm(nn.Module):
-    """RMSNorm(y·silu(z))·w over groups of d_inner/G channels (mamba_ssm's RMSNormGated, norm_before_gate=False).
-    A group never straddles two TP ranks, so the norm is local; its weight is sharded with the heads."""
-
-    def __init__(self, d_local: int, group_size: int, eps: float, dtype=None):
-        super().__init__()
-        self.group_size, self.eps = group_size, eps
-        self.weight = P.mark(nn.Parameter(torch.empty(d_local, dtype=dtype)), ("ones",), partition_dim=0)
-
-    def forward(self, y, z):  # [..., d_inner/tp]
-        y = rearrange(y * F.silu(z), "... (g e) -> ... g e", e=self.group_size)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return rearrange(y, "... g e -> ... (g e)") * self.weight
-
-
 class MambaMixer(nn.Module):
     """in_proj -> [z, x, B, C, dt]; causal depthwise conv + SiLU on [x, B, C]; SSD scan; + D·x; gated norm; out_proj.
-
     in_proj is column-parallel *per segment*: rank r holds [z_r, x_r, B_r, C_r, dt_r] (its heads' and groups'
     rows of each segment), conv1d the matching [x_r, B_r, C_r] channels; out_proj is row-parallel."""
 
@@ -335,39 +257,31 @@ class MambaMixer(nn.Module):
                             ("uniform", lambda u: torch.log(1 + 15 * u)), 0)  # A ~ U(1, 16)
         self.D = P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("ones",), 0)
         self.dt_bias = P.mark(nn.Parameter(torch.empty(self.H, dtype=dt_)), ("uniform", _dt_bias), 0)
-        self.norm = GatedRMSNorm(self.d, c.d_inner // c.mamba_num_groups, c.layernorm_epsilon, dt_)
+        self.norm = transformer.GatedRMSNorm(self.d, c.d_inner // c.mamba_num_groups, c.layernorm_epsilon, dt_)
         self.out_proj = P.RowParallelLinear(c.d_inner, c.hidden_size, grid, bias=False, std=c.mamba_output_std,
                                             sequence_parallel=c.sequence_parallel, dtype=dt_)
 
-    def split(self, zxbcdt):  # [..., e] -> z [..., d], xBC [..., conv_dim], dt [..., H]
-        return zxbcdt.split([self.d, self.d + 2 * self.G * self.N, self.H], dim=-1)
-
-    def ssm(self, xBC, dt, z, scan, state=None):
-        """Conv output xBC [b, l, conv_dim], raw dt [b, l, H], gate z [b, l, d] -> gated y [b, l, d], final state."""
-        x, B, C = xBC.split([self.d, self.G * self.N, self.G * self.N], dim=-1)
-        x = rearrange(x, "b l (h p) -> b l h p", p=self.Pd)
-        B, C = (rearrange(t, "b l (g n) -> b l g n", n=self.N) for t in (B, C))
-        A = -torch.exp(self.A_log)  # [H]
-        y, state = scan(x, F.softplus(dt + self.dt_bias), A, B, C, self.c.mamba_chunk_size, state=state)
-        y = y + self.D[:, None] * x  # the D skip
-        return self.norm(rearrange(y, "b l h p -> b l (h p)"), z), state
-
     def mix(self, z, xBC, dt, scan=ssd_sequential, state=None):
-        """l new positions after `state` -> gated y [b, l, d] and the state after them. z [b, l, d], xBC
-        [b, l, conv_dim], dt [b, l, H]; state = (conv [b, conv_dim, k-1] the last k-1 conv inputs, ssm [b, H, P, N]),
-        or None at the start (zeros: the causal conv's left padding, the scan's empty state)."""
-        conv = state[0] if state is not None else xBC.new_zeros(xBC.shape[0], xBC.shape[2], self.k - 1)
+        """l new positions after `state` -> gated y [b, l, d] and the state after them. z [b, l, d], xBC [b, l, conv_dim],
+        raw dt [b, l, H]; state = (conv [b, conv_dim, k-1] the last k-1 conv inputs, ssm [b, H, P, N]), or None at the
+        start (zeros: the causal conv's left padding, the scan's empty state)."""
+        conv, ssm = state if state is not None else (xBC.new_zeros(xBC.shape[0], xBC.shape[2], self.k - 1), None)
         inputs = torch.cat([conv, rearrange(xBC, "b l e -> b e l")], dim=-1)  # [b, conv_dim, k-1+l]
         # the depthwise conv as its k shifted products (torch's conv1d re-plans for each new length: slow to decode)
         w, l = self.conv1d.weight[:, 0], xBC.shape[1]  # [conv_dim, k]
         xBC = sum(inputs[..., j:j + l] * w[:, j, None] for j in range(self.k)) + self.conv1d.bias[:, None]
-        y, ssm = self.ssm(F.silu(rearrange(xBC, "b e l -> b l e")), dt, z, scan, None if state is None else state[1])
-        return y, (inputs[..., inputs.shape[-1] - (self.k - 1):], ssm)
+        x, B, C = F.silu(rearrange(xBC, "b e l -> b l e")).split([self.d, self.G * self.N, self.G * self.N], dim=-1)
+        x = rearrange(x, "b l (h p) -> b l h p", p=self.Pd)
+        B, C = (rearrange(t, "b l (g n) -> b l g n", n=self.N) for t in (B, C))
+        A = -torch.exp(self.A_log)  # [H]
+        y, ssm = scan(x, F.softplus(dt + self.dt_bias), A, B, C, self.c.mamba_chunk_size, state=ssm)
+        y = y + self.D[:, None] * x  # the D skip
+        return self.norm(rearrange(y, "b l h p -> b l (h p)"), z), (inputs[..., inputs.shape[-1] - (self.k - 1):], ssm)
 
     def forward(self, hidden, inference_context=None):  # [s(/tp), b, h] -> [s(/tp), b, h]
-        """inference_context (decoding, serving): its `recurrent` runs `mix` from each sequence's held state and
-        keeps the state after (transformer.InferenceContext: one state per batch row; serving/engine.py: one per request)."""
-        z, xBC, dt = self.split(rearrange(self.in_proj(hidden), "s b e -> b s e"))  # all-gathers s under SP
+        """inference_context (decoding, serving): its `recurrent` runs `mix` from each sequence's held state."""
+        zxbcdt = rearrange(self.in_proj(hidden), "s b e -> b s e")  # all-gathers s under SP
+        z, xBC, dt = zxbcdt.split([self.d, self.d + 2 * self.G * self.N, self.H], dim=-1)  # [b, s, d | conv_dim | H]
         chunked = self.c.mamba_scan == "chunked" and xBC.shape[1] > 1  # one position: the recurrence's step
         mix = functools.partial(self.mix, scan=ssd_chunked if chunked else ssd_sequential)
         y = mix(z, xBC, dt)[0] if inference_context is None else inference_context.recurrent(self, mix, z, xBC, dt)
@@ -395,15 +309,12 @@ class Layer(nn.Module):
         self.symbol, self.c, self.rng = symbol, c, rng
         norm, f = self.NAMES[symbol]
         setattr(self, norm, transformer.Norm(c))
-        setattr(self, f, {"M": lambda: MambaMixer(c, grid), "*": lambda: transformer.Attention(c, grid, rng=rng),
-                          "-": lambda: transformer.MLP(c, grid),
-                          "E": lambda: transformer.moe_layer(c, grid)}[symbol]())
-
-    def parts(self):
-        return (getattr(self, n) for n in self.NAMES[self.symbol])
+        make = {"M": MambaMixer, "*": functools.partial(transformer.Attention, rng=rng), "-": transformer.MLP,
+                "E": transformer.moe_layer}
+        setattr(self, f, make[symbol](c, grid))
 
     def forward(self, x, rope=None, mask=None, inference_context=None):  # [s(/tp), b, h]
-        norm, f = self.parts()
+        norm, f = (getattr(self, n) for n in self.NAMES[self.symbol])
         ctx = dict(inference_context=inference_context) if self.symbol in "*M" else {}  # KV cache, recurrent states
         y = f(norm(x), rope=rope, mask=mask, **ctx) if self.symbol == "*" else f(norm(x), **ctx)
         return x + P.dropout(y, self.c.hidden_dropout, self.training, self.rng, sharded=self.c.sequence_parallel)
@@ -424,10 +335,8 @@ class Stack(nn.Module):
 
 
 class Model(gpt.Model):
-    """Megatron's MambaModel: gpt.Model's embedding, output layer, loss, global names and forward around the hybrid
-    Stack. forward(input_ids [b, s], labels=None) -> logits [b, s, vocab_size] or per-token loss [b, s].
-
-    A pipeline stage's layers: `layer_offset`/`num_layers` (Config.stage_layers places them: the pattern's '|')."""
+    """Megatron's MambaModel: gpt.Model around the hybrid Stack (this stage's layers: Config.stage_layers places them).
+    forward(input_ids [b, s], labels=None) -> logits [b, s, vocab_size] or per-token loss [b, s]."""
 
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
         return Stack(c, grid, self.rng, c.layer_types[layer_offset:layer_offset + num_layers], self.post_process)
@@ -444,54 +353,35 @@ class Model(gpt.Model):
 @torch.no_grad()
 def generate(model: Model, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              eod: int | list[int] | None = None):
-    """Sample `max_new_tokens` after `ids` [b, s] with the recurrent step: O(1) work per token for Mamba layers."""
-    was_training, cache = model.training, {}
-    model.eval()
-    for t in range(ids.shape[1] - 1):  # the prompt, position by position (states only)
-        model.step(ids[:, t], cache)
-    model.train(was_training)
-    return gpt.generate(model, ids, max_new_tokens, temperature, top_k, eod,
-                        next_logits=lambda ids: model.step(ids[:, -1], cache))
+    """gpt.generate with the recurrent step: each position (the prompt's too) enters once, O(1) work per token."""
+    cache = {}
+
+    def next_logits(ids):  # ids [b, t]: the positions the states have not seen, one step each -> the last logits [b, V]
+        seen = cache["kv"].sequence_len_offset if cache else 0
+        return [model.step(ids[:, t], cache) for t in range(seen, ids.shape[1])][-1]
+    return gpt.generate(model, ids, max_new_tokens, temperature, top_k, eod, next_logits=next_logits)
+
+
+sample = functools.partial(gpt.sample, generate=generate)  # tools.py sample: gpt's, with the recurrent step
+sample_ids = functools.partial(gpt.sample_ids, generate=generate)  # tools.py sample --chat: gpt's, the same way
 
 
 def flops(c: Config, B: int, s: int) -> float:
-    """Megatron's hybrid_flops (megatron/training/training.py): per layer symbol of the pattern, forward x 3; the
-    Mamba width d_in is the config's H·P, MTP adds only each depth's logit layer (DESIGN.md §6)."""
-    h, t = c.hidden_size, c.layer_types
-    d_in, H, G, N = c.d_inner, c.mamba_num_heads, c.mamba_num_groups, c.mamba_state_dim
-    mamba = (2 * B * s * h * (2 * d_in + 2 * G * N + H)  # in_proj: h -> [z, x, B, C, dt]
-             + 7 * B * s * d_in * N  # the scan (Megatron's estimate of the SSD kernels)
-             + 2 * B * s * d_in * h)  # out_proj
-    q = c.kv_channels * c.num_attention_heads
-    attn = 4 * B * s * q * (h + h * c.num_query_groups / c.num_attention_heads + s / 2)  # QKV, proj, causal core
-    swiglu = 1.5 if c.gated_linear_unit else 1.0
-    mlp = 4 * B * s * h * c.ffn_hidden_size * swiglu
-    moe = 0.0
-    if "E" in t:
-        moe = 4 * B * s * h * (c.moe_ffn_hidden_size * c.moe_router_topk
-                               + (c.moe_shared_expert_intermediate_size or 0)) * swiglu
-    fwd = (t.count("M") * mamba + t.count("*") * attn + t.count("-") * mlp + t.count("E") * moe
-           + 2 * B * s * h * c.padded_vocab_size * (1 + (c.mtp_num_layers or 0)))  # the logit layer, one per depth
-    return 3 * fwd
-
-
-def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50
-           ) -> str:
-    """tools.py sample: gpt.sample with the recurrent step (generate above)."""
-    return gpt.sample(model, tok, prompt, max_new_tokens, temperature, top_k, generate=generate)
-
-
-def sample_ids(model: Model, tok, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-               top_k: int | None = 50, stop: list[int] | None = None) -> list[int]:
-    """tools.py sample --chat: gpt.sample_ids with the recurrent step."""
-    return gpt.sample_ids(model, tok, ids, max_new_tokens, temperature, top_k, generate=generate, stop=stop)
+    """Megatron's hybrid_flops (megatron/training/training.py), per layer symbol of the pattern (attention, MLP and MoE:
+    metrics.py's), forward x 3; d_in is the config's H·P; MTP adds each depth's logit layer only (DESIGN.md §6)."""
+    h, d_in, H, G, N = c.hidden_size, c.d_inner, c.mamba_num_heads, c.mamba_num_groups, c.mamba_state_dim
+    per_token = {"M": 2 * h * (2 * d_in + 2 * G * N + H)  # in_proj: h -> [z, x, B, C, dt]
+                 + 7 * d_in * N  # the scan (Megatron's estimate of the SSD kernels)
+                 + 2 * d_in * h,  # out_proj
+                 "*": 2 * metrics.self_attention_flops(c, s, causal=True, mla=False),
+                 "-": 2 * metrics.mlp_flops(c, moe=False), "E": 2 * metrics.mlp_flops(c, moe=True)}
+    logits = 2 * h * c.padded_vocab_size * (1 + (c.mtp_num_layers or 0))  # the logit layer, one per depth
+    return 3 * B * s * (sum(per_token[k] for k in c.layer_types) + logits)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
 def hf_to_ours(src, Config, dtype=None) -> tuple:
-    """(Config, full state dict) of a `transformers` Mamba2ForCausalLM (logits match its torch path). HF's names and
-    layouts are Megatron's ([z, x, B, C, dt] in_proj, [x, B, C] conv): a rename. Megatron's mixer has no in/out_proj
-    bias, a conv bias, SiLU and no dt limit: anything else is refused by name."""
+    """(Config, full state dict) of a `transformers` Mamba2ForCausalLM, renamed (logits match its torch path; DESIGN.md §9)."""
     convert.refuse("mamba.from_hf", convert.unlike(src.config, dict(model_type="mamba2", use_bias=False, use_conv_bias=True,
                                                                     hidden_act="silu", time_step_limit=(0, math.inf))))
     c = convert.config_from(Config, src, dtype, dict(

@@ -5,16 +5,10 @@ Mirrors Megatron-LM's `megatron/core/models/T5/t5_model.py` and `t5_spec.py` (pa
 `encoder.layers.{i}`, `decoder.layers.{i}.pre_cross_attn_layernorm`, `.cross_attention.linear_q/linear_kv`,
 `lm_head.output_layer`), `models/common/embeddings/relative_pos_embedding.py` (`encoder_relative_pos_emb`,
 `decoder_relative_pos_emb`), and Hugging Face's `T5ForConditionalGeneration` (loaded by `from_hf`; a Megatron-core
-T5Model by `from_megatron`).
+T5Model by `from_megatron`). One Config holds Google's T5 and Megatron's: DESIGN.md §9, "T5".
 Paper:  Raffel et al. 2019, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer".
 
 Run:    make train MODEL=t5        (or: .venv/bin/python train.py --model t5 ...; see README)
-
-Two T5s in one Config:
-  Google's / Hugging Face's: position_embedding_type="relative", normalization="RMSNorm" (no bias, eps 1e-6),
-      softmax_scale=1.0 (no 1/sqrt(d)), activation "relu" or gated "gelu_tanh", add_bias_linear=False,
-      scale_decoder_outputs=True (decoder output x h^-0.5 before the tied lm_head), lm_head_bias=False;
-  Megatron's: LayerNorm with bias, scaled attention, GeLU, biases, a tied lm_head with a bias.
 
 Dimension glossary (on top of gpt.py's b, h, n, d, V)
   se encoder length (se/tp under sequence parallelism)   sd decoder length (sd/tp under SP)
@@ -23,14 +17,12 @@ Dimension glossary (on top of gpt.py's b, h, n, d, V)
 from __future__ import annotations
 
 import argparse
-import math
 import zlib
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
-from einops import rearrange
 from torch import nn
 
 import data
@@ -79,12 +71,10 @@ class Config(gpt.Config):
         sd = self.decoder_seq_length
         if sd is not None and self.position_embedding_type == "learned_absolute" and sd > self.max_position_embeddings:
             raise ValueError(f"decoder_seq_length={sd} > max_position_embeddings={self.max_position_embeddings}")
-        f = self.moe_layer_freq  # each stack numbers its layers from 0 (Megatron: two TransformerBlocks)
-        if self.num_experts and isinstance(f, (list, tuple)) and len(f) < max(self.encoder_num_layers,
-                                                                              self.decoder_num_layers):
+        f, L = self.moe_layer_freq, max(self.encoder_num_layers, self.decoder_num_layers)  # each stack counts from 0
+        if self.num_experts and isinstance(f, (list, tuple)) and len(f) < L:
             raise ValueError(f"moe_layer_freq has {len(f)} entries for encoder_num_layers={self.encoder_num_layers}, "
                              f"decoder_num_layers={self.decoder_num_layers}")
-
 
     def check_layout(self, tp: int = 1, pp: int = 1, ep: int = 1):
         super().check_layout(tp, pp, ep)
@@ -94,70 +84,18 @@ class Config(gpt.Config):
                              f"divisible by tensor-model-parallel size {tp}")
 
 
-# ---------------------------------------------------------------------------------------------- relative positions
-def relative_position_bucket(rel, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
-    """rel = key − query (an integer tensor) -> bucket in [0, num_buckets) (DESIGN.md §4, Mesh TensorFlow's T5).
-
-    Bidirectional (encoder): half the buckets for keys after the query, half for keys before. Causal (decoder):
-    only keys at or before the query count (rel > 0 -> bucket 0, masked anyway). Of each half, the first max_exact
-    buckets hold one distance each, the rest are logarithmic up to max_distance; farther shares the last bucket.
-    Computed in float32 like Hugging Face and Megatron, so the buckets (and loaded checkpoints) agree exactly."""
-    bucket = torch.zeros_like(rel)
-    if bidirectional:
-        num_buckets //= 2
-        bucket = bucket + (rel > 0).long() * num_buckets
-        rel = rel.abs()
-    else:
-        rel = -rel.clamp(max=0)
-    max_exact = num_buckets // 2
-    large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
-                         * (num_buckets - max_exact)).long()
-    return bucket + torch.where(rel < max_exact, rel, large.clamp(max=num_buckets - 1))
-
-
-class RelativePositionEmbedding(nn.Module):
-    """One stack's learned bias table [B, n], heads sharded over TP (partition_dim 1): each rank looks up only the
-    bias of its own heads, so no communication is needed and the table's gradient on each rank is complete."""
-
-    def __init__(self, c: Config, grid, bidirectional: bool):
-        super().__init__()
-        tp = grid.tp_size if grid is not None else 1
-        self.bidirectional, self.B, self.max_distance = bidirectional, c.relative_attention_num_buckets, \
-            c.relative_attention_max_distance
-        self.relative_attention_bias = nn.Embedding(self.B, c.num_attention_heads // tp, dtype=c.params_dtype)
-        P.mark(self.relative_attention_bias.weight, ("normal", c.init_method_std), partition_dim=1)
-
-    def forward(self, sq: int, sk: int):  # -> [1, n/tp, sq, sk]
-        dev = self.relative_attention_bias.weight.device
-        rel = torch.arange(sk, device=dev)[None, :] - torch.arange(sq, device=dev)[:, None]  # [sq, sk] key − query
-        bucket = relative_position_bucket(rel, self.bidirectional, self.B, self.max_distance)
-        # contiguous once here: every layer adds it to its [b, n, sq, sk] scores, 5× faster than through the view
-        return rearrange(self.relative_attention_bias(bucket), "q k n -> 1 n q k").contiguous()
-
-
-def attention_mask(keys, sq: int, causal: bool, bias=None):
-    """What transformer.Attention takes. keys: [b, sk] with 1 = a token, 0 = padding (or None = no padding).
-    Without a bias: None or bool [b|1, 1, sq, sk] (True = attend); with a bias [1, n/tp, sq, sk]: the bias with the
-    masked entries at the dtype's minimum (not −inf, so a fully masked row cannot make NaNs)."""
-    keep = None if keys is None else keys.bool()[:, None, None, :]  # [b, 1, 1, sk]
-    if causal:
-        sk = sq if keys is None else keys.shape[1]
-        dev = bias.device if keys is None and bias is not None else (keys.device if keys is not None else None)
-        tri = torch.ones(sq, sk, dtype=torch.bool, device=dev).tril()  # [sq, sk]
-        keep = tri if keep is None else keep & tri
-    if bias is None:
-        return keep if keep is None or keep.ndim == 4 else keep[None, None]
-    return bias if keep is None else bias.masked_fill(~keep, torch.finfo(bias.dtype).min)
-
-
 # ---------------------------------------------------------------------------------------------- the model
-class LMHead(nn.Module):  # Megatron's T5LMHead: the output layer, with a bias when tied
-    def __init__(self, c: Config, grid):
-        super().__init__()
-        self.output_layer = P.ColumnParallelLinear(c.hidden_size, c.padded_vocab_size, grid, bias=c.lm_head_bias,
-                                                   std=c.init_method_std, sequence_parallel=c.sequence_parallel,
-                                                   dtype=c.params_dtype,
-                                                   skip_weight=c.share_embeddings_and_output_weights)
+def attention_mask(ids, keys=None, causal: bool = False, bias=None):
+    """The self-attention mask of ids [b, s] as transformer.Attention takes it: bool [b|1, 1, s|1, s] (True = attend)
+    or, with a relative-position bias [1, n/tp, s, s], the bias with the masked entries at the dtype's minimum (not
+    −inf: a fully masked row makes no NaNs). keys [b, s]: 1 = a token, 0 = padding (None: every key)."""
+    s = ids.shape[1]
+    keep = torch.ones(1, 1, s if causal else 1, s, dtype=torch.bool, device=ids.device)  # [1, 1, s|1, s]
+    if keys is not None:
+        keep = keep & keys.bool()[:, None, None, :]  # [b, 1, s|1, s]
+    if causal:
+        keep = keep.tril()
+    return keep if bias is None else bias.masked_fill(~keep, torch.finfo(bias.dtype).min)
 
 
 class Model(gpt.Model):
@@ -168,48 +106,41 @@ class Model(gpt.Model):
     gpt.Model's skeleton with two stacks (and their relative-position tables) for one, and the lm_head."""
 
     def build_decoder(self, c: Config, grid, layer_offset: int, num_layers: int) -> nn.Module:
-        if c.position_embedding_type == "relative":
-            self.encoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=True)
-            self.decoder_relative_pos_emb = RelativePositionEmbedding(c, grid, bidirectional=False)
+        if c.position_embedding_type == "relative":  # transformer.py's, as Megatron's are its common embeddings
+            self.encoder_relative_pos_emb = transformer.RelativePositionEmbedding(c, grid, bidirectional=True)
+            self.decoder_relative_pos_emb = transformer.RelativePositionEmbedding(c, grid, bidirectional=False)
         self.encoder = transformer.Decoder(c, grid, self.rng, c.encoder_num_layers, post_process=True)
         return transformer.Decoder(c, grid, self.rng, c.decoder_num_layers, post_process=True, cross=True)
 
-    def build_output_layer(self, c: Config, grid):
-        self.lm_head = LMHead(c, grid)
+    def build_output_layer(self, c: Config, grid):  # Megatron's T5LMHead: the output layer, with a bias when tied
+        self.lm_head = nn.ModuleDict(dict(output_layer=P.ColumnParallelLinear(
+            c.hidden_size, c.padded_vocab_size, grid, bias=c.lm_head_bias, std=c.init_method_std, dtype=c.params_dtype,
+            sequence_parallel=c.sequence_parallel, skip_weight=c.share_embeddings_and_output_weights)))
 
-    def embedding_and_output_weights(self) -> list:  # the output layer is lm_head's (Megatron's T5 too)
-        w = self.lm_head.output_layer.weight if hasattr(self, "lm_head") else None
-        return super().embedding_and_output_weights() + ([w] if w is not None else [])
+    @property
+    def output_layer(self):  # what gpt.Model's logits and embedding_and_output_weights read
+        return self.lm_head.output_layer
 
     def logits(self, x):  # decoder output [sd(/tp), b, h] -> [sd, b, V/tp]
-        c = self.config
-        if c.scale_decoder_outputs:
-            x = x * c.hidden_size ** -0.5
-        w = self.embedding.word_embeddings.weight if c.share_embeddings_and_output_weights else None
-        return self.lm_head.output_layer(x, weight=w)
+        return super().logits(x * self.config.hidden_size ** -0.5 if self.config.scale_decoder_outputs else x)
 
-    def _embed(self, ids, stack: str):  # ids [b, s] -> x [s(/tp), b, h], self-attention bias (or None), rope
+    def _embed(self, ids, keys, stack: str):  # ids [b, s] -> x [s(/tp), b, h], its self-attention mask, rope
         self.check_input(ids, stack)
         s, relative = ids.shape[1], self.config.position_embedding_type == "relative"
         bias = getattr(self, f"{stack}_relative_pos_emb")(s, s) if relative else None
-        return self.embedding(ids), bias, self.rope(s, ids.device)
+        return self.embedding(ids), attention_mask(ids, keys, stack == "decoder", bias), self.rope(s, ids.device)
 
     def encode(self, encoder_input_ids, encoder_attn_mask=None):
         """[b, se] -> the encoder output [se(/tp), b, h] (bidirectional; padding keys masked)."""
-        x, bias, rope = self._embed(encoder_input_ids, "encoder")
-        mask = attention_mask(encoder_attn_mask, se := encoder_input_ids.shape[1], False, bias)
-        if mask is None:  # every key: a mask all the same, as transformer.py's layers are causal without one
-            mask = torch.ones(1, 1, 1, se, dtype=torch.bool, device=encoder_input_ids.device)
-        return self.encoder(x, rope=rope, mask=mask)
+        x, mask, rope = self._embed(encoder_input_ids, encoder_attn_mask, "encoder")
+        return self.encoder(x, rope=rope, mask=mask)  # never without a mask: transformer.py's layers are causal then
 
     def forward(self, encoder_input_ids, decoder_input_ids, encoder_attn_mask=None, decoder_attn_mask=None,
                 lm_labels=None, encoder_hidden_states=None):
         if encoder_hidden_states is None:
             encoder_hidden_states = self.encode(encoder_input_ids, encoder_attn_mask)
-        x, bias, rope = self._embed(decoder_input_ids, "decoder")  # x [sd(/tp), b, h]
-        sd = decoder_input_ids.shape[1]
-        mask = attention_mask(decoder_attn_mask, sd, True, bias)  # never None: causal
-        context_mask = attention_mask(encoder_attn_mask, sd, False)  # [b, 1, 1, se] or None
+        x, mask, rope = self._embed(decoder_input_ids, decoder_attn_mask, "decoder")  # x [sd(/tp), b, h]
+        context_mask = None if encoder_attn_mask is None else encoder_attn_mask.bool()[:, None, None, :]  # [b, 1, 1, se]
         x = self.decoder(x, rope=rope, mask=mask, context=encoder_hidden_states, context_mask=context_mask)
         return self.postprocess(x, lm_labels)
 
@@ -229,6 +160,20 @@ def generate(model: Model, encoder_input_ids, max_new_tokens: int, bos: int, eos
 
     dec = torch.full((encoder_input_ids.shape[0], 1), bos, dtype=torch.long, device=encoder_input_ids.device)
     return gpt.generate(model, dec, max_new_tokens, temperature, top_k, eod=eos, next_logits=next_logits)[:, 1:]
+
+
+def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None
+           ) -> str:
+    """tools.py sample for T5: the prompt, then one masked span (<extra_id_0>), then more of it if the prompt holds
+    "<extra_id_0>" itself; decode what the sentinels hide (greedy at temperature 0). Returns the prompt with the
+    decoded spans shown."""
+    sp = tokenizer_files.special_ids(tok)
+    ids = tok.encode(prompt).ids
+    if sp["sentinels"][0] not in ids:
+        ids = ids + [sp["sentinels"][0]]
+    out = generate(model, torch.tensor([ids + [sp["eod"]]]), max_new_tokens, bos=sp["cls"], eos=sp["eod"],
+                   temperature=temperature, top_k=top_k)
+    return f"{prompt}\n--- decoded spans ---\n{tok.decode(out[0].tolist(), skip_special_tokens=False)}"
 
 
 # ---------------------------------------------------------------------------------------------- span corruption
@@ -251,20 +196,6 @@ def random_spans_noise_mask(length: int, rng: np.random.Generator, noise_density
 
     runs = np.stack([segment(length - num_noise, num_spans), segment(num_noise, num_spans)], 1).reshape(-1)
     return np.repeat(np.tile([False, True], num_spans), runs)
-
-
-def sample(model: Model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None
-           ) -> str:
-    """tools.py sample for T5: the prompt, then one masked span (<extra_id_0>), then more of it if the prompt holds
-    "<extra_id_0>" itself; decode what the sentinels hide (greedy at temperature 0). Returns the prompt with the
-    decoded spans shown."""
-    sp = tokenizer_files.special_ids(tok)
-    ids = tok.encode(prompt).ids
-    if sp["sentinels"][0] not in ids:
-        ids = ids + [sp["sentinels"][0]]
-    out = generate(model, torch.tensor([ids + [sp["eod"]]]), max_new_tokens, bos=sp["cls"], eos=sp["eod"],
-                   temperature=temperature, top_k=top_k)
-    return f"{prompt}\n--- decoded spans ---\n{tok.decode(out[0].tolist(), skip_special_tokens=False)}"
 
 
 def span_corruption(tokens, sentinels, bos: int, eos: int, pad: int, seed: int, encoder_seq_length: int,
@@ -314,9 +245,7 @@ TRAIN_DEFAULTS = dict(position_embedding_type="relative", train_iters=400, optim
 
 
 def add_arguments(p):
-    """Megatron's T5 flags (pretrain_t5.py's). Megatron's --encoder-num-layers and --encoder-seq-length are its
-    --num-layers and --seq-length for T5 (it refuses both spellings at once, as here); Megatron 0.15.3 builds the
-    decoder with --num-layers' depth whatever --decoder-num-layers says, here the decoder has that many layers."""
+    """Megatron's T5 flags (pretrain_t5.py's; how they map to --num-layers and --seq-length: DESIGN.md §9, "T5")."""
     p.add_argument("--encoder-num-layers", dest="num_layers", type=int, default=argparse.SUPPRESS,
                    help="the encoder's depth: --num-layers (also the decoder's, unless --decoder-num-layers)")
     p.add_argument("--decoder-num-layers", type=int, default=None, help="the decoder's depth (default: --num-layers)")
@@ -332,9 +261,8 @@ ARCH_FLAGS = ("decoder_num_layers",)  # the decoder's depth shapes the weights (
 
 
 def target_length(args) -> int:
-    """The decoder length of a run: --decoder-seq-length, or decoder_length(--seq-length). One that cannot hold the
-    targets span corruption makes of rows of --seq-length + 1 tokens is refused, as are too few sentinels for its
-    spans (ConfigError, before anything is built)."""
+    """The decoder length of a run: --decoder-seq-length, or decoder_length(--seq-length). ConfigError, before
+    anything is built, when it cannot hold the targets of rows of --seq-length + 1 tokens, or sentinels are short."""
     _, spans, _, need = corrupted_lengths(args.seq_length + 1)
     sd = getattr(args, "decoder_seq_length", None) or decoder_length(args.seq_length)
     if sd < need:
@@ -347,8 +275,12 @@ def target_length(args) -> int:
     return sd
 
 
-def config_fields(args, tok) -> dict:
-    """The decoder length the data recipe pads to (target_length), for the FLOPs and the layout checks."""
+def decoder_length(seq: int) -> int:
+    """The decoder length of rows of seq + 1 raw tokens: the targets' length, rounded up to a multiple of 8."""
+    return -(-corrupted_lengths(seq + 1)[3] // 8) * 8
+
+
+def config_fields(args, tok) -> dict:  # the decoder length the data pads to, for the FLOPs and the layout checks
     return dict(decoder_seq_length=target_length(args))
 
 
@@ -389,17 +321,9 @@ def batch_recipe(batch, args=None, corpus=None):
     return (lambda model, mb: t5_loss(model, unpack(mb)).float()), int(unpack(batch)["loss_mask"].sum())
 
 
-def decoder_length(seq: int) -> int:
-    """The decoder length SpanCorruptionDataset gives rows of seq + 1 raw tokens: the targets' length, rounded up to a
-    multiple of 8."""
-    return -(-corrupted_lengths(seq + 1)[3] // 8) * 8
-
-
 def flops(c: Config, B: int, se: int, sd: int | None = None) -> float:
-    """Model FLOPs of one iteration on B samples: our count, not Megatron's GPT formula (DESIGN.md §6): the encoder
-    on B·se tokens (full se x se attention), the decoder on B·sd (sd: the Config's decoder_seq_length, else
-    decoder_length(se)) with its cross-attention over se keys, linear_kv on the B·se encoder outputs, the logit layer
-    on B·sd; each stack numbers its MoE layers from 0. metrics.py's conventions (x 2 x 3)."""
+    """Model FLOPs of one iteration on B samples, encoder on B·se tokens, decoder on B·sd (the Config's
+    decoder_seq_length, else decoder_length(se)): our count, DESIGN.md §6; metrics.py's conventions (x 2 x 3)."""
     sd = sd or c.decoder_seq_length or decoder_length(se)
     h, n, g, d = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels
     enc = sum(metrics.self_attention_flops(c, se, causal=False, mla=False) + metrics.mlp_flops(c, c.is_moe_layer(i))
@@ -413,10 +337,9 @@ def flops(c: Config, B: int, se: int, sd: int | None = None) -> float:
 
 # ---------------------------------------------------------------------------------------------- checkpoints (interop/convert.py)
 def from_megatron(state_dict: dict, config: Config, grid=None) -> Model:
-    """A Model with the weights of a Megatron-core T5Model, from its full state dict. Names and layouts are
-    Megatron's (cross-attention linear_kv per head [k; v], relative_attention_bias [B, n]); its second names for
-    embedding.position_embeddings and lm_head.output_layer (top-level `position_embeddings.*`, `output_layer.*`)
-    are dropped."""
+    """A Model with the weights of a Megatron-core T5Model, from its full state dict: our names and layouts are its
+    own; its second names for the position embeddings and the lm_head (top-level `position_embeddings.*`,
+    `output_layer.*`) are dropped."""
     alias = ("position_embeddings.", "output_layer.")
     full = convert.megatron_state(state_dict, config, lambda k: None if k.startswith(alias) else k)
     return convert.load(Model(config, grid), full)

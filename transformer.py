@@ -3,10 +3,11 @@
 Mirrors Megatron-LM's `megatron/core/transformer/` — `attention.py`, `mlp.py`, `transformer_layer.py`,
 `transformer_block.py` — with the same parameter names and tensor layouts, so a Megatron-core checkpoint loads by
 name (fused QKV grouped per query group, SwiGLU fc1 as [gate; up]). Read it top down: the layer stack (Decoder ->
-TransformerLayer -> Attention, MLP -> Norm), then the layers' optional parts (zero-centered norms, the fused SwiGLU,
-MoE's shared expert, the KV cache), activation recomputation (section "recomputation": Decoder's full, Attention's
-selective, with the RNG replay of Megatron's `tensor_parallel/random.py` CheckpointFunction), and the rotary position
-embeddings with their context-extending scalings (section "rotary position embeddings").
+TransformerLayer -> Attention, MLP -> Norm), then the layers' optional parts (zero-centered norms, Mamba's gated norm,
+the fused SwiGLU, MoE's shared expert, the KV cache), activation recomputation (section "recomputation": Decoder's
+full, Attention's selective, with the RNG replay of Megatron's `tensor_parallel/random.py` CheckpointFunction), the
+rotary position embeddings with their context-extending scalings (section "rotary position embeddings"), and T5's
+learned relative-position bias (section "relative position embeddings").
 Papers: Vaswani et al. 2017 (attention); Touvron et al. 2023 (Llama: RMSNorm, SwiGLU); Ainslie et al. 2023 (GQA);
         Shoeybi et al. 2019 (Megatron-LM tensor parallelism: the column/row-parallel split of attention and MLP);
         Chen et al. 2016 and Korthikanti et al. 2022 (activation recomputation, full and selective).
@@ -260,6 +261,22 @@ class ZeroCenteredNorm(nn.Module):
         if self.layer_norm:
             return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
         return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(y·silu(z))·weight over groups of group_size channels: mamba_ssm's RMSNormGated (norm_before_gate=False),
+    the output norm of mamba.py's mixer. A group never straddles two TP ranks, so the norm is local; its weight is
+    this rank's channels' (partition_dim 0)."""
+
+    def __init__(self, d_local: int, group_size: int, eps: float, dtype=None):
+        super().__init__()
+        self.group_size, self.eps = group_size, eps
+        self.weight = P.mark(nn.Parameter(torch.empty(d_local, dtype=dtype)), ("ones",), partition_dim=0)
+
+    def forward(self, y, z):  # [..., d_local]
+        y = rearrange(y * F.silu(z), "... (g e) -> ... g e", e=self.group_size)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return rearrange(y, "... g e -> ... (g e)") * self.weight
 
 
 class SwiGLU(torch.autograd.Function):
@@ -527,3 +544,46 @@ def rope_for(c, s: int, device=None, d: int | None = None):
         return None
     cos, sin, mscale = rope_cos_sin_mscale(c, s, d, device=device)
     return (cos, sin) if mscale == 1.0 else (cos * mscale, sin * mscale)
+
+
+# ==================================================================================== relative position embeddings
+# T5's learned relative-position bias (position_embedding_type "relative"): one table per stack, added to every layer's
+# attention scores. Mirrors Megatron-LM's `megatron/core/models/common/embeddings/relative_pos_embedding.py` (beside
+# the rotary one, as here); the bucket table: DESIGN.md §4, "T5 relative position buckets".
+# Paper: Raffel et al. 2019 (T5).
+
+
+def relative_position_bucket(rel, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
+    """rel = key − query (an integer tensor) -> bucket in [0, num_buckets): Mesh TensorFlow's T5 buckets, one per
+    near distance, then logarithmic up to max_distance, in float32 like Hugging Face and Megatron."""
+    bucket = torch.zeros_like(rel)
+    if bidirectional:  # an encoder: half the buckets for keys after the query, half for keys before
+        num_buckets //= 2
+        bucket = bucket + (rel > 0).long() * num_buckets
+        rel = rel.abs()
+    else:  # a decoder: keys at or before the query (later ones get bucket 0, masked anyway)
+        rel = -rel.clamp(max=0)
+    max_exact = num_buckets // 2
+    large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).long()
+    return bucket + torch.where(rel < max_exact, rel, large.clamp(max=num_buckets - 1))
+
+
+class RelativePositionEmbedding(nn.Module):
+    """A stack's learned bias table [B buckets, n heads], heads sharded over TP (partition_dim 1): each rank looks up
+    only the bias of its own heads, so no communication is needed and the table's gradient on each rank is complete."""
+
+    def __init__(self, c, grid, bidirectional: bool):
+        super().__init__()
+        tp = grid.tp_size if grid is not None else 1
+        self.bidirectional, self.B = bidirectional, c.relative_attention_num_buckets
+        self.max_distance = c.relative_attention_max_distance
+        self.relative_attention_bias = nn.Embedding(self.B, c.num_attention_heads // tp, dtype=c.params_dtype)
+        P.mark(self.relative_attention_bias.weight, ("normal", c.init_method_std), partition_dim=1)
+
+    def forward(self, sq: int, sk: int):  # -> [1, n/tp, sq, sk]
+        dev = self.relative_attention_bias.weight.device
+        rel = torch.arange(sk, device=dev)[None, :] - torch.arange(sq, device=dev)[:, None]  # [sq, sk] key − query
+        bucket = relative_position_bucket(rel, self.bidirectional, self.B, self.max_distance)
+        # contiguous once here: every layer adds it to its [b, n, sq, sk] scores, 5× faster than through the view
+        return rearrange(self.relative_attention_bias(bucket), "q k n -> 1 n q k").contiguous()

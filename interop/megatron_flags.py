@@ -7,7 +7,8 @@ check_args applies `derived` (their refusals, and what they set in other flags);
     .venv/bin/python train.py --use-flash-attn --no-rope-fusion --train-iters 2    (two `note:` lines at start)
 
 Here: the flags (`add_arguments`), their tables (FALLBACKS: accepted, one note line; REFUSED: one line saying why),
-Megatron's spellings of one setting (`check_one_spelling`), and its --moe-layer-freq expression (`layer_freq`).
+Megatron's spellings of one setting (`check_one_spelling`), its --moe-layer-freq expression (`layer_freq`) and the
+hybrid layer pattern its --hybrid-*-ratio flags allocate (`hybrid_allocation`, for mamba.py).
 tests/test_megatron_flags.py checks every entry; tests/test_megatron_scripts.py runs Megatron's launch scripts' flags.
 """
 from __future__ import annotations
@@ -92,6 +93,24 @@ def layer_freq(text: str):
     except (SyntaxError, ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a list expression of 0s and 1s ({e})"
                                          ) from None
+
+
+def hybrid_allocation(n: int, attention_ratio: float, mlp_ratio: float) -> str:
+    """--hybrid-attention-ratio / --hybrid-mlp-ratio: the hybrid layer pattern Megatron allocates for n layers
+    (megatron/core/ssm/mamba_hybrid_layer_allocation.py, _allocate_auto): round(n·attention_ratio) attention layers
+    "*" spread evenly between the Mamba layers "M" (a Mamba section of equal length before, between and after them),
+    then round(n·mlp_ratio) of the Mamba layers turned into MLP layers "-", spread evenly and right-justified. Each
+    placement walks the Mamba layers with a budget x, one layer costing 1: a layer is placed where the budget has
+    fallen below 1/2, which then grows by the section length again."""
+    layers, attention, mlp = ["M"] * n, round(n * attention_ratio), round(n * mlp_ratio)
+    for symbol, section in (("*", (n - attention) / (attention + 1)), ("-", (n - attention - mlp) / max(mlp, 1))):
+        x = section
+        for i in range(n):
+            if layers[i] == "M" and x < 0.5:
+                layers[i], x = symbol, x + section
+            elif layers[i] == "M":
+                x -= 1
+    return "".join(layers)
 
 
 # Megatron-LM's launch scripts pass flags that name hardware, a kernel or a service this repository does not have, or

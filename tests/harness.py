@@ -57,6 +57,20 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+def server_fixture(start):
+    """A test file's module-scoped pytest fixture `server`: start(run) (test_server.Server on the file's own `run`
+    fixture, a saved run), up for the file's tests and stopped after them, unless a test has stopped it."""
+    import pytest  # (not at the top: the pools' worker ranks import this module too)
+
+    @pytest.fixture(scope="module")
+    def server(run):
+        s = start(run)
+        yield s
+        if s.proc.poll() is None:
+            s.stop()
+    return server
+
+
 def _worker(env, rank, world, port, inq, outq):
     os.environ.clear()
     os.environ.update(env)  # the parent's environment when the rank started, as a spawned process has it

@@ -256,11 +256,9 @@ def test_qk_layernorm_negative_control(pool):
                                                (52, 0.08, 0.5)])
 def test_mamba_ratios_allocate_as_megatron(n, attention, mlp):
     from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols, _allocate_auto
-
-    import mamba
     ref = "".join(_allocate_auto(n, attention, mlp))
     assert Symbols.MAMBA == "M" and Symbols.ATTENTION == "*" and Symbols.MLP == "-"
-    assert mamba.allocate(n, attention, mlp) == ref
+    assert megatron_flags.hybrid_allocation(n, attention, mlp) == ref
     args = checked(["--model", "mamba", "--num-layers", str(n), "--hybrid-attention-ratio", str(attention),
                     "--hybrid-mlp-ratio", str(mlp)])
     assert args.hybrid_layer_pattern == ref  # the default pattern gives way to the ratios

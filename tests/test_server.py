@@ -40,7 +40,7 @@ import torch
 import checkpoint
 import gpt
 from arguments import parse_args
-from harness import SNIPPET, free_port
+from harness import SNIPPET, free_port, server_fixture
 from interop import tokenizer_files
 from posttraining import recipes
 from serving import engine as serve
@@ -144,12 +144,7 @@ class Server:
         return self.proc.returncode, out
 
 
-@pytest.fixture(scope="module")
-def server(run):
-    s = Server(run)
-    yield s
-    if s.proc.poll() is None:
-        s.stop()
+server = server_fixture(Server)  # the file's server on its `run`
 
 
 def complete(client, prompt, **kw):

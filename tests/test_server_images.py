@@ -27,6 +27,7 @@ from test_server import GAP, MAX, Server, save_run
 import checkpoint
 import gpt
 import llava
+from harness import server_fixture
 from interop import tokenizer_files
 from posttraining import recipes
 
@@ -63,12 +64,7 @@ def loaded(run):
     return checkpoint.load_model(run)
 
 
-@pytest.fixture(scope="module")
-def server(run):
-    s = Server(run)
-    yield s
-    if s.proc.poll() is None:
-        s.stop()
+server = server_fixture(Server)  # the file's server on its `run`
 
 
 def oracle(loaded, raw: bytes, low: float = -1.0) -> str:

@@ -114,17 +114,17 @@ def test_relative_buckets_at_every_boundary(bidirectional):
     table = BIDIRECTIONAL_FIRST if bidirectional else CAUSAL_FIRST
     for bucket, first in table.items():
         step = -1 if first < 0 else 1  # the position just before the boundary (closer to 0) is one bucket lower
-        got = t5.relative_position_bucket(torch.tensor([first, first - step]), bidirectional).tolist()
+        got = transformer.relative_position_bucket(torch.tensor([first, first - step]), bidirectional).tolist()
         assert got[0] == bucket, (first, got)
         assert first == 0 or got[1] == bucket - 1 or (bucket == 17 and got[1] == 0), (first, got)
     rel = torch.arange(-400, 401)
     for nb, dist in [(32, 128), (8, 20), (16, 64)]:
-        got = t5.relative_position_bucket(rel, bidirectional, nb, dist)
+        got = transformer.relative_position_bucket(rel, bidirectional, nb, dist)
         assert got.tolist() == [exact_bucket(int(r), bidirectional, nb, dist) for r in rel]
         assert torch.equal(got, transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket(
             rel, bidirectional, nb, dist))
     if not bidirectional:
-        assert t5.relative_position_bucket(torch.arange(1, 50), False).eq(0).all()  # the future: masked anyway
+        assert transformer.relative_position_bucket(torch.arange(1, 50), False).eq(0).all()  # the future: masked anyway
 
 
 # --------------------------------------------------------------------------------------- 3. TP / SP / DP

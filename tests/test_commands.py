@@ -373,7 +373,7 @@ def run_server(argv: list[str], work: Path, nproc: int = 1):
                 break
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
-                time.sleep(0.5)
+                time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
         assert "stopped: every request answered" in out, out[-3000:]

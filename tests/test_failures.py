@@ -11,6 +11,7 @@ The NaN runs use --lr 1e6: the first step blows the weights up, a later iteratio
 """
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -373,11 +374,39 @@ def test_make_train_checks_before_torchrun_starts(corpus, cache, tmp_path):
         and len(lines) <= 5, lines
 
 
+def make_lines(target: str, *assigns: str) -> list[list[str]]:
+    """The command lines of `make TARGET ASSIGNS`'s recipe as make expands them (`make -n`: nothing runs), each as
+    its words (a leading VAR=value kept)."""
+    r = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.stamp", "-n", target, *assigns], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [shlex.split(line) for line in r.stdout.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def run_make_line(words: list[str], monkeypatch, capsys) -> tuple[int, list[str]]:
+    """One `[VAR=value] .venv/bin/python tools.py ...` line of a make recipe, run in this process (its VAR=value set
+    in the environment): its exit status and its output's lines (stdout's, then stderr's)."""
+    words = list(words)
+    while re.fullmatch(r"\w+=\S*", words[0]):
+        monkeypatch.setenv(*words.pop(0).split("=", 1))
+    assert words[:2] == [".venv/bin/python", "tools.py"], words
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        tools.main(words[2:])
+    out = capsys.readouterr()
+    return e.value.code, (out.out + out.err).strip().splitlines()
+
+
+MAKE_SERVE_REAL = "tp vs heads"  # the case make itself runs (the others: the line make would run, run here)
+
+
 @pytest.mark.parametrize("case", ["no run", "tp vs heads", "misspelled flag", "port in use"])
-def test_make_serve_checks_before_torchrun_starts(run, tmp_path, case):
+def test_make_serve_checks_before_torchrun_starts(run, tmp_path, case, monkeypatch, capsys):
     """make serve NPROC=2 TP=2: a directory that is no run, TP that does not divide the heads (NPROC=3 TP=3), a
     misspelled flag, a port in use: the error is the first line of the output, the whole output short, exit 2 (tools.py
-    serve --check-only in one process before torchrun)."""
+    serve --check-only in one process before torchrun). MAKE_SERVE_REAL's case runs make itself (its exit status,
+    torchrun never started); each other case runs the check line make's recipe expands to (`make -n`: the check,
+    then torchrun's line) in this process, which spares a Python start (~4 s) and checks the same output."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -392,10 +421,15 @@ def test_make_serve_checks_before_torchrun_starts(run, tmp_path, case):
             "port in use": (["NPROC=2", "TP=2", f"RUN={run}", f"ARGS=--port {port}"],
                             f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use): another "
                             "server on that port? pass --port N")}[case]
-        r = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.stamp", "serve", *make], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    lines = (r.stdout + r.stderr).strip().splitlines()
-    assert r.returncode == 2 and lines[0] == f"tools.py: error: {expect}" and len(lines) <= 5, lines
+        if case == MAKE_SERVE_REAL:
+            r = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.stamp", "serve", *make], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+            code, lines = r.returncode, (r.stdout + r.stderr).strip().splitlines()
+        else:
+            check, launch = make_lines("serve", *make)
+            assert check[-1] == "--check-only" and "torch.distributed.run" in launch, (check, launch)
+            code, lines = run_make_line(check, monkeypatch, capsys)
+    assert code == 2 and lines[0] == f"tools.py: error: {expect}" and len(lines) <= 5, lines
 
 
 def test_serve_check_only_reads_no_weights(run, monkeypatch):
@@ -413,7 +447,15 @@ def test_serve_check_only_reads_no_weights(run, monkeypatch):
     (["PROMPT="], "tools.py: error: --prompt is empty: give the text to continue"),
     (["TP=2"], "make sample runs one process on a run saved at any layout: leave out NPROC=1 TP=2"),
 ])
-def test_make_sample_refuses_an_empty_prompt_and_a_layout(run, make_args, expect):
+def test_make_sample_refuses_an_empty_prompt_and_a_layout(run, make_args, expect, monkeypatch, capsys):
+    """A layout is refused by make itself (its $(error): no Python starts); an empty PROMPT= reaches tools.py sample
+    as an empty --prompt: the line make's recipe expands to (`make -n`) runs here, exit status 2 and the error."""
+    if make_args == ["PROMPT="]:
+        (line,) = make_lines("sample", f"RUN={run}", *make_args)
+        assert line[line.index("--prompt") + 1] == "", line
+        code, lines = run_make_line(line, monkeypatch, capsys)
+        assert code == 2 and expect in lines, lines
+        return
     r = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.stamp", "sample", f"RUN={run}", *make_args],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and expect in r.stderr, r.stderr

@@ -113,7 +113,7 @@ class Server:
                 self.proc.kill()
                 out = self.proc.stdout.read()  # (its head too: a rank's own error comes before torchrun's report)
                 raise AssertionError(f"server did not come up:\n{out[:2500]}\n...\n{out[-3500:]}")
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=120,
                                     max_retries=0)
 

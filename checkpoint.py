@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 import arguments
 import data
@@ -39,6 +38,12 @@ from arguments import Args, ConfigError, model_config, run_flags
 from config import ModelFile, model_file
 from interop import hf, tokenizer_files
 from posttraining import lora, quantization
+
+
+def dcp():
+    """torch.distributed.checkpoint, imported on first use: it pulls in DTensor (~1 s of every process's start)."""
+    import torch.distributed.checkpoint
+    return torch.distributed.checkpoint
 
 
 class Checkpoint(NamedTuple):
@@ -219,7 +224,7 @@ def save_checkpoint(save_dir, it, chunks, optimizer, scaler, mesh, settings: dic
     def write_shards():
         tmp.mkdir(parents=True, exist_ok=True)
         with _quiet_dcp():
-            dcp.save(checkpoint_state(chunks, optimizer, mesh, only=added_to_base if lora_base else None),
+            dcp().save(checkpoint_state(chunks, optimizer, mesh, only=added_to_base if lora_base else None),
                      checkpoint_id=str(tmp))
         torch.save(rng_state(chunks), tmp / f"rng_rank{rank}.pt")
 
@@ -503,7 +508,7 @@ def check_same_model(args, start: Start, mf: ModelFile, vocab_size: int):
 # ---------------------------------------------------------------------------------------------- loading
 def saved_names(ckpt: Checkpoint) -> set[str]:
     """The model tensors' names a checkpoint holds (DCP's metadata: no tensor is read)."""
-    meta = dcp.FileSystemReader(str(ckpt.path)).read_metadata()
+    meta = dcp().FileSystemReader(str(ckpt.path)).read_metadata()
     # (a per-segment parameter, Mamba's in_proj / conv1d, is saved as NAME.segment0, NAME.segment1, ...)
     return {re.sub(r"\.segment\d+$", "", k.split(".", 1)[1]) for k in meta.state_dict_metadata if k.startswith("model.")}
 
@@ -520,7 +525,7 @@ def load_weights(ckpt: Checkpoint, chunks, mesh):
     if missing - added:
         raise ConfigError(f"{ckpt.path} lacks {sorted(missing - added)[:3]}: not a checkpoint of this model")
     with _quiet_dcp():
-        dcp.load({"model": {k: v for k, v in state.items() if k in held}}, checkpoint_id=str(ckpt.path))
+        dcp().load({"model": {k: v for k, v in state.items() if k in held}}, checkpoint_id=str(ckpt.path))
 
 
 def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, fp8_args=None, load_optim=True,
@@ -539,7 +544,7 @@ def load_checkpoint(ckpt: Checkpoint, chunks, optimizer, scaler, mesh, layout, f
         print(f"note: {path} was saved with other FP8 settings ({saved}): FP8 scaling starts afresh")
     state = checkpoint_state(chunks, optimizer, mesh, fp8, only=added_to_base if "lora_base" in meta else None)
     with _quiet_dcp():
-        dcp.load(state, checkpoint_id=str(path))
+        dcp().load(state, checkpoint_id=str(path))
     if optimizer is not None:  # the distributed optimizer keeps this rank's slices of the loaded moments
         optimizer.load_full_state()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -660,8 +665,8 @@ def load_model(load_dir, step=None, flag="--load", merge=True, extend=None, tp: 
             quantization.fake_quantize(model, saved["quantize_base"])
         add_adapters([model], args)
     with _quiet_dcp():
-        dcp.load({"model": checkpoint_state([model], None, mesh, only=added_to_base if adapters else None)["model"]},
-                 checkpoint_id=str(ckpt.path))
+        dcp().load({"model": checkpoint_state([model], None, mesh, only=added_to_base if adapters else None)["model"]},
+                   checkpoint_id=str(ckpt.path))
     if adapters and merge:
         lora.merge(model)
         args = Args(**{**vars(args), "lora_rank": None})

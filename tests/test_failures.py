@@ -437,7 +437,7 @@ def test_serve_check_only_reads_no_weights(run, monkeypatch):
     import checkpoint
     from serving import server
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(checkpoint.dcp, "load", lambda *a, **k: pytest.fail("--check-only read the weights"))
+    monkeypatch.setattr(checkpoint.dcp(), "load", lambda *a, **k: pytest.fail("--check-only read the weights"))
     monkeypatch.setattr(server.dist, "init_process_group", lambda *a, **k: pytest.fail("a process group was made"))
     port = str(harness.free_port())
     assert server.main(["--load", str(run), "--tensor-model-parallel-size", "2", "--port", port, "--check-only"]) == 0

@@ -22,10 +22,10 @@ ZERO1 = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-s
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint directory (model, optimizer), read whole in this process."""
-    meta = checkpoint.dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    meta = checkpoint.dcp().FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if hasattr(m, "size")}
     with checkpoint._quiet_dcp():
-        checkpoint.dcp.load(state, checkpoint_id=str(ckpt))
+        checkpoint.dcp().load(state, checkpoint_id=str(ckpt))
     return state
 
 

@@ -134,10 +134,10 @@ def test_resume_equals_uninterrupted_with_dropout(corpus, cache, tmp_path, fp8, 
 
 def fp8_state(ckpt) -> dict:
     """The 'fp8' entries of a DCP checkpoint directory, read in this process."""
-    meta = checkpoint.dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    meta = checkpoint.dcp().FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     state = {k: torch.zeros(tuple(m.size)) for k, m in meta.items() if k.startswith("fp8.")}
     with checkpoint._quiet_dcp():
-        checkpoint.dcp.load(state, checkpoint_id=str(ckpt))
+        checkpoint.dcp().load(state, checkpoint_id=str(ckpt))
     return state
 
 
@@ -162,7 +162,7 @@ def test_fp8_scaling_state_is_checkpointed_layout_free(corpus, cache, tmp_path, 
 
 def test_kill_during_save_keeps_previous_checkpoint(corpus, cache, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    real_save, calls = checkpoint.dcp.save, []
+    real_save, calls = checkpoint.dcp().save, []
 
     def dying_save(state, checkpoint_id):  # the second save writes its shards, then the process "dies"
         calls.append(checkpoint_id)
@@ -171,10 +171,10 @@ def test_kill_during_save_keeps_previous_checkpoint(corpus, cache, tmp_path, mon
             (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a file")
             raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
+    monkeypatch.setattr(checkpoint.dcp(), "save", dying_save)
     with pytest.raises(SystemExit, match="^130$"):  # (main turns the KeyboardInterrupt into exit code 130)
         train.main(tiny(corpus, cache, run, "--save-interval", "2"))
-    monkeypatch.setattr(checkpoint.dcp, "save", real_save)
+    monkeypatch.setattr(checkpoint.dcp(), "save", real_save)
     assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not (run / "iter_0000004").exists() and (run / "iter_0000004.tmp").exists()
     train.main(tiny(corpus, cache, run, "--load", str(run), "--save-interval", "2"))

@@ -7,8 +7,8 @@ kernel. This is that computation in torch ops, for one step's packed row of mixe
     id (index_select of whole blocks, each block once), its B scores computed, and a segmented softmax over the pairs
     of each request (their max and sum gathered with scatter_reduce / index_add) weighs the blocks' values;
   - a prefill row (a prompt or a chunk of it: n queries after `cached` positions) is one SDPA over its own blocks,
-    with the causal mask offset by its cached positions; so is a step's only decode (the pairs' bookkeeping costs a
-    lone query more than it saves).
+    with the causal mask offset by its cached positions; so is a step's only decode, unmasked (the pairs'
+    bookkeeping costs a lone query more than it saves).
 No [T, K] mask over every request's keys and no copy padded to the longest request. The plain path it is tested
 against: PagedKVCache.append (every key the step reads, gathered, and the block-diagonal mask). bench/bench_serve.py
 --attention-kernels measures it against that path and the other torch mechanisms (per-request SDPA, a padded batch,
@@ -71,7 +71,8 @@ def attend(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, lay: Layout, scale
         out[0, :, lay.decodes] = rearrange(o, "r g m d -> (g m) r d")
     for start, t, blocks, cached in lay.prefills:
         k, v = (rearrange(P.index_select(0, blocks), "nb g b d -> 1 g (nb b) d")[:, :, :cached + t] for P in (K, V))
-        mask = torch.ones(t, cached + t, dtype=torch.bool, device=q.device).tril(cached)
+        mask = None if t == 1 else torch.ones(t, cached + t, dtype=torch.bool, device=q.device).tril(cached)  # (one
+        # query sees every key: unmasked, the same scores)
         out[:, :, start:start + t] = F.scaled_dot_product_attention(q[:, :, start:start + t], k, v, attn_mask=mask,
                                                                     scale=scale, enable_gqa=g != n)
     return out

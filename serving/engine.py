@@ -5,10 +5,11 @@ requests that arrive at any step, each with its own prompt length, sampling sett
 `Engine.step()` runs ONE forward over every running request: new requests' prompts (prefill, in chunks under a
 token budget) and running requests' last tokens (decode) packed side by side in one sequence dimension, each token
 at its own position and attending only to its own request's cached keys, read from the blocks through its table
-(serving/paged_attention.py; the plain path beside it: the keys gathered, a block-diagonal causal mask). The keys and
-values live in a paged cache (fixed-size blocks, a block table per request: Kwon et al.'s PagedAttention); a
-recurrent layer (a Mamba mixer) holds a state slot per request instead; a request may carry its own model inputs
-(LLaVA's image) and ask for logprobs. How and why: DESIGN.md §1, "The serving engine".
+(serving/paged_attention.py; the plain path beside it: the keys gathered, a block-diagonal causal mask); only the
+rows a request samples after reach the output layer, and a lone request's decode is the same math, unmasked.
+The keys and values live in a paged cache (fixed-size blocks, a block table per request: Kwon et al.'s
+PagedAttention); a recurrent layer (a Mamba mixer) holds a state slot per request instead; a request may carry its
+own model inputs (LLaVA's image) and ask for logprobs. How and why: DESIGN.md §1, "The serving engine".
 Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
 pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
 add_request, step, scheduling). Beside it, the plain sequential oracle: `generate_one`, one request alone in the
@@ -97,7 +98,8 @@ class PagedKVCache:
             raise ValueError(f"attention={attention!r}: 'paged' or 'gather'")
         self.num_blocks, self.block_size, self.max_requests = num_blocks, block_size, max_requests
         self.paged_attention = attention == "paged"  # attention layers call `attend` (else `append`, the oracle)
-        self.free = list(range(num_blocks))  # block ids, the next one handed out last
+        self.free = list(range(num_blocks))[::-1]  # block ids, the next one handed out last (0 first: a lone
+        # request's blocks follow each other, and attention reads them as a slice of the pool)
         self.pools = {}  # attention layer -> (K, V) [N, g, B, d]
         self.free_slots = list(range(max_requests))[::-1]  # recurrent-state slots, the next one handed out last
         self.states = {}  # recurrent layer -> its state tensors, each [max_requests, ...]
@@ -191,7 +193,7 @@ class PagedKVCache:
             self.pools[layer] = tuple(t.new_zeros(self.num_blocks, t.shape[1], self.block_size, t.shape[3])
                                       for t in (k, v))
         for pool, new in zip(self.pools[layer], (k, v)):
-            pool[self.write[0], :, self.write[1]] = rearrange(new, "1 g t d -> t g d")
+            pool[self.write[0], :, self.write[1]] = new[0].transpose(0, 1)  # [T, g, d]
         return self.pools[layer]
 
     def attend(self, layer, q, k, v, scale: float) -> torch.Tensor:
@@ -430,11 +432,11 @@ class Engine:
         keep = [i for r, w, end in zip(batch, wholes, ends) if w for i in range(end - len(drafts.get(r.id, ())) - 1, end)]
         logits = self.forward(ids, pos, mask, keep, inputs)  # [len(keep), V]
         self.computed += len(ids)
-        sampled, at = [], 0
+        sampled, at, each = [], 0, logits.unbind(0)  # (each row: one op, not a slice per request)
         for r, n, f, whole, end in zip(batch, counts, fed, wholes, ends):
             start, d = end - len(f), drafts.get(r.id, [])
-            rows = logits[at:at + len(d) + 1] if whole else None  # [1 + k, V]: after its last token, after each draft
-            at += len(d) + 1 if whole else 0
+            rows = (logits[at:at + len(d) + 1] if d else each[at:at + 1]) if whole else ()  # [1 + k, V]: after its
+            at += len(d) + 1 if whole else 0  # last token, then after each draft
             new = [] if not whole else self.speculator.verify(r, d, rows) if d else [sample(rows[0], r.params,
                                                                                            r.generator)]
             r.cached += n + max(len(new) - 1, 0)  # and its accepted drafts (a rejected one's keys lie past)

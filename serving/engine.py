@@ -5,10 +5,11 @@ requests that arrive at any step, each with its own prompt length, sampling sett
 `Engine.step()` runs ONE forward over every running request: new requests' prompts (prefill, in chunks under a
 token budget) and running requests' last tokens (decode) packed side by side in one sequence dimension, each token
 at its own position and attending only to its own request's cached keys, read from the blocks through its table
-(serving/paged_attention.py; the plain path beside it: the keys gathered, a block-diagonal causal mask). The keys and
-values live in a paged cache (fixed-size blocks, a block table per request: Kwon et al.'s PagedAttention); a
-recurrent layer (a Mamba mixer) holds a state slot per request instead; a request may carry its own model inputs
-(LLaVA's image) and ask for logprobs. How and why: DESIGN.md §1, "The serving engine".
+(serving/paged_attention.py; the plain path beside it: the keys gathered, a block-diagonal causal mask); only the
+rows a request samples after reach the output layer, and a lone request's decode is the same math, unmasked.
+The keys and values live in a paged cache (fixed-size blocks, a block table per request: Kwon et al.'s
+PagedAttention); a recurrent layer (a Mamba mixer) holds a state slot per request instead; a request may carry its
+own model inputs (LLaVA's image) and ask for logprobs. How and why: DESIGN.md §1, "The serving engine".
 Mirrors Megatron-LM's `megatron/core/inference/contexts/dynamic_context.py` (DynamicInferenceContext: the block
 pool, the per-request block tables, the packed token layout) and `engines/dynamic_engine.py` (DynamicInferenceEngine:
 add_request, step, scheduling). Beside it, the plain sequential oracle: `generate_one`, one request alone in the
@@ -27,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import itertools
 import math
 
 import torch
@@ -96,7 +98,8 @@ class PagedKVCache:
             raise ValueError(f"attention={attention!r}: 'paged' or 'gather'")
         self.num_blocks, self.block_size, self.max_requests = num_blocks, block_size, max_requests
         self.paged_attention = attention == "paged"  # attention layers call `attend` (else `append`, the oracle)
-        self.free = list(range(num_blocks))  # block ids, the next one handed out last
+        self.free = list(range(num_blocks))[::-1]  # block ids, the next one handed out last (0 first: a lone
+        # request's blocks follow each other, and attention reads them as a slice of the pool)
         self.pools = {}  # attention layer -> (K, V) [N, g, B, d]
         self.free_slots = list(range(max_requests))[::-1]  # recurrent-state slots, the next one handed out last
         self.states = {}  # recurrent layer -> its state tensors, each [max_requests, ...]
@@ -154,10 +157,14 @@ class PagedKVCache:
                 self.prefixes[key], self.prefix_of[table[i]] = table[i], key
         return max(full, start)
 
-    def slots(self, table: list[int], positions: torch.Tensor):
-        """(block, offset) [len(positions)] of positions in a request's block table."""
-        blocks = torch.tensor(table, dtype=torch.long, device=positions.device)
-        return blocks[positions // self.block_size], positions % self.block_size
+    def slots(self, requests: list[Request], lengths: list[int], starts: list[int]) -> list[list[int]]:
+        """[positions, their blocks, their offsets in them], each a list: request r's lengths[r] positions from
+        starts[r] on, in the requests' order (built in Python: one tensor a step, not a few per request)."""
+        B, pos, blocks = self.block_size, [], []
+        for r, n, c in zip(requests, lengths, starts):
+            pos += range(c, c + n)
+            blocks += [r.blocks[p // B] for p in range(c, c + n)]
+        return [pos, blocks, [p % B for p in pos]]
 
     def plan(self, requests: list[Request], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This step's layout: request r feeds counts[r] tokens after its `cached` ones. Stores where they are written
@@ -165,20 +172,18 @@ class PagedKVCache:
         (True = attend): token t of request r at position p sees key j iff j is request r's, at a position <= p."""
         def ar(n):
             return torch.arange(n, device=device)
-        pos = torch.cat([ar(n) + r.cached for r, n in zip(requests, counts)])  # [T]
-        self.write = tuple(torch.cat(w) for w in zip(*[self.slots(r.blocks, ar(n) + r.cached)
-                                                       for r, n in zip(requests, counts)]))  # (block, offset) [T]
+        pos, *self.write = torch.tensor(self.slots(requests, counts, [r.cached for r in requests]),
+                                        device=device)  # [T]; (block, offset) [T] where each is written
         self.segments = [(r.slot, r.cached == 0, n) for r, n in zip(requests, counts)]  # for `recurrent`
         if self.paged_attention:  # each row reads its own blocks (serving/paged_attention.py)
             self.layout = paged_attention.layout([r.blocks for r in requests], [r.cached for r in requests], counts,
                                                  self.block_size, device)
             return pos, None
-        key_pos = torch.cat([ar(r.cached + n) for r, n in zip(requests, counts)])  # [K]
+        key_pos, *self.read = torch.tensor(self.slots(requests, [r.cached + n for r, n in zip(requests, counts)],
+                                                      [0] * len(requests)), device=device)  # [K], (block, offset) [K]
         owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(counts, device=device))  # [T]
         key_owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(
             [r.cached + n for r, n in zip(requests, counts)], device=device))  # [K]
-        reads = [self.slots(r.blocks, ar(r.cached + n)) for r, n in zip(requests, counts)]
-        self.read = tuple(torch.cat(w) for w in zip(*reads))  # (block, offset) [K]
         mask = (owner[:, None] == key_owner[None, :]) & (key_pos[None, :] <= pos[:, None])  # [T, K]
         return pos, mask
 
@@ -188,7 +193,7 @@ class PagedKVCache:
             self.pools[layer] = tuple(t.new_zeros(self.num_blocks, t.shape[1], self.block_size, t.shape[3])
                                       for t in (k, v))
         for pool, new in zip(self.pools[layer], (k, v)):
-            pool[self.write[0], :, self.write[1]] = rearrange(new, "1 g t d -> t g d")
+            pool[self.write[0], :, self.write[1]] = new[0].transpose(0, 1)  # [T, g, d]
         return self.pools[layer]
 
     def attend(self, layer, q, k, v, scale: float) -> torch.Tensor:
@@ -376,6 +381,22 @@ class Engine:
                 break
             r.slot, self.reused = self.cache.free_slots.pop(), self.reused + r.cached
 
+    def forward(self, ids, pos, mask, rows: list[int], inputs: dict) -> torch.Tensor:
+        """The model over a step's packed tokens ids [T] at positions pos [T] -> the logits [len(rows), V] of its
+        rows `rows` only (those a request samples after): the decoder's output at the other rows (a prompt's
+        positions but its last) never reaches the output layer, as vLLM's and HF generate's logits of the last
+        positions only. A forward hook on the decoder keeps the rows (after any other hook on it: a drafter's)."""
+        kwargs = dict(position_ids=pos[None], mask=None if mask is None else mask[None, None],
+                      inference_context=self.cache, **inputs)
+        if len(rows) == len(ids):  # (every row: a step of decodes)
+            return self.model(ids[None], **kwargs)[0]
+        keep = torch.tensor(rows or [len(ids) - 1], device=self.device)  # (none: a step of chunks, one kept)
+        hook = self.model.decoder.register_forward_hook(lambda module, args, out: out.index_select(0, keep))
+        try:
+            return self.model(ids[None], **kwargs)[0]
+        finally:
+            hook.remove()
+
     @torch.no_grad()
     def step(self) -> list[Request]:
         """One forward over the running batch: the requests that sampled, each with its `new` tokens last in `output`
@@ -406,14 +427,16 @@ class Engine:
             for k, v in (r.inputs.items() if r.cached == 0 else ()):
                 inputs.setdefault(k, []).append(v)
         inputs = {k: torch.stack(v).to(self.device) for k, v in inputs.items()}
-        logits = self.model(ids[None], position_ids=pos[None], mask=None if mask is None else mask[None, None],
-                            inference_context=self.cache, **inputs)[0]  # [T, V]
+        wholes = [n == len(r.pending()) for r, n in zip(batch, counts)]  # (else a prompt's chunk, not its last)
+        ends = list(itertools.accumulate(len(f) for f in fed))
+        keep = [i for r, w, end in zip(batch, wholes, ends) if w for i in range(end - len(drafts.get(r.id, ())) - 1, end)]
+        logits = self.forward(ids, pos, mask, keep, inputs)  # [len(keep), V]
         self.computed += len(ids)
-        sampled, end = [], 0
-        for r, n, f in zip(batch, counts, fed):
-            start, end, d = end, end + len(f), drafts.get(r.id, [])
-            whole = n == len(r.pending())  # (else a prompt's chunk, not its last: nothing to sample yet)
-            rows = logits[end - len(d) - 1:end]  # [1 + k, V]: after its last token, then after each draft
+        sampled, at, each = [], 0, logits.unbind(0)  # (each row: one op, not a slice per request)
+        for r, n, f, whole, end in zip(batch, counts, fed, wholes, ends):
+            start, d = end - len(f), drafts.get(r.id, [])
+            rows = (logits[at:at + len(d) + 1] if d else each[at:at + 1]) if whole else ()  # [1 + k, V]: after its
+            at += len(d) + 1 if whole else 0  # last token, then after each draft
             new = [] if not whole else self.speculator.verify(r, d, rows) if d else [sample(rows[0], r.params,
                                                                                            r.generator)]
             r.cached += n + max(len(new) - 1, 0)  # and its accepted drafts (a rejected one's keys lie past)

@@ -216,8 +216,12 @@ class Model(nn.Module):
         return position_ids, (self.rope(s, dev) if position_ids is None else self.rope_at(position_ids))
 
     def rope_at(self, position_ids):
-        """RoPE angles of explicit positions [b|1, s] (packed documents, decoding after a cache): [s, b|1, 1, d]."""
-        rope = self.rope(int(position_ids.max()) + 1, position_ids.device)
+        """RoPE angles of explicit positions [b|1, s] (packed documents, decoding after a cache): [s, b|1, 1, d], read
+        from a table of the next power of two positions, kept for the next call (a decode step reads one row)."""
+        n, table = 1 << int(position_ids.max()).bit_length(), getattr(self, "rope_table", None)  # n > every position
+        if table is None or table[0] < n or table[1] != position_ids.device:
+            self.rope_table = table = (n, position_ids.device, self.rope(n, position_ids.device))
+        rope = table[2]
         return None if rope is None else tuple(rearrange(t[position_ids], "b s 1 1 d -> s b 1 d") for t in rope)
 
     def mask_vocab_padding(self, logits):

@@ -208,7 +208,7 @@ def run_hf_sequential(hf_model, prompts, new_tokens: int):
 
 def kv_bytes(engine) -> tuple[int, int]:
     """(bytes of one block across every attention layer's K and V pools, bytes of all recurrent state slots)."""
-    block = sum(t[:, 0].numel() * t.element_size() for pools in engine.cache.pools.values() for t in pools)
+    block = sum(t[0].numel() * t.element_size() for pools in engine.cache.pools.values() for t in pools)
     states = sum(t.numel() * t.element_size() for ts in engine.cache.states.values() for t in ts)
     return block, states
 
@@ -317,7 +317,7 @@ def kernels(model, a):
         reqs.append(r)
     counts, T = [t for _, t in shapes], sum(t for _, t in shapes)
     q, k, v = (torch.randn(1, h, T, d, device=a.device) for h in (n, g, g))
-    pools = [(torch.randn(g, N, B, d, device=a.device), torch.randn(g, N, B, d, device=a.device)) for _ in range(L)]
+    pools = [(torch.randn(N, g, B, d, device=a.device), torch.randn(N, g, B, d, device=a.device)) for _ in range(L)]
     F = torch.nn.functional
 
     def cache(attention):
@@ -343,7 +343,7 @@ def kernels(model, a):
             rows, start = [], 0
             for r, t in zip(reqs, counts):
                 blocks = torch.tensor(r.blocks, device=a.device)
-                kk, vv = (P[:, blocks].reshape(1, g, -1, d)[:, :, :r.cached + t] for P in (K, V))
+                kk, vv = (P[blocks].transpose(0, 1).reshape(1, g, -1, d)[:, :, :r.cached + t] for P in (K, V))
                 mask = torch.ones(t, r.cached + t, dtype=torch.bool, device=a.device).tril(r.cached)
                 rows.append(F.scaled_dot_product_attention(q[:, :, start:start + t], kk, vv, attn_mask=mask,
                                                            scale=scale, enable_gqa=g != n))
@@ -364,7 +364,7 @@ def kernels(model, a):
         out = []
         for i in range(L):
             K, V = loop_cache.pool(i, k, v)
-            kk, vv = (P[:, table].transpose(0, 1).reshape(len(reqs), g, nb * B, d) for P in (K, V))
+            kk, vv = (P[table].permute(0, 2, 1, 3, 4).reshape(len(reqs), g, nb * B, d) for P in (K, V))
             o = F.scaled_dot_product_attention(q[0][:, qi].transpose(0, 1), kk, vv, attn_mask=mask, scale=scale,
                                                enable_gqa=g != n)  # [R, n, mt, d]
             out.append(torch.cat([o[r, :, :t] for r, t in enumerate(counts)], 1)[None])
@@ -384,7 +384,7 @@ def kernels(model, a):
         q_owner = torch.repeat_interleave(torch.arange(len(reqs), device=a.device), torch.tensor(counts, device=a.device))
         q_pos = torch.cat([torch.arange(t, device=a.device) + r.cached for r, t in zip(reqs, counts)])
         mask_mod = lambda b, h, qi, ki: (owner[ki // B] == q_owner[qi]) & (start[ki // B] + ki % B <= q_pos[qi])
-        flat = [tuple(P.reshape(1, g, N * B, d) for P in pp) for pp in pools]
+        flat = [tuple(P.permute(1, 0, 2, 3).reshape(1, g, N * B, d) for P in pp) for pp in pools]
         compiled = torch.compile(flex_attention, dynamic=False)
         t0 = time.perf_counter()
         block_mask = create_block_mask(mask_mod, None, None, T, N * B, device=a.device, BLOCK_SIZE=(128, B))

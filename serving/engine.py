@@ -77,7 +77,7 @@ class Request:
 # ---------------------------------------------------------------------------------------------- the paged KV cache
 class PagedKVCache:
     """Keys and values of every running request in fixed-size blocks (Megatron's DynamicInferenceContext): for each
-    attention layer a pool K, V [g, N, B, d] (allocated at the layer's first call, never grown), one free list of
+    attention layer a pool K, V [N, g, B, d] (allocated at the layer's first call, never grown), one free list of
     block ids shared by the layers, and per step a plan — where this step's tokens are written and which slots each
     token reads. Passed to the model as its inference_context: `append(layer, k, v)` is what attention calls.
 
@@ -100,7 +100,7 @@ class PagedKVCache:
         self.paged_attention = attention == "paged"  # attention layers call `attend` (else `append`, the oracle)
         self.free = list(range(num_blocks))[::-1]  # block ids, the next one handed out last (0 first: a lone
         # request's blocks follow each other, and attention reads them as a slice of the pool)
-        self.pools = {}  # attention layer -> (K, V) [g, N, B, d]: a request's blocks that follow each other, a view
+        self.pools = {}  # attention layer -> (K, V) [N, g, B, d]
         self.free_slots = list(range(max_requests))[::-1]  # recurrent-state slots, the next one handed out last
         self.states = {}  # recurrent layer -> its state tensors, each [max_requests, ...]
         self.sequence_len_offset = 0  # the static cache's counter, which gpt.Model.forward advances: unused here
@@ -172,16 +172,15 @@ class PagedKVCache:
         (True = attend): token t of request r at position p sees key j iff j is request r's, at a position <= p."""
         def ar(n):
             return torch.arange(n, device=device)
-        pos, block, offset = torch.tensor(self.slots(requests, counts, [r.cached for r in requests]), device=device)
-        self.write = block * self.block_size + offset  # [T] where each is written, in the pool's [g, N·B] positions
+        pos, *self.write = torch.tensor(self.slots(requests, counts, [r.cached for r in requests]),
+                                        device=device)  # [T]; (block, offset) [T] where each is written
         self.segments = [(r.slot, r.cached == 0, n) for r, n in zip(requests, counts)]  # for `recurrent`
         if self.paged_attention:  # each row reads its own blocks (serving/paged_attention.py)
             self.layout = paged_attention.layout([r.blocks for r in requests], [r.cached for r in requests], counts,
                                                  self.block_size, device)
             return pos, None
-        key_pos, block, offset = torch.tensor(self.slots(requests, [r.cached + n for r, n in zip(requests, counts)],
-                                                         [0] * len(requests)), device=device)  # [K] each
-        self.read = block * self.block_size + offset  # [K] where each key read lies, in [g, N·B]
+        key_pos, *self.read = torch.tensor(self.slots(requests, [r.cached + n for r, n in zip(requests, counts)],
+                                                      [0] * len(requests)), device=device)  # [K], (block, offset) [K]
         owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(counts, device=device))  # [T]
         key_owner = torch.repeat_interleave(ar(len(requests)), torch.tensor(
             [r.cached + n for r, n in zip(requests, counts)], device=device))  # [K]
@@ -191,10 +190,10 @@ class PagedKVCache:
     def pool(self, layer, k, v):
         """A layer's (K, V) pools, this step's keys and values [1, g, T, d] written into them."""
         if layer not in self.pools:
-            self.pools[layer] = tuple(t.new_zeros(t.shape[1], self.num_blocks, self.block_size, t.shape[3])
+            self.pools[layer] = tuple(t.new_zeros(self.num_blocks, t.shape[1], self.block_size, t.shape[3])
                                       for t in (k, v))
         for pool, new in zip(self.pools[layer], (k, v)):
-            pool.view(pool.shape[0], -1, pool.shape[3]).index_copy_(1, self.write, new[0])  # [g, T, d], one copy
+            pool[self.write[0], :, self.write[1]] = new[0].transpose(0, 1)  # [T, g, d]
         return self.pools[layer]
 
     def attend(self, layer, q, k, v, scale: float) -> torch.Tensor:
@@ -205,7 +204,7 @@ class PagedKVCache:
         """The gather path (the plain oracle): this step's keys and values [1, g, T, d] -> every key and value this
         step's tokens read [1, g, K, d] (the requests' cached ones and their own, in the plan's order; the mask says
         which each token sees)."""
-        return tuple(P.flatten(1, 2).index_select(1, self.read)[None] for P in self.pool(layer, k, v))
+        return tuple(rearrange(P[self.read[0], :, self.read[1]], "k g d -> 1 g k d") for P in self.pool(layer, k, v))
 
     def recurrent(self, layer, fn, *xs):
         """A recurrent layer over this step's packed row: xs [1, T, ·] -> its output y [1, T, ·]. Each request runs

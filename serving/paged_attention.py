@@ -8,8 +8,7 @@ kernel. This is that computation in torch ops, for one step's packed row of mixe
     of each request (their max and sum gathered with scatter_reduce / index_add) weighs the blocks' values;
   - a prefill row (a prompt or a chunk of it: n queries after `cached` positions) is one SDPA over its own blocks,
     with the causal mask offset by its cached positions; so is a step's only decode, unmasked (the pairs'
-    bookkeeping costs a lone query more than it saves); blocks that follow each other are read as one slice
-    (the pool laid out [g, N, B, d]: a view, no copy).
+    bookkeeping costs a lone query more than it saves); blocks that follow each other are read as one slice.
 No [T, K] mask over every request's keys and no copy padded to the longest request. The plain path it is tested
 against: PagedKVCache.append (every key the step reads, gathered, and the block-diagonal mask). bench/bench_serve.py
 --attention-kernels measures it against that path and the other torch mechanisms (per-request SDPA, a padded batch,
@@ -58,26 +57,26 @@ def layout(tables: list[list[int]], cached: list[int], counts: list[int], block_
 
 
 def attend(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, lay: Layout, scale: float) -> torch.Tensor:
-    """Pools K [g, N, B, d], V [g, N, B, dv] (this step's keys already written), queries q [1, n, T, d] -> the
+    """Pools K [N, g, B, d], V [N, g, B, dv] (this step's keys already written), queries q [1, n, T, d] -> the
     attention output [1, n, T, dv]; grouped-query: query head h reads key/value head h // (n / g)."""
-    g, n, dv = K.shape[0], q.shape[1], V.shape[-1]
+    g, n, dv = K.shape[1], q.shape[1], V.shape[-1]
     out = None if lay.decodes is None and len(lay.prefills) == 1 else q.new_empty(1, n, q.shape[2], dv)  # (None:
     # one request's row, its SDPA's output the step's)
     if lay.decodes is not None:
         R = len(lay.decodes)
         qp = rearrange(q[0, :, lay.decodes], "(g m) r d -> r g m d", g=g)[lay.pair_row]  # [P, g, m, d]
-        s = torch.einsum("pgmd,gpbd->pgmb", qp, K.index_select(1, lay.pair_block)) * scale  # [P, g, m, B]
+        s = torch.einsum("pgmd,pgbd->pgmb", qp, K.index_select(0, lay.pair_block)) * scale  # [P, g, m, B]
         s = s.masked_fill(~lay.pair_valid[:, None, None], float("-inf"))
         idx = lay.pair_row[:, None, None].expand(-1, g, n // g)
         top = s.new_full((R, g, n // g), float("-inf")).scatter_reduce_(0, idx, s.amax(-1), "amax")  # [R, g, m]
         p = torch.exp(s - top[lay.pair_row][..., None])  # [P, g, m, B]
-        num = torch.einsum("pgmb,gpbd->pgmd", p, V.index_select(1, lay.pair_block))  # [P, g, m, dv]
+        num = torch.einsum("pgmb,pgbd->pgmd", p, V.index_select(0, lay.pair_block))  # [P, g, m, dv]
         o = s.new_zeros(R, g, n // g, dv).index_add_(0, lay.pair_row, num)
         o = o / s.new_zeros(R, g, n // g).index_add_(0, lay.pair_row, p.sum(-1))[..., None]
         out[0, :, lay.decodes] = rearrange(o, "r g m d -> (g m) r d")
     for start, t, blocks, cached in lay.prefills:
-        k, v = ((P[:, blocks] if isinstance(blocks, slice) else P.index_select(1, blocks)).flatten(1, 2)[None]
-                [:, :, :cached + t] for P in (K, V))  # [1, g, cached + t, d]: consecutive blocks, a view of the pool
+        k, v = (rearrange(P[blocks] if isinstance(blocks, slice) else P.index_select(0, blocks),
+                          "nb g b d -> 1 g (nb b) d")[:, :, :cached + t] for P in (K, V))
         mask = None if t == 1 else torch.ones(t, cached + t, dtype=torch.bool, device=q.device).tril(cached)  # (one
         # query sees every key: unmasked, the same scores)
         o = F.scaled_dot_product_attention(q[:, :, start:start + t], k, v, attn_mask=mask, scale=scale,

@@ -181,7 +181,7 @@ def test_freed_blocks_are_reused_and_the_pool_never_grows():
         pools.append([(k.data_ptr(), k.shape) for k, _ in e.cache.pools.values()])
     assert_greedy_equals_generate(model, engine, workload(seed=2), each_step=check)
     assert any(len(ids) > 1 for ids in users.values()), "no block was ever used by two requests"
-    assert all(p == pools[0] for p in pools) and len(pools[0]) == 2 and pools[0][0][1] == (2, 12, 4, 8)
+    assert all(p == pools[0] for p in pools) and len(pools[0]) == 2 and pools[0][0][1] == (12, 2, 4, 8)
     assert sorted(engine.cache.free) == list(range(12)) and not engine.running and not engine.waiting
 
 

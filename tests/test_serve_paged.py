@@ -54,8 +54,8 @@ def paged_and_gathered(reqs, counts, n=4, g=2, d=8, dv=8, wrong=None):
     T = sum(counts)
     q, k = (torch.randn(1, h, T, d, generator=gen, dtype=torch.float64) for h in (n, g))
     v = torch.randn(1, g, T, dv, generator=gen, dtype=torch.float64)
-    pools = (torch.randn(g, 24, 4, d, generator=gen, dtype=torch.float64),
-             torch.randn(g, 24, 4, dv, generator=gen, dtype=torch.float64))
+    pools = (torch.randn(24, g, 4, d, generator=gen, dtype=torch.float64),
+             torch.randn(24, g, 4, dv, generator=gen, dtype=torch.float64))
     out = []
     for attention in ("paged", "gather"):
         cache = serve.PagedKVCache(24, 4, attention=attention)

@@ -34,7 +34,7 @@ def bench():
 
 
 def test_bench_serve_prints_a_row_per_concurrency(capsys):
-    bench().main(["--concurrency", "1", "3", *TINY])
+    bench().main(["--concurrency", "1", "3", "--rounds", "2", *TINY])
     rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "3"]
     assert all(r.split("|")[-2].strip() == "yes" for r in rows), rows  # same tokens as generate_one
@@ -49,6 +49,12 @@ def test_engines_each_a_row_and_the_attention_kernels_agree(capsys):
     bench().main(["--attention-kernels", "--concurrency", "4", "--repeats", "1", *TINY])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if re.match(r"\| [a-z]", line)]
     assert len(rows) == 5 and all(float(r[-2]) <= 1e-5 for r in rows[1:]), rows  # (a header, 4 mechanisms)
+
+
+def test_a_row_is_its_round_of_median_wall_time():
+    rounds = [("a", 3.0), ("b", 1.0), ("c", 2.0), ("d", 5.0)]
+    assert bench().by_median(rounds, 1) == ("c", 2.0)  # (the lower middle of four)
+    assert bench().by_median(rounds[:3], 1) == ("c", 2.0) and bench().by_median(rounds[:1], 1) == ("a", 3.0)
 
 
 def assert_memory_is_the_caches(peak_of=None):

@@ -104,9 +104,10 @@ def set_learning_rates(optimizer, num_steps: int, args):
 
 
 # ---------------------------------------------------------------------------------------------- a schedule fitted to the time
-COOLDOWN_SHARE = 0.2  # a fitted run's cool-down: the last fifth of its iterations
+COOLDOWN_SHARE = 0.5  # a fitted run's cool-down: the last half of its iterations, annealed linearly
 RESERVE = 0.05  # ... planned to end at 95 % of --exit-duration-in-mins (the cool-down's timing noise, the last save)
 MEASURED = 10  # iterations a process times before it may predict from them
+RECENT = 0.5  # ... at the rate of its later half of them (a host that slows down: the mean would overshoot the time)
 
 
 def fits_time(args) -> bool:
@@ -118,10 +119,11 @@ def fits_time(args) -> bool:
 class TimeFit:
     """The schedule's length: the flags' (`args`), or, where fits_time, decided while the run trains. A fitted run
     warms up, then holds --lr (WSD's stable phase, which needs no end) until its predicted length N is reached by
-    the cool-down's share: N = min(--train-iters, the iterations done + those the time left holds at the rate
-    measured so far); the first step after which N - n <= COOLDOWN_SHARE x N fixes --train-iters N and
-    --lr-wsd-decay-iters N - n, exactly Megatron's WSD from there on. A host fast enough for --train-iters starts
-    the cool-down at its last fifth, whatever the clock says. The decision is the checkpoint's (state: Megatron's
+    the cool-down's share: N = min(--train-iters, the iterations done + those the time left holds at the rate of
+    the later half of the iterations timed so far); the first step after which N - n <= COOLDOWN_SHARE x N fixes
+    --train-iters N and --lr-wsd-decay-iters N - n, exactly Megatron's WSD from there on (annealed linearly unless
+    --lr-wsd-decay-style says otherwise). A host fast enough for --train-iters starts the cool-down at its last
+    half, whatever the clock says. The decision is the checkpoint's (state: Megatron's
     scheduler names, in samples), so a resumed run keeps it; `after_step` is given the time (no clock of its own)."""
 
     def __init__(self, args, meta: dict | None = None):
@@ -129,7 +131,7 @@ class TimeFit:
         decision, state), if any. `note`: a line saying the checkpoint's schedule continues where the flags' differ."""
         saved = (meta or {}).get("opt_param_scheduler", {})
         args, self.fitted, self.note = resumed_schedule(args, meta) if meta else (args, fits_time(args), None)
-        self.cap, self.decided = args.train_iters, not self.fitted or "wsd_decay_steps" in saved
+        self.cap, self.decided, self.times = args.train_iters, not self.fitted or "wsd_decay_steps" in saved, []
         self.plan(args, *((saved["lr_decay_steps"] // args.global_batch_size,
                            saved["wsd_decay_steps"] // args.global_batch_size) if self.fitted and self.decided else
                           (args.train_iters, round(COOLDOWN_SHARE * args.train_iters) if self.fitted else None)))
@@ -145,12 +147,15 @@ class TimeFit:
         """After iteration n (`timed` of them in `elapsed` seconds of this process, the time every rank agreed on):
         True if the cool-down is decided now."""
         warmup = schedule_steps(self.args)[0] / self.args.global_batch_size
-        if self.decided or n < warmup:
+        if self.decided:
+            return False
+        self.times.append((timed, elapsed))
+        if n < warmup:
             return False
         minutes, total = self.args.exit_duration_in_mins, self.cap  # (None: a fitted checkpoint resumed without it)
-        if timed >= MEASURED and minutes is not None:
-            budget = 60 * minutes * (1 - RESERVE)
-            total = min(total, n + int((budget - elapsed) * timed / elapsed))
+        if timed >= MEASURED and minutes is not None:  # at the rate of the later half of the iterations timed so far
+            budget, (t0, e0) = 60 * minutes * (1 - RESERVE), self.times[int(len(self.times) * RECENT)]
+            total = min(total, n + int((budget - elapsed) * (timed - t0) / max(elapsed - e0, 1e-9)))
         if total - n > round(COOLDOWN_SHARE * total):
             return False
         self.decided = True
@@ -169,7 +174,7 @@ class TimeFit:
         return (f"the cool-down starts after iteration {n}: {self.wsd_iters} iterations of WSD annealing to iteration "
                 f"{self.train_iters}, fitted to --exit-duration-in-mins={self.args.exit_duration_in_mins} "
                 f"(--train-iters {self.train_iters} --lr-decay-style WSD --lr-wsd-decay-iters {self.wsd_iters} "
-                "repeats it)")
+                f"--lr-wsd-decay-style {self.args.lr_wsd_decay_style} repeats it)")
 
 
 # ---------------------------------------------------------------------------------------------- a resumed schedule
@@ -228,7 +233,7 @@ def check_schedule_args(args, interleaved: bool) -> tuple:
     """The training length, the learning-rate schedule and the batch-size ramp-up: Megatron's rules (validate_args,
     training.py's update_train_iters, the ramp's calculator in megatron/core/num_microbatches_calculator.py). Returns
     what they derive: (--train-iters: a sample-based run's is Megatron's count, --lr-decay-iters, --lr-decay-samples:
-    by default the training length, --lr-wsd-decay-style: by default exponential)."""
+    by default the training length, --lr-wsd-decay-style: by default exponential, linear where TimeFit fits it)."""
     iters, samples, ramp = args.train_iters, args.train_samples, args.rampup_batch_size
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are exclusive: "
@@ -276,7 +281,8 @@ def check_schedule_args(args, interleaved: bool) -> tuple:
         iters = n + max(0, samples - consumed) // args.global_batch_size
         if iters == 0:
             raise ConfigError(f"--train-samples={samples} is less than one global batch ({args.global_batch_size})")
-    return iters, decay_iters, decay_samples, args.lr_wsd_decay_style or "exponential"
+    fit = args.lr_decay_style == "WSD" and wsd is None  # (TimeFit's: annealed linearly unless a style is given)
+    return iters, decay_iters, decay_samples, args.lr_wsd_decay_style or ("linear" if fit else "exponential")
 
 
 def check_rampup(args, interleaved: bool):

@@ -26,8 +26,9 @@
     fitted run's decision is kept, other WSD lengths refused; --override-opt_param-scheduler takes the command's.
   - Negative controls: a schedule one step late (the rate of the samples after the step) and a ramp fed iterations
     instead of consumed samples are each caught by the same comparisons; today's cosine under the slow clock is cut by
-    the guard far above --min-lr; a resume that forgets the checkpoint's decision decides again, differently; a
-    resume with --override-opt_param-scheduler logs other rates than the uninterrupted cosine run.
+    the guard far above --min-lr, and so is a fitted length predicted at the mean rate on a clock that slows down; a
+    resume that forgets the checkpoint's decision decides again, differently; a resume with
+    --override-opt_param-scheduler logs other rates than the uninterrupted cosine run.
 """
 
 import shutil
@@ -285,13 +286,24 @@ def test_fitted_schedule_completes_within_the_time(mcore, tick):
     assert fit.decided and n == fit.train_iters <= 650 and secs <= 60 * 8, (n, fit.train_iters, secs)
     assert lrs[n] == args.min_lr, f"the schedule did not complete: lr {lrs[n]} after the last iteration {n}"
     assert lrs[n - fit.wsd_iters] == args.lr > lrs[n - fit.wsd_iters + 1]  # held, then annealed over the last M
-    assert 0.15 <= fit.wsd_iters / n <= 0.25, (fit.wsd_iters, n)  # the cool-down's share (rounding, the cap)
+    assert abs(fit.wsd_iters / n - scheduler.COOLDOWN_SHARE) <= 0.05, (fit.wsd_iters, n)  # its share (rounding, the cap)
     # the flags it says repeat it: Megatron's WSD, iteration for iteration (the rate each step used, and after it)
-    repeat = checked(["--train-iters", str(n), "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", str(fit.wsd_iters)])
-    assert f"--train-iters {n} --lr-decay-style WSD --lr-wsd-decay-iters {fit.wsd_iters}" in fit.said(n)
+    repeat = checked(["--train-iters", str(n), "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", str(fit.wsd_iters),
+                      "--lr-wsd-decay-style", "linear"])
+    assert f"--train-iters {n} --lr-decay-style WSD --lr-wsd-decay-iters {fit.wsd_iters} --lr-wsd-decay-style " \
+           "linear repeats it" in fit.said(n)
     theirs, after = megatron_lrs(mcore, repeat, n)
     assert first_difference(our_lrs(fit.args, n), theirs) is None and after == lrs[n]
     assert [lrs[k] for k in range(1, n)] == theirs[1:]
+
+
+def test_fitted_schedule_negative_control_the_mean_rate_overshoots(monkeypatch):
+    """On the clock that slows down by 20 % after iteration 150, a length predicted at the mean rate of every
+    iteration timed (not the later half's) runs past the time: the guard cuts the cool-down above --min-lr."""
+    monkeypatch.setattr(scheduler, "RECENT", 0.0)
+    args = checked(FITTED)
+    fit, lrs, secs = fitted_run(args, CLOCKS["slowing down by 20 %"])
+    assert fit.decided and max(lrs) < fit.train_iters and lrs[max(lrs)] > args.min_lr, (max(lrs), fit.train_iters)
 
 
 def test_fitted_schedule_negative_control_todays_cosine_is_cut():
@@ -329,7 +341,7 @@ def test_fitted_decision_is_the_checkpoints():
 def test_fitted_run_stopped_in_its_cooldown_resumes_exactly(corpus, tmp_path, monkeypatch):
     """train.main on a clock that moves one second a step (time.time replaced; evaluation and saving take none):
     --train-iters 20 --lr-decay-style WSD in 0.25 minutes fits 14 iterations (the 5 % reserve: 14.25 s), the cool-down
-    from iteration 11; stopped at 12 and resumed on a clock 100x faster, it logs the same rates and losses."""
+    after iteration 10; stopped at 12 and resumed on a clock 100x faster, it logs the same rates and losses."""
     now, step = [1e9], train.train_step
     monkeypatch.setattr(time, "time", lambda: now[0])
     tick = [1.0]
@@ -348,7 +360,7 @@ def test_fitted_run_stopped_in_its_cooldown_resumes_exactly(corpus, tmp_path, mo
     train.main(run(stopped, "--load", str(stopped)))
     (a, _), (b, _) = metrics(straight), metrics(stopped)
     assert sorted(a) == sorted(b) == list(range(1, 15))
-    assert a[14]["lr"] == 0.0 and a[11]["lr"] == 3e-3 > a[12]["lr"]  # (--lr given: Megatron's --min-lr 0)
+    assert a[14]["lr"] == 0.0 and a[10]["lr"] == 3e-3 > a[11]["lr"]  # (--lr given: Megatron's --min-lr 0)
     for key in ("lr", "loss", "grad_norm"):
         assert [b[i][key] for i in b] == [a[i][key] for i in a], key
 
@@ -422,7 +434,7 @@ def test_fitted_checkpoint_resumed_with_other_lengths():
     meta = {"args": vars(args), "opt_param_scheduler": {"num_steps": 100 * 8, **fit.state()}}
     kept = scheduler.TimeFit(checked(["--exit-duration-in-mins", "4"]), meta)
     assert (kept.train_iters, kept.wsd_iters, kept.note) == (fit.train_iters, fit.wsd_iters, None)
-    given = ["--train-iters", str(fit.train_iters), "--lr-decay-style", "WSD"]
+    given = ["--train-iters", str(fit.train_iters), "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear"]
     wsd, gbs = fit.wsd_iters * args.global_batch_size, args.global_batch_size
     with pytest.raises(arguments.ConfigError, match=f"wsd_decay_steps {wsd} in the checkpoint, {wsd + gbs} now"):
         scheduler.TimeFit(checked([*given, "--lr-wsd-decay-iters", str(fit.wsd_iters + 1)]), meta)

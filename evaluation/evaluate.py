@@ -103,7 +103,7 @@ def serving(load: str, nproc: int):
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not come up:\n{proc.communicate(timeout=10)[0][-3000:]}")
-            time.sleep(0.5)
+            time.sleep(0.1)
         yield base, name, get(base + "/v1/models")["data"][0]["max_model_len"]
     finally:
         if proc.poll() is None:

@@ -160,10 +160,10 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = (rearrange(t, "s b n d -> b n s d") for t in (q, k, v))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, n, d] -> [b, n, s, d] (a view)
         if getattr(inference_context, "paged_attention", False):  # serving/engine.py's paged cache reads its blocks
             o = inference_context.attend(self, q, k, v, self.scale)  # itself (serving/paged_attention.py)
-            return self.linear_proj(rearrange(o, "b n s d -> s b (n d)"))
+            return self.linear_proj(o.permute(2, 0, 1, 3).flatten(2))  # [b, n, s, d] -> [s, b, (n d)]
         if inference_context is not None:  # decoding: this call's keys and values join the cached ones
             k, v, mask = with_cache(inference_context, self, q, k, v, mask, causal)  # k, v [b, g, t + s, d]
         if self.cp_attention is not None:  # context parallelism [b, n, s/cp, d]; causal as SDPA's: only without a mask
@@ -172,7 +172,7 @@ class Attention(nn.Module):
             o = checkpoint(self.core_attention, self.rng, q, k, v, mask, causal)
         else:
             o = self.core_attention(q, k, v, mask, causal)
-        return self.linear_proj(rearrange(o, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
+        return self.linear_proj(o.permute(2, 0, 1, 3).flatten(2))  # [b, n, s, d] -> [s(/tp), b, h = (n d)]
 
     def core_attention(self, q, k, v, mask, causal):
         """softmax(q·kᵀ·scale + mask) v with attention dropout: q [b, n, s, d], k, v [b, g, sk, d] -> [b, n, s, d].
@@ -215,9 +215,9 @@ class MLP(nn.Module):
 
     def forward(self, x):  # [s(/tp), b, h]
         y = self.linear_fc1(x)  # [s, b, f/tp] or [s, b, 2f/tp]
-        if self.gated and self.act is F.silu:
+        if self.gated and self.act is F.silu and torch.is_grad_enabled():
             y = SwiGLU.apply(y)  # [s, b, f/tp]
-        elif self.gated:
+        elif self.gated:  # (without autograd, the plain ops: an autograd.Function's call costs ~30 µs a layer)
             gate, up = y.chunk(2, dim=-1)
             y = self.act(gate) * up
         else:

@@ -172,8 +172,10 @@ class PagedKVCache:
         (True = attend): token t of request r at position p sees key j iff j is request r's, at a position <= p."""
         def ar(n):
             return torch.arange(n, device=device)
-        pos, *self.write = torch.tensor(self.slots(requests, counts, [r.cached for r in requests]),
-                                        device=device)  # [T]; (block, offset) [T] where each is written
+        slots = self.slots(requests, counts, [r.cached for r in requests])
+        pos, *self.write = torch.tensor(slots, device=device)  # [T]; (block, offset) [T] where each is written
+        self.write_one = (slots[1][0], slots[2][0]) if len(slots[0]) == 1 else None  # (a lone decode: written
+        # as a plain copy, no index_put)
         self.segments = [(r.slot, r.cached == 0, n) for r, n in zip(requests, counts)]  # for `recurrent`
         if self.paged_attention:  # each row reads its own blocks (serving/paged_attention.py)
             self.layout = paged_attention.layout([r.blocks for r in requests], [r.cached for r in requests], counts,
@@ -193,7 +195,10 @@ class PagedKVCache:
             self.pools[layer] = tuple(t.new_zeros(self.num_blocks, t.shape[1], self.block_size, t.shape[3])
                                       for t in (k, v))
         for pool, new in zip(self.pools[layer], (k, v)):
-            pool[self.write[0], :, self.write[1]] = new[0].transpose(0, 1)  # [T, g, d]
+            if self.write_one:
+                pool[self.write_one[0], :, self.write_one[1]] = new[0, :, 0]  # [g, d]
+            else:
+                pool[self.write[0], :, self.write[1]] = new[0].transpose(0, 1)  # [T, g, d]
         return self.pools[layer]
 
     def attend(self, layer, q, k, v, scale: float) -> torch.Tensor:

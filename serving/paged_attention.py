@@ -75,8 +75,8 @@ def attend(K: torch.Tensor, V: torch.Tensor, q: torch.Tensor, lay: Layout, scale
         o = o / s.new_zeros(R, g, n // g).index_add_(0, lay.pair_row, p.sum(-1))[..., None]
         out[0, :, lay.decodes] = rearrange(o, "r g m d -> (g m) r d")
     for start, t, blocks, cached in lay.prefills:
-        k, v = (rearrange(P[blocks] if isinstance(blocks, slice) else P.index_select(0, blocks),
-                          "nb g b d -> 1 g (nb b) d")[:, :, :cached + t] for P in (K, V))
+        k, v = ((P[blocks] if isinstance(blocks, slice) else P.index_select(0, blocks)).transpose(0, 1).flatten(1, 2)
+                [None, :, :cached + t] for P in (K, V))  # [nb, g, B, d] -> [1, g, cached + t, d]
         mask = None if t == 1 else torch.ones(t, cached + t, dtype=torch.bool, device=q.device).tril(cached)  # (one
         # query sees every key: unmasked, the same scores)
         o = F.scaled_dot_product_attention(q[:, :, start:start + t], k, v, attn_mask=mask, scale=scale,

@@ -67,7 +67,8 @@ class Request:
         """The tokens this step feeds, those not cached: the whole prompt first (prefill; after a preemption, the
         prompt and every token sampled so far: their keys are recomputed; with a cached prefix, the rest), then the
         last sampled token (decode)."""
-        return self.tokens()[self.cached:]
+        p = len(self.prompt)  # (a decode's: a slice of the output, not a copy of the whole sequence)
+        return self.output[self.cached - p:] if self.cached >= p else self.prompt[self.cached:] + self.output
 
     def max_positions(self) -> int:
         """Positions it ever caches: the prompt and every sampled token but the last (which is never fed)."""

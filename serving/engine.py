@@ -6,7 +6,8 @@ requests that arrive at any step, each with its own prompt length, sampling sett
 token budget) and running requests' last tokens (decode) packed side by side in one sequence dimension, each token
 at its own position and attending only to its own request's cached keys, read from the blocks through its table
 (serving/paged_attention.py; the plain path beside it: the keys gathered, a block-diagonal causal mask); only the
-rows a request samples after reach the output layer, and a lone request's decode is the same math, unmasked.
+rows a request samples after reach the output layer; a request decoding alone reads its keys as one run a layer,
+gathered once and appended to at each step (PagedKVCache.run), unmasked.
 The keys and values live in a paged cache (fixed-size blocks, a block table per request: Kwon et al.'s
 PagedAttention); a recurrent layer (a Mamba mixer) holds a state slot per request instead; a request may carry its
 own model inputs (LLaVA's image) and ask for logprobs. How and why: DESIGN.md §1, "The serving engine".
@@ -32,6 +33,7 @@ import itertools
 import math
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 
 from serving import paged_attention, speculative
@@ -109,6 +111,7 @@ class PagedKVCache:
         self.prefixes = {}  # (prefix caching) a prefix's tokens (a whole number of blocks) -> its last block
         self.prefix_of = {}  # the reverse: block -> its prefix
         self.evictable = collections.OrderedDict()  # cached blocks no table holds, least recently released first
+        self.runs, self.run_table, self.lone = {}, None, None  # a lone query's keys as one run (`run`)
 
     def available(self) -> int:
         return len(self.free) + len(self.evictable)
@@ -127,6 +130,7 @@ class PagedKVCache:
         return out
 
     def release(self, blocks: list[int]):
+        self.runs, self.run_table = {}, None
         for b in reversed(blocks):
             self.refs[b] -= 1
             if self.refs[b] == 0:
@@ -175,8 +179,11 @@ class PagedKVCache:
             return torch.arange(n, device=device)
         slots = self.slots(requests, counts, [r.cached for r in requests])
         pos, *self.write = torch.tensor(slots, device=device)  # [T]; (block, offset) [T] where each is written
-        self.write_one = (slots[1][0], slots[2][0]) if len(slots[0]) == 1 else None  # (a lone decode: written
-        # as a plain copy, no index_put)
+        lone = requests[0] if len(slots[0]) == 1 else None  # a step of one query (a request decoding alone)
+        self.write_one = (slots[1][0], slots[2][0]) if lone else None  # (its key written as a plain copy)
+        if lone is None or lone.blocks is not self.run_table:  # (`runs` follow one block table's lone steps)
+            self.runs, self.run_table = {}, lone and lone.blocks
+        self.lone = lone and lone.cached  # its query's position
         self.segments = [(r.slot, r.cached == 0, n) for r, n in zip(requests, counts)]  # for `recurrent`
         if self.paged_attention:  # each row reads its own blocks (serving/paged_attention.py)
             self.layout = paged_attention.layout([r.blocks for r in requests], [r.cached for r in requests], counts,
@@ -204,7 +211,27 @@ class PagedKVCache:
 
     def attend(self, layer, q, k, v, scale: float) -> torch.Tensor:
         """Attention over the pool (the paged path): this step's q [1, n, T, d], k, v [1, g, T, d] -> [1, n, T, d]."""
-        return paged_attention.attend(*self.pool(layer, k, v), q, self.layout, scale)
+        K, V = self.pool(layer, k, v)
+        if self.run_table is None:
+            return paged_attention.attend(K, V, q, self.layout, scale)
+        k, v = self.run(layer, K, V, k, v)  # a lone query: its keys as one run, no mask
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+    def run(self, layer, K, V, k, v):
+        """A lone query's keys and values as one run [1, g, c + 1, d] (c = its position; this step's last): its
+        blocks gathered once, then each lone step's key appended, as it is written to the pool. Gathering every
+        block at every step copied all its keys, a layer, a token (~10 % of a lone request's step here,
+        bench/README.md "Serving"). Any other step, or a block released, drops the runs."""
+        c, B = self.lone, self.block_size
+        runs = self.runs.get(layer)  # (K run, V run, positions held)
+        if runs is None or runs[2] != c or c >= runs[0].shape[2]:  # gathered from the pool, room to double
+            runs = [P.new_empty(1, P.shape[1], 2 * (c + 1), P.shape[3]) for P in (K, V)]
+            for run, P in zip(runs, (K, V)):
+                run[0, :, :c] = rearrange(P[self.run_table[:-(-c // B)]], "nb g b d -> g (nb b) d")[:, :c]
+        for run, new in zip(runs, (k, v)):
+            run[:, :, c:c + 1] = new
+        self.runs[layer] = (*runs[:2], c + 1)
+        return runs[0][:, :, :c + 1], runs[1][:, :, :c + 1]
 
     def append(self, layer, k, v):
         """The gather path (the plain oracle): this step's keys and values [1, g, T, d] -> every key and value this

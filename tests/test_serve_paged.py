@@ -4,6 +4,8 @@
   - the paged kernel on one mixed step (decodes, whole prompts, a prompt's later chunk; grouped-query heads, and
     MLA's value width unlike its key width) equals the gather path (every key read gathered, the block-diagonal
     mask: PagedKVCache.append); negative control: one request's block table holding another's block fails;
+  - a request decoding alone reads its keys as one run a layer (PagedKVCache.run), equal to its blocks gathered at
+    every step, through another request joining and ending; negative control: runs kept across those steps fail;
   - chunked prefill: greedy tokens equal gpt.generate's alone at budgets smaller than one block, smaller than a
     prompt, and larger than every prompt (GQA with RoPE, learned positions, MLA, a Mamba hybrid whose later chunks
     start from the state its earlier ones left, the gather path); no step runs more tokens than the budget, every
@@ -24,8 +26,9 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from test_kv_cache import GPT, LLAMA, MLA
-from test_serve import LLAVA, assert_greedy_equals_generate, hybrid, workload
+from test_serve import LLAVA, assert_greedy_equals_generate, greedy, hybrid, serve_all, workload
 
 import gpt
 import llava
@@ -92,6 +95,67 @@ def test_a_wrong_block_table_is_caught():
     paged, gathered = paged_and_gathered(reqs, counts, wrong=wrong)
     with pytest.raises(AssertionError, match="paged attention differs from the gather path"):
         assert rel_err(paged, gathered) <= 1e-12, "paged attention differs from the gather path"
+
+
+# --------------------------------------------------------------------------------------- a lone query's run
+LONE = [(0, [5, 7, 11, 13, 17], 12), (4, [3, 9], 2)]  # A decodes alone, B joins for two steps and ends, A goes on
+
+
+class Stale(dict):
+    """The mutant's runs: never dropped, and each taken as holding every position before the query's."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+
+    def get(self, layer):
+        held = super().get(layer)
+        return held and (*held[:2], self.cache.lone)
+
+
+def lone_runs(cfg, monkeypatch, stale=False):
+    """LONE through an engine (greedy), each of PagedKVCache.run's answers checked against the pool's blocks gathered:
+    (the engine's tokens, gpt.generate's, whether each answer equalled them). stale: the mutant (runs kept across
+    the other request's steps, their positions check defeated)."""
+    model, same = gpt.Model(gpt.Config(**cfg)), []
+    real_run, real_plan = serve.PagedKVCache.run, serve.PagedKVCache.plan
+
+    def run(self, layer, K, V, k, v):
+        out, c = real_run(self, layer, K, V, k, v), self.lone
+        want = (rearrange(P[self.run_table[:c // self.block_size + 1]], "nb g b d -> 1 g (nb b) d")[:, :, :c + 1]
+                for P in (K, V))
+        same.append(all(torch.equal(a, b) for a, b in zip(out, want)))
+        return out
+
+    def plan(self, requests, counts, device):
+        out = real_plan(self, requests, counts, device)
+        if self.run_table is not None:
+            self.runs = self.__dict__.setdefault("stale", Stale(self))
+        return out
+    monkeypatch.setattr(serve.PagedKVCache, "run", run)
+    if stale:
+        monkeypatch.setattr(serve.PagedKVCache, "plan", plan)
+    got = serve_all(serve.Engine(model, num_blocks=12, block_size=4, max_batch=2), LONE, greedy)
+    ref = [gpt.generate(model, torch.tensor([p]), m, temperature=0, use_cache=False)[0, len(p):].tolist()
+           for _, p, m in LONE]
+    return got, ref, same
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA, MLA], ids=["gpt-mha-learned", "llama-gqa-rope", "mla"])
+def test_a_lone_query_reads_its_keys_as_one_run(cfg, monkeypatch):
+    """A request decoding alone reads its keys and values as one run a layer (PagedKVCache.run: its blocks gathered
+    once, then each step's key appended) instead of gathering its blocks at every step: every run equals the pool's
+    blocks gathered, through another request joining and ending (the runs dropped, then gathered again), and the
+    tokens are gpt.generate's."""
+    got, ref, same = lone_runs(cfg, monkeypatch)
+    assert got == ref and len(same) >= 2 * 8 and all(same)
+
+
+def test_a_run_kept_across_another_requests_steps_is_caught(monkeypatch):
+    """Negative control: runs kept across the steps the other request shared (and taken as current) miss the
+    positions those steps wrote, and the run check fails."""
+    with pytest.raises(AssertionError, match="a run differs from the pool"):
+        assert all(lone_runs(LLAMA, monkeypatch, stale=True)[2]), "a run differs from the pool"
 
 
 # --------------------------------------------------------------------------------------- chunked prefill

@@ -108,6 +108,7 @@ COOLDOWN_SHARE = 0.5  # a fitted run's cool-down: the last half of its iteration
 RESERVE = 0.05  # ... planned to end at 95 % of --exit-duration-in-mins (the cool-down's timing noise, the last save)
 MEASURED = 10  # iterations a process times before it may predict from them
 RECENT = 0.5  # ... at the rate of its later half of them (a host that slows down: the mean would overshoot the time)
+SHORTEN = 0.99  # a cool-down predicted to end past 99 % of the time is compressed to end at 95 % of it
 
 
 def fits_time(args) -> bool:
@@ -123,8 +124,11 @@ class TimeFit:
     the later half of the iterations timed so far); the first step after which N - n <= COOLDOWN_SHARE x N fixes
     --train-iters N and --lr-wsd-decay-iters N - n, exactly Megatron's WSD from there on (annealed linearly unless
     --lr-wsd-decay-style says otherwise). A host fast enough for --train-iters starts the cool-down at its last
-    half, whatever the clock says. The decision is the checkpoint's (state: Megatron's
-    scheduler names, in samples), so a resumed run keeps it; `after_step` is given the time (no clock of its own)."""
+    half, whatever the clock says. A host that slows down in the cool-down would be cut by the guard above --min-lr:
+    where the cool-down's end, at the slower of that rate and the cool-down's own, falls past SHORTEN of the time, the
+    rest is compressed to end at 95 % (shorten: the rate at n kept, the same curve over fewer iterations). The latest
+    decision is the checkpoint's (state: Megatron's scheduler names, in samples), so a resumed run keeps it;
+    `after_step` is given the time (no clock of its own)."""
 
     def __init__(self, args, meta: dict | None = None):
         """meta: the resumed checkpoint's meta.json (its schedule: resumed_schedule; its opt_param_scheduler holds the
@@ -132,6 +136,8 @@ class TimeFit:
         saved = (meta or {}).get("opt_param_scheduler", {})
         args, self.fitted, self.note = resumed_schedule(args, meta) if meta else (args, fits_time(args), None)
         self.cap, self.decided, self.times = args.train_iters, not self.fitted or "wsd_decay_steps" in saved, []
+        self.since = 0 if self.fitted and self.decided else None  # where the cool-down's timings start
+        self.shortened = None  # (N, M) before the last shortening
         self.plan(args, *((saved["lr_decay_steps"] // args.global_batch_size,
                            saved["wsd_decay_steps"] // args.global_batch_size) if self.fitted and self.decided else
                           (args.train_iters, round(COOLDOWN_SHARE * args.train_iters) if self.fitted else None)))
@@ -145,21 +151,47 @@ class TimeFit:
 
     def after_step(self, n: int, elapsed: float, timed: int) -> bool:
         """After iteration n (`timed` of them in `elapsed` seconds of this process, the time every rank agreed on):
-        True if the cool-down is decided now."""
+        True if the cool-down is decided, or shortened, now."""
         warmup = schedule_steps(self.args)[0] / self.args.global_batch_size
-        if self.decided:
+        if not self.fitted:
             return False
         self.times.append((timed, elapsed))
+        minutes = self.args.exit_duration_in_mins  # (None: a fitted checkpoint resumed without it)
+        rate = self.iterations_per_second() if timed >= MEASURED and minutes is not None else None
+        if self.decided:
+            return rate is not None and self.shorten(n, elapsed, rate)
         if n < warmup:
             return False
-        minutes, total = self.args.exit_duration_in_mins, self.cap  # (None: a fitted checkpoint resumed without it)
-        if timed >= MEASURED and minutes is not None:  # at the rate of the later half of the iterations timed so far
-            budget, (t0, e0) = 60 * minutes * (1 - RESERVE), self.times[int(len(self.times) * RECENT)]
-            total = min(total, n + int((budget - elapsed) * (timed - t0) / max(elapsed - e0, 1e-9)))
+        total = self.cap
+        if rate is not None:
+            total = min(total, n + int((60 * minutes * (1 - RESERVE) - elapsed) * rate))
         if total - n > round(COOLDOWN_SHARE * total):
             return False
-        self.decided = True
+        self.decided, self.since = True, len(self.times)
         self.plan(self.args, n + max(1, total - n), max(1, total - n))
+        return True
+
+    def iterations_per_second(self) -> float:
+        """The rate of the later half of the iterations timed (RECENT); in the cool-down, the slower of that and the
+        rate of its latest quarter (an evaluation's pause weighs little there), which follows a host that slows down
+        after the decision sooner."""
+        def since(i):
+            (t0, e0), (t1, e1) = self.times[i], self.times[-1]
+            return (t1 - t0) / max(e1 - e0, 1e-9)
+        recent, window = since(int(len(self.times) * RECENT)), max(MEASURED, self.wsd_iters // 4)
+        own = self.since is not None and len(self.times) - self.since > window
+        return min(recent, since(len(self.times) - 1 - window)) if own else recent
+
+    def shorten(self, n: int, elapsed: float, rate: float) -> bool:
+        """In the cool-down: True if its end (at `rate` iterations a second) falls past SHORTEN of the time and the
+        rest is compressed now to end at 95 % of it: the rate after n is kept, the same curve runs over fewer steps."""
+        limit, left = 60 * self.args.exit_duration_in_mins, self.train_iters - n
+        if left <= 1 or elapsed + left / max(rate, 1e-9) <= SHORTEN * limit:
+            return False
+        fits = max(1, min(left - 1, int((limit * (1 - RESERVE) - elapsed) * rate)))  # iterations the time holds
+        self.shortened = (self.train_iters, self.wsd_iters)
+        # WSD's annealing fraction after n, (N - n) / M, is kept: M' = M x fits / (N - n), N' = n + fits
+        self.plan(self.args, n + fits, max(fits, round(self.wsd_iters * fits / left)))
         return True
 
     def state(self) -> dict:
@@ -170,7 +202,12 @@ class TimeFit:
             self.fitted and self.decided) else {}
 
     def said(self, n: int) -> str:
-        """The decision, in one line: the flags that repeat it."""
+        """The decision, in one line: the flags that repeat it (a shortened cool-down: what changed)."""
+        if self.shortened is not None:
+            return (f"the host slowed down: after iteration {n} the cool-down is compressed to end at iteration "
+                    f"{self.train_iters} (was {self.shortened[0]}), within --exit-duration-in-mins="
+                    f"{self.args.exit_duration_in_mins} (WSD from here as --train-iters {self.train_iters} "
+                    f"--lr-wsd-decay-iters {self.wsd_iters}; the checkpoints record it)")
         return (f"the cool-down starts after iteration {n}: {self.wsd_iters} iterations of WSD annealing to iteration "
                 f"{self.train_iters}, fitted to --exit-duration-in-mins={self.args.exit_duration_in_mins} "
                 f"(--train-iters {self.train_iters} --lr-decay-style WSD --lr-wsd-decay-iters {self.wsd_iters} "

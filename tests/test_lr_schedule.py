@@ -17,7 +17,9 @@
   - The schedule fitted to the time (scheduler.TimeFit: a pretraining run given --exit-duration-in-mins and no length
     runs WSD, its cool-down decided from the time measured so far): under a simulated clock (the elapsed time handed
     in; no sleeping) fast, slow, very slow or slowing down, it completes (the rate after the last step is --min-lr)
-    within the time, and is Megatron's WSD with the flags it says repeat it; a run given its length is today's.
+    within the time, and is Megatron's WSD with the flags it says repeat it; a run given its length is today's. A
+    host that slows down in the cool-down has the rest compressed (the rate continuous, never rising) and completes;
+    resumed after the compression, a run keeps it.
     End to end (time.time replaced by a clock that moves one second a step): a run stopped in its cool-down and
     resumed on a clock 100x faster logs the uninterrupted run's rates and losses, bit for bit.
   - A resumed run continues its checkpoint's schedule (scheduler.resumed_schedule, Megatron's _check_and_set): a
@@ -26,7 +28,8 @@
     fitted run's decision is kept, other WSD lengths refused; --override-opt_param-scheduler takes the command's.
   - Negative controls: a schedule one step late (the rate of the samples after the step) and a ramp fed iterations
     instead of consumed samples are each caught by the same comparisons; today's cosine under the slow clock is cut by
-    the guard far above --min-lr, and so is a fitted length predicted at the mean rate on a clock that slows down; a
+    the guard far above --min-lr, and so is a fitted length predicted at the mean rate on a clock that slows down,
+    and a cool-down never compressed on a clock that slows down in it; a
     resume that forgets the checkpoint's decision decides again, differently; a resume with
     --override-opt_param-scheduler logs other rates than the uninterrupted cosine run.
 """
@@ -284,6 +287,7 @@ def test_fitted_schedule_completes_within_the_time(mcore, tick):
     fit, lrs, secs = fitted_run(args, tick)
     n = max(lrs)
     assert fit.decided and n == fit.train_iters <= 650 and secs <= 60 * 8, (n, fit.train_iters, secs)
+    assert fit.shortened is None  # (a rate that holds in the cool-down needs no compressing)
     assert lrs[n] == args.min_lr, f"the schedule did not complete: lr {lrs[n]} after the last iteration {n}"
     assert lrs[n - fit.wsd_iters] == args.lr > lrs[n - fit.wsd_iters + 1]  # held, then annealed over the last M
     assert abs(fit.wsd_iters / n - scheduler.COOLDOWN_SHARE) <= 0.05, (fit.wsd_iters, n)  # its share (rounding, the cap)
@@ -297,10 +301,43 @@ def test_fitted_schedule_completes_within_the_time(mcore, tick):
     assert [lrs[k] for k in range(1, n)] == theirs[1:]
 
 
+SLOWING_IN_COOLDOWN = lambda i: 0.74 if i < 350 else 0.74 * 1.25  # noqa: E731 (the cool-down starts at ~310)
+
+
+def test_a_host_that_slows_in_the_cooldown_has_it_compressed_and_completes():
+    """On a fast day's clock that slows by 25 % after iteration 350, in the cool-down decided at ~310 (2026-12-07's
+    default run: ~20 % slower in its cool-down, cut by the guard at 759 of 777 with the rate above --min-lr): the rest
+    of the cool-down is compressed (TimeFit.shorten), the rate never rises nor drops more than 2 steps' worth at once,
+    the run completes within the time, and a run resumed after the compression (on a clock 5x faster) keeps it."""
+    args = checked(FITTED)
+    fit, lrs, secs = fitted_run(args, SLOWING_IN_COOLDOWN)
+    n, (was, _) = max(lrs), fit.shortened
+    assert fit.decided and n == fit.train_iters < was and secs <= 60 * 8 and lrs[n] == args.min_lr, (n, was, secs)
+    assert "the host slowed down: after iteration" in fit.said(n)
+    annealing = [lrs[k] for k in range(n - fit.wsd_iters, n + 1) if k in lrs]
+    drops = [a - b for a, b in zip(annealing, annealing[1:])]
+    assert min(drops) >= 0 and max(drops) <= 2 * (args.lr - args.min_lr) / fit.wsd_iters, (min(drops), max(drops))
+    stop = n - 20  # (after the compression: the time it holds is left)
+    meta = {"opt_param_scheduler": {"num_steps": stop * args.global_batch_size, **fit.state()}}
+    _, resumed, _ = fitted_run(args, lambda i: 0.145, start=stop, fit=scheduler.TimeFit(args, meta))
+    assert resumed == {k: v for k, v in lrs.items() if k > stop}
+
+
+def test_a_cooldown_never_compressed_is_cut_when_the_host_slows_in_it(monkeypatch):
+    """Negative control: the same clock with the compression off (SHORTEN never reached) is cut by the guard above
+    --min-lr, as 2026-12-07's run was."""
+    monkeypatch.setattr(scheduler, "SHORTEN", float("inf"))
+    args = checked(FITTED)
+    fit, lrs, _ = fitted_run(args, SLOWING_IN_COOLDOWN)
+    assert fit.decided and fit.shortened is None and max(lrs) < fit.train_iters and lrs[max(lrs)] > args.min_lr
+
+
 def test_fitted_schedule_negative_control_the_mean_rate_overshoots(monkeypatch):
     """On the clock that slows down by 20 % after iteration 150, a length predicted at the mean rate of every
-    iteration timed (not the later half's) runs past the time: the guard cuts the cool-down above --min-lr."""
+    iteration timed (not the later half's) runs past the time: the guard cuts the cool-down above --min-lr (its
+    compression, which would rescue it, off)."""
     monkeypatch.setattr(scheduler, "RECENT", 0.0)
+    monkeypatch.setattr(scheduler, "SHORTEN", float("inf"))
     args = checked(FITTED)
     fit, lrs, secs = fitted_run(args, CLOCKS["slowing down by 20 %"])
     assert fit.decided and max(lrs) < fit.train_iters and lrs[max(lrs)] > args.min_lr, (max(lrs), fit.train_iters)

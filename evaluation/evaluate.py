@@ -117,8 +117,15 @@ def serving(load: str, nproc: int):
 def lm_eval(model: str, model_args: dict, task_names: list[str], limit, chat: bool) -> dict:
     """lm_eval.simple_evaluate on shipped tasks, run in the repository's root (the tasks' data_files are relative)."""
     os.environ.update(OFFLINE)
+    import functools
+
     import lm_eval as harness
+    import torch.utils.collect_env as collect_env
     from lm_eval.tasks import TaskManager
+    # Each simple_evaluate records torch's collect_env report (it runs `pip list`: ~1.5 s); a process's environment does
+    # not change, so it is collected once (an evaluation calls lm-eval once per kind of task)
+    if not hasattr(collect_env.get_pretty_env_info, "cache_info"):
+        collect_env.get_pretty_env_info = functools.cache(collect_env.get_pretty_env_info)
     with contextlib.chdir(ROOT):
         return harness.simple_evaluate(
             model=model, model_args=model_args, tasks=task_names, limit=limit, log_samples=True,

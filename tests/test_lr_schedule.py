@@ -34,6 +34,7 @@
     --override-opt_param-scheduler logs other rates than the uninterrupted cosine run.
 """
 
+import json
 import shutil
 import time
 
@@ -400,6 +401,30 @@ def test_fitted_run_stopped_in_its_cooldown_resumes_exactly(corpus, tmp_path, mo
     assert a[14]["lr"] == 0.0 and a[10]["lr"] == 3e-3 > a[11]["lr"]  # (--lr given: Megatron's --min-lr 0)
     for key in ("lr", "loss", "grad_norm"):
         assert [b[i][key] for i in b] == [a[i][key] for i in a], key
+
+
+def test_train_py_compresses_a_cooldown_the_host_slows_down_in(corpus, tmp_path, monkeypatch, capsys):
+    """train.main on a clock that moves one second a step, then 1.2 from iteration 15: --exit-duration-in-mins 0.5
+    fits 28 iterations, the cool-down after 14; at 1.2 s the rest would end past the 30 s, so it is compressed, said
+    in one line, and the run completes (--min-lr after its last step) within the time; its checkpoint records it."""
+    now, step = [1e9], train.train_step
+    monkeypatch.setattr(time, "time", lambda: now[0])
+
+    def timed_step(run, it):
+        now[0] += 1.0 if it < 14 else 1.2
+        return step(run, it)
+    monkeypatch.setattr(train, "train_step", timed_step)
+    save = tmp_path / "run"
+    train.main(tiny(corpus, tmp_path / "cache", save, "--train-iters", "40", "--lr-decay-style", "WSD",
+                    "--exit-duration-in-mins", "0.5", "--eval-interval", "100"))
+    out, (logged, _) = capsys.readouterr().out, metrics(save)
+    n = max(logged)
+    assert "the cool-down starts after iteration 14: 14 iterations of WSD annealing to iteration 28" in out, out
+    assert "the host slowed down: after iteration" in out and n < 28 and logged[n]["lr"] == 0.0, (n, out[-2000:])
+    assert 14 + 1.2 * (n - 14) <= 30 and logged[14]["lr"] == 3e-3 > logged[15]["lr"]
+    assert all(logged[i]["lr"] >= logged[i + 1]["lr"] for i in range(14, n))
+    meta = json.loads((save / f"iter_{n:07d}" / "meta.json").read_text())
+    assert meta["opt_param_scheduler"]["lr_decay_steps"] == n * 8, meta["opt_param_scheduler"]  # (global batch 8)
 
 
 # ---------------------------------------------------------------------------------------------- a resumed schedule

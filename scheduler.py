@@ -141,6 +141,7 @@ class TimeFit:
         self.plan(args, *((saved["lr_decay_steps"] // args.global_batch_size,
                            saved["wsd_decay_steps"] // args.global_batch_size) if self.fitted and self.decided else
                           (args.train_iters, round(COOLDOWN_SHARE * args.train_iters) if self.fitted else None)))
+        self.window = max(MEASURED, (self.wsd_iters or 0) // 4)  # a quarter of the cool-down as decided (not shortened)
 
     def plan(self, args, train_iters: int, wsd_iters: int | None):
         """The flags the schedule reads (scheduler.learning_rate): a copy of args with the fitted length."""
@@ -167,20 +168,20 @@ class TimeFit:
             total = min(total, n + int((60 * minutes * (1 - RESERVE) - elapsed) * rate))
         if total - n > round(COOLDOWN_SHARE * total):
             return False
-        self.decided, self.since = True, len(self.times)
+        self.decided, self.since, self.window = True, len(self.times), max(MEASURED, (total - n) // 4)
         self.plan(self.args, n + max(1, total - n), max(1, total - n))
         return True
 
     def iterations_per_second(self) -> float:
         """The rate of the later half of the iterations timed (RECENT); in the cool-down, the slower of that and the
-        rate of its latest quarter (an evaluation's pause weighs little there), which follows a host that slows down
-        after the decision sooner."""
+        rate of its latest quarter (of its length as decided: an evaluation's pause weighs little there), which
+        follows a host that slows down after the decision sooner."""
         def since(i):
             (t0, e0), (t1, e1) = self.times[i], self.times[-1]
             return (t1 - t0) / max(e1 - e0, 1e-9)
-        recent, window = since(int(len(self.times) * RECENT)), max(MEASURED, self.wsd_iters // 4)
-        own = self.since is not None and len(self.times) - self.since > window
-        return min(recent, since(len(self.times) - 1 - window)) if own else recent
+        recent = since(int(len(self.times) * RECENT))
+        own = self.since is not None and len(self.times) - self.since > self.window
+        return min(recent, since(len(self.times) - 1 - self.window)) if own else recent
 
     def shorten(self, n: int, elapsed: float, rate: float) -> bool:
         """In the cool-down: True if its end (at `rate` iterations a second) falls past SHORTEN of the time and the

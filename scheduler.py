@@ -174,14 +174,14 @@ class TimeFit:
 
     def iterations_per_second(self) -> float:
         """The rate of the later half of the iterations timed (RECENT); in the cool-down, the slower of that and the
-        rate of its latest quarter (of its length as decided: an evaluation's pause weighs little there), which
-        follows a host that slows down after the decision sooner."""
+        rate of the latest iterations, as many as a quarter of the cool-down as decided (an evaluation's pause weighs
+        little there), which follows a host that slows down after the decision sooner."""
         def since(i):
             (t0, e0), (t1, e1) = self.times[i], self.times[-1]
             return (t1 - t0) / max(e1 - e0, 1e-9)
         recent = since(int(len(self.times) * RECENT))
-        own = self.since is not None and len(self.times) - self.since > self.window
-        return min(recent, since(len(self.times) - 1 - self.window)) if own else recent
+        latest = self.since is not None and len(self.times) > self.window  # (in the cool-down)
+        return min(recent, since(len(self.times) - 1 - self.window)) if latest else recent
 
     def shorten(self, n: int, elapsed: float, rate: float) -> bool:
         """In the cool-down: True if its end (at `rate` iterations a second) falls past SHORTEN of the time and the

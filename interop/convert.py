@@ -21,7 +21,7 @@ the dict to `load`.
                  Megatron-core (layers and experts un-stacked, SwiGLU halves joined: the dict megatron_state takes)
                  and written by to_megatron_dist, which Megatron-core's dist_checkpointing.load takes
                  (`tools.py import-megatron` / `export-megatron`; tests/test_megatron_dist.py: the logits in float64).
-  Export         gpt_to_hf, the inverse of gpt.py's GPT-2 and Llama imports: GPT-2, Llama, Mixtral directories
+  Export         gpt_to_hf, the inverse of gpt.py's GPT-2 and Llama imports: GPT-2, Llama, Qwen3, Mixtral directories
                  (`tools.py export`) — tests/test_export.py loads them with transformers and compares the logits;
                  save_hf writes them with the tokenizer, its special tokens and chat template (tests/test_serve_export.py).
 Mirrors the name maps of Megatron-LM's tools/checkpoint/ loaders and of transformers' Megatron conversion scripts.
@@ -620,12 +620,14 @@ _EXPORT_READ = {"num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "layernorm_epsilon", "activation", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "softmax_scale",
                 "share_embeddings_and_output_weights", "num_tokentypes", "apply_residual_connection_post_layernorm",
                 "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
-                "moe_router_pre_softmax", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size"}
+                "moe_router_pre_softmax", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size",
+                "qk_layernorm"}
 
 
 def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
     """The inverse of gpt.py's GPT-2 and Llama imports: (config.json as a dict, {HF name: tensor}) of a GPT2LMHeadModel
-    (learned positions, LayerNorm, biases, tied embeddings), a LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, no biases)
+    (learned positions, LayerNorm, biases, tied embeddings), a LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, no biases),
+    with --qk-layernorm a Qwen3ForCausalLM (Llama's layers and an RMSNorm over each head's q and k before RoPE)
     or, with MoE in every layer, a MixtralForCausalLM (Hugging Face hub layout: block_sparse_moe.experts.{j}.w1/w2/w3).
     `full`: our full state dict (one process). Anything else, or any setting those classes cannot express: ExportError
     naming it."""
@@ -642,10 +644,12 @@ def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
     if gpt2:
         need += [("normalization", "LayerNorm"), ("gated_linear_unit", False), ("add_bias_linear", True),
                  ("add_qkv_bias", True), ("share_embeddings_and_output_weights", True), ("num_query_groups", n),
-                 ("kv_channels", h // n), ("num_experts", None)]
+                 ("kv_channels", h // n), ("num_experts", None), ("qk_layernorm", False)]
     else:
         need += [("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("gated_linear_unit", True),
                  ("activation", "silu"), ("add_bias_linear", False), ("add_qkv_bias", False)]
+        if c.qk_layernorm:  # Qwen3 (dense; its MoE sibling, qwen3_moe, is not written here)
+            need += [("num_experts", None)]
         if c.num_experts:
             need += [("moe_router_score_function", "softmax"), ("moe_router_pre_softmax", False),
                      ("moe_expert_capacity_factor", None), ("moe_shared_expert_intermediate_size", None)]
@@ -678,8 +682,10 @@ def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
                         t = rearrange(t, "(n three d) ... -> (three n d) ...", three=3, n=n)
                     out[f"transformer.h.{i}.{dst}.{kind}"] = t.t() if kind == "weight" and not dst.startswith("ln") else t
         return hc, {k: v.contiguous().clone() for k, v in out.items()}
-    moe = bool(c.num_experts)
-    hc = dict(architectures=["MixtralForCausalLM" if moe else "LlamaForCausalLM"], model_type="mixtral" if moe else "llama",
+    moe, qwen3 = bool(c.num_experts), c.qk_layernorm
+    arch, kind = ("MixtralForCausalLM", "mixtral") if moe else ("Qwen3ForCausalLM", "qwen3") if qwen3 else \
+        ("LlamaForCausalLM", "llama")
+    hc = dict(architectures=[arch], model_type=kind,
               vocab_size=V, hidden_size=h, intermediate_size=c.moe_ffn_hidden_size if moe else c.ffn_hidden_size,
               num_hidden_layers=L, num_attention_heads=n, num_key_value_heads=g, head_dim=d,
               max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon, hidden_act="silu",
@@ -688,6 +694,8 @@ def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
     if moe:
         hc.update(num_local_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk, router_jitter_noise=0.0,
                   sliding_window=None, output_router_logits=False)
+    elif qwen3:
+        hc.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * L)
     else:
         hc.update(mlp_bias=False)
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:V],
@@ -703,6 +711,8 @@ def gpt_to_hf(c, full: dict) -> tuple[dict, dict]:
                     o + "self_attn.v_proj.weight": rearrange(v, "g r h -> (g r) h"),
                     o + "self_attn.o_proj.weight": sd[s + "self_attention.linear_proj.weight"],
                     o + "post_attention_layernorm.weight": sd[s + "pre_mlp_layernorm.weight"]})
+        if qwen3:
+            out.update({o + f"self_attn.{x}_norm.weight": sd[s + f"self_attention.{x}_layernorm.weight"] for x in "qk"})
         if not moe:
             gate, up = sd[s + "mlp.linear_fc1.weight"].chunk(2)  # [gate; up]
             out.update({o + "mlp.gate_proj.weight": gate, o + "mlp.up_proj.weight": up,

@@ -1,8 +1,9 @@
 """convert.gpt_to_hf (tools.py export) against Hugging Face transformers: our model written as a Hugging Face directory
 (config.json + model.safetensors), loaded back with `transformers.AutoModelForCausalLM.from_pretrained` offline, gives
-our logits. GPT-2, Llama (grouped-query, multi-query, tied or not) and Mixtral shapes; settings those classes cannot
-express are refused with one line naming them. A Hugging Face Mixtral imported (gpt.from_hf) and exported again
-comes back identical, tensor for tensor (bitwise: both ways are renames and concatenations).
+our logits. GPT-2, Llama (grouped-query, multi-query, tied or not), Qwen3 (--qk-layernorm) and Mixtral shapes; settings
+those classes cannot express are refused with one line naming them. A Hugging Face Mixtral or Qwen3 imported
+(gpt.from_hf) and exported again comes back identical, tensor for tensor (bitwise: both ways are renames and
+concatenations).
 
 Tolerance: float32, 1e-5 relative (max |ours − HF| / max |HF|): the same ops in different orders (fused QKV, SDPA);
 measured ~1e-7. A layout error (a swapped head or projection) moves logits by ~1e-1: the negative control below.
@@ -28,7 +29,8 @@ LLAMA = dict(SMALL, num_query_groups=2, ffn_hidden_size=96, position_embedding_t
              normalization="RMSNorm", activation="silu", gated_linear_unit=True, add_bias_linear=False,
              share_embeddings_and_output_weights=False, layernorm_epsilon=1e-6)
 FAMILIES = {"gpt2": GPT2, "llama-gqa": LLAMA, "llama-mqa-tied": dict(LLAMA, num_query_groups=1,
-            share_embeddings_and_output_weights=True), "mixtral": dict(LLAMA, num_experts=4, moe_router_topk=2)}
+            share_embeddings_and_output_weights=True), "qwen3": dict(LLAMA, qk_layernorm=True),
+            "mixtral": dict(LLAMA, num_experts=4, moe_router_topk=2)}
 
 
 def ours(cfg, seed=0):
@@ -53,7 +55,8 @@ def export(model, path, tamper=None):
 def test_exported_model_gives_our_logits(family, tmp_path):
     model = ours(FAMILIES[family])
     hf = export(model, tmp_path)
-    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM"}.get(family, "LlamaForCausalLM")
+    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
+                                 "qwen3": "Qwen3ForCausalLM"}.get(family, "LlamaForCausalLM")
     ids = make_batch(1000, 3, 20, seed=1)
     with torch.no_grad():
         got, ref = model(ids), hf(ids).logits
@@ -84,6 +87,9 @@ class FutureConfig(gpt.Config):  # a setting added later (by another feature) th
     (gpt.Config(**dict(LLAMA, add_qkv_bias=True)), "add_qkv_bias=True"),
     (gpt.Config(**dict(LLAMA, num_experts=4, moe_layer_freq=2)), "moe_layer_freq=2: Mixtral has MoE in every layer"),
     (gpt.Config(**dict(GPT2, normalization="RMSNorm")), "normalization='RMSNorm'"),
+    (gpt.Config(**dict(GPT2, qk_layernorm=True)), "qk_layernorm=True cannot be represented in Hugging Face's GPT-2"),
+    (gpt.Config(**dict(LLAMA, qk_layernorm=True, num_experts=4)), "num_experts=4 cannot be represented"),
+    (gpt.Config(**dict(LLAMA, qk_layernorm=True, normalization="LayerNorm")), "normalization='LayerNorm'"),
     (gpt.Config(**dict(LLAMA, num_tokentypes=2)), "num_tokentypes=2"),
     (FutureConfig(**dict(LLAMA), rope_scaling_factor=4.0), "rope_scaling_factor=4.0 has no Hugging Face equivalent"),
 ])
@@ -124,3 +130,35 @@ def test_mixtral_import_export_round_trip(tmp_path):
     tampered = export(model, tmp_path / "swapped", swap)
     assert not torch.equal(tampered.state_dict()["model.layers.1.mlp.experts.gate_up_proj"],
                            want["model.layers.1.mlp.experts.gate_up_proj"])
+
+
+def test_qwen3_import_export_round_trip(tmp_path):
+    """A Hugging Face Qwen3 (q_norm/k_norm: our qk_layernorm) -> gpt.from_hf -> gpt_to_hf -> from_pretrained: every
+    tensor comes back identical and the config's shape fields too; q_norm and k_norm swapped in one layer must not
+    (the logits then move: the test above's tolerance would see it)."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=500.0,
+        tie_word_embeddings=False)).eval()
+    with torch.no_grad():  # the norms off 1, so a misplaced one shows
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    want = hf.state_dict()
+    model = gpt.from_hf(hf)
+    assert model.config.qk_layernorm
+    back = export(model, tmp_path / "same")
+    assert type(back).__name__ == "Qwen3ForCausalLM" and set(back.state_dict()) == set(want)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings")
+    assert {f: getattr(back.config, f) for f in fields} == {f: getattr(hf.config, f) for f in fields}
+
+    def swap(sd):
+        a = "model.layers.1.self_attn."
+        sd[a + "q_norm.weight"], sd[a + "k_norm.weight"] = sd[a + "k_norm.weight"], sd[a + "q_norm.weight"]
+    tampered = export(model, tmp_path / "swapped", swap)
+    ids = make_batch(1000, 2, 12, seed=3)
+    with torch.no_grad():
+        assert rel_err(tampered(ids).logits, hf(ids).logits) > 1e-3

@@ -133,8 +133,8 @@ def model_flags(g):
     a("--norm-epsilon", type=float, default=None, help="every norm's epsilon (default 1e-5)")
     a("--apply-layernorm-1p", action="store_true", help="zero-centered norm weights: every norm scales by 1 + weight, "
       "the weight starting at 0 (Megatron's layernorm_zero_centered_gamma)")
-    a("--qk-layernorm", action="store_true", help="a norm (--normalization) over each head's q and k before RoPE, in "
-      "every self-attention; with --multi-latent-attention: its q and kv latents' norms")
+    a("--qk-layernorm", action=argparse.BooleanOptionalAction, default=False, help="a norm (--normalization) over each "
+      "head's q and k before RoPE, in every self-attention; with --multi-latent-attention: its q and kv latents' norms")
     a("--swiglu", action=argparse.BooleanOptionalAction, default=True)
     a("--disable-bias-linear", action=argparse.BooleanOptionalAction, default=True)
     a("--untie-embeddings-and-output-weights", action="store_true")
@@ -446,7 +446,7 @@ def compatibility_flags(g):
 #   5. the checkpoint's saved flags            (checkpoint.saved_flags, through `saved`: the model's shape)
 #   4. --task's TASK_DEFAULTS                  (above)
 #   3. the model file's OPTIMIZER_DEFAULTS     (where --optimizer is not the one its TRAIN_DEFAULTS names: those, or
-#                                               train.py's own --lr / --min-lr)
+#                                               train.py's own OPTIMIZER_SETTINGS: --lr, --min-lr, --adam-beta2, ...)
 #   2. the model file's TRAIN_DEFAULTS         (its default run)
 #   1. the defaults registered here            (the *_flags groups)
 # --model itself: the command line, the YAML, the checkpoint's, else config.default_model(). Last, four schedule flags
@@ -463,15 +463,15 @@ def resolve(p: argparse.ArgumentParser, argv: list[str], saved: dict, known_only
     next(act for act in p._actions if act.dest == "position_embedding_type").choices = \
         list(mf.Config.POSITION_EMBEDDING_TYPES)
     mf.add_arguments(p.add_argument_group(f"--model {model}'s own flags ({model}.py)"))
-    adam_lr = {k: p.get_default(k) for k in ("lr", "min_lr")}  # train.py's own: AdamW's on the default shape
+    own = {k: p.get_default(k) for k in OPTIMIZER_SETTINGS}  # train.py's own: AdamW's on the default shape
     p.set_defaults(**mf.TRAIN_DEFAULTS)  # 2.
     pre = p.parse_known_args(yaml_known + list(argv), argparse.Namespace(optimizer=UNSET))[0]
     task, optimizer = pre.task, pre.optimizer
     adapters = pre.lora_rank is not None or saved.get("lora_rank") is not None  # (a resumed LoRA run: the saved rank)
     if optimizer is UNSET:  # the model file's for pretraining whole weights; adapters and post-training: AdamW
         optimizer = p.get_default("optimizer") if task == "pretrain" and not adapters else "adam"
-    if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # 3. a model file's lr suits the optimizer it names
-        p.set_defaults(**{**adam_lr, **mf.OPTIMIZER_DEFAULTS.get(optimizer, {})})
+    if optimizer != mf.TRAIN_DEFAULTS.get("optimizer", optimizer):  # 3. a model file's rates suit the optimizer it names
+        p.set_defaults(**{**own, **mf.OPTIMIZER_DEFAULTS.get(optimizer, {})})
     p.set_defaults(**TASK_DEFAULTS.get(task, {}), optimizer=optimizer)  # 4.
     dests = {act.dest for act in p._actions}
     p.set_defaults(**{k: v for k, v in saved.items() if k in dests})  # 5.
@@ -527,6 +527,9 @@ def run_flags(saved: dict, model: str | None = None) -> dict:
 # OPTIMIZER_DEFAULTS for it (bert: AdamW's own rates), else train.py's (AdamW's on the default shape). And the decay
 # style: a pretraining run given no length (--train-iters, --lr-decay-iters, --train-samples) but a time
 # (--exit-duration-in-mins, as make train gives) fits its schedule to the time: WSD (scheduler.TimeFit).
+# What a model file's TRAIN_DEFAULTS set for the optimizer it names, and another optimizer takes from OPTIMIZER_DEFAULTS
+# or train.py's own (layer 3 above)
+OPTIMIZER_SETTINGS = ("lr", "min_lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay")
 SCHEDULE_DEFAULTS = ("train_iters", "lr_warmup_iters", "lr", "min_lr", "lr_decay_style")
 UNSET = "(not given)"
 

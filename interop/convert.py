@@ -472,12 +472,15 @@ _MEGATRON_LM_ARCH = ["num_layers", "hidden_size", "num_attention_heads", "kv_cha
                      "normalization", "norm_epsilon", "apply_layernorm_1p", "swiglu", "qk_layernorm",
                      "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "num_experts",
                      "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size"]
+# Megatron-LM flags that are off unless given, where a model file's default may be on (gpt: --swiglu, --qk-layernorm)
+_MEGATRON_LM_OFF = ["swiglu", "qk_layernorm", "apply_layernorm_1p", "untie_embeddings_and_output_weights"]
 
 
 def megatron_lm_args(ckpt_dir) -> dict:
     """The architecture a Megatron-LM checkpoint records (common.pt's "args", its argparse.Namespace) as train.py flag
-    values {dest: value}: the names above are the same; --disable-bias-linear is `not add_bias_linear`; num_query_groups
-    counts only with group_query_attention. {} when common.pt holds no args (a bare dist_checkpointing.save).
+    values {dest: value}: the names above are the same (one of _MEGATRON_LM_OFF that args lack: off, Megatron's
+    meaning); --disable-bias-linear is `not add_bias_linear`; num_query_groups counts only with group_query_attention.
+    {} when common.pt holds no args (a bare dist_checkpointing.save).
     common.pt is unpickled with argparse.Namespace, torch, numpy and collections types as themselves and every other
     class (Megatron's enums, its other objects) as an inert stand-in, so that Megatron-LM need not be installed.
     Refused by name: a setting train.py has no flag for (add_qkv_bias)."""
@@ -511,6 +514,7 @@ def megatron_lm_args(ckpt_dir) -> dict:
     if a.get("add_qkv_bias"):
         raise MegatronDistError(f"{common}: Megatron-LM's add_qkv_bias=True has no train.py flag here")
     out = {k: a[k] for k in _MEGATRON_LM_ARCH if k in a}
+    out.update({k: False for k in _MEGATRON_LM_OFF if k not in a})  # Megatron's store_true flags: absent = off
     if "add_bias_linear" in a:
         out["disable_bias_linear"] = not a["add_bias_linear"]
     if "group_query_attention" in a:

@@ -50,7 +50,7 @@ SEED = 7
 FLAGS = ["--model", "gpt", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--num-query-groups", "2", "--ffn-hidden-size", "48", "--swiglu", "--disable-bias-linear",
          "--normalization", "RMSNorm", "--rotary-base", "500", "--untie-embeddings-and-output-weights",
-         "--seq-length", "16", "--max-position-embeddings", "16"]
+         "--seq-length", "16", "--max-position-embeddings", "16", "--no-qk-layernorm"]
 MOE_FLAGS = FLAGS + ["--num-experts", "4", "--moe-layer-freq", "[0,1]", "--moe-ffn-hidden-size", "24",
                      "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather"]
 
@@ -248,8 +248,9 @@ def megatron_lm_run(work, root: Path, **changes) -> Path:
 
 
 def test_megatron_lm_args_give_the_architecture(work, tmp_path, capsys):
-    """Without model flags, a Megatron-LM checkpoint's recorded args shape the model: the same run as the flags give.
-    Controls: args of another depth fail by name (so they are read), and a setting without a flag is refused."""
+    """Without model flags, a Megatron-LM checkpoint's recorded args shape the model: the same run as the flags give
+    (these args lack qk_layernorm: off, Megatron's meaning, where gpt's own default is on). Controls: args of another
+    depth fail by name (so they are read), and a setting without a flag is refused."""
     run = megatron_lm_run(work, tmp_path / "lm")
     tools.main(["import-megatron", "--load", str(run), "--save", str(tmp_path / "run"), "--model", "gpt",
                 "--tokenizer-file", str(work / "tokenizer.json")])

@@ -58,8 +58,9 @@ GIVEN = {
     "--num-query-groups": ["--num-query-groups", "2"],
     "--no-position-embedding": ["--no-position-embedding"],
     "--spec": ["--model", "mamba", "--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"],
-    "--multi-latent-attention": ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
-                                 "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"],
+    "--multi-latent-attention": ["--no-qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "16",  # (gpt's is on)
+                                 "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+                                 "--v-head-dim", "16"],
 }
 # argv that each REFUSED flag refuses, and a piece of its line
 REFUSE = {
@@ -154,7 +155,8 @@ def test_model_flags_reach_the_config():
     assert (c.moe_shared_expert_intermediate_size, c.moe_shared_expert_gate) == (32, True)
     assert (c.layernorm_epsilon, c.rotary_base, c.num_query_groups) == (1e-6, 500000.0, 1)  # Megatron's GQA default
     assert args.recompute_granularity == "selective"
-    plain = arguments.model_config(contract.model_file("gpt"), checked([]), vocab_size=300)
+    assert checked([]).qk_layernorm  # (gpt's TRAIN_DEFAULTS; Megatron's default is off)
+    plain = arguments.model_config(contract.model_file("gpt"), checked(["--no-qk-layernorm"]), vocab_size=300)
     assert (plain.qk_layernorm, plain.layernorm_zero_centered_gamma, plain.layernorm_epsilon) == (False, False, 1e-5)
     assert not plain.moe_shared_expert_gate
     assert checked(["--group-query-attention", "--num-query-groups", "2"]).num_query_groups == 2

@@ -171,6 +171,18 @@ def test_the_default_optimizer_and_its_learning_rates(flags, want):
     assert (args.optimizer, args.lr, args.min_lr) == want
 
 
+def test_a_model_files_optimizer_settings_go_with_the_optimizer_it_names():
+    """gpt's TRAIN_DEFAULTS set AdamW's beta2 for the parameters its Muon leaves to AdamW (embeddings, output layer,
+    norms); another optimizer, a post-training task or another model file takes train.py's own (0.95), and a command's
+    own wins. Without layer 3's reset (arguments.OPTIMIZER_SETTINGS) `--optimizer adam` would step with gpt's 0.99."""
+    own = 0.95
+    assert arguments.parse_args([]).adam_beta2 == gpt.TRAIN_DEFAULTS["adam_beta2"] != own
+    for flags in (["--optimizer", "adam"], ["--task", "dpo"], ["--model", "bert"], ["--model", "retro"]):
+        assert arguments.parse_args(flags).adam_beta2 == own, flags
+    assert arguments.parse_args(["--adam-beta2", "0.9"]).adam_beta2 == 0.9
+    assert arguments.parse_args(["--optimizer", "adam", "--adam-beta2", "0.99"]).adam_beta2 == 0.99
+
+
 @pytest.mark.parametrize("model", ["gpt", "bert", "t5", "mamba", "retro", "llava"])
 def test_muon_takes_the_hidden_matrices_and_nothing_else(model):
     """Muon's matrices in each model file's default model (learned positions where it has them): every 2-D weight

@@ -141,7 +141,7 @@ class TimeFit:
         self.plan(args, *((saved["lr_decay_steps"] // args.global_batch_size,
                            saved["wsd_decay_steps"] // args.global_batch_size) if self.fitted and self.decided else
                           (args.train_iters, round(COOLDOWN_SHARE * args.train_iters) if self.fitted else None)))
-        self.window = max(MEASURED, (self.wsd_iters or 0) // 4)  # a quarter of the cool-down as decided (not shortened)
+        self.window = self.latest(self.wsd_iters or 0)
 
     def plan(self, args, train_iters: int, wsd_iters: int | None):
         """The flags the schedule reads (scheduler.learning_rate): a copy of args with the fitted length."""
@@ -168,14 +168,21 @@ class TimeFit:
             total = min(total, n + int((60 * minutes * (1 - RESERVE) - elapsed) * rate))
         if total - n > round(COOLDOWN_SHARE * total):
             return False
-        self.decided, self.since, self.window = True, len(self.times), max(MEASURED, (total - n) // 4)
+        self.decided, self.since, self.window = True, len(self.times), self.latest(total - n)
         self.plan(self.args, n + max(1, total - n), max(1, total - n))
         return True
 
+    def latest(self, cooldown: int) -> int:
+        """How many of the latest iterations the cool-down's rate reads: a quarter of the cool-down as decided (not as
+        shortened), and at least one evaluation period where the run evaluates, so that an evaluation's pause weighs in
+        it as in the run's average (a shorter window read the pause after each evaluation as a slower host)."""
+        a = self.args
+        evaluating = a.eval_interval if a.eval_iters and a.eval_interval and a.eval_interval < self.cap else 0
+        return max(MEASURED, cooldown // 4, evaluating)
+
     def iterations_per_second(self) -> float:
         """The rate of the later half of the iterations timed (RECENT); in the cool-down, the slower of that and the
-        rate of the latest iterations, as many as a quarter of the cool-down as decided (an evaluation's pause weighs
-        little there), which follows a host that slows down after the decision sooner."""
+        rate of the latest iterations (`latest`), which follows a host that slows down after the decision sooner."""
         def since(i):
             (t0, e0), (t1, e1) = self.times[i], self.times[-1]
             return (t1 - t0) / max(e1 - e0, 1e-9)

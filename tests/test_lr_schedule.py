@@ -324,6 +324,23 @@ def test_a_host_that_slows_in_the_cooldown_has_it_compressed_and_completes():
     assert resumed == {k: v for k, v in lrs.items() if k > stop}
 
 
+# A slow day's 4-minute run (2026-12-07: 1.3 s an iteration, a 4 s evaluation after every 100th)
+PAUSING = lambda i: 1.3 + (4.0 if i % 100 == 0 and i > 0 else 0.0)  # noqa: E731
+
+
+def test_an_evaluations_pause_is_not_read_as_a_slower_host(monkeypatch):
+    """The cool-down's latest-iterations window spans at least one --eval-interval, so the pause after an evaluation
+    weighs in it as in the run's average: a host whose speed holds is not compressed, and uses its time. Negative
+    control: the window a quarter of the cool-down alone (22 iterations here, as before) reads the pause after
+    iteration 100 as a slower host and compresses the run (as two fresh-clone runs did that day), ending earlier."""
+    args = checked(["--exit-duration-in-mins", "4"])
+    fit, lrs, secs = fitted_run(args, PAUSING)
+    assert fit.window == args.eval_interval and fit.shortened is None and lrs[max(lrs)] == args.min_lr, fit.window
+    monkeypatch.setattr(scheduler.TimeFit, "latest", lambda self, cooldown: max(scheduler.MEASURED, cooldown // 4))
+    short, short_lrs, short_secs = fitted_run(args, PAUSING)
+    assert short.shortened is not None and max(short_lrs) < max(lrs) and short_secs < secs, (short.shortened, secs)
+
+
 def test_a_cooldown_never_compressed_is_cut_when_the_host_slows_in_it(monkeypatch):
     """Negative control: the same clock with the compression off (SHORTEN never reached) is cut by the guard above
     --min-lr, as 2026-12-07's run was."""

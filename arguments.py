@@ -251,6 +251,9 @@ def training_flags(g):
     a("--muon-momentum", type=float, default=0.95)
     a("--muon-use-nesterov", action=argparse.BooleanOptionalAction, default=True)
     a("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations per step")
+    a("--muon-fp32-matmul-prec", default="high", choices=["low", "medium", "high"],
+      help="Newton-Schulz on a float32 update: high in float32, medium in bfloat16 (Megatron's default; here a model "
+           "file's TRAIN_DEFAULTS picks it where its default run measured it); low is refused")
     a("--muon-matched-adamw-rms", type=float, default=0.2,
       help="the update's scale: this x sqrt(max(rows, cols)) x --lr (0.2 matches AdamW's update RMS)")
     a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip; 0 = off")
@@ -834,6 +837,9 @@ def check_args(args, world: int) -> Args:
     if args.optimizer == "muon" and (args.task != "pretrain" or args.lora_rank is not None):
         raise ConfigError("--optimizer muon is for pretraining whole weights (the hidden layers' matrices), not "
                           + (f"--task {args.task}" if args.task != "pretrain" else "LoRA's adapters (--lora-rank)"))
+    if args.muon_fp32_matmul_prec == "low":
+        raise ConfigError("--muon-fp32-matmul-prec low is not represented here (high: float32 Newton-Schulz; medium: "
+                          "bfloat16)")
     if args.use_ddp and args.fp16:
         raise ConfigError("--fp16 with --use-distributed-optimizer/--overlap-grad-reduce is not supported; use --bf16")
     cp = args.context_parallel_size

@@ -31,8 +31,8 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
                                                                   transformer_engine/pytorch/fp8.py
   12   1983-2246  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2247-2364  Muon                                            megatron/core/optimizer/muon.py
-  14   2365-2664  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
+  13   2247-2376  Muon                                            megatron/core/optimizer/muon.py
+  14   2377-2676  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -2255,7 +2255,7 @@ NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Muon's quintic: the steepest slope
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """Muon's orthogonalization of an update g = U·S·Vᵀ: U·f(S/‖g‖_F)·Vᵀ with f the quintic a·s + b·s³ + c·s⁵ applied
     `steps` times (each singular value lands in ~[0.7, 1.2], not exactly 1: far cheaper than an SVD and as good).
-    In g's dtype (float32 at the least: torch.optim.Muon's bfloat16 is slow on CPUs)."""
+    In g's dtype (`orthogonalized` picks it: float32 at the least, bfloat16 at --muon-fp32-matmul-prec medium)."""
     a, b, c = NS_COEFFICIENTS
     tall = g.shape[0] > g.shape[1]
     x = g.mT if tall else g  # [m, n] with m <= n: the Gram matrix x·xᵀ [m, m] is the small one
@@ -2273,12 +2273,21 @@ def muon_eligible(p: nn.Parameter) -> bool:
         getattr(p, "hidden_matrix", True)
 
 
-def orthogonalized(update: torch.Tensor, p: nn.Parameter, grid: Grid | None, steps: int, scale: float):
+NS_PRECISION = {"high": None, "medium": torch.bfloat16}  # --muon-fp32-matmul-prec: a float32 update's iteration
+
+
+def orthogonalized(update: torch.Tensor, p: nn.Parameter, grid: Grid | None, steps: int, scale: float,
+                   precision: str = "high"):
     """scale·√max(rows, cols)·O for matrix p's `update` (this rank's TP shard): O = `newton_schulz` of the whole
     matrix — its TP shards all-gathered (`gather_full`) — then this rank's shard of it, so any layout steps as one
-    process does (Megatron's "blockwise" mode, each shard alone, is another optimizer: the tests show it)."""
+    process does (Megatron's "blockwise" mode, each shard alone, is another optimizer: the tests show it).
+    precision "medium": a float32 update's iteration runs in bfloat16 (Jordan et al.'s; ~2.4x float32's GEMM rate
+    on a CPU with AVX512-BF16); float64 stays float64, as Megatron's fp32 matmul precision leaves it."""
     full = gather_full(update, p, grid)  # [rows, cols], whole (the all-gather over TP)
-    o = newton_schulz(full.to(torch.promote_types(full.dtype, torch.float32)), steps).to(update.dtype)
+    acc = torch.promote_types(full.dtype, torch.float32)
+    if acc == torch.float32 and NS_PRECISION[precision] is not None:
+        acc = NS_PRECISION[precision]
+    o = newton_schulz(full.to(acc), steps).to(update.dtype)
     if getattr(p, "tensor_model_parallel", False) and tp_of(grid) is not None:
         o = shard(o, p.partition_dim, p.partition_stride, grid.tp.rank, grid.tp.size)
     return o * (scale * max(full.shape) ** 0.5)
@@ -2292,9 +2301,11 @@ class Muon(Optimizer):
     update's RMS matches AdamW's, so --lr, its schedule and --weight-decay carry over. The checkpoint keeps AdamW's
     layout: exp_avg holds B, exp_avg_sq stays zero."""
 
-    def __init__(self, chunks, grid: Grid | None, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2, **adam):
+    def __init__(self, chunks, grid: Grid | None, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2,
+                 precision="high", **adam):
         super().__init__(chunks, grid, **adam)
         self.momentum, self.nesterov, self.ns_steps, self.scale = momentum, nesterov, ns_steps, scale
+        self.precision = precision
         self.weight_decay = self.adam.param_groups[0]["weight_decay"]  # (the decaying group's; matrices all decay)
         self.matrices = [p for p in self.params if muon_eligible(p)]
         for g in self.adam.param_groups:  # AdamW steps the rest (its state stays: the checkpoint's layout)
@@ -2314,7 +2325,7 @@ class Muon(Optimizer):
             update = g + self.momentum * buf if self.nesterov else buf
             st["step"] += 1
             p.mul_(1 - self.lr * self.weight_decay)
-            p.add_(orthogonalized(update, p, self.grid, self.ns_steps, self.scale), alpha=-self.lr)
+            p.add_(orthogonalized(update, p, self.grid, self.ns_steps, self.scale, self.precision), alpha=-self.lr)
         super().step()  # AdamW on the rest, then the modules' post-step hooks
 
 
@@ -2326,9 +2337,10 @@ class DistributedMuon(DistributedOptimizer):
     bucket (Megatron's layer-wise distributed optimizer gives each matrix to one rank instead: less compute, more
     bookkeeping). AdamW, as DistributedOptimizer, for everything else."""
 
-    def __init__(self, ddp: DDP, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2, **adam):
+    def __init__(self, ddp: DDP, momentum=0.95, nesterov=True, ns_steps=5, scale=0.2, precision="high", **adam):
         super().__init__(ddp, **adam)
         self.momentum, self.nesterov, self.ns_steps, self.scale = momentum, nesterov, ns_steps, scale
+        self.precision = precision
         self.muon_mask = ddp.per_element(muon_eligible, torch.bool)  # True on Muon's elements
 
     def update(self, i: int, lr: float):
@@ -2357,7 +2369,7 @@ class DistributedMuon(DistributedOptimizer):
             if muon_eligible(p):
                 n = p.numel()
                 out[o:o + n] = orthogonalized(whole[o:o + n].view_as(p), p, self.ddp.grid, self.ns_steps,
-                                              self.scale).flatten()
+                                              self.scale, self.precision).flatten()
             o += p.numel()
         return out[s.start - b.start:s.stop - b.start]
 

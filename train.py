@@ -57,7 +57,7 @@ def make_optimizer(chunks, grid, args):
     adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
                 decoupled_lr=args.decoupled_lr)
     muon = dict(momentum=args.muon_momentum, nesterov=args.muon_use_nesterov, ns_steps=args.muon_num_ns_steps,
-                scale=args.muon_matched_adamw_rms)
+                scale=args.muon_matched_adamw_rms, precision=args.muon_fp32_matmul_prec)
     if args.use_ddp:  # (--decoupled-lr: those parameters in buckets of their own, each bucket stepping at one lr)
         own = (lambda p: getattr(p, "is_embedding_or_output_parameter", False)) if args.decoupled_lr is not None \
             else (lambda p: False)

@@ -15,6 +15,7 @@ from test_moe import MOE
 import arguments
 import gpt
 import parallel as P
+import train
 from equivalence import assert_same, clipped_steps, make_batch, reference_steps, rel_err
 
 MUON = dict(momentum=0.95, nesterov=True, ns_steps=5, scale=0.2)
@@ -142,10 +143,30 @@ def test_orthogonalizing_each_tp_shard_alone_is_not_the_single_process(pool):
 @pytest.mark.parametrize("flags, error", [
     (["--task", "sft"], "--optimizer muon is for pretraining whole weights .*not --task sft"),
     (["--lora-rank", "4", "--pretrained-checkpoint", "BASE"], "not LoRA's adapters"),
+    (["--muon-fp32-matmul-prec", "low"], "--muon-fp32-matmul-prec low is not represented here"),
 ])
 def test_muon_refuses_what_it_does_not_do(flags, error):
     with pytest.raises(arguments.ConfigError, match=error):
         arguments.check_args(arguments.parse_args(["--optimizer", "muon", *flags]), world=1)
+
+
+def test_medium_precision_runs_a_float32_update_in_bfloat16_and_leaves_float64_alone():
+    """--muon-fp32-matmul-prec medium: a float32 update's Newton-Schulz in bfloat16 (the same function on the update
+    rounded to it); float64 is untouched, as Megatron's fp32 matmul precision leaves it; train.py passes the flag."""
+    p = torch.nn.Parameter(torch.empty(24, 40))
+    g = torch.randn(24, 40, generator=torch.Generator().manual_seed(5))
+    medium, high = (P.orthogonalized(g, p, None, 5, 0.2, prec) for prec in ("medium", "high"))
+    scale = 0.2 * 40 ** 0.5
+    assert medium.dtype == torch.float32 and torch.equal(medium, P.newton_schulz(g.bfloat16(), 5).float() * scale)
+    assert torch.equal(high, P.newton_schulz(g, 5) * scale)
+    assert rel_err(medium, high) > 1e-2  # not the same matrix (the flag is used: bfloat16's rounding, amplified by
+    s = torch.linalg.svdvals(medium / scale)  # the quintic's slope 3.4 at 0), and as orthogonal as float32's:
+    assert 0.6 < s.min() and s.max() < 1.3, s
+    g64 = g.double()
+    assert torch.equal(P.orthogonalized(g64, p, None, 5, 0.2, "medium"), P.orthogonalized(g64, p, None, 5, 0.2))
+    args = arguments.check_args(arguments.parse_args(["--muon-fp32-matmul-prec", "medium"]), world=1)
+    assert train.make_optimizer([gpt.Model(gpt.Config(**LLAMA))], None, args).precision == "medium"  # (DistributedMuon
+    # takes the same keywords from the same dict)
 
 
 MUON_LR = (gpt.TRAIN_DEFAULTS["lr"], gpt.TRAIN_DEFAULTS["min_lr"])  # gpt's, for its Muon

@@ -39,10 +39,12 @@ from transformer import Attention, Decoder, InferenceContext, rope_for
 
 # The model-file contract (config.py): gpt.py supports every feature (config.Config.UNSUPPORTED is empty) and
 # takes the default hooks but these. `make train MODEL=gpt`: up to 650 iterations of 16 x 128 tokens in the 8-minute
-# budget on 2 CPU cores, Muon for the hidden matrices at 3x train.py's (AdamW's) learning rate, AdamW's beta2 0.99 for
-# the rest, and a norm over each head's q and k (Qwen3's; exported as Qwen3ForCausalLM): bench/README.md "Levers for
-# the gpt default run" measured each. train.py's other defaults are this model's
-TRAIN_DEFAULTS = dict(train_iters=650, optimizer="muon", lr=9e-3, min_lr=9e-4, adam_beta2=0.99, qk_layernorm=True)
+# budget on 2 CPU cores, Muon for the hidden matrices at 3x train.py's (AdamW's) learning rate, its Newton-Schulz in
+# bfloat16 (Megatron's default precision), AdamW's beta2 0.99 for the rest, and a norm over each head's q and k (Qwen3's;
+# exported as Qwen3ForCausalLM): bench/README.md "Levers for the gpt default run" measured each. train.py's other
+# defaults are this model's
+TRAIN_DEFAULTS = dict(train_iters=650, optimizer="muon", lr=9e-3, min_lr=9e-4, adam_beta2=0.99, qk_layernorm=True,
+                      muon_fp32_matmul_prec="medium")
 DEFAULT_MODEL = True  # train.py's --model default (config.default_model)
 # What a model built on gpt.py's skeleton but with its own stack cannot take from DeepSeek-V3's layers (deepseek.py)
 DEEPSEEK_UNSUPPORTED = dict.fromkeys(["multi_latent_attention", "multi_token_prediction"],

@@ -281,12 +281,17 @@ class Point{i}:
 '''
 
 
+# The tiny runs compare float32 layouts at 1e-5: Muon's Newton-Schulz runs in float32 there (gpt's default bfloat16
+# rounds the layouts' reduction-order differences up to ~1e-4; tests/test_muon.py checks bfloat16's own step)
+NS_FLOAT32 = ("--muon-fp32-matmul-prec", "high")
+
+
 def tiny(corpus, cache, save, *extra, iters=6):
     return ["--data-path", str(corpus), "--data-cache-dir", str(cache), "--vocab-size", "384",
             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "3e-3",
             "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2",
-            "--save", str(save), *extra]
+            *NS_FLOAT32, "--save", str(save), *extra]
 
 
 def metrics(run_dir):

@@ -44,7 +44,7 @@ import torch
 import arguments
 import scheduler
 import train
-from harness import assert_close, metrics, tiny, torchrun
+from harness import NS_FLOAT32, assert_close, metrics, tiny, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def ramp_run(corpus, cache, save, *extra):
             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "12", "--rampup-batch-size", "4", "4", "16", "--train-samples", "52", "--lr", "3e-3",
             "--lr-warmup-samples", "8", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2",
-            "--save", str(save), *extra]
+            *NS_FLOAT32, "--save", str(save), *extra]
 
 
 def test_rampup_run_dp2_equals_single_process_and_resumes_exactly(mcore, corpus, tmp_path):

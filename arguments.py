@@ -252,8 +252,9 @@ def training_flags(g):
     a("--muon-use-nesterov", action=argparse.BooleanOptionalAction, default=True)
     a("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations per step")
     a("--muon-fp32-matmul-prec", default="high", choices=["low", "medium", "high"],
-      help="Newton-Schulz on a float32 update: high in float32, medium in bfloat16 (Megatron's default; here a model "
-           "file's TRAIN_DEFAULTS picks it where its default run measured it); low is refused")
+      help="Newton-Schulz on a float32 update: high in float32, medium in bfloat16 where the device multiplies it "
+           "natively (Megatron's default; here a model file's TRAIN_DEFAULTS picks it where its default run measured "
+           "it); low is refused")
     a("--muon-matched-adamw-rms", type=float, default=0.2,
       help="the update's scale: this x sqrt(max(rows, cols)) x --lr (0.2 matches AdamW's update RMS)")
     a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip; 0 = off")

@@ -31,8 +31,8 @@ table; after an edit to this file, refresh its line numbers: .venv/bin/python te
                                                                   transformer_engine/pytorch/fp8.py
   12   1983-2246  Context parallelism                             megatron/core/utils.py
                                                                   transformer_engine/pytorch/attention
-  13   2247-2376  Muon                                            megatron/core/optimizer/muon.py
-  14   2377-2676  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
+  13   2247-2385  Muon                                            megatron/core/optimizer/muon.py
+  14   2386-2685  Fully sharded data parallelism                  megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 
 Mirrors Megatron-LM's `megatron/core/parallel_state.py` (the Grid), `megatron/core/tensor_parallel/` (mappings,
 layers, cross-entropy, random), `pipeline_parallel/`, `distributed/`, `optimizer/distrib_optimizer.py`,
@@ -2276,16 +2276,25 @@ def muon_eligible(p: nn.Parameter) -> bool:
 NS_PRECISION = {"high": None, "medium": torch.bfloat16}  # --muon-fp32-matmul-prec: a float32 update's iteration
 
 
+def fast_bfloat16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 natively (a CPU's AVX512-BF16 or AMX, a CUDA GPU's bfloat16 cores): where
+    it does not, "medium" computes as "high", as torch's float32 matmul precision "medium" does."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def orthogonalized(update: torch.Tensor, p: nn.Parameter, grid: Grid | None, steps: int, scale: float,
                    precision: str = "high"):
     """scale·√max(rows, cols)·O for matrix p's `update` (this rank's TP shard): O = `newton_schulz` of the whole
     matrix — its TP shards all-gathered (`gather_full`) — then this rank's shard of it, so any layout steps as one
     process does (Megatron's "blockwise" mode, each shard alone, is another optimizer: the tests show it).
     precision "medium": a float32 update's iteration runs in bfloat16 (Jordan et al.'s; ~2.4x float32's GEMM rate
-    on a CPU with AVX512-BF16); float64 stays float64, as Megatron's fp32 matmul precision leaves it."""
+    on a CPU with AVX512-BF16) where the device has it (`fast_bfloat16`); float64 stays float64, as Megatron's fp32
+    matmul precision leaves it."""
     full = gather_full(update, p, grid)  # [rows, cols], whole (the all-gather over TP)
     acc = torch.promote_types(full.dtype, torch.float32)
-    if acc == torch.float32 and NS_PRECISION[precision] is not None:
+    if acc == torch.float32 and NS_PRECISION[precision] is not None and fast_bfloat16(full.device):
         acc = NS_PRECISION[precision]
     o = newton_schulz(full.to(acc), steps).to(update.dtype)
     if getattr(p, "tensor_model_parallel", False) and tp_of(grid) is not None:

@@ -7,7 +7,8 @@ GEMMs: the model TFLOP/s train.py would log (metrics.flops, Megatron's num_float
 but these GEMMs took no time. The core attention (QKᵀ and PV: 2.4 % of the default model's FLOPs) is not a weight GEMM
 and is left out of the ceiling. Megatron's counterpart is its MFU (achieved model FLOP/s over the peak, Narayanan et
 al. 2021 §5.1); here the peak is measured, not a data sheet's. Under --optimizer muon (the default's), Muon's
-Newton-Schulz GEMMs are counted too (newton_schulz_flops): the logged tflops leave them out, which bounds the fraction.
+Newton-Schulz is counted (newton_schulz_flops) and timed at its precision (--muon-fp32-matmul-prec): the logged tflops
+leave it out, which bounds the fraction.
 
 With --run DIR, the run's median `tflops` over its logged training windows (metrics.jsonl; train.py's
 metrics.throughput: the window's model FLOPs / its time / the world size — per rank, so compare a one-process run)
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 import arguments  # noqa: E402
 import config  # noqa: E402
 import metrics  # noqa: E402
+import parallel as P  # noqa: E402
 
 
 class Gemm(NamedTuple):
@@ -96,6 +98,25 @@ def newton_schulz_flops(c, steps: int) -> int:
     nd, gd = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
     shapes = [(h, nd + 2 * gd), (nd, h), (h, 2 * f if c.gated_linear_unit else f), (f, h)]
     return L * steps * sum(4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3 for s in shapes)
+
+
+def newton_schulz_seconds(c, steps: int, dtype: torch.dtype, warmup: int, repeats: int) -> float:
+    """Seconds of Muon's orthogonalization an iteration, timed: parallel.newton_schulz on each hidden matrix's shape in
+    `dtype` (bfloat16 under --muon-fp32-matmul-prec medium), the median of `repeats` calls each, x the layers."""
+    h, f = c.hidden_size, c.ffn_hidden_size
+    nd, gd = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
+    total = 0.0
+    for shape in [(h, nd + 2 * gd), (nd, h), (h, 2 * f if c.gated_linear_unit else f), (f, h)]:
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        for _ in range(warmup):
+            P.newton_schulz(g, steps)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            P.newton_schulz(g, steps)
+            times.append(time.perf_counter() - t0)
+        total += statistics.median(times)
+    return c.num_layers * total
 
 
 def time_gemm(g: Gemm, warmup: int, repeats: int, clock=time.perf_counter) -> float:
@@ -252,10 +273,16 @@ def main():
           f"{secs * 1e3:.1f} ms ({b * M * s / secs:,.0f} tokens/s)")
     flags = arguments.parse_args(model_args)
     ns = newton_schulz_flops(c, flags.muon_num_ns_steps) if flags.optimizer == "muon" else 0
-    bound = total / (total + ns)
+    bound = 1.0
     if ns:
-        print(f"Muon's Newton-Schulz: {ns / 1e9:.2f} GFLOP of GEMMs an iteration more, not in metrics.flops: the "
-              f"logged tflops reach at most {bound:.1%} of the ceiling (every GEMM at its rate, nothing else timed)")
+        fast = P.NS_PRECISION[flags.muon_fp32_matmul_prec] and P.fast_bfloat16(torch.device("cpu"))
+        dtype = P.NS_PRECISION[flags.muon_fp32_matmul_prec] if fast else torch.float32  # (as parallel.orthogonalized)
+        t_ns = newton_schulz_seconds(c, flags.muon_num_ns_steps, dtype, a.warmup, a.repeats)
+        bound = total / ceiling / (total / ceiling + t_ns)
+        print(f"Muon's Newton-Schulz: {ns / 1e9:.2f} GFLOP of GEMMs an iteration more, not in metrics.flops, in "
+              f"{str(dtype).split('.')[1]} (--muon-fp32-matmul-prec {flags.muon_fp32_matmul_prec}): {t_ns * 1e3:.1f} "
+              f"ms timed ({ns / t_ns / 1e12:.4f} TFLOP/s), so the logged tflops reach at most {bound:.1%} of the "
+              "ceiling (every GEMM at its rate, nothing else timed)")
     if a.run is not None:
         tf, n = run_tflops(a.run)
         print(f"\n--run {a.run}: median tflops {tf:.4f} over {n} logged windows = {tf * 1e12 / ceiling:.1%} of the "

@@ -150,9 +150,11 @@ def test_muon_refuses_what_it_does_not_do(flags, error):
         arguments.check_args(arguments.parse_args(["--optimizer", "muon", *flags]), world=1)
 
 
-def test_medium_precision_runs_a_float32_update_in_bfloat16_and_leaves_float64_alone():
+def test_medium_precision_runs_a_float32_update_in_bfloat16_and_leaves_float64_alone(monkeypatch):
     """--muon-fp32-matmul-prec medium: a float32 update's Newton-Schulz in bfloat16 (the same function on the update
-    rounded to it); float64 is untouched, as Megatron's fp32 matmul precision leaves it; train.py passes the flag."""
+    rounded to it) where the device multiplies bfloat16 natively, else as high (torch's "medium"); float64 is
+    untouched, as Megatron's fp32 matmul precision leaves it; train.py passes the flag."""
+    monkeypatch.setattr(P, "fast_bfloat16", lambda device: True)  # (this host's answer is P.fast_bfloat16's own)
     p = torch.nn.Parameter(torch.empty(24, 40))
     g = torch.randn(24, 40, generator=torch.Generator().manual_seed(5))
     medium, high = (P.orthogonalized(g, p, None, 5, 0.2, prec) for prec in ("medium", "high"))
@@ -164,6 +166,8 @@ def test_medium_precision_runs_a_float32_update_in_bfloat16_and_leaves_float64_a
     assert 0.6 < s.min() and s.max() < 1.3, s
     g64 = g.double()
     assert torch.equal(P.orthogonalized(g64, p, None, 5, 0.2, "medium"), P.orthogonalized(g64, p, None, 5, 0.2))
+    monkeypatch.setattr(P, "fast_bfloat16", lambda device: False)  # a host without bfloat16 GEMMs: float32
+    assert torch.equal(P.orthogonalized(g, p, None, 5, 0.2, "medium"), high)
     args = arguments.check_args(arguments.parse_args(["--muon-fp32-matmul-prec", "medium"]), world=1)
     assert train.make_optimizer([gpt.Model(gpt.Config(**LLAMA))], None, args).precision == "medium"  # (DistributedMuon
     # takes the same keywords from the same dict)

@@ -424,15 +424,29 @@ def task_module(task: str):
 
 def model_files() -> list[str]:
     """This repository's model files: the top-level files that define `class Model` (read as text, nothing imported)."""
-    return sorted(p.stem for p in ROOT.glob("*.py") if re.search(r"^class Model\b", p.read_text(), re.M))
+    return [name for name, (model, _) in _scan(_top_level()) if model]
 
 
 def default_model() -> str:
     """--model's default: the model file that declares `DEFAULT_MODEL = True` (train.py's default run trains it)."""
-    found = [p.stem for p in ROOT.glob("*.py") if re.search(r"^DEFAULT_MODEL = True\b", p.read_text(), re.M)]
+    found = [name for name, (_, default) in _scan(_top_level()) if default]
     if len(found) != 1:
         raise ConfigError(f"exactly one model file must declare DEFAULT_MODEL = True, found {found}")
     return found[0]
+
+
+def _top_level() -> tuple:
+    """The top-level .py files, each with its size and modification time (what _scan's cache is keyed on)."""
+    return tuple(sorted((p.stem, p.stat().st_mtime_ns, p.stat().st_size) for p in ROOT.glob("*.py")))
+
+
+@functools.lru_cache(maxsize=4)
+def _scan(files: tuple) -> list[tuple[str, tuple[bool, bool]]]:
+    """Each top-level file: (defines `class Model`, declares `DEFAULT_MODEL = True`), read once per version of the
+    files (every parse_args asks, and a run parses its flags more than once)."""
+    text = {name: (ROOT / f"{name}.py").read_text() for name, *_ in files}
+    return [(name, (bool(re.search(r"^class Model\b", t, re.M)), bool(re.search(r"^DEFAULT_MODEL = True\b", t, re.M))))
+            for name, t in text.items()]
 
 
 @functools.cache

@@ -64,8 +64,9 @@ def check_one_spelling(p: argparse.ArgumentParser, argv: list[str]):
     for act in p._actions:
         if act.nargs != 0 and not isinstance(act, (argparse.BooleanOptionalAction, argparse._HelpAction)):
             spellings.setdefault(act.dest, []).extend(act.option_strings)
+    given = {t.split("=", 1)[0] for t in argv}  # (--flag and --flag=value)
     for options in spellings.values():
-        typed = [o for o in options if any(t == o or t.startswith(o + "=") for t in argv)]
+        typed = [o for o in options if o in given]
         if len(typed) > 1:
             raise ConfigError(f"{' and '.join(typed)} are two spellings of one flag: give one")
 

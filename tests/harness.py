@@ -137,6 +137,13 @@ def _train_worker(env, rank, world, inq, outq):
         outq.put((rank, code, text if len(text) <= 20000 else text[:10000] + "\n...\n" + text[-10000:]))
 
 
+# What the fork server imports once for every rank it forks: torch and train.py; torch._dynamo, which torch.optim's
+# first optimizer imports (~1.2 s a process); and what the test files' cases import (a rank imports its test file).
+# Each one a rank would otherwise import itself: py-spy found a third of the ranks' CPU time in imports.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "train", "transformers", "hypothesis", "pytest", "megatron.core", "openai", "fastapi", "matplotlib.figure"]
+
+
 class CaseFailed(AssertionError):
     pass
 
@@ -148,7 +155,7 @@ class Pool:
 
     def _start(self):
         ctx = mp.get_context("forkserver")  # ranks forked from one process that imported torch and train.py once
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "train", "transformers"])  # (the test files import it)
+        ctx.set_forkserver_preload(PRELOAD)
         port = free_port()
         self.inqs = [ctx.Queue() for _ in range(self.world)]
         self.outq = ctx.Queue()

@@ -465,8 +465,9 @@ def run(command: Command, work: Path):
 
 
 # ---------------------------------------------------------------------------------------------- the tests
-COMMANDS = list({c.text: c for c in documented()[::-1]}.values())  # each command once, where it is first met
-COMMANDS.sort(key=documented().index)  # in the order a reader meets them
+DOCUMENTED = documented()
+COMMANDS = list({c.text: c for c in DOCUMENTED[::-1]}.values())  # each command once, where it is first met
+COMMANDS.sort(key=DOCUMENTED.index)  # in the order a reader meets them
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])

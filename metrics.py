@@ -271,6 +271,7 @@ class Logger:
             return
         recs = [json.loads(line) for line in self.path.read_text().splitlines()]
         from matplotlib.figure import Figure  # (no pyplot: no global figure state, no GUI backend)
+        from matplotlib.ticker import MaxNLocator
         fig = Figure(figsize=(7, 4))
         ax = fig.add_subplot()
         tr = [r for r in recs if "loss" in r]
@@ -278,6 +279,7 @@ class Logger:
         ax.plot([r["iteration"] for r in tr], [r["loss"] for r in tr], label="train")
         ax.plot([r["iteration"] for r in va], [r["val_loss"] for r in va], "o-", label="validation")
         ax.set(xlabel="iteration", ylabel="loss (nats/token)", title=str(self.dir))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # (whole iterations: a short run's axis is not 0.25 apart)
         ax.legend()
         fig.savefig(self.dir / "loss.png", dpi=100, pil_kwargs={"compress_level": 1})  # (the default margins and fast
         # compression: a tight bounding box draws the figure twice, and zlib's level 6 took 8 of its ~55 ms)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import SNIPPET, Pools  # noqa: E402
+from harness import SNIPPET, Pools, start_fork_server  # noqa: E402
 
 settings.register_profile("ci", max_examples=2, derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -20,6 +20,10 @@ settings.register_profile("deep", max_examples=60, deadline=None, print_blob=Tru
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_sessionstart(session):
+    start_fork_server()
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ WORLD_SIZE, MASTER_ADDR/PORT on a fresh port), so train.py makes and destroys it
 torchrun; parallel.py's cache of process groups is emptied before each run, as a fresh process has it. A failed or
 hung run tears the ranks down like a failed case (`fails=True`: a run meant to fail, kept warm when every rank
 answered). tests/test_failures.py and test_signals.py keep launching the real torchrun (what torchrun itself does:
-its report of a rank's exit code, the signal it passes on to its ranks).
+its report of a rank's exit code, the signal it passes on to its ranks). `in_fresh_process(fn, *args)`: one call in a
+new process forked from the same fork server (started when the session starts; PRELOAD is what it imports).
 
 The tiny train.py runs the tests share: `tiny(corpus, cache, save, *flags)` (a 2-layer model on conftest.py's
 `corpus` of SNIPPETs, its tokens cached in `cache`), `metrics(run)` (its logged losses), `torchrun(n, argv)`.
@@ -144,8 +145,53 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.che
            "train", "transformers", "hypothesis", "pytest", "megatron.core", "openai", "fastapi", "matplotlib.figure"]
 
 
+def start_fork_server():
+    """Start the fork server now (conftest.py: when the session starts), so that its imports (PRELOAD, ~6 s of one
+    core) overlap the collection and the first tests; the first Pool then forks at once."""
+    from multiprocessing import forkserver
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
 class CaseFailed(AssertionError):
     pass
+
+
+def _call(module, name, args, outq):
+    sys.path[:0] = [str(ROOT), HERE]
+    try:
+        getattr(importlib.import_module(module), name)(*args)
+        outq.put(None)
+    except BaseException:  # noqa: BLE001 — report everything to the parent
+        outq.put(traceback.format_exc())
+
+
+def in_fresh_process(fn, *args, timeout: float = 600.0):
+    """fn(*args) (a module-level function of a test file) in a process forked from the fork server: a new process's
+    state (no process group, none of this session's module state) with PRELOAD imported already, without a new
+    interpreter's ~4 s of imports. CaseFailed with its traceback if it raises, dies or takes longer than `timeout`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    outq = ctx.Queue()
+    proc = ctx.Process(target=_call, args=(fn.__module__, fn.__name__, args, outq))  # (not a daemon: it may fork)
+    proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                error = outq.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not proc.is_alive() and outq.empty():
+                    raise CaseFailed(f"{fn.__name__}: its process died (exit code {proc.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise CaseFailed(f"{fn.__name__}: not done in {timeout:.0f} s") from None
+        if error is not None:
+            raise CaseFailed(f"{fn.__name__} failed in its process:\n{error}")
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
 
 
 class Pool:

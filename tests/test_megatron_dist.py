@@ -15,11 +15,11 @@ seeded weights is saved by `dist_checkpointing.save(model.sharded_state_dict(), 
 An MoE model (dense layer 0, MoE layer 1 with 4 SequentialMLP experts: per-layer keys, experts stacked [E, ...])
 round-trips the same way, compared tensor by tensor (exactly) against Megatron's own state_dict.
 
-Megatron-core runs in one child process (its world of one gloo rank), not in the test pool: dist_checkpointing.save
-forks writer processes, which a pool rank (a daemon process) may not. Shims there, none of them project code: the
-parity tests' CPU shims (megatron_on_cpu), torch.cuda.synchronize as a no-op, filesystem_async's memory probe (it needs
-psutil, not installed; only logged) and its results queue (a spawned multiprocessing Manager's, here an in-process
-queue: the save runs synchronously in this process).
+Megatron-core runs in one child process (its world of one gloo rank; harness.in_fresh_process), not in the test pool:
+dist_checkpointing.save forks writer processes, which a pool rank (a daemon process) may not. Shims there, none of them
+project code: the parity tests' CPU shims (megatron_on_cpu), torch.cuda.synchronize as a no-op, filesystem_async's
+memory probe (it needs psutil, not installed; only logged) and its results queue (a spawned multiprocessing Manager's,
+here an in-process queue: the save runs synchronously in this process).
 """
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ import dataclasses
 import enum
 import importlib.util
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -38,6 +36,7 @@ import torch
 
 import arguments
 import checkpoint
+import harness
 import tools
 import train
 from equivalence import rel_err
@@ -148,10 +147,7 @@ def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("mcore")
     tok = tokenizer_files.get_tokenizer([SNIPPET.format(i=i) for i in range(40)], None, vocab_size=384)
     tok.save(str(d / "tokenizer.json"))
-    code = (f"import sys; sys.path[:0] = [{str(HERE.parent)!r}, {str(HERE)!r}]; import test_megatron_dist as t; "
-            f"t.megatron_side({str(d)!r}, {free_port()})")
-    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    harness.in_fresh_process(megatron_side, str(d), free_port())
     return d
 
 

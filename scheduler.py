@@ -395,6 +395,7 @@ class ExitSignals:
     passes Ctrl-C and its own SIGTERM on to its ranks) only note the signal, so the step in flight finishes and the
     loop stops, saves and says how to resume. The same signal arriving again within a second (a terminal's Ctrl-C
     reaches torchrun's ranks both directly and through torchrun) is the same request; a later one stops at once."""
+    SAME_REQUEST = 1.0  # seconds
 
     def __init__(self, enabled: bool):
         self.signum, self.t, self.old = 0, 0.0, {}
@@ -403,7 +404,7 @@ class ExitSignals:
                 self.old = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def handler(self, signum, frame):
-        if self.signum and time.time() - self.t > 1.0:
+        if self.signum and time.time() - self.t > self.SAME_REQUEST:
             raise KeyboardInterrupt  # a second request: stop now
         self.signum, self.t = self.signum or signum, self.t or time.time()
 

@@ -138,11 +138,7 @@ def _train_worker(env, rank, world, inq, outq):
         outq.put((rank, code, text if len(text) <= 20000 else text[:10000] + "\n...\n" + text[-10000:]))
 
 
-# What the fork server imports once for every rank it forks: torch and train.py; torch._dynamo, which torch.optim's
-# first optimizer imports (~1.2 s a process); and what the test files' cases import (a rank imports its test file).
-# Each one a rank would otherwise import itself: py-spy found a third of the ranks' CPU time in imports.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-           "train", "transformers", "hypothesis", "pytest", "megatron.core", "openai", "fastapi", "matplotlib.figure"]
+PRELOAD = ["fork_server"]  # what the fork server imports (tests/fork_server.py)
 
 
 def start_fork_server():

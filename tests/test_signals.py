@@ -22,6 +22,7 @@ import time
 import pytest
 
 import harness
+import scheduler
 import train
 from harness import ROOT, metrics, tiny, torchrun
 
@@ -68,13 +69,14 @@ def test_a_second_ctrl_c_stops_at_once_and_the_handler_can_be_turned_off(corpus,
                                                                         monkeypatch):
     real = train.train_step
 
-    def step(run, it):  # Ctrl-C during iteration 2, and again 1.5 s later (a person insisting)
+    def step(run, it):  # Ctrl-C during iteration 2, and again after SAME_REQUEST (a person insisting)
         if it == 1:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1.5)
+            time.sleep(1.5 * scheduler.ExitSignals.SAME_REQUEST)
             os.kill(os.getpid(), signal.SIGINT)
         return real(run, it)
     monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(scheduler.ExitSignals, "SAME_REQUEST", 0.1)  # (a second, in a run)
     with pytest.raises(SystemExit, match="^130$"):
         train.main(run_argv(corpus, cache, tmp_path / "twice"))
     assert "train.py: interrupted: stopped at once" in capsys.readouterr().err

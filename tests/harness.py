@@ -143,10 +143,20 @@ PRELOAD = ["fork_server"]  # what the fork server imports (tests/fork_server.py)
 
 def start_fork_server():
     """Start the fork server now (conftest.py: when the session starts), so that its imports (PRELOAD, ~6 s of one
-    core) overlap the collection and the first tests; the first Pool then forks at once."""
+    core) overlap the collection and the first tests; the first Pool then forks at once. Python 3.11's fork server
+    ignores the sys.path it is given (an ImportError in its preload is silent), so PYTHONPATH names tests/ and the
+    repository for it (tests/test_harness.py checks that a forked process has PRELOAD imported)."""
     from multiprocessing import forkserver
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([HERE, str(ROOT), *([before] if before else [])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 class CaseFailed(AssertionError):

@@ -22,7 +22,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def pytest_sessionstart(session):
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """The pools' fork server, started before the first test (harness.start_fork_server: its imports overlap the tests
+    before the first pool) with pytest's output capture on, which its processes inherit: a rank's output goes where a
+    test's output goes, not to the terminal."""
     start_fork_server()
 
 

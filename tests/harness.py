@@ -17,7 +17,7 @@ torchrun; parallel.py's cache of process groups is emptied before each run, as a
 hung run tears the ranks down like a failed case (`fails=True`: a run meant to fail, kept warm when every rank
 answered). tests/test_failures.py and test_signals.py keep launching the real torchrun (what torchrun itself does:
 its report of a rank's exit code, the signal it passes on to its ranks). `in_fresh_process(fn, *args)`: one call in a
-new process forked from the same fork server (started when the session starts; PRELOAD is what it imports).
+new process forked from the same fork server (started before the first test; PRELOAD is what it imports).
 
 The tiny train.py runs the tests share: `tiny(corpus, cache, save, *flags)` (a 2-layer model on conftest.py's
 `corpus` of SNIPPETs, its tokens cached in `cache`), `metrics(run)` (its logged losses), `torchrun(n, argv)`.
@@ -142,8 +142,8 @@ PRELOAD = ["fork_server"]  # what the fork server imports (tests/fork_server.py)
 
 
 def start_fork_server():
-    """Start the fork server now (conftest.py: when the session starts), so that its imports (PRELOAD, ~6 s of one
-    core) overlap the collection and the first tests; the first Pool then forks at once. Python 3.11's fork server
+    """Start the fork server now (conftest.py: before the first test), so that its imports (PRELOAD, ~6 s of one
+    core) overlap the first tests; the first Pool then forks at once. Python 3.11's fork server
     ignores the sys.path it is given (an ImportError in its preload is silent), so PYTHONPATH names tests/ and the
     repository for it (tests/test_harness.py checks that a forked process has PRELOAD imported)."""
     from multiprocessing import forkserver

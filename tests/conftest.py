@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402
 from harness import SNIPPET, Pools, start_fork_server  # noqa: E402
 
 settings.register_profile("ci", max_examples=2, derandomize=True, deadline=None, print_blob=True,
@@ -23,11 +24,17 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session", autouse=True)
-def fork_server():
+def fork_server(request):
     """The pools' fork server, started before the first test (harness.start_fork_server: its imports overlap the tests
     before the first pool) with pytest's output capture on, which its processes inherit: a rank's output goes where a
-    test's output goes, not to the terminal."""
-    start_fork_server()
+    test's output goes, not to the terminal. Only where a collected test may fork from it (it asks for `pool`, or its
+    file uses harness); otherwise the first Pool starts it, if any does."""
+    def uses_harness(item):
+        names = vars(getattr(item, "module", None) or harness)
+        return "pool" in getattr(item, "fixturenames", ()) or any(
+            v is harness or getattr(v, "__module__", None) == "harness" for v in names.values())
+    if any(uses_harness(item) for item in request.session.items if getattr(item, "module", None) is not None):
+        start_fork_server()
 
 
 @pytest.fixture(scope="session")

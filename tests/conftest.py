@@ -30,10 +30,10 @@ def fork_server(request):
     test's output goes, not to the terminal. Only where a collected test may fork from it (it asks for `pool`, or its
     file uses harness); otherwise the first Pool starts it, if any does."""
     def uses_harness(item):
-        names = vars(getattr(item, "module", None) or harness)
+        names = vars(getattr(item, "module", None) or sys)  # (an item without a module: not a test file's function)
         return "pool" in getattr(item, "fixturenames", ()) or any(
             v is harness or getattr(v, "__module__", None) == "harness" for v in names.values())
-    if any(uses_harness(item) for item in request.session.items if getattr(item, "module", None) is not None):
+    if any(uses_harness(item) for item in request.session.items):
         start_fork_server()
 
 

@@ -142,10 +142,10 @@ PRELOAD = ["fork_server"]  # what the fork server imports (tests/fork_server.py)
 
 
 def start_fork_server():
-    """Start the fork server now (conftest.py: before the first test), so that its imports (PRELOAD, ~6 s of one
-    core) overlap the first tests; the first Pool then forks at once. Python 3.11's fork server
-    ignores the sys.path it is given (an ImportError in its preload is silent), so PYTHONPATH names tests/ and the
-    repository for it (tests/test_harness.py checks that a forked process has PRELOAD imported)."""
+    """Start the fork server if it is not running: conftest.py starts it before the first test, so that its imports
+    (PRELOAD, ~6 s of one core) overlap the first tests; every Pool and in_fresh_process ask too. Python 3.11's fork
+    server ignores the sys.path it is given (an ImportError in its preload is silent), so PYTHONPATH names tests/ and
+    the repository for it (tests/test_harness.py checks that a forked process has PRELOAD imported)."""
     from multiprocessing import forkserver
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
     before = os.environ.get("PYTHONPATH")
@@ -176,8 +176,8 @@ def in_fresh_process(fn, *args, timeout: float = 600.0):
     """fn(*args) (a module-level function of a test file) in a process forked from the fork server: a new process's
     state (no process group, none of this session's module state) with PRELOAD imported already, without a new
     interpreter's ~4 s of imports. CaseFailed with its traceback if it raises, dies or takes longer than `timeout`."""
+    start_fork_server()
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
     outq = ctx.Queue()
     proc = ctx.Process(target=_call, args=(fn.__module__, fn.__name__, args, outq))  # (not a daemon: it may fork)
     proc.start()
@@ -206,8 +206,8 @@ class Pool:
         self._start()
 
     def _start(self):
+        start_fork_server()
         ctx = mp.get_context("forkserver")  # ranks forked from one process that imported torch and train.py once
-        ctx.set_forkserver_preload(PRELOAD)
         port = free_port()
         self.inqs = [ctx.Queue() for _ in range(self.world)]
         self.outq = ctx.Queue()
